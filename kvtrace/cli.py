@@ -1,0 +1,84 @@
+"""The `kvtrace` command. Subcommands live in kvtrace.commands.* and load lazily, so that
+`kvtrace info` starts fast and never imports torch."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import click
+
+from kvtrace import exitcodes
+from kvtrace._version import __version__
+
+# name -> "module:attribute". A module that does not exist yet is simply not listed.
+COMMANDS: dict[str, str] = {
+    "demo": "kvtrace.commands.demo:demo",
+    "record": "kvtrace.commands.record:record",
+    "presets": "kvtrace.commands.presets:presets",
+    "info": "kvtrace.commands.info:info",
+    "validate": "kvtrace.commands.validate:validate",
+    "analyze": "kvtrace.commands.analyze:analyze",
+    "diff": "kvtrace.commands.diff:diff",
+    "report": "kvtrace.commands.report:report",
+    "export": "kvtrace.commands.export:export",
+    "calc": "kvtrace.commands.calc:calc",
+}
+
+
+def _load(name: str) -> click.Command | None:
+    module_name, attr = COMMANDS[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            return None
+        raise
+    return getattr(module, attr)
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [name for name in COMMANDS if _load(name) is not None]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        return _load(cmd_name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="kvtrace")
+def cli() -> None:
+    """Record and analyse the KV cache of Hugging Face Transformers models.
+
+    \b
+    Start here:
+      kvtrace demo                      record a small hybrid model, analyse, report
+      kvtrace info TRACE                what a trace holds
+      kvtrace validate TRACE            check a trace against the format spec
+    Sizes are printed in binary units (KiB = 1024 bytes, MiB, GiB).
+    """
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """Entry point: click's usage errors exit 64 (not 2, which means 'unreadable trace')."""
+    try:
+        return cli.main(args=argv, prog_name="kvtrace", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("kvtrace: interrupted", err=True)
+        sys.exit(exitcodes.INTERRUPTED)
+    except click.exceptions.UsageError as exc:
+        hint = f" (see 'kvtrace {exc.ctx.info_name} --help')" if exc.ctx and exc.ctx.parent else ""
+        click.echo(f"kvtrace: {exc.format_message()}{hint}", err=True)
+        sys.exit(exitcodes.USAGE)
+    except click.exceptions.ClickException as exc:
+        click.echo(f"kvtrace: {exc.format_message()}", err=True)
+        sys.exit(exitcodes.USAGE)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Shared CLI plumbing: one-line errors with distinct exit codes, never a traceback."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from kvtrace import exitcodes
+from kvtrace.format.errors import InvalidTrace, NotATrace, TraceError, UnsupportedVersion
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Unavailable(Exception):
+    """A component the command needs is missing (torch, CUDA, triton...)."""
+
+
+class CannotWrite(Exception):
+    """An output path cannot be created."""
+
+
+def fail(message: str, code: int) -> None:
+    click.echo(f"kvtrace: {message}", err=True)
+    sys.exit(code)
+
+
+def exit_code_for(exc: BaseException) -> int:
+    if isinstance(exc, UnsupportedVersion):
+        return exitcodes.VERSION
+    if isinstance(exc, InvalidTrace):
+        return exitcodes.INVALID
+    if isinstance(exc, (NotATrace, TraceError)):
+        return exitcodes.UNREADABLE
+    if isinstance(exc, Unavailable):
+        return exitcodes.UNAVAILABLE
+    if isinstance(exc, CannotWrite):
+        return exitcodes.CANNOT_WRITE
+    return exitcodes.INTERNAL
+
+
+def guarded(fn: F) -> F:
+    """Turn known failures into one stderr line and their exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (click.exceptions.Exit, click.exceptions.ClickException, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            fail("interrupted", exitcodes.INTERRUPTED)
+        except (TraceError, Unavailable, CannotWrite) as exc:
+            fail(str(exc), exit_code_for(exc))
+        except Exception as exc:  # noqa: BLE001 - last resort: one line, not a traceback
+            if os.environ.get("KVTRACE_DEBUG"):
+                raise
+            fail(f"internal error: {type(exc).__name__}: {exc} (set KVTRACE_DEBUG=1 for details)",
+                 exitcodes.INTERNAL)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def json_dump(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj, indent=2, sort_keys=False, default=_json_default)
+
+
+def _json_default(obj: Any) -> Any:
+    import numpy as np
+
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, bytes):
+        return obj.decode(errors="replace")
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")

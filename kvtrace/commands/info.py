@@ -1,0 +1,65 @@
+"""`kvtrace info TRACE [--json]`."""
+
+from __future__ import annotations
+
+import click
+
+from kvtrace.commands.common import guarded, json_dump
+from kvtrace.units import format_bytes
+
+
+@click.command("info")
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@guarded
+def info(trace: str, as_json: bool) -> None:
+    """Show what a trace holds: requests, steps, layers, sources, sizes.
+
+    \b
+    Examples:
+      kvtrace info run.kvt.h5
+      kvtrace info run.kvt.h5 --json | jq .requests
+    """
+    from kvtrace.format.reader import Trace
+    from kvtrace.format.summary import summarize
+
+    with Trace(trace) as t:
+        summary = summarize(t)
+    if as_json:
+        click.echo(json_dump(summary))
+        return
+    _print(summary)
+
+
+def _print(s: dict) -> None:
+    state = "complete" if s["complete"] else "INCOMPLETE (writer did not close it)"
+    click.echo(f"{s['path']}  format {s['format_version']}  {state}  {format_bytes(s['file_bytes'])}")
+    click.echo(f"model      {s['model']['id']} ({s['model']['type']})")
+    sw = s["software"]
+    click.echo(
+        f"software   kvtrace {sw['kvtrace']}, torch {sw['torch']}, transformers {sw['transformers']}, "
+        f"CUDA {sw['cuda']}, driver {sw['driver']}"
+    )
+    if s["devices"]:
+        for d in s["devices"]:
+            total = format_bytes(d["total_memory_bytes"]) if d["total_memory_bytes"] >= 0 else "unknown"
+            click.echo(f"device     {d['index']}: {d['name']} ({total})")
+    sources = ", ".join(
+        f"{k}={'yes' if (v.get('available') if isinstance(v, dict) else v) else 'no'}"
+        for k, v in sorted(s["sources"].items())
+    )
+    click.echo(f"sources    {sources or 'none recorded'}")
+    outcomes = ", ".join(f"{n} {k}" for k, n in sorted(s["requests"]["outcomes"].items()))
+    click.echo(f"requests   {s['requests']['count']} ({outcomes or 'none'}), "
+               f"{s['requests']['new_tokens']} new tokens")
+    types = ", ".join(f"{n} {k}" for k, n in sorted(s["layers"]["types"].items()))
+    click.echo(f"layers     {s['layers']['count']} ({types or 'none'})")
+    rows = s["rows"]
+    click.echo(f"rows       kv {rows['kv']}, steps {rows['steps']}, events {rows['events']}, "
+               f"nvml {rows['telemetry/nvml']}, allocator {rows['telemetry/allocator']}, "
+               f"process {rows['telemetry/process']}")
+    click.echo(f"payloads   {s['payloads']['count']} sampled tensors, "
+               f"{format_bytes(s['payloads']['stored_bytes'])} stored (compressed)")
+    click.echo(f"privacy    prompt text {'STORED' if s['contains_prompt_text'] else 'not stored'}, "
+               f"tensor contents {'STORED' if s['contains_tensor_payloads'] else 'not stored'}")
+    click.echo("(sizes in binary units: KiB = 1024 B)")

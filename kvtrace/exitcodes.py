@@ -1,0 +1,12 @@
+"""Process exit codes of the kvtrace CLI (documented in README and spec/cli.md)."""
+
+OK = 0
+INVALID = 1  # a trace that breaks the spec (validate lists every problem)
+UNREADABLE = 2  # not a kvtrace trace, not HDF5, truncated, unreadable
+FINDINGS = 3  # analyze --fail-on: a finding reached the threshold
+VERSION = 4  # trace format major version newer than this kvtrace
+USAGE = 64  # bad command-line arguments (EX_USAGE)
+UNAVAILABLE = 69  # a needed component is absent: torch, a GPU, triton (EX_UNAVAILABLE)
+INTERNAL = 70  # a bug in kvtrace (EX_SOFTWARE); rerun with KVTRACE_DEBUG=1 for a traceback
+CANNOT_WRITE = 73  # output path not writable (EX_CANTCREAT)
+INTERRUPTED = 130  # Ctrl-C

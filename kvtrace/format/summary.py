@@ -1,0 +1,54 @@
+"""What a trace holds, cheaply: counts from dataset shapes, a few small tables read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvtrace.format import schema
+from kvtrace.format.reader import Trace
+
+
+def summarize(trace: Trace) -> dict[str, Any]:
+    meta = trace.meta
+    requests = trace.requests()
+    outcomes: dict[str, int] = {}
+    for code in requests["outcome"]:
+        name = schema.Outcome(int(code)).name.lower()
+        outcomes[name] = outcomes.get(name, 0) + 1
+    layers = trace.layers()
+    layer_types: dict[str, int] = {}
+    for code in layers["layer_type"]:
+        name = schema.LayerType(int(code)).name.lower()
+        layer_types[name] = layer_types.get(name, 0) + 1
+    payload_bytes = 0
+    for itemsize in schema.PAYLOAD_ITEMSIZES:
+        ds = trace._file[schema.payload_dataset_name(itemsize)]
+        payload_bytes += int(ds.id.get_storage_size())
+    devices = [
+        {"index": int(d["device"]), "name": d["name"].decode(errors="replace"),
+         "total_memory_bytes": int(d["total_memory_bytes"])}
+        for d in trace.devices()
+    ]
+    return {
+        "path": str(trace.path),
+        "format_version": trace.version,
+        "complete": trace.complete,
+        "file_bytes": trace.path.stat().st_size,
+        "model": {"id": meta.model_id, "type": meta.model_type},
+        "software": {
+            "kvtrace": meta.kvtrace_version, "torch": meta.torch_version,
+            "transformers": meta.transformers_version, "cuda": meta.cuda_version,
+            "driver": meta.driver_version, "python": meta.python_version,
+        },
+        "devices": devices,
+        "sources": meta.sources,
+        "contains_prompt_text": meta.contains_prompt_text,
+        "contains_tensor_payloads": meta.contains_tensor_payloads,
+        "requests": {"count": int(requests.shape[0]), "outcomes": outcomes,
+                     "new_tokens": int(np.sum(requests["new_tokens"], dtype=np.int64))},
+        "layers": {"count": int(layers.shape[0]), "types": layer_types},
+        "rows": {name: trace.nrows(name) for name in schema.TABLES},
+        "payloads": {"count": trace.nrows("payloads/index"), "stored_bytes": payload_bytes},
+    }

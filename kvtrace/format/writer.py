@@ -1,0 +1,382 @@
+"""Append-only trace writer (HDF5, SWMR) with bounded-interval flushing.
+
+Crash consistency comes from SWMR: every object exists before writing starts, afterwards only
+chunked datasets grow, and HDF5 orders its metadata writes so that a reader opening the file
+at any instant (even after SIGKILL) sees a consistent state as of the last flush. Rows are
+buffered in memory between flushes; a daemon thread flushes at least every
+`flush_interval_s`, so a killed process loses at most that interval, and memory stays bounded
+(buffers are also drained when they pass `max_buffer_rows`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from kvtrace._version import __version__
+from kvtrace.format import schema
+from kvtrace.format.codec import encode_chunks
+
+LIBVER = ("v110", "v110")  # superblock v3: needed by SWMR, opens in HDF5 >= 1.10
+TABLE_CHUNK_ROWS = 1024
+TEXT_CHUNK_BYTES = 64 * 1024
+TEXT_MAX_BYTES = 1 << 20  # one string; longer ones are cut and say so
+
+
+def monotonic_ns() -> int:
+    """The trace clock: monotonic nanoseconds, anchored to wall time in /meta."""
+    return time.monotonic_ns()
+
+
+def _package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "unavailable"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int  # CUDA ordinal; -1 for the CPU
+    name: str
+    total_memory_bytes: int  # -1 when unknown
+    uuid: str = ""
+
+
+@dataclass
+class EncodedPayload:
+    """A sampled tensor already split into encoded chunks (done outside the writer lock)."""
+
+    request: int
+    step: int
+    layer: int
+    kind: schema.PayloadKind
+    dtype: schema.CacheDType
+    shape: tuple[int, ...]
+    itemsize: int
+    n_elements: int
+    frames: list[bytes]
+    head_start: int = 0
+    head_stride: int = 1
+    token_start: int = 0
+    t_ns: int = 0
+
+
+def encode_payload(
+    request: int,
+    step: int,
+    layer: int,
+    kind: schema.PayloadKind,
+    dtype: schema.CacheDType,
+    raw: np.ndarray,
+    *,
+    shape: Sequence[int] | None = None,
+    head_start: int = 0,
+    head_stride: int = 1,
+    token_start: int = 0,
+    t_ns: int | None = None,
+    level: int = 3,
+) -> EncodedPayload:
+    """Compress a tensor's raw elements (any numpy view of the right itemsize) into chunks.
+
+    `raw` carries the bits: bf16 as uint16, fp8 as uint8, fp32 as float32 or uint32.
+    """
+    itemsize = schema.DTYPE_ITEMSIZE[schema.CacheDType(dtype)]
+    if raw.dtype.itemsize != itemsize:
+        raise ValueError(f"raw itemsize {raw.dtype.itemsize} does not match {dtype.name}")
+    shape = tuple(int(s) for s in (raw.shape if shape is None else shape))
+    if len(shape) > schema.PAYLOAD_MAX_NDIM:
+        raise ValueError(f"payloads have at most {schema.PAYLOAD_MAX_NDIM} dimensions")
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if n != raw.size:
+        raise ValueError(f"shape {shape} does not match {raw.size} elements")
+    carrier = np.ascontiguousarray(raw).view(schema.payload_carrier(itemsize)).reshape(-1)
+    frames = encode_chunks(carrier, schema.payload_chunk_elements(itemsize), level=level)
+    return EncodedPayload(
+        request, step, layer, schema.PayloadKind(kind), schema.CacheDType(dtype), shape,
+        itemsize, n, frames, head_start, head_stride, token_start,
+        monotonic_ns() if t_ns is None else t_ns,
+    )
+
+
+class TraceWriter:
+    """Writes one trace file. Thread-safe; all HDF5 calls happen under one lock."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        meta: Mapping[str, Any] | None = None,
+        devices: Iterable[DeviceInfo] = (),
+        *,
+        flush_interval_s: float = 1.0,
+        max_buffer_rows: int = 8192,
+        payload_level: int = 3,
+    ) -> None:
+        if not 0 < flush_interval_s <= 60:
+            raise ValueError("flush_interval_s must be in (0, 60]")
+        self.path = Path(path)
+        self.flush_interval_s = flush_interval_s
+        self.max_buffer_rows = max_buffer_rows
+        self.payload_level = payload_level
+        self._lock = threading.RLock()
+        self._closed = False
+        self._flushes = 0
+        self._buffers: dict[str, list[tuple]] = {name: [] for name in schema.TABLES}
+        self._rows_written: dict[str, int] = {name: 0 for name in schema.TABLES}
+        self._text_buffer: list[bytes] = []
+        self._text_size = 0
+        self._text_written = 0
+        self._request_rows: dict[int, int] = {}
+        self._payload_chunks = {s: 0 for s in schema.PAYLOAD_ITEMSIZES}
+        self._file = h5py.File(self.path, "w", libver=LIBVER)
+        try:
+            self._create_layout(meta or {}, list(devices))
+            self._file.swmr_mode = True
+        except BaseException:
+            self._file.close()
+            raise
+        self._stop = threading.Event()
+        self._flusher = threading.Thread(target=self._flush_loop, name="kvtrace-flush", daemon=True)
+        self._flusher.start()
+
+    # ---- layout -----------------------------------------------------------------------------
+
+    def _create_layout(self, meta: Mapping[str, Any], devices: list[DeviceInfo]) -> None:
+        f = self._file
+        f.attrs["format"] = schema.FORMAT_NAME
+        f.attrs["format_version"] = schema.FORMAT_VERSION
+        f.attrs["format_major"] = schema.FORMAT_MAJOR
+        f.attrs["format_minor"] = schema.FORMAT_MINOR
+        g = f.create_group("meta")
+        for key, value in self._complete_meta(meta).items():
+            g.attrs[key] = _attr_value(key, value)
+        for name, (dtype, _required) in schema.TABLES.items():
+            f.create_dataset(
+                name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(TABLE_CHUNK_ROWS,),
+                compression="gzip", compression_opts=1, shuffle=True,
+            )
+        f.create_dataset(
+            "text", shape=(0,), maxshape=(None,), dtype="u1", chunks=(TEXT_CHUNK_BYTES,),
+            compression="gzip", compression_opts=1,
+        )
+        for itemsize in schema.PAYLOAD_ITEMSIZES:
+            chunk = schema.payload_chunk_elements(itemsize)
+            f.create_dataset(
+                schema.payload_dataset_name(itemsize), shape=(0,), maxshape=(None,),
+                dtype=schema.payload_carrier(itemsize), chunks=(chunk,), shuffle=True,
+                compression=schema.FILTER_ZSTD, compression_opts=(self.payload_level,),
+                allow_unknown_filter=True,
+            )
+        status = f.create_dataset("status", shape=(1,), dtype=schema.STATUS)
+        status[0] = (0, 0, 0)
+        if devices:
+            rows = [
+                (d.index, d.name.encode()[:64], d.total_memory_bytes, d.uuid.encode()[:64])
+                for d in devices
+            ]
+            ds = f["devices"]
+            ds.resize((len(rows),))
+            ds[:] = np.array(rows, dtype=schema.DEVICES)
+            self._rows_written["devices"] = len(rows)
+
+    @staticmethod
+    def _complete_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "kvtrace_version": __version__,
+            "python_version": platform.python_version(),
+            "torch_version": _package_version("torch"),
+            "transformers_version": _package_version("transformers"),
+            "cuda_version": "unavailable",
+            "driver_version": "unavailable",
+            "model_id": "unknown",
+            "model_type": "unknown",
+            "model_config_json": {},
+            "generation_defaults_json": {},
+            "recorder_settings_json": {},
+            "sources_json": {},
+            "clock_anchor_wall_ns": time.time_ns(),
+            "clock_anchor_mono_ns": monotonic_ns(),
+            "contains_prompt_text": False,
+            "contains_tensor_payloads": False,
+        }
+        out.update(meta)
+        unknown = [k for k in out if not isinstance(k, str) or not k.isidentifier()]
+        if unknown:
+            raise ValueError(f"meta keys must be identifiers: {unknown}")
+        return out
+
+    # ---- appending ------------------------------------------------------------------------------
+
+    def append(self, table: str, row: tuple | Sequence[tuple]) -> None:
+        """Buffer one row (a tuple in the table's field order) or a list of rows."""
+        rows = row if isinstance(row, list) else [row]
+        with self._lock:
+            self._check_open()
+            buf = self._buffers[table]
+            buf.extend(rows)
+            if len(buf) >= self.max_buffer_rows:
+                self._drain_table(table)
+
+    def add_text(self, text: str) -> tuple[int, int]:
+        """Store a string in the text heap; returns (offset, length) for a row to reference."""
+        data = text.encode("utf-8", errors="replace")
+        if len(data) > TEXT_MAX_BYTES:
+            data = data[: TEXT_MAX_BYTES - 16] + b"...[truncated]"
+        if not data:
+            return (0, 0)
+        with self._lock:
+            self._check_open()
+            off = self._text_size
+            self._text_buffer.append(data)
+            self._text_size += len(data)
+            return (off, len(data))
+
+    def begin_request(self, row: tuple) -> None:
+        """Append a request row now (outcome RUNNING) so a crash still leaves it visible."""
+        with self._lock:
+            self._check_open()
+            request_id = int(row[0])
+            self._request_rows[request_id] = (
+                self._rows_written["requests"] + len(self._buffers["requests"])
+            )
+            self._buffers["requests"].append(tuple(row))
+
+    def update_request(self, request_id: int, **fields: Any) -> None:
+        """Rewrite fields of a request row (outcome, end_ns, new_tokens, ...)."""
+        with self._lock:
+            self._check_open()
+            index = self._request_rows[request_id]
+            names = schema.REQUESTS.names
+            written = self._rows_written["requests"]
+            if index >= written:
+                buf = self._buffers["requests"]
+                row = list(buf[index - written])
+                for k, v in fields.items():
+                    row[names.index(k)] = v
+                buf[index - written] = tuple(row)
+            else:
+                ds = self._file["requests"]
+                current = ds[index]
+                for k, v in fields.items():
+                    current[k] = v
+                ds[index] = current
+
+    def write_payload(self, payload: EncodedPayload) -> None:
+        """Store pre-encoded chunks with write_direct_chunk and index them."""
+        with self._lock:
+            self._check_open()
+            itemsize = payload.itemsize
+            ds = self._file[schema.payload_dataset_name(itemsize)]
+            chunk = schema.payload_chunk_elements(itemsize)
+            first = self._payload_chunks[itemsize]
+            n = len(payload.frames)
+            ds.resize(((first + n) * chunk,))
+            for i, frame in enumerate(payload.frames):
+                ds.id.write_direct_chunk(((first + i) * chunk,), frame, filter_mask=0)
+            self._payload_chunks[itemsize] = first + n
+            shape = list(payload.shape) + [0] * (schema.PAYLOAD_MAX_NDIM - len(payload.shape))
+            self._buffers["payloads/index"].append(
+                (
+                    payload.request, payload.step, payload.layer, int(payload.kind),
+                    int(payload.dtype), len(payload.shape), shape, payload.head_start,
+                    payload.head_stride, payload.token_start, itemsize, first, n,
+                    payload.n_elements, payload.t_ns,
+                )
+            )
+
+    # ---- flushing ------------------------------------------------------------------------------
+
+    def _drain_table(self, table: str) -> None:
+        buf = self._buffers[table]
+        if not buf:
+            return
+        dtype = schema.TABLES[table][0]
+        arr = np.array(buf, dtype=dtype)
+        ds = self._file[table]
+        start = self._rows_written[table]
+        ds.resize((start + len(arr),))
+        ds[start:] = arr
+        self._rows_written[table] = start + len(arr)
+        buf.clear()
+
+    def _drain_text(self) -> None:
+        if not self._text_buffer:
+            return
+        data = np.frombuffer(b"".join(self._text_buffer), dtype=np.uint8)
+        ds = self._file["text"]
+        ds.resize((self._text_written + data.size,))
+        ds[self._text_written :] = data
+        self._text_written += data.size
+        self._text_buffer.clear()
+
+    def flush(self) -> None:
+        """Write every buffered row and make it visible to readers (and to crash recovery)."""
+        with self._lock:
+            if self._closed:
+                return
+            # Text first: rows that reference it must never land before it.
+            self._drain_text()
+            for table in schema.TABLES:
+                self._drain_table(table)
+            self._flushes += 1
+            self._file["status"][0] = (0, monotonic_ns(), self._flushes)
+            self._file.flush()
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(self.flush_interval_s):
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - a failed flush must not kill the host process
+                # The next flush or close retries; the error surfaces there.
+                pass
+
+    def close(self) -> None:
+        """Flush, mark the trace complete, close. Safe to call twice."""
+        self._stop.set()
+        if self._flusher.is_alive() and threading.current_thread() is not self._flusher:
+            self._flusher.join(timeout=5)
+        with self._lock:
+            if self._closed:
+                return
+            self.flush()
+            self._file["status"][0] = (monotonic_ns(), monotonic_ns(), self._flushes)
+            self._file.flush()
+            self._file.close()
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("trace writer is closed")
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _attr_value(key: str, value: Any) -> Any:
+    if key.endswith("_json"):
+        return json.dumps(value, sort_keys=True, default=str)
+    if isinstance(value, bool):
+        return np.bool_(value)
+    if isinstance(value, (int, np.integer)):
+        return np.int64(value)
+    if isinstance(value, (float, np.floating)):
+        return np.float64(value)
+    return str(value)
