@@ -13,6 +13,8 @@ Stable API (recorder, analyser and geometry tests rely on it):
 * ``tiny_model(name, dtype=torch.float32, seed=0)``: an eval-mode ``*ForCausalLM`` (or
   ``T5ForConditionalGeneration`` for ``"t5"``).
 * ``TINY_WINDOW``: the sliding window used by every windowed tiny model.
+* ``tiny_prompt(length, batch=1, seed=0)``: deterministic prompt ids.
+* ``cache_tensor_bytes(cache)``: measured ``(allocated, valid)`` bytes per cache layer.
 
 torch and transformers are imported lazily, inside the functions, so importing this module is free.
 """
@@ -172,6 +174,46 @@ def tiny_prompt(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
 
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, TINY_VOCAB, (batch, length), generator=gen)
+
+
+def _layer_tensors(layer: Any) -> list[tuple[torch.Tensor, bool]]:
+    """(tensor, is_payload) pairs; quantisation scales are not payload."""
+    qk = getattr(layer, "_quantized_keys", None)
+    if qk is not None:  # fp8 QuantizedCache: (payload, fp32 scale) for K and for V
+        (k, ks), (v, vs) = qk, layer._quantized_values
+        return [(k, True), (ks, False), (v, True), (vs, False)]
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    return [(t, True) for t in (keys, values) if t is not None and t.numel() > 0]
+
+
+def cache_tensor_bytes(cache: Any) -> list[tuple[int, int]]:
+    """Measured ``(allocated, valid)`` bytes of each cache layer, in ``kvtrace.geometry`` order.
+
+    ``allocated`` sums the storages behind the layer's tensors, each storage counted once across the
+    whole cache (deduplicated by ``untyped_storage().data_ptr()``); ``valid`` sums the tensors' own
+    ``numel() * element_size()`` (quantisation scales count as allocated only; static layers count
+    only the ``get_seq_length()`` tokens they hold, capped at ``max_cache_len``). For an ``EncoderDecoderCache`` the self-attention layers come first,
+    then the cross-attention layers. KV-sharing consumers (``DummyLayer``) give ``(0, 0)``.
+    """
+    caches = [cache.self_attention_cache, cache.cross_attention_cache] if hasattr(
+        cache, "self_attention_cache") else [cache]
+    seen: set[int] = set()
+    out = []
+    for c in caches:
+        for layer in c.layers:
+            alloc = valid = 0
+            cap = getattr(layer, "max_cache_len", None)  # static layers: preallocated to cap tokens
+            held = min(int(layer.get_seq_length()), cap) if cap else None
+            for t, payload in _layer_tensors(layer):
+                if payload:
+                    nbytes = t.numel() * t.element_size()
+                    valid += nbytes if cap is None else nbytes // cap * held
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    alloc += storage.nbytes()
+            out.append((alloc, valid))
+    return out
 
 
 def _lookup(name: str) -> tuple[str, dict[str, Any]]:
