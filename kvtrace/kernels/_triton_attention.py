@@ -20,7 +20,7 @@ Neither pass forms a T x T matrix: memory is O(rows).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import triton
 import triton.language as tl
@@ -29,9 +29,16 @@ from kvtrace.kernels._env import interpreting
 
 # Every key split is a multiple of the largest BLOCK_N an autotuned config may use.
 MAX_BLOCK_N = 128
+# The interpreter always runs 16 x 16 tiles (fast on CPU, and exercises the masking paths).
+INTERP_BLOCK = 16
 
 
-@triton.jit
+def split_unit() -> int:
+    """Key splits must be a multiple of this (every BLOCK_N the launch may pick divides it)."""
+    return INTERP_BLOCK if interpreting() else MAX_BLOCK_N
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk", "window", "keys_per_split", "n_splits"])
 def _stats_kernel(
     Q, K, POS, PM, PZ, PS,
     Hq, Tq, Tk, GROUP, D, scale, window, keys_per_split, n_splits,
@@ -102,7 +109,7 @@ def _stats_kernel(
     tl.store(PS + out, s_i, mask=m_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Tq", "Tk", "window", "q_offset"])
 def _mass_kernel(
     Q, K, POS, LSE, MASS,
     Hq, Hkv, Tq, Tk, GROUP, D, scale, window, q_offset,
@@ -186,11 +193,12 @@ def _configs(block_d: int, elem: int) -> list:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tuned(kind: str, block_d: int, elem: int):
     fn = _stats_kernel if kind == "stats" else _mass_kernel
-    keys = ["D", "GROUP", "CAUSAL", "HAS_WINDOW"] + (["CONTIG"] if kind == "mass" else [])
-    return triton.autotune(configs=_configs(block_d, elem), key=keys)(fn)
+    # Tuned once per head dim (and dtype, which the autotuner adds to the key itself): tile
+    # shapes depend on D and element size, hardly on lengths or mask flags.
+    return triton.autotune(configs=_configs(block_d, elem), key=["BLOCK_D"])(fn)
 
 
 def _launch_args(q, k):
@@ -215,8 +223,8 @@ def run_stats(q, k, pos, pm, pz, ps, *, group, scale, window, keys_per_split, n_
     flags = dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, DOT_F32=dot_f32, PREC=prec,
                  BLOCK_D=block_d)
     if interpreting():
-        grid = (triton.cdiv(Tq, 16), B * Hq, n_splits)
-        _stats_kernel[grid](*args, **flags, BLOCK_M=16, BLOCK_N=16)
+        grid = (triton.cdiv(Tq, INTERP_BLOCK), B * Hq, n_splits)
+        _stats_kernel[grid](*args, **flags, BLOCK_M=INTERP_BLOCK, BLOCK_N=INTERP_BLOCK)
         return
     kernel = _tuned("stats", block_d, q.element_size())
     kernel[lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]), B * Hq, n_splits)](*args, **flags)
@@ -233,8 +241,8 @@ def run_mass(q, k, pos, lse, mass, *, group, scale, window, q_offset, causal, co
     flags = dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, CONTIG=bool(contig),
                  DOT_F32=dot_f32, PREC=prec, BLOCK_D=block_d)
     if interpreting():
-        grid = (triton.cdiv(Tk, 16), B * Hkv)
-        _mass_kernel[grid](*args, **flags, BLOCK_M=16, BLOCK_N=16)
+        grid = (triton.cdiv(Tk, INTERP_BLOCK), B * Hkv)
+        _mass_kernel[grid](*args, **flags, BLOCK_M=INTERP_BLOCK, BLOCK_N=INTERP_BLOCK)
         return
     kernel = _tuned("mass", block_d, q.element_size())
     kernel[lambda meta: (triton.cdiv(Tk, meta["BLOCK_N"]), B * Hkv)](*args, **flags)

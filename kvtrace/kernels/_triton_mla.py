@@ -7,7 +7,7 @@ writes its own partial; partials are summed in torch, so the result does not dep
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import triton
 import triton.language as tl
@@ -17,7 +17,12 @@ from kvtrace.kernels._env import interpreting
 MAX_BLOCK_K = 128
 
 
-@triton.jit
+def split_unit() -> int:
+    """Row splits must be a multiple of this (every BLOCK_K the launch may pick divides it)."""
+    return 16 if interpreting() else MAX_BLOCK_K
+
+
+@triton.jit(do_not_specialize=["N", "rows_per_split"])
 def _gram_kernel(
     X, OUT, N, R, stride_n, rows_per_split,
     DOT_F32: tl.constexpr, PREC: tl.constexpr,
@@ -61,7 +66,7 @@ def _configs() -> list:
     ]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tuned():
     return triton.autotune(configs=_configs(), key=["R"])(_gram_kernel)
 
@@ -75,8 +80,10 @@ def run_gram(x, out, *, rows_per_split: int, n_splits: int) -> None:
     prec = "ieee" if (x.dtype == torch.float32 or dot_f32) else "tf32"
     args = (x, out, N, R, x.stride(0), rows_per_split)
     if interpreting():
-        nt = triton.cdiv(R, 16)
-        _gram_kernel[(nt, nt, n_splits)](*args, DOT_F32=dot_f32, PREC=prec, BLOCK_R=16, BLOCK_K=16)
+        # Small tiles exercise the masks; 64-wide ones keep r = 512 affordable on the CPU.
+        br = 16 if R <= 64 else 64
+        nt = triton.cdiv(R, br)
+        _gram_kernel[(nt, nt, n_splits)](*args, DOT_F32=dot_f32, PREC=prec, BLOCK_R=br, BLOCK_K=16)
         return
     _tuned()[lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), triton.cdiv(R, meta["BLOCK_R"]), n_splits)](
         *args, DOT_F32=dot_f32, PREC=prec)

@@ -8,7 +8,7 @@ import triton.language as tl
 from kvtrace.kernels._env import interpreting
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _token_norms_kernel(
     X, OUT,
     H, T, D,

@@ -225,15 +225,16 @@ def _kernel_inputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def _split_plan(g: _Geom, device: torch.device, num_splits: int | None) -> tuple[int, int]:
-    from kvtrace.kernels._triton_attention import MAX_BLOCK_N
+    from kvtrace.kernels._triton_attention import split_unit
 
+    unit = split_unit()
     if num_splits is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         base = g.B * g.Hq * -(-g.Tq // 64)
         want = -(-2 * sms // max(base, 1))
         num_splits = max(1, min(want, -(-g.Tk // 512)))  # at least ~512 keys per split
     per = -(-g.Tk // max(1, num_splits))
-    per = max(MAX_BLOCK_N, -(-per // MAX_BLOCK_N) * MAX_BLOCK_N)
+    per = max(unit, -(-per // unit) * unit)
     return -(-g.Tk // per), per
 
 

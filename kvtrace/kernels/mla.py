@@ -48,7 +48,8 @@ def latent_gram_triton(latents: torch.Tensor, num_splits: int | None = None) -> 
         tiles = tiles * (tiles + 1) // 2
         num_splits = max(1, min(-(-2 * sms // tiles), -(-N // 1024)))
     per = -(-N // max(1, num_splits))
-    per = -(-per // tm.MAX_BLOCK_K) * tm.MAX_BLOCK_K
+    unit = tm.split_unit()
+    per = -(-per // unit) * unit
     n_splits = -(-N // per)
     part = torch.zeros(n_splits, r, r, dtype=torch.float32, device=x.device)
     tm.run_gram(x, part, rows_per_split=per, n_splits=n_splits)
