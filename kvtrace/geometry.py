@@ -71,7 +71,6 @@ class MLADims:
     qk_nope_head_dim: int
     v_head_dim: int
     num_attention_heads: int
-    q_lora_rank: int | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -381,7 +380,6 @@ def model_geometry(config: Mapping[str, Any], *, mla_cache: MlaCacheMode = "late
                 qk_nope_head_dim=int(lc.get("qk_nope_head_dim") or 0),
                 v_head_dim=int(lc.get("v_head_dim") or 0),
                 num_attention_heads=nh,
-                q_lora_rank=None if lc.get("q_lora_rank") is None else int(lc["q_lora_rank"]),
             )
             if mla_cache == "latent":
                 g = LayerGeometry(i, "latent" if attention == "full" else kind, attention, 1,
