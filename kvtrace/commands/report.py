@@ -1,0 +1,50 @@
+"""`kvtrace report TRACE -o report.html [--figures DIR]`."""
+
+from __future__ import annotations
+
+import click
+
+from kvtrace.commands.common import guarded, json_dump
+
+
+@click.command("report")
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default="report.html",
+              show_default=True, help="HTML file to write (self-contained: figures embedded).")
+@click.option("--figures", "figures_dir", type=click.Path(file_okay=False), default=None,
+              help="Also write every figure into this directory as PNG and SVG.")
+@click.option("--no-analysis", is_flag=True, help="Do not run the analyser (no findings table).")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing (errors still go to stderr).")
+@click.option("--json", "as_json", is_flag=True, help="Print only a JSON summary of what was written.")
+@guarded
+def report(trace: str, output: str, figures_dir: str | None, no_analysis: bool, quiet: bool,
+           as_json: bool) -> None:
+    """Write an HTML report of TRACE: memory timeline per device, per-layer KV footprint, growth
+    against the analytical expectation, post-EOS memory per request, allocator state at the
+    end of generation, the analyser's findings, and head-norm / entropy heatmaps when the
+    trace holds sampled contents. Sections a trace cannot fill say why.
+
+    Needs matplotlib (pip install 'kvtrace[report]'). Sizes are binary units (KiB = 1024 B).
+
+    \b
+    Examples:
+      kvtrace report run.kvt.h5 -o report.html
+      kvtrace report run.kvt.h5 -o report.html --figures figs/   # + PNG and SVG files
+      kvtrace report run.kvt.h5 -o r.html --json | jq .figures
+    """
+    from kvtrace.report import STAGES, build_report
+    from kvtrace.report.progress import progress_bar
+
+    with progress_bar("report", len(STAGES), enabled=not (quiet or as_json)) as steps:
+        result = build_report(trace, output, figures_dir, run_analyzer=not no_analysis, progress=steps)
+    if as_json:
+        click.echo(json_dump({
+            "report": str(result.html), "figures": [str(p) for p in result.figures],
+            "sections": result.sections, "absent": result.absent, "findings": result.findings,
+        }))
+    elif not quiet:
+        click.echo(f"report written to {result.html}")
+        if result.figures:
+            click.echo(f"{len(result.figures)} figure files written to {figures_dir}")
+        for section, reason in result.absent.items():
+            click.echo(f"  {section}: not shown ({reason})")

@@ -1,0 +1,334 @@
+"""`write_report`: a trace in, one self-contained HTML page (and optionally PNG/SVG files) out."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from html import escape
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtrace._version import __version__
+from kvtrace.commands.common import CannotWrite
+from kvtrace.format.reader import Trace
+from kvtrace.format.summary import summarize
+from kvtrace.report import contents, data, figures, findings, html, quality
+from kvtrace.units import format_bytes
+
+# Stages reported to the progress callback, in order.
+STAGES = ("overview", "memory-timeline", "layer-footprint", "growth-curves", "post-eos",
+          "allocator-state", "findings", "heatmaps", "data-quality", "write")
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class ReportResult:
+    html: Path
+    figures: list[Path] = field(default_factory=list)  # PNG and SVG files written
+    sections: list[str] = field(default_factory=list)
+    absent: dict[str, str] = field(default_factory=dict)  # section -> why it has no figure
+    findings: int | None = None
+
+
+def _fmt(n: int | None) -> str:
+    return "n/a" if n is None else format_bytes(n)
+
+
+class _Builder:
+    def __init__(self, trace: Trace, figures_dir: Path | None, progress: Progress | None) -> None:
+        self.trace = trace
+        self.figures_dir = figures_dir
+        self.progress = progress or (lambda _stage: None)
+        self.sections: list[html.Section] = []
+        self.written: list[Path] = []
+        self.absent: dict[str, str] = {}
+
+    def section(self, id_: str, title: str) -> html.Section:
+        s = html.Section(id_, title)
+        self.sections.append(s)
+        return s
+
+    def add_figure(self, section: html.Section, name: str, fig: Any, caption: str) -> None:
+        try:
+            svg = figures.to_svg(fig)
+            if self.figures_dir is not None:
+                for ext, blob in (("svg", svg), ("png", figures.to_png(fig))):
+                    path = self.figures_dir / f"{name}.{ext}"
+                    path.write_bytes(blob)
+                    self.written.append(path)
+        finally:
+            figures.close(fig)
+        section.figures.append(html.Figure(name, caption, svg))
+
+    def none(self, section: html.Section, reason: str) -> None:
+        self.absent[section.id] = reason
+        section.body.append(html.absent(reason))
+
+    # ---- sections ------------------------------------------------------------------------------
+
+    def overview(self, summary: dict[str, Any]) -> None:
+        s = self.section("overview", "Overview")
+        rows = [
+            ("model", f"{summary['model']['id']} ({summary['model']['type']})"),
+            ("trace", f"{summary['path']} (format {summary['format_version']}, "
+                      f"{'complete' if summary['complete'] else 'INCOMPLETE'}, {format_bytes(summary['file_bytes'])})"),
+            ("requests", f"{summary['requests']['count']} "
+                         f"({', '.join(f'{n} {k}' for k, n in sorted(summary['requests']['outcomes'].items())) or 'none'}), "
+                         f"{summary['requests']['new_tokens']} new tokens"),
+            ("layers", f"{summary['layers']['count']} "
+                       f"({', '.join(f'{n} {k}' for k, n in sorted(summary['layers']['types'].items())) or 'none'})"),
+            ("devices", "; ".join(f"{d['index']}: {d['name']} ({_fmt(d['total_memory_bytes'] if d['total_memory_bytes'] >= 0 else None)})"
+                                  for d in summary["devices"]) or "none recorded"),
+            ("software", ", ".join(f"{k} {v}" for k, v in summary["software"].items())),
+            ("privacy", f"prompt text {'stored' if summary['contains_prompt_text'] else 'not stored'}, "
+                        f"tensor contents {'stored' if summary['contains_tensor_payloads'] else 'not stored'}"),
+        ]
+        s.body.append(html.fields(rows))
+        s.body.append(html.para("Sizes are binary units: 1 KiB = 1024 bytes, 1 MiB = 2^20, 1 GiB = 2^30."))
+
+    def memory_timeline(self) -> None:
+        s = self.section("memory-timeline", "Memory timeline per device")
+        t0 = data.time_zero_ns(self.trace)
+        timelines = data.memory_timelines(self.trace)
+        markers = data.phase_markers(self.trace)
+        if not timelines:
+            self.none(s, "the trace has no memory telemetry and no KV rows")
+            return
+        for tl in timelines:
+            fig = figures.memory_timeline(tl, markers, t0)
+            names = ", ".join(figures.SERIES_STYLE.get(x.name, (x.name,))[0] for x in tl.series)
+            self.add_figure(s, f"memory_timeline_device{tl.device}", fig,
+                            f"{tl.label}: {names}; dashed lines mark prefill, decode start, EOS, gc, "
+                            f"empty_cache and OOM events.")
+            rows = [(figures.SERIES_STYLE.get(x.name, (x.name,))[0], x.source, x.values.size,
+                     format_bytes(int(x.values.min())), format_bytes(int(x.values.max())),
+                     format_bytes(int(x.values[-1]))) for x in tl.series]
+            s.body.append(html.table(["series", "table", "samples", "min", "max", "last"], rows, (2, 3, 4, 5)))
+        missing = [name for name, info in sorted(self.trace.meta.sources.items())
+                   if not (info.get("available") if isinstance(info, dict) else info)]
+        if missing:
+            s.body.append(html.para(f"Sources absent from this trace (not drawn): {', '.join(missing)}."))
+
+    def layer_footprint(self) -> None:
+        s = self.section("layer-footprint", "Per-layer KV footprint")
+        fp = data.layer_footprint(self.trace)
+        if fp is None:
+            self.none(s, "the trace has no KV rows")
+            return
+        self.add_figure(s, "layer_footprint", figures.layer_footprint(fp),
+                        "Bytes of each layer's K and V storage at the step where the KV total peaked, "
+                        "coloured by layer type; black ticks: bytes of the tokens actually held.")
+        by_type: dict[str, list[int]] = {}
+        for code, a, v, u in zip(fp.layer_types, fp.bytes_allocated, fp.bytes_valid, fp.bytes_unique, strict=True):
+            acc = by_type.setdefault(data.layer_type_name(code), [0, 0, 0, 0])
+            acc[0] += 1
+            acc[1] += int(a)
+            acc[2] += int(v)
+            acc[3] += int(u)
+        rows = [(k, n, format_bytes(a), format_bytes(v), format_bytes(u)) for k, (n, a, v, u) in sorted(by_type.items())]
+        s.body.append(html.table(["layer type", "layers", "allocated", "valid", "unique"], rows, (1, 2, 3, 4)))
+
+    def growth(self) -> None:
+        s = self.section("growth-curves", "Growth against the analytical expectation")
+        gc = data.growth_curves(self.trace)
+        if gc is None:
+            self.none(s, "the trace has no step rows")
+            return
+        self.add_figure(s, "growth_curves", figures.growth(gc),
+                        f"Valid KV bytes per layer type against tokens seen (solid: measured; dashed: "
+                        f"{gc.expectation_note}).")
+        if gc.expected is None:
+            s.body.append(html.absent(f"no expectation drawn: {gc.expectation_note}"))
+            return
+        m, e = gc.measured["total"], gc.expected["total"]
+        equal = int(np.sum(m == e))
+        worst = int(np.max(np.abs(m - e))) if m.size else 0
+        cls = "ok" if equal == m.size else "sev-warning"
+        s.body.append(
+            f'<p class="{cls}">Measured valid KV bytes equal the expectation at {equal} of {m.size} steps '
+            f"of request {gc.request}; largest difference {escape(format_bytes(worst))}.</p>"
+        )
+
+    def post_eos(self, mems: list[data.RequestMemory]) -> None:
+        s = self.section("post-eos", "Post-EOS memory per request")
+        fig = figures.post_eos(mems)
+        if fig is None:
+            self.none(s, "the trace has no labelled readings (baseline, after gc, after empty_cache)")
+            return
+        self.add_figure(s, "post_eos", fig,
+                        "Baseline before the request, peak KV during it, and what stays above the baseline "
+                        "after gc.collect() then torch.cuda.empty_cache() (allocator and NVML views).")
+        rows = [(m.request, m.device, _fmt(m.baseline_allocated), _fmt(m.peak_allocated), _fmt(m.peak_kv),
+                 _fmt(m.after_return_allocated), _fmt(m.after_gc_allocated), _fmt(m.after_empty_cache_allocated),
+                 _fmt(m.residual_allocated), _fmt(m.residual_nvml)) for m in mems]
+        s.body.append(html.table(
+            ["request", "device", "baseline", "peak allocated", "peak KV", "after return", "after gc",
+             "after empty_cache", "residual (allocator)", "residual (NVML)"], rows, tuple(range(2, 10))))
+
+    def allocator_state(self, mems: list[data.RequestMemory]) -> None:
+        s = self.section("allocator-state", "Allocator state at end of generation")
+        fig = figures.allocator_end(mems)
+        if fig is None:
+            self.none(s, "no allocator reading at the end of any request (CUDA allocator absent or not sampled)")
+            return
+        self.add_figure(s, "allocator_end", fig,
+                        "reserved - allocated (memory the caching allocator holds but no tensor uses) and "
+                        "inactive split bytes, when generate returned.")
+        rows = [(m.request, m.device, _fmt(m.end_reserved), _fmt(m.end_allocated), _fmt(m.end_gap),
+                 _fmt(m.end_inactive_split)) for m in mems if m.end_gap is not None]
+        s.body.append(html.table(["request", "device", "reserved", "allocated", "reserved - allocated",
+                                  "inactive split"], rows, (2, 3, 4, 5)))
+
+    def findings(self, rows: list[findings.FindingRow] | None, note: str) -> None:
+        s = self.section("findings", "Findings")
+        if rows is None:
+            self.none(s, note)
+            return
+        if not rows:
+            s.body.append('<p class="ok">The analyser ran every detector and reported no findings.</p>')
+            return
+        order = {"critical": 0, "error": 1, "warning": 2, "info": 3}
+        rows = sorted(rows, key=lambda r: (order.get(r.severity, 4), -(r.score or 0)))
+        cells = []
+        for r in rows:
+            evidence = "; ".join(f"{k}={v}" for k, v in list(r.evidence.items())[:8])
+            where = ", ".join(x for x in (
+                f"request {r.request}" if r.request is not None else "",
+                f"layer {r.layer}" if r.layer is not None else "") if x)
+            cells.append([
+                f'<span class="sev-{escape(r.severity)}">{escape(r.severity)}</span>',
+                escape(r.detector), "" if r.score is None else f"{r.score:.2f}", escape(where),
+                escape(r.message), escape(evidence),
+            ])
+        s.body.append(html.raw_table(["severity", "detector", "score", "where", "message", "evidence"], cells))
+        s.body.append(html.para(note))
+
+    def heatmaps(self) -> None:
+        s = self.section("heatmaps", "Sampled contents: head norms and attention entropy")
+        if not self.trace.meta.contains_tensor_payloads or self.trace.nrows("payloads/index") == 0:
+            self.none(s, "this trace holds no sampled tensor contents (record with payload sampling to get them)")
+            return
+        maps = contents.head_norm_heatmaps(self.trace)
+        for hm in maps:
+            self.add_figure(s, f"heatmap_{hm.title.split()[0]}_norms", figures.heatmap(hm),
+                            f"{hm.title}: {hm.note}.")
+        if not maps:
+            s.body.append(html.absent("no sampled keys or values in a shape the report reads ([B, H, T, D])"))
+        ent = contents.entropy_heatmap(self.trace)
+        if ent is None:
+            s.body.append(html.absent("attention entropy needs sampled queries with the keys of the same "
+                                      "layer and step; this trace has none"))
+        else:
+            self.add_figure(s, "heatmap_attention_entropy", figures.heatmap(ent),
+                            f"{ent.title}: {ent.note}; no mask or attention sinks applied.")
+
+    def data_quality(self) -> None:
+        s = self.section("data-quality", "Data quality")
+        q = quality.assess(self.trace)
+        problems = q.problems
+        if not problems:
+            s.body.append('<p class="ok">No dropped samples, no unavailable sources, no recorder errors, '
+                          'no telemetry clock gaps; the trace was closed cleanly.</p>')
+        else:
+            s.body.append("<ul>" + "".join(f"<li>{escape(p)}</li>" for p in problems) + "</ul>")
+        if q.recorder_error_messages:
+            s.body.append(html.table(["recorder error"], [(m,) for m in q.recorder_error_messages]))
+        if q.clock_gap_list:
+            s.body.append(html.table(
+                ["table", "device", "at (s since anchor)", "gap (s)", "sampling period (s)"],
+                [(g.table, g.device, f"{(g.start_ns - self.trace.meta.clock_anchor_mono_ns) / 1e9:.3f}",
+                  f"{g.gap_ns / 1e9:.3f}", f"{g.period_ns / 1e9:.4f}") for g in q.clock_gap_list],
+                (2, 3, 4)))
+
+
+def write_report(
+    trace_path: str | os.PathLike[str],
+    out_html: str | os.PathLike[str],
+    figures_dir: str | os.PathLike[str] | None = None,
+    *,
+    analysis: Any = None,
+    run_analyzer: bool = True,
+    progress: Progress | None = None,
+) -> Path:
+    """Write the HTML report of `trace_path` to `out_html`; returns its path.
+
+    `figures_dir`: also write every figure there as PNG and SVG. `analysis`: an analyser report
+    already computed (else kvtrace.analyze runs unless `run_analyzer` is False). `progress` is
+    called with each stage name of STAGES as it starts.
+    """
+    return build_report(trace_path, out_html, figures_dir, analysis=analysis,
+                        run_analyzer=run_analyzer, progress=progress).html
+
+
+def build_report(
+    trace_path: str | os.PathLike[str],
+    out_html: str | os.PathLike[str],
+    figures_dir: str | os.PathLike[str] | None = None,
+    *,
+    analysis: Any = None,
+    run_analyzer: bool = True,
+    progress: Progress | None = None,
+) -> ReportResult:
+    """write_report, returning what was written and which sections had nothing to draw."""
+    out = Path(out_html)
+    fig_dir = Path(figures_dir) if figures_dir is not None else None
+    _prepare_output(out, fig_dir)
+    figures._plt()  # fail early, before reading the trace, when matplotlib is missing
+    with Trace(trace_path) as trace:
+        b = _Builder(trace, fig_dir, progress)
+        b.progress("overview")
+        summary = summarize(trace)
+        b.overview(summary)
+        b.progress("memory-timeline")
+        b.memory_timeline()
+        b.progress("layer-footprint")
+        b.layer_footprint()
+        b.progress("growth-curves")
+        b.growth()
+        b.progress("post-eos")
+        mems = data.request_memory(trace)
+        b.post_eos(mems)
+        b.progress("allocator-state")
+        b.allocator_state(mems)
+        b.progress("findings")
+        if analysis is not None:
+            rows, note = findings.flatten(analysis), "findings of kvtrace.analyze"
+        elif run_analyzer:
+            rows, note = findings.run_analysis(trace_path)
+        else:
+            rows, note = None, "analysis skipped (--no-analysis)"
+        b.findings(rows, note)
+        b.progress("heatmaps")
+        b.heatmaps()
+        b.progress("data-quality")
+        b.data_quality()
+        b.progress("write")
+        title = f"kvtrace report: {summary['model']['id']}"
+        header = [f"trace {summary['path']}",
+                  f"{summary['requests']['count']} requests, {summary['layers']['count']} layers, "
+                  f"format {summary['format_version']}"]
+        page = html.render(title, header, b.sections,
+                           f"Generated by kvtrace {__version__}. Self-contained: no network access needed. "
+                           "Sizes in binary units (KiB = 1024 B).")
+    try:
+        out.write_text(page, encoding="utf-8")
+    except OSError as exc:
+        raise CannotWrite(f"{out}: cannot write report ({exc.strerror})") from None
+    return ReportResult(out, b.written, [s.id for s in b.sections], b.absent,
+                        None if rows is None else len(rows))
+
+
+def _prepare_output(out: Path, fig_dir: Path | None) -> None:
+    if out.exists() and out.is_dir():
+        raise CannotWrite(f"{out}: is a directory")
+    if not out.parent.exists():
+        raise CannotWrite(f"{out.parent}: directory does not exist")
+    if fig_dir is not None:
+        try:
+            fig_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CannotWrite(f"{fig_dir}: cannot create figures directory ({exc.strerror})") from None

@@ -1,0 +1,437 @@
+"""What the report and the exports plot, pulled out of a trace with numpy only.
+
+No matplotlib and no torch here: the Perfetto and Zenodo exporters reuse these extractors, and
+they must work in the analyser's environment. Bytes stay integers; times are seconds (float)
+from the trace's time zero (:func:`time_zero_ns`). A source the trace lacks yields no series:
+callers say it is absent instead of drawing zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtrace.format import schema
+from kvtrace.format.reader import Trace
+
+SCAN_ROWS = 1 << 18  # rows read per slice of a large table (the kv table can hold millions)
+
+# Events drawn as phase markers on the memory timeline.
+MARKER_KINDS = (
+    schema.EventKind.PREFILL_START,
+    schema.EventKind.PREFILL_END,
+    schema.EventKind.EOS,
+    schema.EventKind.GC,
+    schema.EventKind.EMPTY_CACHE,
+    schema.EventKind.OOM,
+)
+
+
+@dataclass
+class Series:
+    """One memory series of one device: `t_ns` (trace clock) and `values` (bytes)."""
+
+    name: str
+    t_ns: np.ndarray
+    values: np.ndarray
+    source: str  # the table it came from
+
+
+@dataclass
+class Marker:
+    t_ns: int
+    kind: str  # EventKind name, lower case
+    request: int
+    device: int  # -1: every device
+
+
+@dataclass
+class DeviceTimeline:
+    device: int
+    label: str
+    series: list[Series] = field(default_factory=list)
+
+
+def iter_rows(trace: Trace, table: str, rows: int = SCAN_ROWS) -> Iterator[np.ndarray]:
+    """Read a table slice by slice so that memory stays bounded on long traces."""
+    n = trace.nrows(table)
+    for start in range(0, n, rows):
+        yield trace.table(table, slice(start, min(n, start + rows)))
+
+
+def time_zero_ns(trace: Trace) -> int:
+    """The instant every plotted time is measured from: the writer's clock anchor, or an
+    earlier row if a recorder stamped one before it (clocks of other threads)."""
+    candidates = [trace.meta.clock_anchor_mono_ns]
+    for table, col in (("requests", "start_ns"), ("telemetry/nvml", "t_ns"),
+                       ("telemetry/allocator", "t_ns"), ("events", "t_ns"), ("steps", "t_ns")):
+        if trace.has(table) and trace.nrows(table):
+            first = trace.table(table, slice(0, 1))[col]
+            if first.size and int(first[0]) > 0:
+                candidates.append(int(first[0]))
+    return min(candidates)
+
+
+def device_label(trace: Trace, device: int) -> str:
+    for row in trace.devices():
+        if int(row["device"]) == device:
+            name = row["name"].decode(errors="replace")
+            return f"{'cpu' if device < 0 else f'cuda:{device}'} {name}".strip()
+    return "cpu" if device < 0 else f"cuda:{device}"
+
+
+def _valid(values: np.ndarray) -> np.ndarray:
+    """Mask of real readings: the format writes -1 (NA_I64) where a value was not measured."""
+    return values >= 0
+
+
+def memory_timelines(trace: Trace) -> list[DeviceTimeline]:
+    """Every memory series of every device, sorted by time, NA readings dropped."""
+    by_device: dict[int, DeviceTimeline] = {}
+
+    def add(device: int, name: str, t: np.ndarray, v: np.ndarray, source: str) -> None:
+        keep = _valid(v)
+        if not np.any(keep):
+            return
+        order = np.argsort(t[keep], kind="stable")
+        tl = by_device.setdefault(device, DeviceTimeline(device, device_label(trace, device)))
+        tl.series.append(Series(name, t[keep][order].astype(np.int64),
+                                v[keep][order].astype(np.int64), source))
+
+    nvml = trace.nvml()
+    for dev in np.unique(nvml["device"]):
+        rows = nvml[nvml["device"] == dev]
+        add(int(dev), "nvml_used", rows["t_ns"], rows["used_bytes"], "telemetry/nvml")
+        add(int(dev), "nvml_process_used", rows["t_ns"], rows["process_used_bytes"], "telemetry/nvml")
+    alloc = trace.allocator()
+    for dev in np.unique(alloc["device"]):
+        rows = alloc[alloc["device"] == dev]
+        add(int(dev), "allocator_reserved", rows["t_ns"], rows["reserved_bytes"], "telemetry/allocator")
+        add(int(dev), "allocator_allocated", rows["t_ns"], rows["allocated_bytes"], "telemetry/allocator")
+        add(int(dev), "allocator_inactive_split", rows["t_ns"], rows["inactive_split_bytes"],
+            "telemetry/allocator")
+    for dev, (t, v) in kv_totals_by_device(trace).items():
+        add(dev, "kv_bytes", t, v, "kv")
+    return [by_device[d] for d in sorted(by_device)]
+
+
+def kv_totals_by_device(trace: Trace) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Total unique KV bytes per (request, step), split by the device holding each layer.
+
+    One point per step, stamped with the last layer's time of that step."""
+    sums: dict[tuple[int, int, int], list[int]] = {}
+    for rows in iter_rows(trace, "kv"):
+        if not rows.size:
+            continue
+        keys = np.stack([rows["device"].astype(np.int64), rows["request"].astype(np.int64),
+                         rows["step"].astype(np.int64)], axis=1)
+        uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        b = np.bincount(inverse, weights=rows["bytes_unique"].astype(np.float64), minlength=len(uniq))
+        t = np.zeros(len(uniq), dtype=np.uint64)
+        np.maximum.at(t, inverse, rows["t_ns"])
+        for k, total, tmax in zip(uniq, b, t, strict=True):
+            key = (int(k[0]), int(k[1]), int(k[2]))
+            acc = sums.setdefault(key, [0, 0])
+            acc[0] += int(round(total))
+            acc[1] = max(acc[1], int(tmax))
+    out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for dev in sorted({k[0] for k in sums}):
+        items = sorted((v[1], v[0]) for k, v in sums.items() if k[0] == dev)
+        out[dev] = (np.array([i[0] for i in items], dtype=np.int64),
+                    np.array([i[1] for i in items], dtype=np.int64))
+    return out
+
+
+def phase_markers(trace: Trace) -> list[Marker]:
+    events = trace.events()
+    wanted = np.isin(events["kind"], [int(k) for k in MARKER_KINDS])
+    return [
+        Marker(int(e["t_ns"]), schema.EventKind(int(e["kind"])).name.lower(), int(e["request"]),
+               int(e["device"]))
+        for e in events[wanted]
+    ]
+
+
+def decimate(t: np.ndarray, v: np.ndarray, max_points: int = 4000) -> tuple[np.ndarray, np.ndarray]:
+    """Thin a series for drawing while keeping every bucket's minimum and maximum (peaks
+    stay visible; a plain stride would drop them)."""
+    n = t.size
+    if n <= max_points:
+        return t, v
+    buckets = max_points // 2
+    edges = np.linspace(0, n, buckets + 1).astype(np.int64)
+    idx: list[int] = []
+    for a, b in zip(edges[:-1], edges[1:], strict=True):
+        if b <= a:
+            continue
+        seg = v[a:b]
+        lo, hi = a + int(np.argmin(seg)), a + int(np.argmax(seg))
+        idx.extend(sorted({lo, hi}))
+    sel = np.array(idx, dtype=np.int64)
+    return t[sel], v[sel]
+
+
+# ---- per-layer footprint ------------------------------------------------------------------------
+
+
+@dataclass
+class LayerFootprint:
+    """KV bytes of every layer at one step (the step where the trace's KV total peaked)."""
+
+    request: int
+    step: int
+    tokens_seen: int
+    layers: np.ndarray  # layer index
+    layer_types: np.ndarray  # LayerType codes
+    bytes_allocated: np.ndarray
+    bytes_valid: np.ndarray
+    bytes_unique: np.ndarray
+
+
+def peak_step(trace: Trace) -> tuple[int, int] | None:
+    """(request, step) with the largest unique KV total, from /steps (no kv scan needed)."""
+    steps = trace.steps()
+    if not steps.size:
+        return None
+    i = int(np.argmax(steps["kv_bytes_unique"]))
+    return int(steps["request"][i]), int(steps["step"][i])
+
+
+def kv_rows_of(trace: Trace, request: int, step: int | None = None) -> np.ndarray:
+    """kv rows of one request (and step), scanning the table slice by slice."""
+    parts = []
+    for rows in iter_rows(trace, "kv"):
+        keep = rows["request"] == request
+        if step is not None:
+            keep &= rows["step"] == step
+        if np.any(keep):
+            parts.append(rows[keep])
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=schema.KV)
+
+
+def layer_footprint(trace: Trace) -> LayerFootprint | None:
+    where = peak_step(trace)
+    if where is None:
+        # No /steps: fall back to the last kv row's (request, step).
+        n = trace.nrows("kv")
+        if n == 0:
+            return None
+        last = trace.table("kv", slice(n - 1, n))[0]
+        where = (int(last["request"]), int(last["step"]))
+    rows = kv_rows_of(trace, *where)
+    if not rows.size:
+        return None
+    rows = rows[np.argsort(rows["layer"], kind="stable")]
+    return LayerFootprint(
+        where[0], where[1], int(rows["tokens_seen"].max()), rows["layer"].astype(np.int64),
+        rows["layer_type"].astype(np.int64), rows["bytes_allocated"].astype(np.int64),
+        rows["bytes_valid"].astype(np.int64), rows["bytes_unique"].astype(np.int64),
+    )
+
+
+def layer_type_name(code: int) -> str:
+    try:
+        return schema.LayerType(int(code)).name.lower()
+    except ValueError:
+        return f"type_{int(code)}"
+
+
+# ---- growth curves against the analytical expectation -------------------------------------------
+
+
+@dataclass
+class GrowthCurves:
+    """Measured valid KV bytes per layer type against step, for the longest request, with the
+    bytes kvtrace.geometry predicts from the model config (None where it cannot predict)."""
+
+    request: int
+    tokens_seen: np.ndarray  # per step (max over layers)
+    measured: dict[str, np.ndarray]  # layer type -> bytes per step; "total" included
+    expected: dict[str, np.ndarray] | None
+    expectation_note: str
+    all_requests: dict[int, tuple[np.ndarray, np.ndarray]]  # request -> (tokens, valid bytes)
+
+
+def growth_curves(trace: Trace) -> GrowthCurves | None:
+    steps = trace.steps()
+    if not steps.size:
+        return None
+    all_requests: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for r in np.unique(steps["request"]):
+        s = steps[steps["request"] == r]
+        s = s[np.argsort(s["step"], kind="stable")]
+        all_requests[int(r)] = (s["tokens_seen"].astype(np.int64), s["kv_bytes_valid"].astype(np.int64))
+    longest = max(all_requests, key=lambda r: int(all_requests[r][0].max(initial=0)))
+    rows = kv_rows_of(trace, longest)
+    if not rows.size:
+        return GrowthCurves(longest, all_requests[longest][0], {"total": all_requests[longest][1]},
+                            None, "the kv table has no rows for this request", all_requests)
+    step_ids = np.unique(rows["step"])
+    pos = np.searchsorted(step_ids, rows["step"])
+    tokens = np.zeros(step_ids.size, dtype=np.int64)
+    np.maximum.at(tokens, pos, rows["tokens_seen"].astype(np.int64))
+    measured: dict[str, np.ndarray] = {}
+    for code in np.unique(rows["layer_type"]):
+        sel = rows["layer_type"] == code
+        measured[layer_type_name(code)] = np.bincount(
+            pos[sel], weights=rows["bytes_valid"][sel].astype(np.float64), minlength=step_ids.size
+        ).round().astype(np.int64)
+    measured["total"] = np.sum(list(measured.values()), axis=0).astype(np.int64)
+    expected, note = _expected_valid(trace, rows, pos, step_ids.size)
+    return GrowthCurves(longest, tokens, measured, expected, note, all_requests)
+
+
+def _expected_valid(
+    trace: Trace, rows: np.ndarray, pos: np.ndarray, n_steps: int
+) -> tuple[dict[str, np.ndarray] | None, str]:
+    """Valid bytes kvtrace.geometry predicts for every kv row, grouped like the measurement."""
+    try:
+        from kvtrace import geometry
+    except ImportError:
+        return None, "kvtrace.geometry is not available"
+    config = trace.meta.model_config
+    if not config:
+        return None, "the trace stores no model config"
+    try:
+        geo = geometry.model_geometry(config)
+    except (ValueError, TypeError, KeyError) as exc:
+        return None, f"model config not understood by kvtrace.geometry ({exc})"
+    by_index = {g.index: g for g in geo.layers}
+    per_row = np.zeros(rows.size, dtype=np.int64)
+    memo: dict[tuple, int] = {}
+    for i, row in enumerate(rows):
+        g = by_index.get(int(row["layer"]))
+        if g is None:
+            return None, f"layer {int(row['layer'])} is not in the model config"
+        if int(row["layer_type"]) in (schema.LayerType.QUANTIZED, schema.LayerType.UNKNOWN):
+            return None, "quantized or unknown layer types have no byte-exact expectation"
+        try:
+            itemsize = schema.DTYPE_ITEMSIZE[schema.CacheDType(int(row["k_dtype"]))]
+        except (ValueError, KeyError):
+            return None, f"layer {g.index} has an unknown cache dtype"
+        batch = max(1, int(row["k_shape"][0]))
+        static = int(row["layer_type"]) in (schema.LayerType.STATIC, schema.LayerType.STATIC_SLIDING)
+        key = (g.index, int(row["tokens_seen"]), itemsize, batch, static,
+               int(row["k_shape"][2]) if static else None)
+        if key not in memo:
+            try:
+                memo[key] = geometry.layer_kv_bytes(
+                    g, key[1], itemsize, batch, "static" if static else "dynamic", key[5])[1]
+            except ValueError as exc:
+                return None, f"geometry cannot size layer {g.index} ({exc})"
+        per_row[i] = memo[key]
+    expected: dict[str, np.ndarray] = {}
+    for code in np.unique(rows["layer_type"]):
+        sel = rows["layer_type"] == code
+        expected[layer_type_name(code)] = np.bincount(
+            pos[sel], weights=per_row[sel].astype(np.float64), minlength=n_steps
+        ).round().astype(np.int64)
+    expected["total"] = np.sum(list(expected.values()), axis=0).astype(np.int64)
+    return expected, "expected: kvtrace.geometry from the trace's model config"
+
+
+# ---- post-EOS and allocator state per request ---------------------------------------------------
+
+
+@dataclass
+class RequestMemory:
+    """Labelled readings of one request on one device (None: not measured)."""
+
+    request: int
+    device: int
+    baseline_allocated: int | None
+    peak_allocated: int | None
+    after_return_allocated: int | None
+    after_gc_allocated: int | None
+    after_empty_cache_allocated: int | None
+    baseline_nvml: int | None
+    after_empty_cache_nvml: int | None
+    peak_kv: int | None  # largest unique KV total over the request's steps
+    end_reserved: int | None  # at generate return
+    end_allocated: int | None
+    end_inactive_split: int | None
+
+    @property
+    def residual_allocated(self) -> int | None:
+        """Allocator bytes still held after gc + empty_cache, above the pre-request baseline."""
+        last = self.after_empty_cache_allocated
+        if last is None:
+            last = self.after_gc_allocated
+        if last is None or self.baseline_allocated is None:
+            return None
+        return last - self.baseline_allocated
+
+    @property
+    def residual_nvml(self) -> int | None:
+        if self.after_empty_cache_nvml is None or self.baseline_nvml is None:
+            return None
+        return self.after_empty_cache_nvml - self.baseline_nvml
+
+    @property
+    def end_gap(self) -> int | None:
+        """reserved - allocated at the end of generation (memory the allocator holds unused)."""
+        if self.end_reserved is None or self.end_allocated is None:
+            return None
+        return self.end_reserved - self.end_allocated
+
+
+def _opt(value: int) -> int | None:
+    return None if value < 0 else int(value)
+
+
+def request_memory(trace: Trace) -> list[RequestMemory]:
+    readings = trace.readings()
+    steps = trace.steps()
+    out: list[RequestMemory] = []
+    requests = sorted({int(r) for r in trace.requests()["request"]} |
+                      {int(r) for r in readings["request"] if r >= 0})
+    for r in requests:
+        mine = readings[readings["request"] == r]
+        s = steps[steps["request"] == r]
+        peak_kv = int(s["kv_bytes_unique"].max()) if s.size else None
+        devices = sorted({int(d) for d in mine["device"]}) or [-2]
+        for dev in devices:
+            rd = mine[mine["device"] == dev]
+
+            def get(label: schema.ReadingLabel, col: str, rd: np.ndarray = rd) -> int | None:
+                hit = rd[rd["label"] == int(label)]
+                return _opt(int(hit[-1][col])) if hit.size else None
+
+            end = _end_state(trace, r, dev, rd)
+            out.append(RequestMemory(
+                r, dev,
+                get(schema.ReadingLabel.BASELINE, "allocated_bytes"),
+                get(schema.ReadingLabel.PEAK, "allocated_bytes"),
+                get(schema.ReadingLabel.AFTER_RETURN, "allocated_bytes"),
+                get(schema.ReadingLabel.AFTER_GC, "allocated_bytes"),
+                get(schema.ReadingLabel.AFTER_EMPTY_CACHE, "allocated_bytes"),
+                get(schema.ReadingLabel.BASELINE, "nvml_used_bytes"),
+                get(schema.ReadingLabel.AFTER_EMPTY_CACHE, "nvml_used_bytes"),
+                peak_kv, *end,
+            ))
+    return [m for m in out if m.device != -2 or m.peak_kv is not None]
+
+
+def _end_state(trace: Trace, request: int, device: int, rd: np.ndarray
+               ) -> tuple[int | None, int | None, int | None]:
+    """Allocator (reserved, allocated, inactive_split) when generate returned: the AFTER_RETURN
+    reading, else the last allocator sample before the request's end."""
+    hit = rd[rd["label"] == int(schema.ReadingLabel.AFTER_RETURN)]
+    if hit.size:
+        h = hit[-1]
+        return _opt(int(h["reserved_bytes"])), _opt(int(h["allocated_bytes"])), \
+            _opt(int(h["inactive_split_bytes"]))
+    req = trace.requests()
+    req = req[req["request"] == request]
+    if not req.size or int(req[0]["end_ns"]) == 0:
+        return None, None, None
+    alloc = trace.allocator()
+    alloc = alloc[(alloc["device"] == device) & (alloc["t_ns"] <= req[0]["end_ns"])]
+    if not alloc.size:
+        return None, None, None
+    last = alloc[np.argmax(alloc["t_ns"])]
+    return _opt(int(last["reserved_bytes"])), _opt(int(last["allocated_bytes"])), \
+        _opt(int(last["inactive_split_bytes"]))
