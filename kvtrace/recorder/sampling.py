@@ -1,0 +1,405 @@
+"""Opt-in sampling of tensor contents (K, V, post-RoPE Q, MLA latents) into trace payloads.
+
+The generating thread only selects a view and enqueues a copy: on CUDA an asynchronous
+device->host copy into pinned memory on a side stream, closed by an event; on CPU a plain copy.
+Background threads wait for the event, compress (``encode_payload``) and write
+(``TraceWriter.write_payload``). At most ``queue_size`` samples are in flight; when full, a sample
+is dropped and counted instead of stalling generation. Elements travel as their raw bits (bf16 as
+int16, fp8 as uint8, ...), so every dtype round-trips bit-exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtrace.format.schema import (
+    TORCH_DTYPE_NAMES,
+    CacheDType,
+    EventKind,
+    PayloadKind,
+    ReadingLabel,
+)
+from kvtrace.format.writer import TraceWriter, encode_payload, monotonic_ns
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+# Per-(batch, head) copies avoid a device-side gather; past this many rows one gather is cheaper.
+MAX_ROW_COPIES = 64
+_SHARED_ACROSS_HEADS = (PayloadKind.LATENT, PayloadKind.ROPE_KEY)  # one latent serves every head
+
+
+@dataclass
+class SamplingSettings:
+    every_n_steps: int = 0  # 0 = sampling off: tensor contents are stored only when asked for
+    at_prefill_end: bool = True
+    at_last_step: bool = True
+    layers: list[int] | None = None  # None = all
+    heads: list[int] | None = None  # KV heads to keep, evenly spaced; None = all
+    max_tokens: int | None = None  # keep only the last N tokens of each sample
+    queries: bool = False  # post-RoPE queries through the attention-interface wrapper
+    latents: bool = True  # MLA latents (what the cache stores in transformers >= 5.x)
+    queue_size: int = 64
+    level: int = 3  # zstd level
+    _layer_set: frozenset[int] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps < 0:
+            raise ValueError("every_n_steps must be >= 0 (0 turns sampling off)")
+        if self.queue_size < 1:
+            raise ValueError("queue_size must be >= 1")
+        if not 1 <= self.level <= 22:
+            raise ValueError("zstd level must be in 1..22")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1 or None")
+        if self.layers is not None:
+            if any(int(x) < 0 for x in self.layers):
+                raise ValueError("layer indices must be >= 0")
+            self.layers = sorted({int(x) for x in self.layers})
+            self._layer_set = frozenset(self.layers)
+        if self.heads is not None:
+            heads = sorted({int(h) for h in self.heads})
+            if not heads or heads[0] < 0:
+                raise ValueError("heads must be a non-empty list of indices >= 0")
+            steps = {b - a for a, b in itertools.pairwise(heads)}
+            if len(steps) > 1:  # payload rows describe heads as head_start + i * head_stride
+                raise ValueError(f"heads must be evenly spaced (e.g. 0,2,4), got {heads}")
+            self.heads = heads
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_n_steps > 0
+
+    def head_range(self) -> tuple[int, int, int] | None:
+        """(start, stride, count) of the head selection, or None for all heads."""
+        if self.heads is None:
+            return None
+        stride = self.heads[1] - self.heads[0] if len(self.heads) > 1 else 1
+        return self.heads[0], stride, len(self.heads)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("_layer_set", None)
+        return out
+
+
+@dataclass
+class _Job:
+    request: int
+    step: int
+    layer: int
+    kind: PayloadKind
+    dtype: CacheDType
+    host: Any  # torch.Tensor (carrier dtype), pinned on CUDA
+    event: Any  # torch.cuda.Event or None
+    head_start: int
+    head_stride: int
+    token_start: int
+    t_ns: int
+    pinned_bytes: int
+
+
+def cache_dtype(dtype: torch.dtype) -> CacheDType | None:
+    return TORCH_DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
+
+
+def _carrier(tensor: torch.Tensor) -> torch.Tensor:
+    """Same bits, integer element type of the same size: no float conversion can touch them."""
+    import torch
+
+    kinds = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return tensor.view(kinds[tensor.element_size()])
+
+
+class PayloadSampler:
+    """Selects, copies and (in background threads) writes sampled tensors."""
+
+    def __init__(self, writer: TraceWriter, settings: SamplingSettings, *, workers: int = 2) -> None:
+        self.writer = writer
+        self.settings = settings
+        self.written = 0
+        self.dropped = 0
+        self.failed = 0
+        self.skipped = 0  # unsupported dtype/device or nothing left after selection
+        self.last_error = ""
+        self.own_device_bytes = 0  # peak device bytes the sampler itself held (gather temporaries)
+        self._own_by_device: dict[int, int] = {}
+        self._pinned_in_flight = 0
+        self.pinned_host_bytes_peak = 0
+        self._streams: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self._slots = threading.Semaphore(settings.queue_size)
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._closed = False
+        self._stats: dict[str, int] | None = None
+        self._workers = [
+            threading.Thread(target=self._work, name=f"kvtrace-payload-{i}", daemon=True)
+            for i in range(max(1, workers))
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    # ---- what to sample --------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.enabled
+
+    def wants(self, step: int, *, is_prefill: bool, is_last: bool) -> bool:
+        """Sample at this step? Prefill end, the last step and every N-th decode step."""
+        s = self.settings
+        if not s.enabled or self._closed:
+            return False
+        if is_prefill:
+            return s.at_prefill_end
+        return (is_last and s.at_last_step) or step % s.every_n_steps == 0
+
+    def wants_layer(self, layer: int) -> bool:
+        layers = self.settings._layer_set
+        return layers is None or layer in layers
+
+    def wants_kind(self, kind: PayloadKind) -> bool:
+        if kind == PayloadKind.QUERY:
+            return self.settings.queries
+        if kind in _SHARED_ACROSS_HEADS:
+            return self.settings.latents
+        return True
+
+    # ---- submitting (generating thread) ------------------------------------------------------
+
+    def submit(
+        self,
+        request: int,
+        step: int,
+        layer: int,
+        kind: PayloadKind,
+        tensor: torch.Tensor,
+        *,
+        token_start: int = 0,
+        group_size: int | None = None,
+    ) -> bool:
+        """Enqueue one sample without blocking. False if not selected, unsupported or dropped.
+
+        ``tensor`` is [B, H, T, D] (or [B, T, D]); heads and the last ``max_tokens`` tokens are
+        selected here. For queries, ``group_size`` (query heads per KV head) maps the KV-head
+        selection onto query heads; without it (or for strided selections with groups) all
+        query heads are kept. No reference to ``tensor`` survives this call.
+        """
+        kind = PayloadKind(kind)
+        if self._closed or not self.wants_layer(layer) or not self.wants_kind(kind):
+            return False
+        dtype = cache_dtype(tensor.dtype)
+        if dtype is None or tensor.device.type == "meta":
+            self._count_skip(f"cannot sample {tensor.dtype} on {tensor.device}")
+            return False
+        view, head_start, head_stride, token_start = self._select(tensor, kind, token_start, group_size)
+        if view is None:
+            self._count_skip(f"head selection leaves nothing of a {tuple(tensor.shape)} tensor")
+            return False
+        if not self._slots.acquire(blocking=False):
+            with self._lock:
+                self.dropped += 1
+            return False
+        try:
+            view = _carrier(view)
+            if view.device.type == "cuda":
+                host, event = self._stage_cuda(view)
+            else:  # a plain copy: clone() always copies, so the cache's storage is not shared
+                host, event = view.to("cpu").clone(memory_format=_contiguous()), None
+        except Exception as exc:  # noqa: BLE001 - sampling must never break generation
+            self._slots.release()
+            with self._lock:
+                self.failed += 1
+                self.last_error = f"copy: {type(exc).__name__}: {exc}"
+            return False
+        del view  # the copy is enqueued: drop our reference to the cache memory now
+        nbytes = host.numel() * host.element_size()
+        job = _Job(request, step, layer, kind, dtype, host, event, head_start, head_stride,
+                   token_start, monotonic_ns(), nbytes if event is not None else 0)
+        with self._lock:
+            self._pending += 1
+            self._pinned_in_flight += job.pinned_bytes
+            self.pinned_host_bytes_peak = max(self.pinned_host_bytes_peak, self._pinned_in_flight)
+        self._jobs.put(job)
+        return True
+
+    def _count_skip(self, why: str) -> None:
+        with self._lock:
+            self.skipped += 1
+            self.last_error = why
+
+    def _select(
+        self, tensor: torch.Tensor, kind: PayloadKind, token_start: int, group_size: int | None
+    ) -> tuple[torch.Tensor | None, int, int, int]:
+        """View of the selected heads and last tokens; (view, head_start, head_stride, token_start)."""
+        view = tensor
+        head_start, head_stride = 0, 1
+        if view.dim() == 4:
+            picked = self._head_pick(view.shape[1], kind, group_size)
+            if picked is None:
+                return None, 0, 1, token_start
+            start, stride, count = picked
+            if (start, stride, count) != (0, 1, view.shape[1]):
+                view = view[:, start : start + stride * (count - 1) + 1 : stride]
+            head_start, head_stride = start, stride
+        token_dim = {4: 2, 3: 1}.get(view.dim())
+        limit = self.settings.max_tokens
+        if token_dim is not None and limit is not None and view.shape[token_dim] > limit:
+            cut = view.shape[token_dim] - limit
+            view = view.narrow(token_dim, cut, limit)
+            token_start += cut
+        return view, head_start, head_stride, token_start
+
+    def _head_pick(self, n_heads: int, kind: PayloadKind, group_size: int | None) -> tuple[int, int, int] | None:
+        selection = self.settings.head_range()
+        if selection is None or kind in _SHARED_ACROSS_HEADS:
+            return 0, 1, n_heads
+        start, stride, count = selection
+        if kind == PayloadKind.QUERY:
+            g = group_size or 0
+            if g == 1:
+                pass
+            elif g > 1 and stride == 1:  # KV heads s..s+n-1 serve query heads s*g..(s+n)*g-1
+                start, count = start * g, count * g
+            else:
+                return 0, 1, n_heads
+        count = min(count, max(0, -(-(n_heads - start) // stride)))
+        return (start, stride, count) if count > 0 else None
+
+    def _stage_cuda(self, view: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Async D2H copy into pinned memory on a side stream. The main stream then waits for
+        the copy's event (GPU-side, the CPU never blocks), so a cache updated in place (static,
+        offloaded) cannot change under the copy: the sample is a consistent snapshot."""
+        import torch
+
+        device = view.device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(device=device)
+        main = torch.cuda.current_stream(device)
+        stream.wait_stream(main)
+        temp_bytes = 0
+        with torch.cuda.stream(stream):
+            host = torch.empty(view.shape, dtype=view.dtype, pin_memory=True)
+            n_rows = view.shape[:-2].numel() if view.dim() > 2 else 0
+            if view.is_contiguous():
+                host.copy_(view, non_blocking=True)
+            elif 0 < n_rows <= MAX_ROW_COPIES and _rows_contiguous(view):
+                for idx in itertools.product(*map(range, view.shape[:-2])):
+                    host[idx].copy_(view[idx], non_blocking=True)
+            else:  # one gather on the side stream: the sampler's own device allocation
+                temp = view.contiguous()
+                temp_bytes = temp.numel() * temp.element_size()
+                host.copy_(temp, non_blocking=True)
+                del temp  # freed in side-stream order: reused only after the copy
+            event = torch.cuda.Event()
+            event.record(stream)
+        main.wait_event(event)
+        if temp_bytes:
+            with self._lock:
+                self._own_by_device[index] = max(self._own_by_device.get(index, 0), temp_bytes)
+                self.own_device_bytes = max(self.own_device_bytes, temp_bytes)
+        else:
+            with self._lock:
+                self._own_by_device.setdefault(index, 0)
+        return host, event
+
+    # ---- background writing ------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if job.event is not None:
+                    job.event.synchronize()  # this worker waits, the generating thread never does
+                payload = encode_payload(
+                    job.request, job.step, job.layer, job.kind, job.dtype, job.host.numpy(),
+                    head_start=job.head_start, head_stride=job.head_stride,
+                    token_start=job.token_start, t_ns=job.t_ns, level=self.settings.level,
+                )
+                self.writer.write_payload(payload)
+                ok = True
+            except Exception as exc:  # noqa: BLE001 - counted; the trace records it at close
+                ok = False
+                error = f"write: {type(exc).__name__}: {exc}"
+            job.host = job.event = None
+            with self._lock:
+                if ok:
+                    self.written += 1
+                else:
+                    self.failed += 1
+                    self.last_error = error
+                self._pinned_in_flight -= job.pinned_bytes
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle.notify_all()
+            self._slots.release()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued sample is written (or failed). False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout=timeout)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "written": self.written,
+                "dropped": self.dropped,
+                "failed": self.failed,
+                "skipped": self.skipped,
+                "own_device_bytes": self.own_device_bytes,
+                "pinned_host_bytes_peak": self.pinned_host_bytes_peak,
+            }
+
+    def close(self) -> dict[str, int]:
+        """Drain, stop the workers, record drops/failures and the sampler's own device bytes
+        (one RECORDER_OWN reading per CUDA device used). Idempotent; returns the stats."""
+        if self._stats is not None:
+            return self._stats
+        self._closed = True
+        self.drain()
+        for _ in self._workers:
+            self._jobs.put(None)
+        for worker in self._workers:
+            worker.join()
+        self._stats = self.stats()
+        try:
+            self._record_close()
+        except RuntimeError:  # writer already closed: the counts stay in the returned stats
+            pass
+        return self._stats
+
+    def _record_close(self) -> None:
+        w, s, t = self.writer, self._stats or {}, monotonic_ns()
+        if s.get("dropped"):
+            off, n = w.add_text(
+                f"{s['dropped']} sample(s) dropped: {self.settings.queue_size} already in flight"
+            )
+            w.append("events", (t, int(EventKind.DROPPED_SAMPLES), -1, -1, -1, -1, s["dropped"], off, n))
+        if s.get("failed"):
+            off, n = w.add_text(f"sampling: {s['failed']} sample(s) failed, last: {self.last_error}")
+            w.append("events", (t, int(EventKind.RECORDER_ERROR), -1, -1, -1, -1, s["failed"], off, n))
+        for device, nbytes in sorted(self._own_by_device.items()):
+            w.append("readings", (t, -1, int(ReadingLabel.RECORDER_OWN), device, nbytes,
+                                  -1, -1, -1, -1, -1, -1))
+
+
+def _rows_contiguous(view: torch.Tensor) -> bool:
+    """Each [..., T, D] row block is one contiguous run of memory."""
+    t, d = view.shape[-2], view.shape[-1]
+    return (d <= 1 or view.stride(-1) == 1) and (t <= 1 or view.stride(-2) == d)
+
+
+def _contiguous() -> Any:
+    import torch
+
+    return torch.contiguous_format
