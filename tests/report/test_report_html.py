@@ -1,0 +1,144 @@
+"""The HTML report: every section present, self-contained, rendered by headless Chromium."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from synth_trace import write_synthetic_trace
+
+from kvtrace import exitcodes
+from kvtrace.cli import cli
+from kvtrace.report import STAGES, build_report, write_report
+
+pytest.importorskip("matplotlib")
+
+SECTIONS = ["overview", "memory-timeline", "layer-footprint", "growth-curves", "post-eos",
+            "allocator-state", "findings", "heatmaps", "data-quality"]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@dataclass
+class FakeFinding:
+    """Shaped like an analyser finding (the report reads it by attribute names)."""
+
+    detector: str
+    severity: str
+    score: float
+    message: str
+    request: int | None = None
+    layer: int | None = None
+    evidence: dict = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def full_report(tmp_path_factory):
+    d = tmp_path_factory.mktemp("report")
+    trace = write_synthetic_trace(d / "t.kvt.h5", payloads=True, residual_bytes=3 * 1024**2,
+                                  dropped_samples=2, recorder_error="sampler <b>stalled</b>",
+                                  model_id="org/<script>alert(1)</script>")
+    analysis = [FakeFinding("post_eos", "warning", 0.61, "request 1 keeps 3.0 MiB after empty_cache",
+                            request=1, evidence={"residual_bytes": 3 * 1024**2})]
+    seen: list[str] = []
+    result = build_report(trace, d / "report.html", d / "figs", analysis=analysis, progress=seen.append)
+    return result, seen, d
+
+
+def test_sections_figures_and_progress(full_report):
+    result, seen, d = full_report
+    assert seen == list(STAGES)
+    assert result.sections == SECTIONS
+    assert result.absent == {}
+    page = result.html.read_text()
+    for s in SECTIONS:
+        assert f'<section id="{s}"' in page
+    names = {p.stem for p in result.figures}
+    assert names == {"memory_timeline_device0", "layer_footprint", "growth_curves", "post_eos",
+                     "allocator_end", "heatmap_key_norms", "heatmap_value_norms", "heatmap_attention_entropy"}
+    for p in result.figures:
+        blob = p.read_bytes()
+        if p.suffix == ".png":
+            assert blob.startswith(b"\x89PNG\r\n\x1a\n")
+        else:
+            assert b"<svg" in blob[:2000]
+    # each figure is embedded once, as the same SVG that was written to disk
+    embedded = re.findall(r'data-figure="([^"]+)"><img alt="[^"]*" src="data:image/svg\+xml;base64,([^"]+)"', page)
+    assert {n for n, _ in embedded} == names
+    for name, b64 in embedded:
+        assert base64.b64decode(b64) == (d / "figs" / f"{name}.svg").read_bytes()
+
+
+def test_self_contained_and_escaped(full_report):
+    page = full_report[0].html.read_text()
+    assert "<script" not in page.lower()
+    assert not re.search(r'(src|href)="(https?:)?//', page)
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "sampler &lt;b&gt;stalled&lt;/b&gt;" in page
+    assert "request 1 keeps 3.0 MiB after empty_cache" in page
+    assert "Measured valid KV bytes equal the expectation at 12 of 12 steps" in page
+
+
+def test_absent_sections_say_why(tmp_path):
+    trace = write_synthetic_trace(tmp_path / "t.kvt.h5")
+    result = build_report(trace, tmp_path / "r.html", run_analyzer=False)
+    assert set(result.absent) == {"findings", "heatmaps"}
+    assert "no sampled tensor contents" in result.absent["heatmaps"]
+    assert result.figures == []
+    assert write_report(trace, tmp_path / "r2.html", run_analyzer=False) == tmp_path / "r2.html"
+
+
+def _run_cli(args):
+    return CliRunner().invoke(cli, args, catch_exceptions=False)
+
+
+def test_cli_modes_and_errors(tmp_path):
+    trace = write_synthetic_trace(tmp_path / "t.kvt.h5")
+    res = _run_cli(["report", str(trace), "-o", str(tmp_path / "a.html"), "--no-analysis", "--json"])
+    assert res.exit_code == 0
+    doc = json.loads(res.output)  # nothing but JSON on stdout
+    assert doc["report"] == str(tmp_path / "a.html") and doc["sections"] == SECTIONS
+    res = _run_cli(["report", str(trace), "-o", str(tmp_path / "b.html"), "--no-analysis", "-q"])
+    assert res.exit_code == 0 and res.output == ""
+    assert (tmp_path / "b.html").stat().st_size > 10_000
+    res = _run_cli(["report", str(tmp_path / "missing.h5"), "-o", str(tmp_path / "c.html")])
+    assert res.exit_code == exitcodes.UNREADABLE
+    res = _run_cli(["report", str(trace), "-o", str(tmp_path / "no" / "dir" / "c.html")])
+    assert res.exit_code == exitcodes.CANNOT_WRITE
+    assert "Examples:" in _run_cli(["report", "--help"]).output
+
+
+def _chromium(*args: str) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory() as profile:
+        return subprocess.run([CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
+                              capture_output=True, timeout=120, text=True)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)")
+def test_renders_in_headless_chromium(full_report, tmp_path):
+    from PIL import Image
+
+    result = full_report[0]
+    url = result.html.resolve().as_uri()
+    shot = tmp_path / "shot.png"
+    proc = _chromium(f"--screenshot={shot}", "--window-size=1280,2000", url)
+    assert shot.exists(), proc.stderr[-2000:]
+    pixels = np.asarray(Image.open(shot).convert("L"), dtype=np.float64)
+    assert pixels.shape == (2000, 1280)
+    assert pixels.std() > 20, "screenshot is blank"
+    # the figure area is drawn: the middle band is not one flat colour either
+    assert pixels[600:1400].std() > 20
+    dom = _chromium("--dump-dom", url).stdout
+    for s in SECTIONS:
+        assert f'id="{s}"' in dom, s
+    assert dom.count("<img") == 8
+    assert "Measured valid KV bytes equal the expectation" in dom
