@@ -26,24 +26,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvtrace import geometry as G
+from kvtrace import units as _units
 
 # Seed 001 alert thresholds: memory utilisation warning/critical, concurrency warning at 80% of max.
 UTILIZATION_WARNING = 0.80
 UTILIZATION_CRITICAL = 0.90
 CONCURRENCY_WARNING = 0.80
 
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-
 def format_bytes(n: float) -> str:
     """``n`` bytes in binary units (1 KiB = 1024 B), e.g. ``"1.50 GiB"``."""
-    sign = "-" if n < 0 else ""
-    n = abs(float(n))
-    for unit in _UNITS:
-        if n < 1024 or unit == _UNITS[-1]:
-            return f"{sign}{int(n)} B" if unit == "B" else f"{sign}{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    return _units.format_bytes(n, precision=2)
 
 
 def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
