@@ -1,0 +1,501 @@
+"""Read a transformers cache's per-layer structure: shapes, dtypes, storages, token counts.
+
+One function, :func:`read_cache`, turns any transformers 5.x ``Cache`` into plain
+:class:`LayerReading` records (ints and tuples only: nothing here keeps a tensor alive). The layer
+class decides how tokens are counted, never the model's name:
+
+* ``DynamicLayer``: holds every token seen, in one freshly concatenated tensor.
+* ``DynamicSlidingWindowLayer``: ``cumulative_length`` tokens seen, ``window - 1`` kept, as a view
+  into the tensor it just concatenated (so its storage is larger than the view: both are recorded).
+* ``StaticLayer`` / ``StaticSlidingWindowLayer``: whole preallocation is allocated, valid length from
+  ``cumulative_length`` (a device tensor: read once per step, see ``_static_seen``) or
+  ``cumulative_length_int``.
+* quantized layers (fp8, quanto, hqq): quantized tensors (+ scales) plus the full-precision residual.
+* ``DummyLayer`` or a missing layer (KV-shared consumers): no tensors; reported with the producer's
+  shapes and 0 bytes.
+* MLA (deepseek): keys ``[B, 1, T, kv_lora_rank]`` (c_KV), values ``[B, 1, T, qk_rope_head_dim]``;
+  the older expanded layout is per-head K/V and is read like any full layer.
+* ``EncoderDecoderCache``: self-attention layers, then cross-attention layers numbered after them.
+
+Offloaded caches need no special reading: shapes and storage pointers of CPU-resident layers are
+valid while their copies are in flight; only tensor *contents* need :func:`wait_for_offload`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtrace.format.schema import TORCH_DTYPE_NAMES, CacheDType, LayerType
+
+StorageKey = tuple[int, int, int]  # (device index or -1, storage data_ptr, storage nbytes)
+
+_SLIDING_TYPES = ("sliding_attention", "chunked_attention", "hybrid_sliding")
+
+
+def _cls(name: str) -> type | None:
+    """A transformers cache class by name, or None on versions that lack it (5.17 has no fp8)."""
+    try:
+        from transformers import cache_utils
+    except ImportError:  # pragma: no cover - the recorder needs transformers anyway
+        return None
+    return getattr(cache_utils, name, None)
+
+
+_DynamicLayer = _cls("DynamicLayer")
+_DynamicSliding = _cls("DynamicSlidingWindowLayer")
+_StaticLayer = _cls("StaticLayer")
+_StaticSliding = _cls("StaticSlidingWindowLayer")
+_BaseQuantized = _cls("BaseQuantizedLayer") or _cls("QuantizedLayer")
+_Fp8Layer = _cls("Fp8QuantizedLayer")
+_DummyLayer = _cls("DummyLayer")
+_EncDecCache = _cls("EncoderDecoderCache")
+
+
+def dtype_code(dtype: torch.dtype | None) -> int:
+    if dtype is None:
+        return int(CacheDType.UNKNOWN)
+    return int(TORCH_DTYPE_NAMES.get(str(dtype).removeprefix("torch."), CacheDType.UNKNOWN))
+
+
+def device_index(device: torch.device) -> int:
+    return -1 if device.type == "cpu" else int(device.index or 0)
+
+
+def storage_of(t: torch.Tensor) -> tuple[StorageKey, int] | None:
+    """(identity key, nbytes) of a tensor's untyped storage; None for 0-byte or storage-less ones."""
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None  # tensor subclasses without a storage: their leaves are read instead
+    nbytes = int(s.nbytes())
+    if nbytes == 0:
+        return None
+    return (device_index(t.device), int(s.data_ptr()), nbytes), nbytes
+
+
+def tensor_leaves(obj: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every plain tensor inside a tensor, tensor subclass (``__tensor_flatten__``), tuple, list or
+    dict: quantized backends keep (data, scale, zero-point, ...) structures of various shapes."""
+    if _depth > 6 or obj is None:
+        return
+    if isinstance(obj, torch.Tensor):
+        flatten = getattr(type(obj), "__tensor_flatten__", None)
+        if flatten is not None and type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+            try:
+                names, _ = obj.__tensor_flatten__()
+                for n in names:
+                    yield from tensor_leaves(getattr(obj, n, None), _depth + 1)
+                return
+            except Exception:  # noqa: BLE001 - fall back to the wrapper itself
+                pass
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from tensor_leaves(item, _depth + 1)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from tensor_leaves(item, _depth + 1)
+
+
+def _shape4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
+    if t is None:
+        return (0, 0, 0, 0)
+    s = tuple(int(x) for x in t.shape)[-4:]
+    return (0,) * (4 - len(s)) + s  # type: ignore[return-value]
+
+
+def _tokens(t: torch.Tensor | None) -> int:
+    return int(t.shape[-2]) if t is not None and t.dim() >= 2 else 0
+
+
+@dataclass
+class LayerReading:
+    """One layer of one cache at one step; plain ints so nothing here holds a tensor."""
+
+    layer: int
+    layer_type: int
+    device: int = -1
+    k_dtype: int = 0
+    v_dtype: int = 0
+    k_shape: tuple[int, int, int, int] = (0, 0, 0, 0)
+    v_shape: tuple[int, int, int, int] = (0, 0, 0, 0)
+    tokens_seen: int = 0
+    tokens_kept: int = 0
+    bytes_valid: int = 0
+    expanded_bytes: int = 0
+    k_storage: int = 0
+    v_storage: int = 0
+    k_storage_bytes: int = 0
+    v_storage_bytes: int = 0
+    # Every storage this layer owns (K, V, quantized data, scales, residual), in order, with
+    # repeats when K and V alias: accounting de-duplicates them.
+    storages: list[tuple[StorageKey, int]] = field(default_factory=list)
+    shared_from: int = -1
+    window: int = -1
+    part: str = "self"  # "self" or "cross"
+    cache_index: int = 0  # index of the layer inside its (sub-)cache
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_shape[1]
+
+
+@dataclass
+class LayoutContext:
+    """What the config says about layers, computed once per session (see :func:`context_from_config`)."""
+
+    num_layers: int = 0
+    layer_types: list[str] = field(default_factory=list)
+    consumers: dict[int, int] = field(default_factory=dict)  # consumer layer -> producer layer
+    windows: dict[int, int] = field(default_factory=dict)
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    mla_v_head_dim: int | None = None
+    num_attention_heads: int = 0
+
+
+def context_from_config(config: Any) -> LayoutContext:
+    """Layer types, KV sharing and MLA dims from a transformers config (decoder text config)."""
+    cfg = config
+    try:
+        cfg = config.get_text_config(decoder=True)
+    except (AttributeError, TypeError):
+        pass
+    n = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "num_decoder_layers", None) \
+        or getattr(cfg, "num_layers", None) or 0
+    n = int(n)
+    types = list(getattr(cfg, "layer_types", None) or [])
+    if len(types) != n:
+        types = []
+    ctx = LayoutContext(num_layers=n, layer_types=types)
+    ctx.consumers = _kv_sharing_map(cfg, types, n)
+    window = getattr(cfg, "sliding_window", None)
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    for i, t in enumerate(types):
+        if t in ("sliding_attention", "hybrid_sliding") and window:
+            ctx.windows[i] = int(window)
+        elif t == "chunked_attention" and chunk:
+            ctx.windows[i] = int(chunk)
+    if getattr(cfg, "kv_lora_rank", None) is not None and getattr(cfg, "qk_rope_head_dim", None) is not None:
+        ctx.kv_lora_rank = int(cfg.kv_lora_rank)
+        ctx.qk_rope_head_dim = int(cfg.qk_rope_head_dim)
+        ctx.qk_nope_head_dim = int(getattr(cfg, "qk_nope_head_dim", 0) or 0)
+        ctx.mla_v_head_dim = int(getattr(cfg, "v_head_dim", 0) or 0)
+    ctx.num_attention_heads = int(getattr(cfg, "num_attention_heads", 0) or getattr(cfg, "num_heads", 0) or 0)
+    return ctx
+
+
+def _kv_sharing_map(cfg: Any, types: Sequence[str], n: int) -> dict[int, int]:
+    """consumer -> producer. transformers >= 5.2x exposes ``kv_sharing_modes`` ("reuse" marks a
+    consumer); older versions only have ``num_kv_shared_layers``. Either way a consumer reads the
+    last earlier non-consumer layer of its own layer type."""
+    modes = None
+    try:
+        modes = getattr(cfg, "kv_sharing_modes", None)
+    except Exception:  # noqa: BLE001 - a property that raises on odd configs
+        modes = None
+    if modes is not None and len(modes) == n:
+        consumers = [i for i, m in enumerate(modes) if m == "reuse"]
+    else:
+        shared = int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
+        consumers = list(range(n - shared, n)) if 0 < shared < n else []
+    if not consumers:
+        return {}
+    first = min(consumers)
+    out: dict[int, int] = {}
+    for c in consumers:
+        kind = types[c] if types else None
+        for p in range(first - 1, -1, -1):
+            if p not in consumers and (kind is None or types[p] == kind):
+                out[c] = p
+                break
+    return out
+
+
+def cache_parts(cache: Any) -> list[tuple[str, Any]]:
+    """[("self", cache)] or, for an EncoderDecoderCache, its self- and cross-attention caches."""
+    if _EncDecCache is not None and isinstance(cache, _EncDecCache):
+        return [("self", cache.self_attention_cache), ("cross", cache.cross_attention_cache)]
+    return [("self", cache)]
+
+
+def is_offloading(cache: Any) -> bool:
+    return any(bool(getattr(c, "offloading", False)) for _, c in cache_parts(cache))
+
+
+def wait_for_offload(cache: Any) -> None:
+    """Before reading *contents* of an offloaded cache: the offload copies run on the default
+    stream and prefetches on ``cache.prefetch_stream`` (transformers 5.x); wait for both."""
+    if not torch.cuda.is_available():
+        return
+    for _, c in cache_parts(cache):
+        if not getattr(c, "offloading", False):
+            continue
+        stream = getattr(c, "prefetch_stream", None)
+        if stream is not None:
+            stream.synchronize()
+        torch.cuda.synchronize()
+
+
+class _StaticSeen:
+    """Reads a StaticLayer's ``cumulative_length`` (a device tensor) at most once per cache per
+    step on GPUs: every full static layer advances in lockstep, and each read is a device sync."""
+
+    def __init__(self) -> None:
+        self.value: int | None = None
+
+    def get(self, layer: Any) -> int:
+        cl = layer.cumulative_length
+        if not isinstance(cl, torch.Tensor):
+            return int(cl)
+        if cl.device.type == "cpu":
+            return int(cl)
+        if self.value is None:
+            self.value = int(cl)
+        return self.value
+
+
+Observer = Callable[[StorageKey, int, torch.Tensor], None]
+
+
+def read_cache(cache: Any, ctx: LayoutContext, observe: Observer | None = None) -> list[LayerReading]:
+    """Per-layer readings of every layer of ``cache`` (self layers, consumers, cross layers).
+
+    ``observe(key, layer, tensor)`` is called for every storage found (retention tracking); it must
+    not keep the tensor."""
+    out: list[LayerReading] = []
+    parts = cache_parts(cache)
+    n_self = max(ctx.num_layers, len(getattr(parts[0][1], "layers", ())))
+    for part, sub in parts:
+        layers = list(getattr(sub, "layers", ()))
+        static_seen = _StaticSeen()
+        offset = 0 if part == "self" else n_self
+        count = len(layers) if part == "cross" else n_self
+        for i in range(count):
+            layer = layers[i] if i < len(layers) else None
+            if part == "self" and i in ctx.consumers and (layer is None or _holds_nothing(layer)):
+                out.append(LayerReading(i, int(LayerType.SHARED_CONSUMER), shared_from=ctx.consumers[i],
+                                        cache_index=i))
+                continue
+            if layer is None:
+                continue
+            r = _read_layer(layer, i + offset, i, part, ctx, static_seen, observe)
+            if r is not None:
+                out.append(r)
+    _fill_consumers(out)
+    return out
+
+
+def _holds_nothing(layer: Any) -> bool:
+    if _DummyLayer is not None and isinstance(layer, _DummyLayer):
+        return True
+    return getattr(layer, "keys", None) is None and getattr(layer, "_quantized_keys", None) is None
+
+
+def _fill_consumers(readings: list[LayerReading]) -> None:
+    """A consumer reports what it reads (its producer's shapes, tokens and storages) but owns 0 bytes."""
+    by_layer = {r.layer: r for r in readings if r.part == "self"}
+    for r in readings:
+        if r.layer_type != LayerType.SHARED_CONSUMER:
+            continue
+        p = by_layer.get(r.shared_from)
+        if p is None:
+            continue
+        r.device, r.k_dtype, r.v_dtype = p.device, p.k_dtype, p.v_dtype
+        r.k_shape, r.v_shape = p.k_shape, p.v_shape
+        r.tokens_seen, r.tokens_kept, r.window = p.tokens_seen, p.tokens_kept, p.window
+        r.k_storage, r.v_storage = p.k_storage, p.v_storage
+        r.k_storage_bytes, r.v_storage_bytes = p.k_storage_bytes, p.v_storage_bytes
+
+
+def _layer_type(layer: Any, index: int, part: str, ctx: LayoutContext, keys: torch.Tensor | None,
+                values: torch.Tensor | None) -> LayerType:
+    if part == "cross":
+        return LayerType.CROSS_ATTENTION
+    if _is_latent(keys, values, ctx):
+        return LayerType.LATENT
+    if _BaseQuantized is not None and isinstance(layer, _BaseQuantized):
+        return LayerType.QUANTIZED
+    if _Fp8Layer is not None and isinstance(layer, _Fp8Layer):
+        return LayerType.QUANTIZED
+    if _StaticSliding is not None and isinstance(layer, _StaticSliding):
+        return LayerType.STATIC_SLIDING
+    if _StaticLayer is not None and isinstance(layer, _StaticLayer):
+        return LayerType.STATIC
+    if _DynamicSliding is not None and isinstance(layer, _DynamicSliding):
+        kind = ctx.layer_types[index] if index < len(ctx.layer_types) else ""
+        return LayerType.CHUNKED if kind == "chunked_attention" else LayerType.SLIDING
+    if _DynamicLayer is not None and isinstance(layer, _DynamicLayer):
+        return LayerType.FULL
+    return LayerType.UNKNOWN
+
+
+def _is_latent(keys: torch.Tensor | None, values: torch.Tensor | None, ctx: LayoutContext) -> bool:
+    if ctx.kv_lora_rank is None or keys is None or values is None or keys.dim() != 4:
+        return False
+    return (int(keys.shape[1]) == 1 and int(keys.shape[-1]) == ctx.kv_lora_rank
+            and int(values.shape[-1]) == ctx.qk_rope_head_dim)
+
+
+def _read_layer(layer: Any, index: int, cache_index: int, part: str, ctx: LayoutContext,
+                static_seen: _StaticSeen, observe: Observer | None) -> LayerReading | None:
+    keys = getattr(layer, "keys", None)
+    values = getattr(layer, "values", None)
+    qk = getattr(layer, "_quantized_keys", None)
+    qv = getattr(layer, "_quantized_values", None)
+    quantized = qk is not None or qv is not None
+    if not isinstance(keys, torch.Tensor) and not quantized:
+        return None  # not initialised yet, or a layer kind without K/V (recurrent state)
+    lt = _layer_type(layer, cache_index, part, ctx, keys, values)
+    r = LayerReading(index, int(lt), part=part, cache_index=cache_index)
+
+    # The tensors whose shapes/dtypes describe the layer: quantized data when present.
+    k_main = next(iter(tensor_leaves(qk)), None) if quantized else keys
+    v_main = next(iter(tensor_leaves(qv)), None) if quantized else values
+    if k_main is None:
+        k_main = keys
+    if v_main is None:
+        v_main = values
+    ref = k_main if k_main is not None else v_main
+    if ref is not None:
+        r.device = device_index(ref.device)
+    r.k_dtype = dtype_code(k_main.dtype if k_main is not None else None)
+    r.v_dtype = dtype_code(v_main.dtype if v_main is not None else None)
+    r.k_shape, r.v_shape = _shape4(k_main), _shape4(v_main)
+
+    # Token counts by layer class.
+    if _StaticSliding is not None and isinstance(layer, _StaticSliding):
+        seen = int(getattr(layer, "cumulative_length_int", 0))
+        kept = min(seen, int(layer.max_cache_len))
+    elif _StaticLayer is not None and isinstance(layer, _StaticLayer):
+        seen = static_seen.get(layer) if layer.is_initialized else 0
+        kept = min(seen, int(layer.max_cache_len))
+    elif quantized:
+        seen = int(getattr(layer, "cumulative_length", 0))
+        kept = seen
+    elif _DynamicSliding is not None and isinstance(layer, _DynamicSliding):
+        seen = int(layer.cumulative_length)
+        kept = _tokens(keys)
+    else:
+        kept = _tokens(keys)
+        seen = int(getattr(layer, "cumulative_length", kept)) if not isinstance(
+            getattr(layer, "cumulative_length", None), torch.Tensor) else kept
+    r.tokens_seen, r.tokens_kept = seen, kept
+
+    window = getattr(layer, "sliding_window", None)
+    if window is None and _StaticSliding is not None and isinstance(layer, _StaticSliding):
+        window = ctx.windows.get(cache_index, int(layer.max_cache_len))
+    if window is None and part == "self":
+        window = ctx.windows.get(cache_index)
+    r.window = int(window) if window is not None else -1
+
+    # Storages: K and V first (their ptrs go into the row), then every other tensor the layer owns.
+    k_st = storage_of(k_main) if k_main is not None else None
+    v_st = storage_of(v_main) if v_main is not None else None
+    if k_st:
+        r.k_storage, r.k_storage_bytes = k_st[0][1], k_st[1]
+        r.storages.append(k_st)
+        if observe is not None:
+            observe(k_st[0], index, k_main)
+    if v_st:
+        r.v_storage, r.v_storage_bytes = v_st[0][1], v_st[1]
+        r.storages.append(v_st)
+        if observe is not None:
+            observe(v_st[0], index, v_main)
+    if quantized:
+        for t in _quantized_extras(layer, k_main, v_main):
+            st = storage_of(t)
+            if st:
+                r.storages.append(st)
+                if observe is not None:
+                    observe(st[0], index, t)
+
+    r.bytes_valid = _valid_bytes(layer, keys, values, k_main, v_main, kept, quantized, k_st, v_st)
+    if lt == LayerType.LATENT:
+        r.expanded_bytes = _expanded_bytes(ctx, k_main, kept)
+    elif ctx.kv_lora_rank is not None and k_main is not None and k_main.dim() == 4 and part == "self":
+        r.expanded_bytes = _expanded_bytes(ctx, k_main, kept)  # older expanded MLA layout
+    return r
+
+
+def _quantized_extras(layer: Any, k_main: torch.Tensor | None, v_main: torch.Tensor | None
+                      ) -> Iterable[torch.Tensor]:
+    """Scales, zero points and the full-precision residual of a quantized layer."""
+    skip = {id(k_main), id(v_main)}
+    for obj in (getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None),
+                getattr(layer, "keys", None), getattr(layer, "values", None)):
+        for t in tensor_leaves(obj):
+            if id(t) not in skip:
+                skip.add(id(t))
+                yield t
+
+
+def _view_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else int(t.numel()) * int(t.element_size())
+
+
+def _valid_bytes(layer: Any, keys: torch.Tensor | None, values: torch.Tensor | None,
+                 k_main: torch.Tensor | None, v_main: torch.Tensor | None, kept: int, quantized: bool,
+                 k_st: tuple | None, v_st: tuple | None) -> int:
+    """Bytes holding the tokens the layer keeps (no preallocation slack, no out-of-window slack)."""
+    if quantized:
+        # Quantized token data plus the full-precision residual; scales are not token data.
+        data = _view_bytes(k_main) + _view_bytes(v_main)
+        if k_main is not keys:
+            data += _view_bytes(keys) + _view_bytes(values)
+        return data
+    same = k_st is not None and v_st is not None and k_st[0] == v_st[0] and _same_view(keys, values)
+    if _StaticLayer is not None and isinstance(layer, _StaticLayer):
+        k = _per_token_bytes(keys) * kept
+        v = _per_token_bytes(values) * kept
+    else:
+        k, v = _view_bytes(keys), _view_bytes(values)
+    return k if same else k + v
+
+
+def _same_view(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is not None and b is not None and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.stride() == b.stride())
+
+
+def _per_token_bytes(t: torch.Tensor | None) -> int:
+    if t is None or t.dim() < 2 or int(t.shape[-2]) == 0:
+        return 0
+    return _view_bytes(t) // int(t.shape[-2])
+
+
+def _expanded_bytes(ctx: LayoutContext, k: torch.Tensor | None, kept: int) -> int:
+    """Bytes the per-head (expanded) K and V would take for the kept tokens of an MLA layer."""
+    if k is None or ctx.kv_lora_rank is None:
+        return 0
+    batch = int(k.shape[0]) if k.dim() == 4 else 1
+    per_token = ctx.num_attention_heads * (
+        (ctx.qk_nope_head_dim or 0) + (ctx.qk_rope_head_dim or 0) + (ctx.mla_v_head_dim or 0))
+    return batch * kept * per_token * int(k.element_size())
+
+
+def valid_kv(cache: Any, reading: LayerReading) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """(K, V, first token position) restricted to the tokens the layer keeps, for content sampling.
+
+    The caller must drop the returned tensors as soon as it has queued their copies."""
+    sub = dict(cache_parts(cache)).get(reading.part)
+    layers = getattr(sub, "layers", ())
+    if sub is None or reading.cache_index >= len(layers) or reading.layer_type == LayerType.SHARED_CONSUMER:
+        return None, None, 0
+    layer = layers[reading.cache_index]
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if getattr(layer, "_quantized_keys", None) is not None:
+        keys = next(iter(tensor_leaves(layer._quantized_keys)), keys)
+        values = next(iter(tensor_leaves(layer._quantized_values)), values)
+    if not isinstance(keys, torch.Tensor) or keys.dim() < 2:
+        return None, None, 0
+    kept = reading.tokens_kept
+    start = max(reading.tokens_seen - kept, 0)
+    if reading.layer_type in (LayerType.STATIC, LayerType.STATIC_SLIDING):
+        keys, values = keys[..., :kept, :], values[..., :kept, :]
+    return keys, values, start

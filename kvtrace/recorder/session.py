@@ -1,0 +1,742 @@
+"""The recording session: ``with kvtrace.record(model, path) as rec: model.generate(...)``.
+
+What a session changes while it is open, all undone by :meth:`Recorder.close`:
+
+* an instance attribute ``model.generate`` wrapping the class method (one request per call);
+* two forward hooks on the model (step start/end) and, for the first forward only, pre-hooks on
+  the modules that carry ``layer_idx`` (to name the attention modules);
+* with query sampling, the attention implementation (restored to the exact original value);
+* ``torch.cuda.reset_peak_memory_stats()`` at each request start (for the PEAK reading; turn it
+  off with ``reset_peak=False`` if the program reads the peak itself).
+
+Nothing in here ever holds a strong reference to a cache tensor beyond the hook call that reads it.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import secrets
+import weakref
+from collections import Counter
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtrace.format.schema import EventKind, LayerType, Outcome, PayloadKind, Phase, ReadingLabel
+from kvtrace.format.writer import TraceWriter, monotonic_ns
+from kvtrace.recorder import hooks as _hooks
+from kvtrace.recorder.accounting import account
+from kvtrace.recorder.layouts import (
+    LayerReading,
+    LayoutContext,
+    context_from_config,
+    is_offloading,
+    read_cache,
+    valid_kv,
+    wait_for_offload,
+)
+from kvtrace.recorder.retention import RetentionTracker
+
+_OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
+    {getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)} - {None}
+)
+_MAX_ERROR_TEXT = 500
+
+
+class CannotWriteTrace(OSError):
+    """The trace path cannot be created; raised before the model runs."""
+
+
+@dataclass
+class RecordOptions:
+    """Options of a recording session (all are stored in /meta recorder_settings_json)."""
+
+    model_id: str | None = None  # defaults to config._name_or_path
+    store_prompts: bool = False  # prompt text (or token ids without a tokenizer) in the trace
+    tokenizer: Any = None  # decodes prompt ids when store_prompts is on
+    empty_cache: bool = True  # torch.cuda.empty_cache() after each request (after gc.collect())
+    reset_peak: bool = True  # reset_peak_memory_stats() at request start, for the PEAK reading
+    retention: bool = True  # weak-reference tracking of KV storages that outlive a request
+    telemetry_hz: float = 20.0
+    nvml: bool = True
+    allocator: bool = True
+    sampling: Any = None  # kvtrace.recorder.sampling.SamplingSettings, a dict of its fields, or None
+    flush_interval_s: float = 1.0
+    settings_extra: dict[str, Any] = field(default_factory=dict)  # e.g. the CLI's arguments
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k not in ("tokenizer", "sampling", "settings_extra")}
+        out["tokenizer"] = type(self.tokenizer).__name__ if self.tokenizer is not None else None
+        s = self.sampling
+        out["sampling"] = asdict(s) if is_dataclass(s) else s
+        out.update(self.settings_extra)
+        return out
+
+
+def check_writable(path: str | os.PathLike[str]) -> Path:
+    """Fail early, with a clear message, when ``path`` cannot become a trace file."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise CannotWriteTrace(f"cannot write trace to {p}: it is a directory")
+    if not parent.exists():
+        raise CannotWriteTrace(f"cannot write trace to {p}: directory {parent} does not exist")
+    if not parent.is_dir():
+        raise CannotWriteTrace(f"cannot write trace to {p}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise CannotWriteTrace(f"cannot write trace to {p}: permission denied")
+    return p
+
+
+@dataclass
+class _Request:
+    id: int
+    start_ns: int
+    prompt_len: int
+    decoder_start_len: int
+    expected_last: int  # step index of the last forward if no EOS comes first (-1 unknown)
+    step: int = 0
+    tokens_seen: int = 0
+    cache_ref: Any = None  # weakref.ref to the Cache of the current step
+    sample_now: bool = False
+    step_t: list[int] = field(default_factory=list)
+    errors: Counter = field(default_factory=Counter)
+
+
+class Recorder:
+    """One recording session over one model. Use as a context manager (or start()/close())."""
+
+    def __init__(self, model: torch.nn.Module, path: str | os.PathLike[str],
+                 options: RecordOptions | None = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"record() needs a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.options = options or RecordOptions()
+        self.path = check_writable(path)
+        self.writer: TraceWriter | None = None
+        self.telemetry: Any = None
+        self.sampler: Any = None
+        self.sampling: Any = None
+        self.qcapture: Any = None
+        self.errors: Counter = Counter()
+        self.requests = 0
+        self._ctx: LayoutContext | None = None
+        self._layers_written = False
+        self._active: _Request | None = None
+        self._started = False
+        self._closed = False
+        self._salt = secrets.token_bytes(32)
+        self._retention = RetentionTracker()
+        self._discovery = _hooks.Discovery(model, self._on_error)
+        self._steps = _hooks.StepHooks(model, self._on_step_start, self._on_step_end, self._on_error)
+        self._generate_patch: tuple[bool, Any] | None = None
+        self._attn_before = _attn_snapshot(model)
+        self.devices: list[int] = []
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def __enter__(self) -> Recorder:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> Recorder:
+        if self._started:
+            return self
+        from kvtrace.recorder.telemetry import Telemetry
+
+        opts = self.options
+        self.devices = Telemetry.devices_of(self.model)
+        self.telemetry = Telemetry(self.devices, rate_hz=opts.telemetry_hz, use_nvml=opts.nvml,
+                                   use_allocator=opts.allocator)
+        self.sampling = _sampling_settings(opts.sampling)
+        try:
+            self.writer = TraceWriter(self.path, self._meta(), self.telemetry.device_infos(),
+                                      flush_interval_s=opts.flush_interval_s)
+        except OSError as exc:
+            self.telemetry.close()
+            raise CannotWriteTrace(f"cannot write trace to {self.path}: {exc}") from exc
+        try:
+            self.telemetry.attach(self.writer)
+            self.telemetry.start()
+            if self.sampling is not None:
+                from kvtrace.recorder.sampling import PayloadSampler
+
+                self.sampler = PayloadSampler(self.writer, self.sampling)
+                if self.sampling.queries:
+                    from kvtrace.recorder.qcapture import QueryCapture
+
+                    self.qcapture = QueryCapture(self.model, self._on_query)
+                    self.qcapture.install()
+            self._discovery.install()
+            self._steps.install()
+            self._patch_generate()
+        except BaseException:
+            self._started = True
+            self.close()
+            raise
+        self._started = True
+        return self
+
+    def close(self) -> None:
+        """Undo every change to the model, stop background threads, close the trace. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._unpatch_generate()
+        self._steps.remove()
+        self._discovery.remove()
+        if self.qcapture is not None:
+            try:
+                self.qcapture.restore()
+            except Exception as exc:  # noqa: BLE001
+                self._on_error("restore-attention", exc)
+        self._restore_attn()
+        if self.sampler is not None:
+            try:
+                self.sampler.close()
+            except Exception as exc:  # noqa: BLE001
+                self._on_error("sampler-close", exc)
+        if self.telemetry is not None:
+            try:
+                self.telemetry.close()
+            except Exception as exc:  # noqa: BLE001
+                self._on_error("telemetry-stop", exc)
+        if self.writer is not None:
+            self.writer.close()
+
+    @property
+    def recorder_errors(self) -> int:
+        """Exceptions raised (and swallowed) inside the recorder so far."""
+        return sum(self.errors.values())
+
+    # ---- /meta --------------------------------------------------------------------------------
+
+    def _meta(self) -> dict[str, Any]:
+        model, opts = self.model, self.options
+        config = getattr(model, "config", None)
+        gen_cfg = getattr(model, "generation_config", None)
+        sources = self.telemetry.sources()
+        sources["cache_structure"] = {
+            "available": True, "reason": "per-layer shapes and storages read from the transformers Cache each step",
+        }
+        meta: dict[str, Any] = {
+            "model_id": opts.model_id or str(getattr(config, "_name_or_path", "") or type(model).__name__),
+            "model_type": str(getattr(config, "model_type", "unknown")),
+            "model_config_json": _safe_to_dict(config),
+            "generation_defaults_json": _safe_to_dict(gen_cfg),
+            "recorder_settings_json": opts.to_json(),
+            "sources_json": sources,
+            "prompt_hash_salt_sha256": hashlib.sha256(self._salt).hexdigest(),
+            "contains_prompt_text": bool(opts.store_prompts),
+            "contains_tensor_payloads": self.sampling is not None and bool(
+                self.sampling.every_n_steps > 0 or self.sampling.at_prefill_end or self.sampling.at_last_step),
+        }
+        meta.update(self.telemetry.versions())
+        return meta
+
+    # ---- generate wrapper ----------------------------------------------------------------------
+
+    def _patch_generate(self) -> None:
+        model = self.model
+        had_own = "generate" in model.__dict__
+        original = model.generate
+        self._generate_patch = (had_own, model.__dict__.get("generate"))
+        recorder = self
+
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            if recorder._active is not None or recorder._closed:
+                return original(*args, **kwargs)  # re-entrant call or closed session: pass through
+            req = recorder._begin_request(args, kwargs)
+            if req is None:
+                return original(*args, **kwargs)
+            try:
+                out = original(*args, **kwargs)
+            except BaseException as exc:
+                recorder._abort_request(req, exc)
+                raise
+            recorder._finish_request(req, out, args, kwargs)
+            return out
+
+        generate.__wrapped__ = original  # type: ignore[attr-defined]
+        generate.__doc__ = getattr(original, "__doc__", None)
+        model.__dict__["generate"] = generate
+
+    def _unpatch_generate(self) -> None:
+        if self._generate_patch is None:
+            return
+        had_own, previous = self._generate_patch
+        if had_own:
+            self.model.__dict__["generate"] = previous
+        else:
+            self.model.__dict__.pop("generate", None)
+        self._generate_patch = None
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def _begin_request(self, args: tuple, kwargs: dict) -> _Request | None:
+        try:
+            return self._begin_request_unguarded(args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - the user's generate runs regardless
+            self._on_error("request-start", exc)
+            return None
+
+    def _begin_request_unguarded(self, args: tuple, kwargs: dict) -> _Request:
+        w = self.writer
+        assert w is not None
+        rid = self.requests
+        ids, embeds = _prompt_inputs(args, kwargs)
+        batch, prompt_len, digest = 0, 0, b""
+        if ids is not None:
+            batch, prompt_len = int(ids.shape[0]), int(ids.shape[-1])
+            raw = ids.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8").tobytes()
+            digest = hashlib.sha256(self._salt + raw).hexdigest().encode()
+        elif embeds is not None:
+            batch, prompt_len = int(embeds.shape[0]), int(embeds.shape[1])
+        text_ref = (0, 0)
+        if self.options.store_prompts and ids is not None:
+            text_ref = w.add_text(self._prompt_text(ids))
+        gen_ref = w.add_text(json.dumps(_jsonable_kwargs(kwargs), sort_keys=True, default=str))
+        self._readings(rid, ReadingLabel.BASELINE)
+        if self.options.reset_peak:
+            for d in self.devices:
+                torch.cuda.reset_peak_memory_stats(d)
+        start = monotonic_ns()
+        w.begin_request((rid, int(Outcome.RUNNING), batch, prompt_len, 0, -1, start, 0, digest,
+                         *text_ref, *gen_ref, 0, 0))
+        self._event(EventKind.REQUEST_START, rid, t=start)
+        self.requests += 1
+        is_encdec = bool(getattr(getattr(self.model, "config", None), "is_encoder_decoder", False))
+        dec = kwargs.get("decoder_input_ids")
+        dec_len = int(dec.shape[-1]) if isinstance(dec, torch.Tensor) else (1 if is_encdec else 0)
+        max_new = _max_new_tokens(self.model, kwargs, prompt_len if not is_encdec else dec_len)
+        req = _Request(rid, start, 0 if is_encdec or ids is None else prompt_len, dec_len,
+                       (max_new - 1) if max_new else -1)
+        if self.options.retention:
+            self._retention.begin()
+        self._active = req
+        return req
+
+    def _finish_request(self, req: _Request, out: Any, args: tuple, kwargs: dict) -> None:
+        self._active = None
+        try:
+            self._finish_unguarded(req, out, kwargs)
+        except Exception as exc:  # noqa: BLE001
+            self._on_error("request-end", exc)
+            self._safe_update(req.id, outcome=int(Outcome.OK), end_ns=monotonic_ns())
+
+    def _finish_unguarded(self, req: _Request, out: Any, kwargs: dict) -> None:
+        w = self.writer
+        assert w is not None
+        rid = req.id
+        if self.sampler is not None:
+            self.sampler.drain()  # its queued copies must not be what keeps memory alive below
+        self._event(EventKind.GENERATE_RETURN, rid, step=req.step)
+        self._readings(rid, ReadingLabel.AFTER_RETURN)
+        if self.options.reset_peak and self.devices:
+            t = monotonic_ns()
+            w.append("readings", [
+                (t, rid, int(ReadingLabel.PEAK), d, int(torch.cuda.max_memory_allocated(d)),
+                 int(torch.cuda.max_memory_reserved(d)), -1, -1, -1, -1, -1) for d in self.devices])
+        gc.collect()
+        self._event(EventKind.GC, rid)
+        self._readings(rid, ReadingLabel.AFTER_GC)
+        if self.options.retention:
+            rows = []
+            for r in self._retention.finish():
+                off, length = w.add_text(r.referrers) if r.referrers else (0, 0)
+                rows.append((rid, r.layer, r.device, r.storage, r.nbytes, off, length))
+            if rows:
+                w.append("retention", rows)
+        if self.options.empty_cache and self.devices:
+            torch.cuda.empty_cache()
+            self._event(EventKind.EMPTY_CACHE, rid)
+            self._readings(rid, ReadingLabel.AFTER_EMPTY_CACHE)
+        if self.sampler is not None:
+            own = int(getattr(self.sampler, "own_device_bytes", 0))
+            t = monotonic_ns()
+            w.append("readings", [(t, rid, int(ReadingLabel.RECORDER_OWN), d, own, -1, -1, -1, -1, -1, -1)
+                                  for d in (self.devices or [-1])])
+        new_tokens, eos_step = _generated(out, req, kwargs, self.model)
+        if eos_step >= 0:
+            t_eos = req.step_t[eos_step] if eos_step < len(req.step_t) else monotonic_ns()
+            self._event(EventKind.EOS, rid, step=eos_step, t=t_eos)
+        self._report_request_errors(req)
+        end = monotonic_ns()
+        w.update_request(rid, outcome=int(Outcome.OK), end_ns=end, new_tokens=new_tokens, eos_step=eos_step)
+        self._event(EventKind.REQUEST_END, rid, value=int(Outcome.OK), t=end)
+        w.flush()
+
+    def _abort_request(self, req: _Request, exc: BaseException) -> None:
+        """generate raised: record why, with the allocator state for an OOM; never raises."""
+        self._active = None
+        try:
+            w = self.writer
+            assert w is not None
+            rid = req.id
+            summary = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT]
+            if isinstance(exc, _OOM_ERRORS):
+                outcome = Outcome.OOM
+                self._event(EventKind.OOM, rid, step=req.step, device=self.devices[0] if self.devices else -1,
+                            text=summary)
+                self._readings(rid, ReadingLabel.AT_OOM)
+            elif isinstance(exc, KeyboardInterrupt):
+                outcome = Outcome.INTERRUPTED
+                self._event(EventKind.INTERRUPT, rid, step=req.step)
+            else:
+                outcome = Outcome.ERROR
+                self._event(EventKind.EXCEPTION, rid, step=req.step, text=summary)
+            if self.options.retention:
+                self._retention.begin()  # the traceback holds the cache: nothing to learn here
+            self._report_request_errors(req)
+            err = w.add_text(summary)
+            end = monotonic_ns()
+            w.update_request(rid, outcome=int(outcome), end_ns=end, new_tokens=req.step,
+                             error_off=err[0], error_len=err[1])
+            self._event(EventKind.REQUEST_END, rid, value=int(outcome), t=end)
+            w.flush()
+        except Exception as inner:  # noqa: BLE001 - never mask the user's exception
+            self._on_error("request-abort", inner)
+
+    # ---- steps --------------------------------------------------------------------------------
+
+    def _on_step_start(self, module: Any, args: tuple, kwargs: dict) -> None:
+        req = self._active
+        if req is None:
+            return
+        if req.step == 0:
+            self._event(EventKind.PREFILL_START, req.id, step=0)
+        cache = _hooks.find_cache(args, kwargs)
+        req.cache_ref = weakref.ref(cache) if cache is not None else None
+        if self.sampler is not None:
+            req.sample_now = bool(self.sampler.wants(req.step, is_prefill=req.step == 0,
+                                                     is_last=req.step == req.expected_last))
+
+    def _on_step_end(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        req = self._active
+        if req is None:
+            return
+        step = req.step
+        req.step += 1  # first: a failure below must not shift later steps
+        t = monotonic_ns()
+        req.step_t.append(t)
+        w = self.writer
+        assert w is not None
+        if step == 0:
+            self._event(EventKind.PREFILL_END, req.id, step=0, t=t)
+        else:
+            self._event(EventKind.DECODE_STEP, req.id, step=step, value=step, t=t)
+        cache = getattr(output, "past_key_values", None)
+        if not isinstance(cache, _hooks.Cache):
+            cache = req.cache_ref() if req.cache_ref is not None else None
+        if cache is None and self._discovery.last_cache is not None:
+            cache = self._discovery.last_cache()
+        req.cache_ref = None
+        if cache is None:
+            raise RuntimeError("no transformers Cache seen in this forward (use_cache=False?)")
+        if self._ctx is None:
+            self._ctx = context_from_config(getattr(self.model, "config", None))
+        observe = self._retention.observe if self.options.retention else None
+        readings = read_cache(cache, self._ctx, observe=observe)
+        acc = account(readings)
+        rid = req.id
+        w.append("kv", [
+            (rid, step, r.layer, r.layer_type, r.device, r.k_dtype, r.v_dtype, r.k_shape, r.v_shape,
+             r.tokens_seen, r.tokens_kept, acc.allocated[i], r.bytes_valid, acc.unique_per_layer[i],
+             r.k_storage, r.v_storage, r.k_storage_bytes, r.v_storage_bytes, r.expanded_bytes, t)
+            for i, r in enumerate(readings)
+        ])
+        seen = max((r.tokens_seen for r in readings if r.part == "self"), default=0)
+        alloc, reserved = self._step_memory()
+        w.append("steps", (rid, step, int(Phase.PREFILL if step == 0 else Phase.DECODE), t, seen,
+                           acc.naive, acc.unique, acc.valid, alloc, reserved, self.telemetry.rss_bytes()))
+        req.tokens_seen = seen
+        if self.options.retention:
+            self._retention.end_step()
+        if not self._layers_written:
+            self._write_layers(readings)
+        if req.sample_now and self.sampler is not None:
+            self._sample(req, step, cache, readings)
+
+    def _step_memory(self) -> tuple[int, int]:
+        if not self.devices:
+            return (-1, -1)
+        alloc = reserved = 0
+        for d in self.devices:
+            a, r = self.telemetry.step_reading(d)
+            if a < 0 or r < 0:
+                return (-1, -1)
+            alloc += a
+            reserved += r
+        return alloc, reserved
+
+    def _write_layers(self, readings: list[LayerReading]) -> None:
+        w = self.writer
+        assert w is not None
+        names = self._discovery.module_names()
+        rows = []
+        for r in readings:
+            name = names.get((r.cache_index, r.part), "")
+            off, length = w.add_text(name) if name else (0, 0)
+            rows.append((r.layer, r.layer_type, r.k_shape[1], r.k_shape[3], r.v_shape[3], r.window,
+                         r.shared_from, off, length))
+        w.append("layers", rows)
+        self._layers_written = True
+        self._discovery.remove()  # names are known: no per-layer hook remains
+
+    def _sample(self, req: _Request, step: int, cache: Any, readings: list[LayerReading]) -> None:
+        settings = self.sampling
+        if is_offloading(cache):
+            wait_for_offload(cache)
+        for r in readings:
+            if settings.layers is not None and r.layer not in settings.layers:
+                continue
+            if r.layer_type == LayerType.SHARED_CONSUMER:
+                continue  # its producer's tensors are sampled under the producer's index
+            k, v, start = valid_kv(cache, r)
+            if k is None:
+                continue
+            if r.layer_type == LayerType.LATENT:
+                if settings.latents:
+                    self.sampler.submit(req.id, step, r.layer, PayloadKind.LATENT, k, token_start=start)
+                    self.sampler.submit(req.id, step, r.layer, PayloadKind.ROPE_KEY, v, token_start=start)
+            else:
+                self.sampler.submit(req.id, step, r.layer, PayloadKind.KEY, k, token_start=start)
+                self.sampler.submit(req.id, step, r.layer, PayloadKind.VALUE, v, token_start=start)
+            del k, v
+
+    def _on_query(self, layer_idx: int, query: torch.Tensor) -> None:
+        try:
+            req = self._active
+            if req is None or not req.sample_now or self.sampler is None:
+                return
+            if self.sampling.layers is not None and layer_idx not in self.sampling.layers:
+                return
+            self.sampler.submit(req.id, req.step, int(layer_idx), PayloadKind.QUERY, query,
+                                token_start=req.tokens_seen)
+        except Exception as exc:  # noqa: BLE001
+            self._on_error("query-capture", exc)
+
+    # ---- rows ---------------------------------------------------------------------------------
+
+    def _event(self, kind: EventKind, request: int = -1, *, step: int = -1, layer: int = -1,
+               device: int = -1, value: int = 0, text: str = "", t: int | None = None) -> None:
+        w = self.writer
+        if w is None or w.closed:
+            return
+        off, length = w.add_text(text) if text else (0, 0)
+        w.append("events", (monotonic_ns() if t is None else t, int(kind), request, step, layer, device,
+                            value, off, length))
+
+    def _readings(self, request: int, label: ReadingLabel) -> None:
+        w = self.writer
+        assert w is not None
+        rows = []
+        for d in self.devices or [-1]:
+            r = self.telemetry.reading(d)
+            rows.append((monotonic_ns(), request, int(label), d, r["allocated_bytes"], r["reserved_bytes"],
+                         r["active_bytes"], r["inactive_split_bytes"], r["nvml_used_bytes"],
+                         r["nvml_process_used_bytes"], r["rss_bytes"]))
+        w.append("readings", rows)
+
+    def _safe_update(self, rid: int, **fields: Any) -> None:
+        try:
+            assert self.writer is not None
+            self.writer.update_request(rid, **fields)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _on_error(self, site: str, exc: BaseException) -> None:
+        """A recorder failure: counted, reported once per request as RECORDER_ERROR, swallowed."""
+        summary = f"{site}: {type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT]
+        self.errors[summary] += 1
+        req = self._active
+        rid = req.id if req is not None else -1
+        first = True
+        if req is not None:
+            req.errors[summary] += 1
+            first = req.errors[summary] == 1
+        if first:
+            self._event(EventKind.RECORDER_ERROR, rid, step=req.step if req else -1, value=1, text=summary)
+
+    def _report_request_errors(self, req: _Request) -> None:
+        for summary, n in req.errors.items():
+            if n > 1:
+                self._event(EventKind.RECORDER_ERROR, req.id, value=n, text=summary)
+
+    def _prompt_text(self, ids: torch.Tensor) -> str:
+        tok = self.options.tokenizer
+        rows = ids.detach().cpu().tolist()
+        if tok is not None:
+            try:
+                return "\n".join(tok.decode(r, skip_special_tokens=False) for r in rows)
+            except Exception as exc:  # noqa: BLE001
+                self._on_error("prompt-decode", exc)
+        return "\n".join("token ids: " + " ".join(map(str, r)) for r in rows)
+
+    def _restore_attn(self) -> None:
+        for cfg, before in self._attn_before:
+            try:
+                if getattr(cfg, "_attn_implementation", None) != before:
+                    cfg._attn_implementation = before
+            except Exception as exc:  # noqa: BLE001
+                self._on_error("restore-attention", exc)
+
+
+def record(model: torch.nn.Module, path: str | os.PathLike[str], options: RecordOptions | None = None,
+           **kwargs: Any) -> Recorder:
+    """Record every ``model.generate`` call into the trace at ``path``.
+
+    ``kwargs`` are :class:`RecordOptions` fields. Use as a context manager; any number of generate
+    calls, one request each. Fails with :class:`CannotWriteTrace` before touching the model when
+    ``path`` cannot be written."""
+    if options is not None and kwargs:
+        raise TypeError("pass either options= or keyword options, not both")
+    if options is None:
+        unknown = set(kwargs) - set(RecordOptions.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown record option(s): {', '.join(sorted(unknown))}")
+        options = RecordOptions(**kwargs)
+    return Recorder(model, path, options)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _sampling_settings(value: Any) -> Any:
+    if value is None or value is False:
+        return None
+    from kvtrace.recorder.sampling import SamplingSettings
+
+    if isinstance(value, SamplingSettings):
+        return value
+    if isinstance(value, dict):
+        return SamplingSettings(**value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return SamplingSettings(every_n_steps=value)
+    raise TypeError("sampling must be SamplingSettings, a dict of its fields, or an int (every N steps)")
+
+
+def _safe_to_dict(obj: Any) -> dict[str, Any]:
+    if obj is None:
+        return {}
+    try:
+        return json.loads(json.dumps(obj.to_dict(), default=str))
+    except Exception:  # noqa: BLE001
+        return {"unavailable": f"{type(obj).__name__}.to_dict() failed"}
+
+
+def _attn_snapshot(model: torch.nn.Module) -> list[tuple[Any, Any]]:
+    """(config, _attn_implementation) of every distinct config the model's modules carry."""
+    out, seen = [], set()
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is None or id(cfg) in seen or not hasattr(cfg, "_attn_implementation"):
+            continue
+        seen.add(id(cfg))
+        try:
+            out.append((cfg, cfg._attn_implementation))
+        except Exception:  # noqa: BLE001
+            continue
+    return out
+
+
+def _prompt_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        ids = kwargs.get("inputs")
+    if ids is None and args and isinstance(args[0], torch.Tensor):
+        ids = args[0]
+    if isinstance(ids, torch.Tensor) and ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    embeds = kwargs.get("inputs_embeds")
+    return (ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None,
+            embeds if isinstance(embeds, torch.Tensor) else None)
+
+
+_JSON_SCALARS = (bool, int, float, str, type(None))
+
+
+def _jsonable(value: Any) -> bool:
+    if isinstance(value, _JSON_SCALARS):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_jsonable(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _jsonable(v) for k, v in value.items())
+    return False
+
+
+def _jsonable_kwargs(kwargs: dict) -> dict[str, Any]:
+    """generate() kwargs that are plain JSON values; a GenerationConfig as its diff dict; the names
+    of everything else (tensors, streamers, callables) under "_omitted"."""
+    out: dict[str, Any] = {}
+    omitted = []
+    for k, v in kwargs.items():
+        if _jsonable(v):
+            out[k] = v
+        elif k == "generation_config" and hasattr(v, "to_diff_dict"):
+            try:
+                out[k] = json.loads(json.dumps(v.to_diff_dict(), default=str))
+            except Exception:  # noqa: BLE001
+                omitted.append(k)
+        else:
+            omitted.append(k)
+    if omitted:
+        out["_omitted"] = sorted(omitted)
+    return out
+
+
+def _gen_setting(model: Any, kwargs: dict, name: str) -> Any:
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    for cfg in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        v = getattr(cfg, name, None)
+        if v is not None:
+            return v
+    return None
+
+
+def _max_new_tokens(model: Any, kwargs: dict, start_len: int) -> int | None:
+    n = _gen_setting(model, kwargs, "max_new_tokens")
+    if n is not None:
+        return int(n)
+    max_len = _gen_setting(model, kwargs, "max_length")
+    if max_len is not None:
+        return max(int(max_len) - start_len, 0)
+    return None
+
+
+def _eos_ids(model: Any, kwargs: dict) -> set[int]:
+    eos = _gen_setting(model, kwargs, "eos_token_id")
+    if eos is None:
+        return set()
+    if isinstance(eos, torch.Tensor):
+        eos = eos.flatten().tolist()
+    if isinstance(eos, int):
+        eos = [eos]
+    return {int(e) for e in eos}
+
+
+def _generated(out: Any, req: _Request, kwargs: dict, model: Any) -> tuple[int, int]:
+    """(new tokens, step that produced the first EOS in any sequence or -1) from generate's output."""
+    seqs = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+    if not isinstance(seqs, torch.Tensor) or seqs.dim() != 2:
+        return req.step, -1
+    start = req.decoder_start_len if req.decoder_start_len else req.prompt_len
+    new = seqs[:, start:]
+    eos = _eos_ids(model, kwargs)
+    eos_step = -1
+    if eos and new.numel():
+        hits = torch.isin(new, torch.tensor(sorted(eos), device=new.device)).any(dim=0).nonzero()
+        if hits.numel():
+            eos_step = int(hits[0, 0])
+    return int(new.shape[1]), eos_step
+
