@@ -365,3 +365,50 @@ def preset_model(
         eos = model.generation_config.eos_token_id
         model.generation_config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     return model
+
+
+# --------------------------------------------------------------------------------------------
+# documentation
+
+
+def _describe_kinds(geom: _geometry.ModelGeometry) -> str:
+    parts = []
+    for kind, count in geom.kind_counts().items():
+        g = next(x for x in geom.layers if x.kind == kind)
+        if kind == "shared_consumer":
+            parts.append(f"{count} shared (reuse KV)")
+        elif kind == "latent":
+            parts.append(f"{count} MLA latent {g.k_head_dim}+{g.v_head_dim}")
+        else:
+            dims = f"{g.num_kv_heads}x{g.k_head_dim}"
+            win = f", window {g.window}" if g.window else ""
+            keqv = ", K=V proj" if g.k_eq_v else ""
+            parts.append(f"{count} {kind} {dims}{win}{keqv}")
+    return "; ".join(parts)
+
+
+def presets_markdown(dtype_bytes: int = 2, contexts: tuple[int, ...] = (8192, 131072)) -> str:
+    """The preset table of ``docs/presets.md`` (KV bytes in binary units, ``dtype_bytes`` per element)."""
+    from kvtrace.units import format_bytes
+
+    def fb(n: int) -> str:
+        return format_bytes(n, precision=2)
+
+    ctx_heads = " | ".join(f"KV @ {c // 1024}Ki tokens" for c in contexts)
+    lines = [
+        f"| preset | model_type | params | layers: KV heads x head dim | query heads | KV/token | "
+        f"vs MHA | {ctx_heads} |",
+        "|" + "---|" * (7 + len(contexts)),
+    ]
+    for name in list_presets():
+        p = get_preset(name)
+        geom = preset_geometry(name)
+        bpt = _geometry.bytes_per_token(geom, dtype_bytes)["total"]
+        mha = _geometry.mha_equivalent_bytes_per_token(geom, dtype_bytes)
+        params = _geometry.param_count(p.config_dict()).total
+        at = " | ".join(fb(_geometry.kv_bytes(geom, c, dtype_bytes).allocated) for c in contexts)
+        lines.append(
+            f"| `{name}` | {p.model_type} | {params / 1e9:.2f} bn | {_describe_kinds(geom)} | "
+            f"{geom.num_attention_heads} | {fb(bpt)} | {bpt / mha:.1%} | {at} |"
+        )
+    return "\n".join(lines)
