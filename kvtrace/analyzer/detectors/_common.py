@@ -1,0 +1,111 @@
+"""Helpers several detectors share: expected bytes per (step, layer), layer naming, ranges."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
+from kvtrace.format import schema
+
+_ITEMSIZE = {int(k): v for k, v in schema.DTYPE_ITEMSIZE.items()}
+CROSS = int(schema.LayerType.CROSS_ATTENTION)
+_ITEM_LUT = np.zeros(max(_ITEMSIZE) + 1, dtype=np.int64)
+for _code, _size in _ITEMSIZE.items():
+    _ITEM_LUT[_code] = _size
+
+
+def itemsize(code: int) -> int:
+    return _ITEMSIZE.get(int(code), 0)
+
+
+def expected_grid(ctx: ReplayContext, req: RequestTimeline) -> tuple[np.ndarray, np.ndarray]:
+    """(allocated, valid) expected bytes with the shape of the request's KV grid; -1 where no
+    rule applies (layer unknown to the config, cross-attention, non-fp8 quantized)."""
+    g = req.kv
+    alloc = np.full(g.present.shape, -1, dtype=np.int64)
+    valid = np.full(g.present.shape, -1, dtype=np.int64)
+    if g.empty:
+        return alloc, valid
+    seen = g["tokens_seen"]
+    # Tokens of each layer's last forward: the growth of tokens_seen since the previous step.
+    prev = np.vstack([np.zeros((1, seen.shape[1]), dtype=np.int64), np.maximum(seen[:-1], 0)])
+    last = np.maximum(seen - prev, 1)
+    batch = np.where(g["batch"] > 0, g["batch"], max(req.batch_size, 1))
+    k_item = _ITEM_LUT[np.clip(g["k_dtype"], 0, _ITEM_LUT.size - 1)]
+    v_item = _ITEM_LUT[np.clip(g["v_dtype"], 0, _ITEM_LUT.size - 1)]
+    v_item = np.where(v_item > 0, v_item, k_item)
+    for li, layer in enumerate(g.layers):
+        a, v = ctx.expectation.expected(
+            int(layer), seen[:, li], last[:, li], g["layer_type"][:, li], k_item[:, li], v_item[:, li],
+            batch[:, li], g["k_len"][:, li],
+        )
+        keep = g.present[:, li] & (g["layer_type"][:, li] != CROSS)
+        alloc[:, li] = np.where(keep, a, -1)
+        valid[:, li] = np.where(keep, v, -1)
+    return alloc, valid
+    seen = g["tokens_seen"]
+    # Tokens of each layer's last forward: the growth of tokens_seen since the previous step.
+    prev = np.vstack([np.zeros((1, seen.shape[1]), dtype=np.int64), np.maximum(seen[:-1], 0)])
+    last = np.maximum(seen - prev, 1)
+    exp = ctx.expectation
+    for si in range(g.steps.size):
+        for li, layer in enumerate(g.layers):
+            if not g.present[si, li] or g["layer_type"][si, li] == CROSS:
+                continue
+            batch = int(g["batch"][si, li]) if g["batch"][si, li] > 0 else max(req.batch_size, 1)
+            k_item, v_item = itemsize(g["k_dtype"][si, li]), itemsize(g["v_dtype"][si, li])
+            if k_item == 0:
+                continue
+            res = exp.expected(
+                int(layer), int(seen[si, li]), int(last[si, li]), int(g["layer_type"][si, li]),
+                k_item, v_item or k_item, batch, int(g["k_len"][si, li]),
+            )
+            if res is not None:
+                alloc[si, li], valid[si, li] = res
+    return alloc, valid
+
+
+def layer_kind(ctx: ReplayContext, layer: int, recorded_type: int | None = None) -> str:
+    """The config's kind of a layer, else the recorded one."""
+    g = ctx.expectation.get(layer)
+    if g is not None and recorded_type != CROSS:
+        return g.kind
+    if recorded_type is not None:
+        try:
+            return schema.LayerType(int(recorded_type)).name.lower()
+        except ValueError:
+            return "unknown"
+    return "unknown"
+
+
+def layer_ranges(layers: Iterable[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    xs = sorted({int(x) for x in layers})
+    if not xs:
+        return "none"
+    parts: list[str] = []
+    start = prev = xs[0]
+    for x in xs[1:] + [None]:  # type: ignore[list-item]
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ", ".join(parts)
+
+
+def layers_phrase(layers: Iterable[int]) -> str:
+    xs = sorted({int(x) for x in layers})
+    return f"layer {xs[0]}" if len(xs) == 1 else f"layers {layer_ranges(xs)}"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+def verb(items: Iterable[int], singular: str, plural_form: str) -> str:
+    """Agreement for messages about one or several layers."""
+    return singular if len(set(items)) == 1 else plural_form

@@ -1,0 +1,323 @@
+"""The replay context: one open trace reorganised for detectors.
+
+Requests come in time order, each with its steps, a (step x layer) grid of /kv fields, its events,
+labelled readings and retention rows; telemetry is sorted by time and can be cut per request.
+Everything is read once, lazily, from the trace's tables; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from kvtrace.analyzer.expect import Expectation, build_expectation
+from kvtrace.format import schema
+from kvtrace.format.reader import Trace
+
+# /kv fields the grid exposes, plus derived columns.
+GRID_FIELDS = (
+    "layer_type", "tokens_seen", "tokens_kept", "bytes_allocated", "bytes_valid", "bytes_unique",
+    "k_storage", "v_storage", "k_storage_bytes", "v_storage_bytes", "expanded_bytes", "t_ns",
+    "k_dtype", "v_dtype", "device",
+)
+
+
+@dataclass
+class KVGrid:
+    """/kv rows of one request as (step x layer) arrays; -1 where a (step, layer) has no row."""
+
+    steps: np.ndarray  # step ids, ascending
+    layers: np.ndarray  # layer ids, ascending
+    fields: dict[str, np.ndarray]
+    present: np.ndarray  # bool (step x layer)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.fields[name]
+
+    @property
+    def empty(self) -> bool:
+        return self.steps.size == 0
+
+    def last_row(self) -> int:
+        """Index of the last step that has rows for the most layers (the request's final state)."""
+        counts = self.present.sum(axis=1)
+        full = np.flatnonzero(counts == counts.max())
+        return int(full[-1])
+
+    def col(self, layer: int) -> int:
+        return int(np.searchsorted(self.layers, layer))
+
+
+def _grid(rows: np.ndarray) -> KVGrid:
+    steps = np.unique(rows["step"]).astype(np.int64)
+    layers = np.unique(rows["layer"]).astype(np.int64)
+    si = np.searchsorted(steps, rows["step"])
+    li = np.searchsorted(layers, rows["layer"])
+    shape = (steps.size, layers.size)
+    present = np.zeros(shape, dtype=bool)
+    present[si, li] = True
+    fields: dict[str, np.ndarray] = {}
+    for name in GRID_FIELDS:
+        arr = np.full(shape, -1, dtype=np.int64)
+        arr[si, li] = rows[name].astype(np.int64)
+        fields[name] = arr
+    for name, src, dim in (("batch", "k_shape", 0), ("k_heads", "k_shape", 1),
+                           ("k_len", "k_shape", 2), ("k_dim", "k_shape", 3),
+                           ("v_len", "v_shape", 2), ("v_dim", "v_shape", 3)):
+        arr = np.full(shape, -1, dtype=np.int64)
+        arr[si, li] = rows[src][:, dim].astype(np.int64)
+        fields[name] = arr
+    return KVGrid(steps, layers, fields, present)
+
+
+@dataclass
+class RequestTimeline:
+    """One generate() call, replayed in time order."""
+
+    request: int
+    outcome: schema.Outcome
+    batch_size: int
+    prompt_tokens: int
+    new_tokens: int
+    eos_step: int
+    start_ns: int
+    end_ns: int
+    steps: np.ndarray  # /steps rows sorted by step
+    kv: KVGrid
+    events: np.ndarray
+    readings: dict[int, np.void]  # label -> last reading row with that label
+    retention: np.ndarray
+
+    def reading(self, label: schema.ReadingLabel) -> np.void | None:
+        return self.readings.get(int(label))
+
+    @property
+    def end_or_last_ns(self) -> int:
+        """end_ns, or the last thing the trace saw of the request when it never ended."""
+        if self.end_ns:
+            return self.end_ns
+        ts = [self.start_ns]
+        if self.steps.size:
+            ts.append(int(self.steps["t_ns"].max()))
+        if self.events.size:
+            ts.append(int(self.events["t_ns"].max()))
+        return max(ts)
+
+    @property
+    def peak_kv_unique(self) -> int:
+        """Largest de-duplicated KV bytes over the request's steps (0 without rows)."""
+        if self.steps.size:
+            return int(self.steps["kv_bytes_unique"].max())
+        if not self.kv.empty:
+            return int(np.where(self.kv.present, self.kv["bytes_unique"], 0).sum(axis=1).max())
+        return 0
+
+    @property
+    def final_tokens(self) -> int:
+        if self.steps.size:
+            return int(self.steps["tokens_seen"][-1])
+        if not self.kv.empty:
+            return int(self.kv["tokens_seen"][self.kv.last_row()].max())
+        return 0
+
+    def step_of_time(self, t_ns: int) -> int | None:
+        """The step whose forward was running at t_ns (steps carry their end time)."""
+        if not self.steps.size:
+            return None
+        i = int(np.searchsorted(self.steps["t_ns"], t_ns, side="left"))
+        if i >= self.steps.size:
+            return None
+        return int(self.steps["step"][i])
+
+
+def _by_request(rows: np.ndarray, key: str = "request") -> dict[int, np.ndarray]:
+    if rows.size == 0:
+        return {}
+    order = np.argsort(rows[key], kind="stable")
+    rows = rows[order]
+    ids, starts = np.unique(rows[key], return_index=True)
+    bounds = list(starts[1:]) + [rows.size]
+    return {int(i): rows[s:e] for i, s, e in zip(ids, starts, bounds, strict=True)}
+
+
+class ReplayContext:
+    """Everything detectors read, built from an open Trace."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self.meta = trace.meta
+        self.path = str(trace.path)
+        self.layers_table = trace.layers()
+        kv = trace.kv()
+        steps = trace.steps()
+        events = trace.events()
+        readings = trace.readings()
+        retention = trace.retention()
+        self.events = events[np.argsort(events["t_ns"], kind="stable")] if events.size else events
+        self.kv_rows = kv.size
+        self.expectation: Expectation = build_expectation(
+            self.meta.model_config, self.layers_table, kv[: min(kv.size, 64)]
+        )
+        kv_by = _by_request(kv)
+        steps_by = _by_request(steps)
+        ev_by = _by_request(self.events[self.events["request"] >= 0]) if events.size else {}
+        rd_by = _by_request(readings[readings["request"] >= 0]) if readings.size else {}
+        ret_by = _by_request(retention)
+        self.requests: list[RequestTimeline] = []
+        for r in trace.requests():
+            rid = int(r["request"])
+            krows = kv_by.get(rid)
+            if krows is not None:
+                krows = krows[np.lexsort((krows["layer"], krows["step"]))]
+            srows = steps_by.get(rid, steps[:0])
+            srows = srows[np.argsort(srows["step"], kind="stable")]
+            rd: dict[int, np.void] = {}
+            for row in rd_by.get(rid, readings[:0]):
+                rd[int(row["label"])] = row
+            try:
+                outcome = schema.Outcome(int(r["outcome"]))
+            except ValueError:
+                outcome = schema.Outcome.ERROR
+            self.requests.append(RequestTimeline(
+                rid, outcome, int(r["batch_size"]), int(r["prompt_tokens"]), int(r["new_tokens"]),
+                int(r["eos_step"]), int(r["start_ns"]), int(r["end_ns"]), srows,
+                _grid(krows) if krows is not None else _grid(kv[:0]),
+                ev_by.get(rid, events[:0]), rd, ret_by.get(rid, retention[:0]),
+            ))
+        self.requests.sort(key=lambda t: (t.start_ns, t.request))
+        self.unattributed_readings = readings[readings["request"] < 0] if readings.size else readings
+
+    # ---- telemetry ------------------------------------------------------------------------------
+
+    @cached_property
+    def allocator(self) -> np.ndarray:
+        return _sorted(self.trace.allocator())
+
+    @cached_property
+    def nvml(self) -> np.ndarray:
+        return _sorted(self.trace.nvml())
+
+    @cached_property
+    def process(self) -> np.ndarray:
+        return _sorted(self.trace.process())
+
+    @cached_property
+    def devices(self) -> list[dict[str, Any]]:
+        return [
+            {"index": int(d["device"]), "name": d["name"].decode(errors="replace"),
+             "total_memory_bytes": int(d["total_memory_bytes"])}
+            for d in self.trace.devices()
+        ]
+
+    def device_total(self, device: int) -> int | None:
+        for d in self.devices:
+            if d["index"] == device and d["total_memory_bytes"] > 0:
+                return d["total_memory_bytes"]
+        return None
+
+    @property
+    def gpu_devices(self) -> list[int]:
+        return [d["index"] for d in self.devices if d["index"] >= 0]
+
+    @staticmethod
+    def window(rows: np.ndarray, t0: int, t1: int) -> np.ndarray:
+        """Rows of a time-sorted table with t0 <= t_ns <= t1."""
+        if rows.size == 0:
+            return rows
+        lo = int(np.searchsorted(rows["t_ns"], t0, side="left"))
+        hi = int(np.searchsorted(rows["t_ns"], t1, side="right"))
+        return rows[lo:hi]
+
+    def request_at(self, t_ns: int) -> RequestTimeline | None:
+        for req in self.requests:
+            if req.start_ns <= t_ns <= req.end_or_last_ns:
+                return req
+        return None
+
+    # ---- availability ---------------------------------------------------------------------------
+
+    def source_reason(self, name: str) -> str:
+        entry = self.meta.sources.get(name)
+        if isinstance(entry, dict) and entry.get("reason"):
+            return str(entry["reason"])
+        return "not recorded"
+
+    def has_allocator(self) -> bool:
+        if self.allocator.size:
+            return True
+        return any(int(r["allocated_bytes"]) >= 0 for t in self.requests for r in t.readings.values())
+
+    def has_nvml(self) -> bool:
+        if self.nvml.size:
+            return True
+        return any(int(r["nvml_used_bytes"]) >= 0 for t in self.requests for r in t.readings.values())
+
+    def has_retention_tracking(self) -> bool:
+        """Whether the recorder looked for surviving KV storages after each request (an empty
+        /retention table then means nothing survived, not that nobody looked)."""
+        for key in ("retention", "cache_structure"):
+            if self.meta.source_available(key):
+                return any(
+                    schema.ReadingLabel.AFTER_GC in t.readings or t.retention.size for t in self.requests
+                ) or self.trace.nrows("retention") > 0
+        return self.trace.nrows("retention") > 0
+
+    def missing(self, need: str) -> str | None:
+        """None when the trace holds `need`, else a one-line reason it does not."""
+        if need == "kv":
+            return None if self.kv_rows else "the trace holds no per-layer KV rows (/kv is empty)"
+        if need == "steps":
+            return None if self.trace.nrows("steps") else "the trace holds no per-step rows (/steps is empty)"
+        if need == "requests":
+            return None if self.requests else "the trace holds no requests"
+        if need == "config":
+            if self.expectation.source == "config":
+                return None
+            return "; ".join(self.expectation.notes) or "no usable model config"
+        if need == "allocator":
+            if self.has_allocator():
+                return None
+            return f"no torch allocator data in this trace ({self.source_reason('allocator')})"
+        if need == "nvml":
+            if self.has_nvml():
+                return None
+            return f"no NVML data in this trace ({self.source_reason('nvml')})"
+        if need == "readings":
+            return None if self.trace.nrows("readings") else "the trace holds no labelled memory readings"
+        if need == "device_memory":
+            if any(self.device_total(d) for d in self.gpu_devices):
+                return None
+            return "the trace names no GPU with a known memory size"
+        raise ValueError(f"unknown need {need!r}")
+
+    # ---- identity -------------------------------------------------------------------------------
+
+    @property
+    def device_label(self) -> str:
+        if not self.devices:
+            return "unknown device"
+        return ", ".join(
+            f"{'cpu' if d['index'] < 0 else 'cuda:' + str(d['index'])} {d['name']}" for d in self.devices
+        )
+
+
+def _sorted(rows: np.ndarray) -> np.ndarray:
+    if rows.size < 2:
+        return rows
+    return rows[np.argsort(rows["t_ns"], kind="stable")]
+
+
+@dataclass
+class LayerFacts:
+    """Per-layer facts of one request at one step (used by several detectors)."""
+
+    layer: int
+    kind: str
+    bytes_valid: int
+    bytes_allocated: int
+    tokens_kept: int
+    tokens_seen: int
+    extra: dict[str, Any] = field(default_factory=dict)

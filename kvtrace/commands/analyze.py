@@ -1,0 +1,80 @@
+"""`kvtrace analyze TRACE... [--json FILE] [--fail-on SEVERITY] [--detector NAME...]`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvtrace import exitcodes
+from kvtrace.analyzer.base import SEVERITY_NAMES
+from kvtrace.commands.common import CannotWrite, exit_code_for, guarded, json_dump
+from kvtrace.format.errors import TraceError
+
+
+@click.command("analyze")
+@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
+              help="Also write the report as JSON (spec/analysis-json.md) to FILE; '-' for stdout only.")
+@click.option("--fail-on", type=click.Choice(SEVERITY_NAMES, case_sensitive=False), default=None,
+              help="Exit 3 when any finding reaches this severity (CI gating).")
+@click.option("--detector", "detectors", multiple=True, metavar="NAME",
+              help="Run only this detector (repeatable). See --list-detectors.")
+@click.option("--list-detectors", is_flag=True, help="List the detectors and exit.")
+@click.option("--quiet", "-q", is_flag=True, help="Print only findings above info.")
+@guarded
+def analyze(traces: tuple[str, ...], json_path: str | None, fail_on: str | None,
+            detectors: tuple[str, ...], list_detectors: bool, quiet: bool) -> None:
+    """Replay traces through the detectors and report findings.
+
+    \b
+    Exit codes: 0 done (no finding reached --fail-on), 3 a finding reached --fail-on,
+    1 invalid trace, 2 unreadable / not a trace, 4 trace format newer than this kvtrace.
+    Examples:
+      kvtrace analyze run.kvt.h5
+      kvtrace analyze run.kvt.h5 --json report.json --fail-on high
+      kvtrace analyze run.kvt.h5 --detector growth_curve --detector post_eos
+    Sizes are printed in binary units (KiB = 1024 bytes).
+    """
+    from kvtrace.analyzer import analyze as run_analysis
+    from kvtrace.analyzer import detector_names, document, get_detectors
+    from kvtrace.analyzer.base import Severity
+    from kvtrace.analyzer.terminal import console_for, render
+
+    if list_detectors:
+        for name in detector_names():
+            det = get_detectors([name])[0]
+            click.echo(f"{name:18s} {det.summary}")
+        return
+    try:
+        get_detectors(detectors or None)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    to_stdout_json = json_path == "-"
+    console = console_for(sys.stderr if to_stdout_json else None)
+    reports = []
+    error_code = 0
+    for path in traces:
+        try:
+            report = run_analysis(path, detectors or None)
+        except TraceError as exc:
+            click.echo(f"kvtrace: {exc}", err=True)
+            error_code = error_code or exit_code_for(exc)
+            continue
+        reports.append(report)
+        if not to_stdout_json:
+            render(report, console, show_info=not quiet)
+    if json_path:
+        text = json_dump(document(reports))
+        if to_stdout_json:
+            click.echo(text)
+        else:
+            try:
+                with open(json_path, "w", encoding="utf-8") as fh:
+                    fh.write(text + "\n")
+            except OSError as exc:
+                raise CannotWrite(f"cannot write {json_path}: {exc.strerror}") from None
+    if error_code:
+        sys.exit(error_code)
+    if fail_on and any(r.reaches(Severity.parse(fail_on)) for r in reports):
+        sys.exit(exitcodes.FINDINGS)
