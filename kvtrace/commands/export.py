@@ -1,0 +1,176 @@
+"""`kvtrace export perfetto | zenodo | prometheus-textfile`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvtrace import exitcodes
+from kvtrace.commands.common import fail, guarded, json_dump
+
+
+@click.group("export")
+def export() -> None:
+    """Export traces to Perfetto, Zenodo, or a Prometheus textfile.
+
+    \b
+    Examples:
+      kvtrace export perfetto run.kvt.h5 -o run.json        # open in ui.perfetto.dev
+      kvtrace export zenodo a.kvt.h5 b.kvt.h5 -o bundle/ --creator "Doe, Jane; Uni X"
+      kvtrace export prometheus-textfile run.kvt.h5 -o /var/lib/node_exporter/kvtrace.prom
+    """
+
+
+def _quiet_options(fn):
+    fn = click.option("--json", "as_json", is_flag=True, help="Print only a JSON summary.")(fn)
+    return click.option("--quiet", "-q", is_flag=True, help="Print nothing (errors still go to stderr).")(fn)
+
+
+@export.command("perfetto")
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="trace.json", show_default=True,
+              help="Chrome trace-event JSON file to write.")
+@click.option("--no-analysis", is_flag=True, help="Do not run the analyser (no finding instants).")
+@_quiet_options
+@guarded
+def perfetto(trace: str, output: str, no_analysis: bool, quiet: bool, as_json: bool) -> None:
+    """Write TRACE as Chrome trace-event JSON for ui.perfetto.dev or chrome://tracing.
+
+    One process per device with a counter track (bytes) for every memory series: NVML used,
+    allocator reserved / allocated / inactive split, KV cache. A host process holds request,
+    prefill and decode spans, phase instants (EOS, gc, empty_cache, OOM, ...) and the analyser's
+    findings. Timestamps: microseconds since the trace's start.
+
+    \b
+    Examples:
+      kvtrace export perfetto run.kvt.h5 -o run.json
+      kvtrace export perfetto run.kvt.h5 -o run.json --no-analysis --json
+    """
+    from kvtrace.export.perfetto import write_perfetto
+    from kvtrace.report.progress import progress_bar
+
+    with progress_bar("perfetto", 3, enabled=not (quiet or as_json)) as steps:
+        path, info = write_perfetto(trace, output, run_analyzer=not no_analysis, progress=steps)
+    if as_json:
+        click.echo(json_dump({"output": str(path), **info}))
+    elif not quiet:
+        click.echo(f"wrote {path} ({info['events']} events); open it in https://ui.perfetto.dev")
+        if info["findings"] is None:
+            click.echo(f"  no finding instants: {info['note']}")
+
+
+@export.command("zenodo")
+@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
+              help="Bundle directory to create (must not exist, or be empty).")
+@click.option("--creator", "creators", multiple=True,
+              help="'Family, Given[; affiliation[; ORCID]]'. Repeat for several; at least one is needed.")
+@click.option("--title", default=None, help="Dataset title (default: generated from the models).")
+@click.option("--description", default=None, help="Dataset description (default: generated from the traces).")
+@click.option("--license", "license_", default="cc-by-4.0", show_default=True,
+              type=click.Choice(["cc-by-4.0", "cc0-1.0", "cc-by-sa-4.0", "cc-by-nc-4.0", "odc-by-1.0",
+                                 "odbl-1.0", "pddl-1.0"]), help="Zenodo license id.")
+@click.option("--keyword", "keywords", multiple=True, help="Extra keyword; repeat for several.")
+@click.option("--version", "version", default="1.0", show_default=True, help="Dataset version.")
+@click.option("--related", "related", multiple=True,
+              help="RELATION:IDENTIFIER, e.g. isSupplementTo:10.5281/zenodo.123; repeat for several.")
+@click.option("--allow-content", is_flag=True,
+              help="Archive traces that hold prompt text or sampled tensor contents (refused otherwise).")
+@_quiet_options
+@guarded
+def zenodo(traces: tuple[str, ...], output: str, creators: tuple[str, ...], title: str | None,
+           description: str | None, license_: str, keywords: tuple[str, ...], version: str,
+           related: tuple[str, ...], allow_content: bool, quiet: bool, as_json: bool) -> None:
+    """Make an upload-ready Zenodo dataset bundle from TRACES: the traces under data/,
+    .zenodo.json, CITATION.cff, a README data card (models, devices, software, requests, steps,
+    data quality) and SHA256SUMS.
+
+    Traces that hold prompt text or tensor contents are refused unless --allow-content is
+    given; invalid traces are refused.
+
+    \b
+    Examples:
+      kvtrace export zenodo runs/*.kvt.h5 -o bundle/ --creator "Doe, Jane; Uni X; 0000-0002-1825-0097"
+      kvtrace export zenodo a.kvt.h5 -o bundle/ --creator "Doe, Jane" --title "gpt-oss KV traces" \\
+          --related isSupplementTo:10.5281/zenodo.19871039 --json
+    """
+    from kvtrace.export import zenodo as z
+    from kvtrace.format.reader import Trace
+    from kvtrace.report.progress import progress_bar
+
+    try:
+        parsed_creators = [z.Creator.parse(c) for c in creators]
+        parsed_related = [z.Related.parse(r) for r in related]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if not parsed_creators:
+        raise click.UsageError("--creator is required (Zenodo needs at least one creator)")
+    if title is None:
+        models = set()
+        for p in traces:
+            with Trace(p) as t:
+                models.add(t.meta.model_id)
+        title = f"KV-cache traces of {', '.join(sorted(models))} (kvtrace)"
+    options = z.BundleOptions(title, parsed_creators, description, license_, keywords, version,
+                              parsed_related, allow_content)
+    total = 2 * sum(Path(p).stat().st_size for p in traces if Path(p).is_file()) + 1
+    with progress_bar("zenodo", total, enabled=not (quiet or as_json)) as steps:
+        try:
+            bundle = z.export_zenodo(traces, output, options,
+                                     progress=lambda what, n: steps.advance(n, what))
+        except z.ContentRefused as exc:
+            fail(str(exc), exitcodes.USAGE)
+        except z.BundleError as exc:
+            code = {"invalid": exitcodes.INVALID, "output": exitcodes.CANNOT_WRITE}.get(exc.kind, exitcodes.USAGE)
+            fail(str(exc), code)
+    if as_json:
+        click.echo(json_dump({
+            "directory": str(bundle.directory),
+            "files": [str(p.relative_to(bundle.directory)) for p in bundle.files if p.is_file()],
+            "traces": [{"file": c.file, "sha256": c.sha256, "bytes": c.bytes,
+                        "problems": c.quality.problems} for c in bundle.traces],
+        }))
+    elif not quiet:
+        click.echo(f"bundle written to {bundle.directory} ({len(bundle.traces)} traces)")
+        for c in bundle.traces:
+            flag = f"{len(c.quality.problems)} data-quality notes" if c.quality.problems else "clean"
+            click.echo(f"  {c.file}: {flag}")
+        click.echo(f"check with: (cd {bundle.directory} && sha256sum -c SHA256SUMS)")
+
+
+@export.command("prometheus-textfile")
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Textfile to write (node_exporter textfile collector; name it *.prom).")
+@_quiet_options
+@guarded
+def prometheus_textfile(trace: str, output: str, quiet: bool, as_json: bool) -> None:
+    """Write the final state of a recorded TRACE as Prometheus metrics for node_exporter's
+    textfile collector (batch jobs that cannot be scraped while they run).
+
+    Same metric names as the live endpoint of 'kvtrace record --prometheus HOST:PORT'.
+
+    \b
+    Examples:
+      kvtrace export prometheus-textfile run.kvt.h5 -o /var/lib/node_exporter/textfile/kvtrace.prom
+    """
+    from kvtrace.commands.common import CannotWrite
+    from kvtrace.export.prometheus import exporter_from_trace
+    from kvtrace.format.reader import Trace
+
+    out = Path(output)
+    if not out.parent.is_dir():
+        raise CannotWrite(f"{out.parent}: directory does not exist")
+    with Trace(trace) as t:
+        exp = exporter_from_trace(t, out)
+    try:
+        exp.write_textfile()
+    except OSError as exc:
+        raise CannotWrite(f"{out}: cannot write ({exc.strerror})") from None
+    text = exp.render()
+    series = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+    if as_json:
+        click.echo(json_dump({"output": str(out), "series": series}))
+    elif not quiet:
+        click.echo(f"wrote {out} ({series} series)")

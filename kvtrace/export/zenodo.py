@@ -1,0 +1,403 @@
+"""An upload-ready Zenodo dataset bundle from one or more traces.
+
+DIR/
+  data/<trace files>      byte-for-byte copies
+  .zenodo.json            deposit metadata (upload_type dataset, creators, license, ...)
+  CITATION.cff            Citation File Format 1.2.0
+  README.md               data card generated from the traces, with a data-quality assessment
+  SHA256SUMS              `sha256sum -c SHA256SUMS` checks every other file
+
+Traces holding prompt text or tensor contents are refused unless the caller allows content:
+an archive is public and permanent, so the user has to say so explicitly. Traces that fail
+validation are refused outright.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtrace._version import __version__
+from kvtrace.format.reader import Trace
+from kvtrace.format.summary import summarize
+from kvtrace.format.validate import validate
+from kvtrace.report import quality
+from kvtrace.units import format_bytes
+
+# Zenodo license id -> SPDX id (CITATION.cff wants SPDX).
+LICENSES = {
+    "cc-by-4.0": "CC-BY-4.0", "cc0-1.0": "CC0-1.0", "cc-by-sa-4.0": "CC-BY-SA-4.0",
+    "cc-by-nc-4.0": "CC-BY-NC-4.0", "odc-by-1.0": "ODC-By-1.0", "odbl-1.0": "ODbL-1.0",
+    "pddl-1.0": "PDDL-1.0",
+}
+# Relations Zenodo accepts in related_identifiers (DataCite relation types).
+RELATIONS = (
+    "isCitedBy", "cites", "isSupplementTo", "isSupplementedBy", "isContinuedBy", "continues",
+    "isDescribedBy", "describes", "hasMetadata", "isMetadataFor", "isNewVersionOf", "isPreviousVersionOf",
+    "isPartOf", "hasPart", "isReferencedBy", "references", "isDocumentedBy", "documents", "isCompiledBy",
+    "compiles", "isVariantFormOf", "isOriginalFormOf", "isIdenticalTo", "isAlternateIdentifier",
+    "isReviewedBy", "reviews", "isDerivedFrom", "isSourceOf", "requires", "isRequiredBy",
+    "isObsoletedBy", "obsoletes",
+)
+KEYWORDS = ("KV cache", "LLM inference", "GPU memory", "kvtrace", "transformers")
+HASH_CHUNK = 4 * 1024 * 1024
+
+Progress = Callable[[str, int], None]  # (what, bytes done since last call)
+
+
+class ContentRefused(Exception):
+    """A trace holds prompt text or tensor contents and content was not allowed."""
+
+
+class BundleError(Exception):
+    """The bundle cannot be made from these inputs; `kind` is "usage", "invalid" or "output"."""
+
+    def __init__(self, message: str, kind: str = "usage") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Creator:
+    name: str  # "Family, Given" as Zenodo wants it
+    affiliation: str | None = None
+    orcid: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> Creator:
+        """'Family, Given[; affiliation[; ORCID]]'."""
+        parts = [p.strip() for p in spec.split(";")]
+        name = parts[0]
+        if not name:
+            raise ValueError(f"creator {spec!r}: empty name")
+        orcid = parts[2] if len(parts) > 2 and parts[2] else None
+        if orcid:
+            orcid = orcid.removeprefix("https://orcid.org/")
+            if not re.fullmatch(r"\d{4}-\d{4}-\d{4}-\d{3}[\dX]", orcid):
+                raise ValueError(f"creator {spec!r}: ORCID {orcid!r} is not 0000-0000-0000-0000")
+        if len(parts) > 3:
+            raise ValueError(f"creator {spec!r}: expected 'Family, Given; affiliation; ORCID'")
+        return cls(name, (parts[1] or None) if len(parts) > 1 else None, orcid)
+
+
+@dataclass(frozen=True)
+class Related:
+    relation: str
+    identifier: str
+
+    @classmethod
+    def parse(cls, spec: str) -> Related:
+        """'RELATION:IDENTIFIER', e.g. 'isSupplementTo:10.5281/zenodo.123'."""
+        relation, sep, identifier = spec.partition(":")
+        if not sep or not identifier.strip():
+            raise ValueError(f"related identifier {spec!r}: expected RELATION:IDENTIFIER")
+        match = {r.lower(): r for r in RELATIONS}.get(relation.strip().lower())
+        if match is None:
+            raise ValueError(f"related identifier {spec!r}: unknown relation {relation!r} "
+                             f"(one of {', '.join(RELATIONS)})")
+        return cls(match, identifier.strip())
+
+
+@dataclass
+class BundleOptions:
+    title: str
+    creators: Sequence[Creator]
+    description: str | None = None
+    license: str = "cc-by-4.0"
+    keywords: Sequence[str] = ()
+    version: str = "1.0"
+    related: Sequence[Related] = ()
+    allow_content: bool = False
+    publication_date: str | None = None  # YYYY-MM-DD; today (UTC) when None
+
+
+@dataclass
+class TraceCard:
+    """What the data card says about one trace."""
+
+    file: str
+    bytes: int
+    sha256: str
+    summary: dict[str, Any]
+    steps: int
+    quality: quality.Quality
+    validation_warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Bundle:
+    directory: Path
+    files: list[Path]
+    traces: list[TraceCard]
+
+
+def content_problems(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
+    """One line per trace that holds prompt text or tensor contents, saying which."""
+    out = []
+    for p in paths:
+        with Trace(p) as t:
+            what = []
+            if t.meta.contains_prompt_text:
+                what.append("prompt text (meta.contains_prompt_text)")
+            if t.meta.contains_tensor_payloads:
+                what.append(f"tensor contents ({t.nrows('payloads/index')} sampled tensors, "
+                            "meta.contains_tensor_payloads)")
+            if what:
+                out.append(f"{p}: holds {' and '.join(what)}")
+    return out
+
+
+def sha256_file(path: Path, progress: Progress | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(HASH_CHUNK):
+            h.update(chunk)
+            if progress:
+                progress(f"hash {path.name}", len(chunk))
+    return h.hexdigest()
+
+
+def _copy(src: Path, dst: Path, progress: Progress | None) -> None:
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        while chunk := fi.read(HASH_CHUNK):
+            fo.write(chunk)
+            if progress:
+                progress(f"copy {src.name}", len(chunk))
+    shutil.copystat(src, dst)
+
+
+def export_zenodo(
+    traces: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    options: BundleOptions,
+    progress: Progress | None = None,
+) -> Bundle:
+    """Build the bundle. Raises ContentRefused, BundleError, or the reader's errors."""
+    if not traces:
+        raise BundleError("no traces given")
+    if not options.creators:
+        raise BundleError("at least one creator is needed (Zenodo requires creators)")
+    if options.license not in LICENSES:
+        raise BundleError(f"license {options.license!r} not supported (one of {', '.join(LICENSES)})")
+    paths = [Path(p) for p in traces]
+    names = [p.name for p in paths]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise BundleError(f"two traces share a file name ({', '.join(clash)}); rename one")
+    problems = content_problems(paths)
+    if problems and not options.allow_content:
+        raise ContentRefused(
+            "refusing to archive content: " + "; ".join(problems)
+            + ". A Zenodo record is public and permanent; re-record without prompt text / sampling, "
+            "or pass --allow-content if publishing it is intended")
+    for p in paths:
+        report = validate(p)
+        if not report.valid:
+            raise BundleError(f"{p}: not a valid trace ({'; '.join(report.problems[:3])}); "
+                              "run 'kvtrace validate' for the full list", "invalid")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BundleError(f"{out}: exists and is not an empty directory", "output")
+    try:
+        (out / "data").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BundleError(f"{out}: cannot create ({exc.strerror})", "output") from None
+
+    cards: list[TraceCard] = []
+    for p in paths:
+        dst = out / "data" / p.name
+        _copy(p, dst, progress)
+        with Trace(dst) as t:
+            summary = summarize(t)
+            q = quality.assess(t)
+            steps = t.nrows("steps")
+        cards.append(TraceCard(f"data/{p.name}", dst.stat().st_size, "", summary, steps, q,
+                               validate(dst, check_payloads=False).warnings))
+    date = options.publication_date or _dt.datetime.now(_dt.timezone.utc).date().isoformat()
+    description = options.description or _default_description(cards)
+    (out / ".zenodo.json").write_text(json.dumps(zenodo_metadata(options, cards, description, date), indent=2)
+                                      + "\n", encoding="utf-8")
+    (out / "CITATION.cff").write_text(citation_cff(options, description, date), encoding="utf-8")
+    files = [out / c.file for c in cards] + [out / ".zenodo.json", out / "CITATION.cff"]
+    sums: dict[str, str] = {}
+    for f in files:
+        sums[f.relative_to(out).as_posix()] = sha256_file(f, progress)
+    for c in cards:
+        c.sha256 = sums[c.file]
+    (out / "README.md").write_text(data_card(options, cards, description, date), encoding="utf-8")
+    sums["README.md"] = sha256_file(out / "README.md")
+    (out / "SHA256SUMS").write_text("".join(f"{h}  {n}\n" for n, h in sorted(sums.items())), encoding="utf-8")
+    return Bundle(out, sorted(out.rglob("*"), key=str), cards)
+
+
+# ---- metadata files -----------------------------------------------------------------------------
+
+
+def _models(cards: Sequence[TraceCard]) -> list[str]:
+    return sorted({f"{c.summary['model']['id']} ({c.summary['model']['type']})" for c in cards})
+
+
+def _devices(cards: Sequence[TraceCard]) -> list[str]:
+    out = set()
+    for c in cards:
+        for d in c.summary["devices"]:
+            total = format_bytes(d["total_memory_bytes"]) if d["total_memory_bytes"] >= 0 else "unknown memory"
+            out.add(f"{d['name']} ({total})")
+    return sorted(out)
+
+
+def _default_description(cards: Sequence[TraceCard]) -> str:
+    n_req = sum(c.summary["requests"]["count"] for c in cards)
+    return (f"KV-cache traces recorded with kvtrace: {len(cards)} trace file(s), {n_req} generate "
+            f"requests, models {', '.join(_models(cards))}. Each file is an HDF5 trace in the kvtrace "
+            f"format (per-layer KV-cache shapes and bytes per step, NVML and PyTorch allocator "
+            f"telemetry, labelled memory readings around each request).")
+
+
+def zenodo_metadata(options: BundleOptions, cards: Sequence[TraceCard], description: str, date: str
+                    ) -> dict[str, Any]:
+    creators = []
+    for c in options.creators:
+        entry: dict[str, str] = {"name": c.name}
+        if c.affiliation:
+            entry["affiliation"] = c.affiliation
+        if c.orcid:
+            entry["orcid"] = c.orcid
+        creators.append(entry)
+    keywords = list(dict.fromkeys([*options.keywords, *KEYWORDS,
+                                   *sorted({c.summary["model"]["type"] for c in cards})]))
+    meta: dict[str, Any] = {
+        "upload_type": "dataset",
+        "title": options.title,
+        "description": description,
+        "creators": creators,
+        "access_right": "open",
+        "license": options.license,
+        "keywords": keywords,
+        "version": options.version,
+        "publication_date": date,
+        "related_identifiers": [{"relation": r.relation, "identifier": r.identifier} for r in options.related],
+        "notes": f"Bundle written by kvtrace {__version__}; trace format "
+                 f"{', '.join(sorted({c.summary['format_version'] for c in cards}))}. "
+                 "Sizes in the data card use binary units (KiB = 1024 B).",
+    }
+    return meta
+
+
+def _yaml_str(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)  # a JSON string is a valid YAML double-quoted scalar
+
+
+def citation_cff(options: BundleOptions, description: str, date: str) -> str:
+    lines = [
+        "cff-version: 1.2.0",
+        'message: "If you use this dataset, please cite it as below."',
+        "type: dataset",
+        f"title: {_yaml_str(options.title)}",
+        f"abstract: {_yaml_str(description)}",
+        "authors:",
+    ]
+    for c in options.creators:
+        family, sep, given = c.name.partition(",")
+        if sep and given.strip():
+            lines.append(f"  - family-names: {_yaml_str(family.strip())}")
+            lines.append(f"    given-names: {_yaml_str(given.strip())}")
+        else:
+            lines.append(f"  - name: {_yaml_str(c.name)}")
+        if c.affiliation:
+            lines.append(f"    affiliation: {_yaml_str(c.affiliation)}")
+        if c.orcid:
+            lines.append(f"    orcid: {_yaml_str('https://orcid.org/' + c.orcid)}")
+    lines += [
+        f"version: {_yaml_str(options.version)}",
+        f"date-released: {_yaml_str(date)}",
+        f"license: {LICENSES[options.license]}",
+        "keywords:",
+        *(f"  - {_yaml_str(k)}" for k in dict.fromkeys([*options.keywords, *KEYWORDS])),
+    ]
+    dois = [r for r in options.related if r.identifier.startswith("10.")]
+    if dois:
+        lines.append("references:")
+        for r in dois:
+            lines += ["  - type: generic", f"    title: {_yaml_str(f'{r.relation} {r.identifier}')}",
+                      f"    doi: {_yaml_str(r.identifier)}"]
+    return "\n".join(lines) + "\n"
+
+
+def data_card(options: BundleOptions, cards: Sequence[TraceCard], description: str, date: str) -> str:
+    n_req = sum(c.summary["requests"]["count"] for c in cards)
+    n_steps = sum(c.steps for c in cards)
+    software: dict[str, set[str]] = {}
+    for c in cards:
+        for k, v in c.summary["software"].items():
+            software.setdefault(k, set()).add(str(v))
+    lines = [
+        f"# {options.title}",
+        "",
+        description,
+        "",
+        f"- Version: {options.version}, published {date}",
+        f"- License: {LICENSES[options.license]}",
+        f"- Creators: {'; '.join(c.name for c in options.creators)}",
+        f"- Produced by kvtrace {__version__} (HDF5 trace format; read with `kvtrace info FILE`, "
+        "`kvtrace report FILE`, or any HDF5 reader with the zstd filter for sampled contents)",
+        "- Sizes are binary units: 1 KiB = 1024 bytes, 1 MiB = 2^20, 1 GiB = 2^30.",
+        "",
+        "## Contents",
+        "",
+        f"- {len(cards)} traces, {n_req} requests, {n_steps} recorded steps",
+        f"- Models: {', '.join(_models(cards))}",
+        f"- Devices: {', '.join(_devices(cards)) or 'none recorded'}",
+        *(f"- {k}: {', '.join(sorted(v))}" for k, v in sorted(software.items())),
+        "",
+        "| file | bytes | model | requests (outcomes) | steps | new tokens | layers | prompt text | tensor contents |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cards:
+        s = c.summary
+        outcomes = ", ".join(f"{n} {k}" for k, n in sorted(s["requests"]["outcomes"].items())) or "none"
+        layers = ", ".join(f"{n} {k}" for k, n in sorted(s["layers"]["types"].items())) or "none"
+        lines.append(
+            f"| `{c.file}` | {format_bytes(c.bytes)} | {s['model']['id']} | {s['requests']['count']} ({outcomes}) "
+            f"| {c.steps} | {s['requests']['new_tokens']} | {s['layers']['count']} ({layers}) "
+            f"| {'yes' if s['contains_prompt_text'] else 'no'} | "
+            f"{'yes (' + str(s['payloads']['count']) + ' tensors)' if s['contains_tensor_payloads'] else 'no'} |")
+    lines += ["", "## Data quality", ""]
+    lines += [
+        "Counted from each trace: DROPPED_SAMPLES and RECORDER_ERROR events, sources the recorder "
+        "marked unavailable in its metadata, telemetry timestamp gaps longer than "
+        f"{quality.GAP_FACTOR} sampling periods, requests that did not end OK, and traces the "
+        "writer never closed.",
+        "",
+        "| file | complete | dropped samples | unavailable sources | recorder errors | clock gaps | requests not OK |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in cards:
+        q = c.quality
+        not_ok = {k: v for k, v in q.requests_by_outcome.items() if k != "ok"}
+        lines.append(
+            f"| `{c.file}` | {'yes' if q.complete else 'NO'} | {q.dropped_samples} | "
+            f"{', '.join(sorted(q.unavailable_sources)) or 'none'} | {q.recorder_errors} | {q.clock_gaps} | "
+            f"{', '.join(f'{n} {k}' for k, n in sorted(not_ok.items())) or 'none'} |")
+    lines.append("")
+    for c in cards:
+        details = c.quality.problems + [f"validation warning: {w}" for w in c.validation_warnings]
+        if details:
+            lines.append(f"`{c.file}`:")
+            lines += [f"- {p}" for p in details]
+            lines.append("")
+    if all(not c.quality.problems and not c.validation_warnings for c in cards):
+        lines += ["No data-quality problems were found in any trace.", ""]
+    lines += ["## Integrity", "", "`sha256sum -c SHA256SUMS` checks every file of this bundle.", "",
+              "| file | sha256 |", "|---|---|"]
+    lines += [f"| `{c.file}` | `{c.sha256}` |" for c in cards]
+    return "\n".join(lines) + "\n"
+
