@@ -21,7 +21,6 @@ from kvtrace.format.schema import (
     CacheDType,
     EventKind,
     PayloadKind,
-    ReadingLabel,
 )
 from kvtrace.format.writer import TraceWriter, encode_payload, monotonic_ns
 
@@ -349,6 +348,11 @@ class PayloadSampler:
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout=timeout)
 
+    def own_device_bytes_on(self, device: int) -> int:
+        """Peak device bytes the sampler itself held on ``device`` (0 if it never staged there)."""
+        with self._lock:
+            return self._own_by_device.get(device, 0)
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {
@@ -361,8 +365,9 @@ class PayloadSampler:
             }
 
     def close(self) -> dict[str, int]:
-        """Drain, stop the workers, record drops/failures and the sampler's own device bytes
-        (one RECORDER_OWN reading per CUDA device used). Idempotent; returns the stats."""
+        """Drain, stop the workers, record drops (DROPPED_SAMPLES) and failures (RECORDER_ERROR).
+        Idempotent; returns the stats. The session writes the RECORDER_OWN readings (per
+        request, from ``own_device_bytes_on``), so they are not written twice here."""
         if self._stats is not None:
             return self._stats
         self._closed = True
@@ -388,9 +393,6 @@ class PayloadSampler:
         if s.get("failed"):
             off, n = w.add_text(f"sampling: {s['failed']} sample(s) failed, last: {self.last_error}")
             w.append("events", (t, int(EventKind.RECORDER_ERROR), -1, -1, -1, -1, s["failed"], off, n))
-        for device, nbytes in sorted(self._own_by_device.items()):
-            w.append("readings", (t, -1, int(ReadingLabel.RECORDER_OWN), device, nbytes,
-                                  -1, -1, -1, -1, -1, -1))
 
 
 def _rows_contiguous(view: torch.Tensor) -> bool:

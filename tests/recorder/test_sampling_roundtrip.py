@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvtrace.format import CacheDType, EventKind, PayloadKind, ReadingLabel, TraceWriter, open_trace  # noqa: E402
+from kvtrace.format import CacheDType, EventKind, PayloadKind, TraceWriter, open_trace  # noqa: E402
 from kvtrace.recorder.sampling import PayloadSampler, SamplingSettings  # noqa: E402
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -75,8 +75,7 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path, dtype, code) -> None:
         np.testing.assert_array_equal(p.data.view(f"u{src.element_size()}").reshape(p.shape), _bits(src))
     if dtype in (torch.float32, torch.float16, torch.bfloat16):  # and the reader widens them right
         np.testing.assert_array_equal(payloads[0].to_float32(), k.float().numpy())
-    # CPU-only run: no device allocations, so no RECORDER_OWN reading is claimed.
-    assert not (info["readings"]["label"] == int(ReadingLabel.RECORDER_OWN)).any()
+    # CPU-only run: the sampler allocated nothing on any device, and says so.
     assert info["stats"]["own_device_bytes"] == 0
 
 
