@@ -22,8 +22,12 @@ def record(model: Any, path: str, **options: Any) -> Any:
     """Context manager recording every `generate` call on `model` into `path`.
 
     Needs the `record` extra (torch, transformers)."""
-    from kvtrace.recorder import record as _record
-
+    try:
+        from kvtrace.recorder import record as _record
+    except ImportError as exc:
+        raise ImportError(
+            f"recording needs torch and transformers ({exc}); install with: pip install 'kvtrace[record]'"
+        ) from exc
     return _record(model, path, **options)
 
 

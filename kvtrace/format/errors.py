@@ -21,3 +21,11 @@ class InvalidTrace(TraceError):
 
 class CorruptChunk(TraceError):
     """A payload chunk that does not decode, or claims an impossible size."""
+
+
+class CorruptTrace(TraceError):
+    """HDF5 structures that fail to read: truncated or damaged file."""
+
+
+# What h5py raises on damaged files (RuntimeError for broken heaps, OSError for I/O).
+H5_READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)

@@ -17,7 +17,15 @@ import numpy as np
 
 from kvtrace.format import schema
 from kvtrace.format.codec import decode_chunk
-from kvtrace.format.errors import CorruptChunk, InvalidTrace, NotATrace, UnsupportedVersion
+from kvtrace.format.errors import (
+    H5_READ_ERRORS,
+    CorruptChunk,
+    CorruptTrace,
+    InvalidTrace,
+    NotATrace,
+    TraceError,
+    UnsupportedVersion,
+)
 from kvtrace.format.numeric import to_float32
 
 MAX_JSON_ATTR_BYTES = 64 * 1024 * 1024
@@ -105,11 +113,16 @@ def _open_h5(path: Path) -> tuple[h5py.File, bool]:
     try:
         return h5py.File(path, "r"), True
     except OSError as first:
+        message = str(first)
+        # Only a writer's leftover SWMR flag justifies SWMR read mode: on a truncated or
+        # damaged file SWMR reads retry checksums for a long time instead of failing.
+        if "already open for write" not in message and "consistency flags" not in message:
+            detail = message[message.find("(") + 1 : message.rfind(")")] if "(" in message else message
+            raise NotATrace(f"{path}: HDF5 cannot open it, truncated or corrupt ({detail})") from None
         try:
             return h5py.File(path, "r", swmr=True), False
-        except OSError:
-            reason = str(first).split("(", 1)[0].strip() or "unreadable"
-            raise NotATrace(f"{path}: HDF5 cannot open it ({reason}); truncated or corrupt") from None
+        except OSError as exc:
+            raise NotATrace(f"{path}: HDF5 cannot open it, truncated or corrupt ({exc})") from None
 
 
 class Trace:
@@ -120,6 +133,12 @@ class Trace:
         self._file, self._flags_clean = _open_h5(self.path)
         try:
             self._check_identity()
+        except TraceError:
+            self._file.close()
+            raise
+        except H5_READ_ERRORS as exc:
+            self._file.close()
+            raise NotATrace(f"{self.path}: unreadable HDF5 structure ({exc})") from None
         except BaseException:
             self._file.close()
             raise
@@ -129,8 +148,8 @@ class Trace:
         try:
             marker = attrs.get("format")
             version = attrs.get("format_version")
-        except (OSError, KeyError, TypeError, ValueError):
-            raise NotATrace(f"{self.path}: root attributes unreadable") from None
+        except H5_READ_ERRORS:
+            raise NotATrace(f"{self.path}: root attributes unreadable (corrupt or truncated)") from None
         if _as_str(marker) != schema.FORMAT_NAME or version is None:
             raise NotATrace(f"{self.path}: HDF5 file but not a kvtrace trace (no format marker)")
         self.version = _as_str(version)
@@ -158,9 +177,12 @@ class Trace:
 
     @cached_property
     def meta(self) -> TraceMeta:
-        if "meta" not in self._file:
-            raise InvalidTrace(f"{self.path}: missing group /meta")
-        raw = dict(self._file["meta"].attrs.items())
+        try:
+            if "meta" not in self._file:
+                raise InvalidTrace(f"{self.path}: missing group /meta")
+            raw = dict(self._file["meta"].attrs.items())
+        except H5_READ_ERRORS as exc:
+            raise CorruptTrace(f"{self.path}: /meta unreadable, corrupt or truncated ({exc})") from None
         values: dict[str, Any] = {}
         extra: dict[str, Any] = {}
         for key, value in raw.items():
@@ -193,9 +215,12 @@ class Trace:
 
     @property
     def status(self) -> np.void | None:
-        if "status" not in self._file:
-            return None
-        return self._file["status"][0]
+        try:
+            if "status" not in self._file:
+                return None
+            return self._file["status"][0]
+        except H5_READ_ERRORS as exc:
+            raise CorruptTrace(f"{self.path}: /status unreadable ({exc})") from None
 
     @property
     def complete(self) -> bool:
@@ -206,7 +231,10 @@ class Trace:
     # ---- tables ---------------------------------------------------------------------------------
 
     def has(self, name: str) -> bool:
-        return name in self._file
+        try:
+            return name in self._file
+        except H5_READ_ERRORS as exc:
+            raise CorruptTrace(f"{self.path}: /{name} unreadable ({exc})") from None
 
     def nrows(self, table: str) -> int:
         return int(self._dataset(table).shape[0]) if self.has(table) else 0
@@ -218,7 +246,10 @@ class Trace:
         where the file has every field, else the file's fields that this reader knows.
         """
         ds = self._dataset(name)
-        data = ds[rows if rows is not None else slice(None)]
+        try:
+            data = ds[rows if rows is not None else slice(None)]
+        except H5_READ_ERRORS as exc:
+            raise CorruptTrace(f"{self.path}: /{name} unreadable, corrupt or truncated ({exc})") from None
         expected = schema.TABLES[name][0] if name in schema.TABLES else None
         if expected is None or data.dtype.names is None:
             return data
@@ -232,6 +263,8 @@ class Trace:
             obj = self._file[name]
         except KeyError:
             raise InvalidTrace(f"{self.path}: missing dataset /{name}") from None
+        except H5_READ_ERRORS as exc:
+            raise CorruptTrace(f"{self.path}: /{name} unreadable, corrupt or truncated ({exc})") from None
         if not isinstance(obj, h5py.Dataset):
             raise InvalidTrace(f"{self.path}: /{name} is not a dataset")
         return obj

@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 
 from kvtrace.format import schema
-from kvtrace.format.errors import CorruptChunk, InvalidTrace, TraceError
+from kvtrace.format.errors import H5_READ_ERRORS, CorruptChunk, InvalidTrace, TraceError
 from kvtrace.format.reader import Trace
 
 TEXT_REFS = {
@@ -50,14 +50,28 @@ def validate(path: str | os.PathLike[str], *, check_payloads: bool = True) -> Va
     report = ValidationReport(str(path))
     with Trace(path) as trace:
         report.version = trace.version
-        _check_meta(trace, report)
-        present = _check_tables(trace, report)
-        _check_status(trace, report)
+        checks = [_check_meta, _check_tables, _check_status]
+        present: set[str] = set()
+        for check in checks:
+            try:
+                result = check(trace, report)
+            except (TraceError, *H5_READ_ERRORS) as exc:
+                report.problems.append(f"unreadable structure in {check.__name__[7:]} ({exc})")
+                continue
+            if check is _check_tables:
+                present = result
         if present:
-            _check_rows(trace, report, present)
+            _guard(_check_rows, trace, report, present)
         if check_payloads and "payloads/index" in present:
-            _check_payloads(trace, report)
+            _guard(_check_payloads, trace, report)
     return report
+
+
+def _guard(check, trace: Trace, report: ValidationReport, *args) -> None:
+    try:
+        check(trace, report, *args)
+    except (TraceError, *H5_READ_ERRORS) as exc:
+        report.problems.append(f"unreadable structure in {check.__name__[7:]} ({exc})")
 
 
 def _check_meta(trace: Trace, report: ValidationReport) -> None:
@@ -65,7 +79,7 @@ def _check_meta(trace: Trace, report: ValidationReport) -> None:
         trace.meta  # noqa: B018 - parsing is the check
     except InvalidTrace as exc:
         report.problems.append(str(exc).split(": ", 1)[-1])
-    except (OSError, KeyError, ValueError, TypeError) as exc:
+    except H5_READ_ERRORS as exc:
         report.problems.append(f"/meta unreadable ({exc})")
 
 
@@ -74,7 +88,7 @@ def _check_tables(trace: Trace, report: ValidationReport) -> set[str]:
     for name, (dtype, required) in schema.TABLES.items():
         try:
             obj = trace._file.get(name)
-        except (OSError, KeyError, ValueError) as exc:
+        except H5_READ_ERRORS as exc:
             report.problems.append(f"/{name} unreadable ({exc})")
             continue
         if obj is None:
@@ -195,5 +209,5 @@ def _check_payloads(trace: Trace, report: ValidationReport) -> None:
             trace.payload(index[i])
         except CorruptChunk as exc:
             report.problems.append(f"payload {i}: {str(exc).split(': ', 1)[-1]}")
-        except (InvalidTrace, OSError, ValueError) as exc:
+        except (TraceError, *H5_READ_ERRORS) as exc:
             report.problems.append(f"payload {i}: {str(exc).split(': ', 1)[-1]}")

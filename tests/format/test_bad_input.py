@@ -1,0 +1,174 @@
+"""Every kind of bad input: one line on stderr, the documented exit code, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import zstandard
+from fmt_helpers import write_minimal
+
+from kvtrace import exitcodes
+from kvtrace.format import CacheDType, PayloadKind, TraceWriter, encode_payload, schema
+from kvtrace.format.codec import decode_chunk
+from kvtrace.format.errors import CorruptChunk
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, KVTRACE_DEBUG="")
+    return subprocess.run([sys.executable, "-m", "kvtrace.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, code: int) -> str:
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) >= 1
+    return proc.stderr
+
+
+def payload_trace(path: Path) -> None:
+    rng = np.random.default_rng(1)
+    with TraceWriter(path, {"model_id": "m"}) as w:
+        w.write_payload(encode_payload(0, 0, 0, PayloadKind.KEY, CacheDType.BFLOAT16,
+                                       rng.integers(0, 1 << 16, (1, 2, 40, 64), dtype=np.uint16)))
+
+
+@pytest.mark.parametrize("command", ["info", "validate"])
+def test_random_bytes(tmp_path, command):
+    p = tmp_path / "random.kvt.h5"
+    p.write_bytes(np.random.default_rng(0).bytes(4096))
+    err = assert_one_line_error(run_cli(command, str(p)), exitcodes.UNREADABLE)
+    assert "not an HDF5 file" in err
+
+
+@pytest.mark.parametrize("command", ["info", "validate"])
+def test_empty_file(tmp_path, command):
+    p = tmp_path / "empty.kvt.h5"
+    p.touch()
+    err = assert_one_line_error(run_cli(command, str(p)), exitcodes.UNREADABLE)
+    assert "empty file" in err
+
+
+def test_missing_file(tmp_path):
+    assert_one_line_error(run_cli("info", str(tmp_path / "nope.h5")), exitcodes.UNREADABLE)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
+def test_truncated_trace(tmp_path, fraction):
+    p = tmp_path / "t.kvt.h5"
+    payload_trace(p)
+    data = p.read_bytes()
+    p.write_bytes(data[: int(len(data) * fraction)])
+    proc = run_cli("validate", str(p))
+    # Depending on where the cut falls HDF5 refuses to open (2) or objects fail to read (1).
+    assert proc.returncode in (exitcodes.UNREADABLE, exitcodes.INVALID), proc.stderr
+    assert_one_line_error(proc, proc.returncode)
+
+
+def test_hdf5_that_is_not_a_trace(tmp_path):
+    p = tmp_path / "other.h5"
+    with h5py.File(p, "w") as f:
+        f["x"] = np.arange(10)
+    err = assert_one_line_error(run_cli("validate", str(p)), exitcodes.UNREADABLE)
+    assert "not a kvtrace trace" in err
+
+
+def test_newer_major_version_names_both_versions(tmp_path):
+    p = tmp_path / "v2.kvt.h5"
+    write_minimal(p)
+    with h5py.File(p, "a") as f:
+        f.attrs["format_version"] = "2.0"
+    for command in ("info", "validate"):
+        err = assert_one_line_error(run_cli(command, str(p)), exitcodes.VERSION)
+        assert "2.0" in err and schema.FORMAT_VERSION in err
+
+
+def test_missing_required_dataset_is_invalid_and_listed(tmp_path):
+    p = tmp_path / "m.kvt.h5"
+    write_minimal(p)
+    with h5py.File(p, "a") as f:
+        del f["kv"]
+        del f["events"]
+    err = assert_one_line_error(run_cli("validate", str(p)), exitcodes.INVALID)
+    assert "missing required dataset /kv" in err and "missing required dataset /events" in err
+
+
+def _first_chunk_offset(path: Path) -> tuple[int, int]:
+    with h5py.File(path, "r") as f:
+        info = f[schema.payload_dataset_name(2)].id.get_chunk_info(0)
+        return info.byte_offset, info.size
+
+
+def test_corrupted_zstd_chunk(tmp_path):
+    p = tmp_path / "c.kvt.h5"
+    payload_trace(p)
+    offset, size = _first_chunk_offset(p)
+    with open(p, "r+b") as fh:
+        fh.seek(offset + size // 2)
+        fh.write(b"\xde\xad\xbe\xef" * 4)
+    err = assert_one_line_error(run_cli("validate", str(p)), exitcodes.INVALID)
+    assert "payload 0" in err
+    # The rest of the trace stays usable.
+    assert run_cli("info", str(p)).returncode == 0
+
+
+def test_decompression_bomb_refused_before_allocating(tmp_path, monkeypatch):
+    p = tmp_path / "bomb.kvt.h5"
+    payload_trace(p)
+    bomb = zstandard.ZstdCompressor(level=1).compress(b"\0" * (64 << 20))
+    assert len(bomb) < 64 << 10
+    with h5py.File(p, "a") as f:
+        f[schema.payload_dataset_name(2)].id.write_direct_chunk((0,), bomb, filter_mask=0)
+    err = assert_one_line_error(run_cli("validate", str(p)), exitcodes.INVALID)
+    assert "refused" in err
+    # And in-process: the decompressor is never called for a frame with the wrong size.
+    called = []
+    monkeypatch.setattr(zstandard.ZstdDecompressor, "decompress",
+                        lambda *a, **k: called.append(1))
+    with pytest.raises(CorruptChunk, match="claims 67108864 bytes"):
+        decode_chunk(0, bomb, schema.PAYLOAD_CHUNK_BYTES, 2)
+    assert not called
+
+
+def test_frame_without_content_size_refused():
+    cobj = zstandard.ZstdCompressor(write_content_size=False).compressobj()
+    frame = cobj.compress(b"\1" * 100) + cobj.flush()
+    with pytest.raises(CorruptChunk, match="content size"):
+        decode_chunk(0, frame, 100, 1)
+
+
+def test_filter_mask_honoured():
+    raw = np.arange(64, dtype=np.uint16).tobytes()
+    # zstd skipped (bit 1): stored bytes are only shuffled.
+    from kvtrace.format.codec import shuffle_bytes
+
+    assert decode_chunk(0x2, shuffle_bytes(raw, 2), len(raw), 2) == raw
+    # both skipped: stored raw.
+    assert decode_chunk(0x3, raw, len(raw), 2) == raw
+
+
+def test_bad_cli_arguments_exit_usage(tmp_path):
+    assert_one_line_error(run_cli("info"), exitcodes.USAGE)
+    assert_one_line_error(run_cli("no-such-command"), exitcodes.USAGE)
+    assert_one_line_error(run_cli("validate", "--bogus-flag", "x"), exitcodes.USAGE)
+
+
+def test_no_code_path_unpickles(tmp_path):
+    """A pickled attribute or object-typed data never gets loaded into Python objects."""
+    p = tmp_path / "pickle.kvt.h5"
+    write_minimal(p)
+    import pickle
+
+    evil = pickle.dumps(ValueError("would be rebuilt by unpickling"))
+    with h5py.File(p, "a") as f:
+        f["meta"].attrs["evil_json"] = np.void(evil)
+    proc = run_cli("validate", str(p))
+    assert proc.returncode == exitcodes.INVALID
+    assert "Traceback" not in proc.stderr
