@@ -298,7 +298,8 @@ def _holds_nothing(layer: Any) -> bool:
 
 
 def _fill_consumers(readings: list[LayerReading]) -> None:
-    """A consumer reports what it reads (its producer's shapes, tokens and storages) but owns 0 bytes."""
+    """A consumer reports what it reads (its producer's shapes, storages, tokens seen) but holds
+    nothing itself: tokens_kept and every byte count stay 0."""
     by_layer = {r.layer: r for r in readings if r.part == "self"}
     for r in readings:
         if r.layer_type != LayerType.SHARED_CONSUMER:
@@ -308,7 +309,7 @@ def _fill_consumers(readings: list[LayerReading]) -> None:
             continue
         r.device, r.k_dtype, r.v_dtype = p.device, p.k_dtype, p.v_dtype
         r.k_shape, r.v_shape = p.k_shape, p.v_shape
-        r.tokens_seen, r.tokens_kept, r.window = p.tokens_seen, p.tokens_kept, p.window
+        r.tokens_seen, r.window = p.tokens_seen, p.window
         r.k_storage, r.v_storage = p.k_storage, p.v_storage
         r.k_storage_bytes, r.v_storage_bytes = p.k_storage_bytes, p.v_storage_bytes
 
