@@ -12,7 +12,7 @@ few queries are sampled; the per-split states are merged in torch (a few floats 
 
 Pass 2 (``_mass_kernel``): one program per (key block, batch*KV head). It keeps its key tile in
 registers and loops over the query heads of its GQA group and the query blocks that can see it,
-summing p = exp(s - LSE) over rows. No atomics: each key is owned by one program, so the result
+summing p = exp((s - m) - ln Z) over rows (the saved LSE, kept as its two parts m and ln Z). No atomics: each key is owned by one program, so the result
 is deterministic.
 
 Neither pass forms a T x T matrix: memory is O(rows).
@@ -97,8 +97,8 @@ def _stats_kernel(
         alpha = tl.exp(m_i - m_use)
         shift = tl.where(z_i > 0, m_i - m_use, 0.0)
         d = s - m_use[:, None]
-        p = tl.exp(d)
-        pd = tl.where(vis, p * d, 0.0)
+        p = tl.exp(d)  # 0 where masked (d = -inf)
+        pd = p * tl.where(vis, d, 0.0)
         s_i = alpha * (s_i + shift * z_i) + tl.sum(pd, axis=1)
         z_i = alpha * z_i + tl.sum(p, axis=1)
         m_i = m_new
@@ -111,7 +111,7 @@ def _stats_kernel(
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "window", "q_offset"])
 def _mass_kernel(
-    Q, K, POS, LSE, MASS,
+    Q, K, POS, SHIFT, LOGZ, MASS,
     Hq, Hkv, Tq, Tk, GROUP, D, scale, window, q_offset,
     sqb, sqh, sqt, skb, skh, skt,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, CONTIG: tl.constexpr,
@@ -148,7 +148,7 @@ def _mass_kernel(
     for g in range(0, GROUP):
         h = kvh * GROUP + g
         q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-        lse_base = LSE + (b.to(tl.int64) * Hq + h) * Tq
+        row_base = (b.to(tl.int64) * Hq + h) * Tq
         for m_start in range(m_lo, m_hi, BLOCK_M):
             offs_m = m_start + tl.arange(0, BLOCK_M)
             m_valid = offs_m < Tq
@@ -157,14 +157,16 @@ def _mass_kernel(
                         mask=m_valid[:, None] & d_valid[None, :], other=0.0)
             if DOT_F32:
                 q = q.to(tl.float32)
-            lse = tl.load(lse_base + offs_m, mask=m_valid, other=0.0)
+            shift = tl.load(SHIFT + row_base + offs_m, mask=m_valid, other=0.0)
+            log_z = tl.load(LOGZ + row_base + offs_m, mask=m_valid, other=0.0)
             s = tl.dot(q, kt, input_precision=PREC) * scale
             vis = m_valid[:, None] & n_valid[None, :]
             if CAUSAL:
                 vis = vis & (offs_n[None, :] <= pos[:, None])
             if HAS_WINDOW:
                 vis = vis & (offs_n[None, :] > pos[:, None] - window)
-            p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+            # (s - row max) first, then - ln Z: exact even when |s| ~ 1e10 (fp16 inputs near 6e4)
+            p = tl.exp(tl.where(vis, (s - shift[:, None]) - log_z[:, None], float("-inf")))
             acc += tl.sum(p, axis=0)
 
     tl.store(MASS + pid_bk.to(tl.int64) * Tk + offs_n, acc, mask=n_valid)
@@ -230,12 +232,13 @@ def run_stats(q, k, pos, pm, pz, ps, *, group, scale, window, keys_per_split, n_
     kernel[lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]), B * Hq, n_splits)](*args, **flags)
 
 
-def run_mass(q, k, pos, lse, mass, *, group, scale, window, q_offset, causal, contig) -> None:
-    """Launch pass 2. lse: fp32 [B*Hq*Tq]; mass: fp32 [B*Hkv*Tk] output."""
+def run_mass(q, k, pos, shift, log_z, mass, *, group, scale, window, q_offset, causal, contig) -> None:
+    """Launch pass 2. shift, log_z: fp32 [B*Hq*Tq] (p = exp((s - shift) - log_z)); mass: fp32
+    [B*Hkv*Tk] output."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     block_d, dot_f32, prec = _launch_args(q, k)
-    args = (q, k, pos, lse, mass, Hq, Hkv, Tq, Tk, group, D, float(scale), int(window or 0),
+    args = (q, k, pos, shift, log_z, mass, Hq, Hkv, Tq, Tk, group, D, float(scale), int(window or 0),
             int(q_offset),
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     flags = dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, CONTIG=bool(contig),

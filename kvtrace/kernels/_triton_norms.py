@@ -30,7 +30,7 @@ def _token_norms_kernel(
     # Scale by the row's max |x| before squaring (as BLAS nrm2 does): bf16/fp32 values above
     # ~1.8e19 would overflow fp32 when squared; scaled squares are <= 1.
     amax = tl.max(tl.abs(x), axis=1)
-    inv = tl.where(amax > 0, 1.0 / amax, 0.0)
+    inv = tl.where(amax > 0, 1.0 / tl.where(amax > 0, amax, 1.0), 0.0)
     xs = x * inv[:, None]
     ss = tl.sum(xs * xs, axis=1)
     norm = amax * tl.sqrt(ss)

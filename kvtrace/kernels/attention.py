@@ -12,7 +12,9 @@ given, else at ``q_offset + i`` with ``q_offset`` defaulting to ``Tk - Tq`` (que
 Per (batch, query head, query), with ``s_j = scale * q.k_j`` (``scale`` default ``1/sqrt(D)``),
 scores accumulated in fp32, and ``p = softmax(s)`` over the ``n`` visible keys:
 
-* ``lse = log sum_j exp(s_j)`` (``-inf`` when ``n == 0``);
+* ``lse = log sum_j exp(s_j)`` (``-inf`` when ``n == 0``), also kept as ``row_max`` (max visible
+  score) + ``log_z`` (``ln sum exp(s - row_max)``): the pair keeps full precision where an fp32
+  LSE of huge scores (fp16 inputs near 6e4 give scores ~1e10) cannot hold ``ln Z``;
 * ``entropy = -sum_j p_j ln p_j`` in nats (0 when ``n == 0``);
 * ``norm_entropy = entropy / ln(n)`` in [0, 1], defined as 0 when ``n <= 1``;
 * ``received[b, kv, j] = sum over query heads of group kv, sum over queries of p_j`` -- the H2O
@@ -53,7 +55,9 @@ _CHUNK_ELEMS = 1 << 24
 class AttentionStats:
     entropy: torch.Tensor  # [B, Hq, Tq] fp32, nats
     norm_entropy: torch.Tensor  # [B, Hq, Tq] fp32, entropy / ln(n_visible), 0 when n_visible <= 1
-    lse: torch.Tensor  # [B, Hq, Tq] fp32, -inf where no key is visible
+    lse: torch.Tensor  # [B, Hq, Tq] fp32 log-sum-exp = row_max + log_z; -inf where nothing is visible
+    row_max: torch.Tensor  # [B, Hq, Tq] fp32 max visible score; -inf where nothing is visible
+    log_z: torch.Tensor  # [B, Hq, Tq] fp32 ln sum exp(s - row_max), in [0, ln n]; -inf if n == 0
     n_visible: torch.Tensor  # [Tq] int64, keys visible to each query
     positions: torch.Tensor  # [Tq] int64, absolute query positions
     received: torch.Tensor | None  # [B, Hkv, Tk] fp32 received mass, or None if not asked
@@ -144,31 +148,39 @@ def _visible_mask(pos: torch.Tensor, Tk: int, causal: bool, window: int | None) 
     return vis
 
 
-def _finish(entropy: torch.Tensor, lse: torch.Tensor, received: torch.Tensor | None,
-            g: _Geom) -> AttentionStats:
+def _finish(entropy: torch.Tensor, row_max: torch.Tensor, log_z: torch.Tensor,
+            received: torch.Tensor | None, g: _Geom) -> AttentionStats:
     n = visible_counts(g.positions, g.Tk, g.causal, g.window)
     log_n = torch.log(n.clamp(min=1).to(torch.float32))
     norm = torch.where(n > 1, entropy / torch.where(n > 1, log_n, 1.0), torch.zeros_like(entropy))
-    return AttentionStats(entropy, norm, lse, n, g.positions, received)
+    lse = torch.where(torch.isneginf(row_max), float("-inf"), row_max + log_z)
+    return AttentionStats(entropy, norm, lse, row_max, log_z, n, g.positions, received)
 
 
 def _dense_rows(qc: torch.Tensor, kf: torch.Tensor, pos: torch.Tensor, g: _Geom,
-                lse_in: torch.Tensor | None = None):
-    """Entropy, LSE and per-KV-head received mass for a chunk of queries, fully materialised.
+                norm_in: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Entropy, row max, log Z and per-KV-head received mass for a chunk of queries, materialised.
 
-    qc [B, Hq, c, D]; kf [B, Hkv, Tk, D] fp32. With ``lse_in`` given, use it instead of computing.
+    qc [B, Hq, c, D]; kf [B, Hkv, Tk, D] fp32. With ``norm_in = (shift, log_z)`` the softmax
+    normaliser is taken from there (p = exp((s - shift) - log_z)) instead of being computed.
+    Scores are handled relative to the row max, so ln Z is not absorbed into a huge max.
     """
     B, _, c, D = qc.shape
     qf = qc.float().reshape(B, g.Hkv, g.group, c, D)
     s = torch.matmul(qf, kf.unsqueeze(2).transpose(-1, -2)) * g.scale  # [B, Hkv, G, c, Tk]
     vis = _visible_mask(pos, g.Tk, g.causal, g.window)
     s = s.masked_fill(~vis, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1) if lse_in is None else lse_in.reshape(B, g.Hkv, g.group, c)
-    d = s - lse.unsqueeze(-1)  # log p; NaN on rows with nothing visible, masked out below
-    p = torch.where(vis, torch.exp(d), 0.0)
+    if norm_in is None:
+        m = s.amax(dim=-1) if g.Tk else s.new_full(s.shape[:-1], float("-inf"))
+        log_z = torch.logsumexp(s - torch.where(torch.isneginf(m), 0.0, m).unsqueeze(-1), dim=-1)
+    else:
+        m = norm_in[0].reshape(B, g.Hkv, g.group, c)
+        log_z = norm_in[1].reshape(B, g.Hkv, g.group, c)
+    d = (s - torch.where(torch.isneginf(m), 0.0, m).unsqueeze(-1)) - log_z.unsqueeze(-1)  # log p
+    p = torch.where(vis, torch.exp(d), 0.0)  # NaN/inf on rows with nothing visible: masked here
     entropy = torch.where(vis, -p * d, 0.0).sum(-1)
     mass = p.sum(dim=(2, 3))
-    return entropy.reshape(B, g.Hq, c), lse.reshape(B, g.Hq, c), mass
+    return entropy.reshape(B, g.Hq, c), m.reshape(B, g.Hq, c), log_z.reshape(B, g.Hq, c), mass
 
 
 def attention_stats_reference(
@@ -178,8 +190,8 @@ def attention_stats_reference(
 ) -> AttentionStats:
     """Definition by materialising the full ``[B, Hq, Tq, Tk]`` fp32 softmax (small inputs only)."""
     q, k, g = _prepare(q, k, q_offset, q_positions, causal, window, scale)
-    entropy, lse, mass = _dense_rows(q, k.float(), g.positions, g)
-    return _finish(entropy, lse, mass if received else None, g)
+    entropy, m, log_z, mass = _dense_rows(q, k.float(), g.positions, g)
+    return _finish(entropy, m, log_z, mass if received else None, g)
 
 
 def _chunk_rows(g: _Geom, chunk_size: int | None) -> int:
@@ -198,17 +210,17 @@ def attention_stats_chunked(
     q, k, g = _prepare(q, k, q_offset, q_positions, causal, window, scale)
     kf = k.float()
     step = _chunk_rows(g, chunk_size)
-    ents, lses = [], []
+    parts: list[tuple[torch.Tensor, ...]] = []
     mass = torch.zeros(g.B, g.Hkv, g.Tk, dtype=torch.float32, device=q.device)
     for i in range(0, g.Tq, step):
-        e, lse, m = _dense_rows(q[:, :, i:i + step], kf, g.positions[i:i + step], g)
-        ents.append(e)
-        lses.append(lse)
-        mass += m
+        e, m, lz, ms = _dense_rows(q[:, :, i:i + step], kf, g.positions[i:i + step], g)
+        parts.append((e, m, lz))
+        mass += ms
     if g.Tq == 0:
         empty = torch.zeros(g.B, g.Hq, 0, dtype=torch.float32, device=q.device)
-        ents, lses = [empty], [empty]
-    return _finish(torch.cat(ents, dim=2), torch.cat(lses, dim=2), mass if received else None, g)
+        parts = [(empty, empty, empty)]
+    e, m, lz = (torch.cat(t, dim=2) for t in zip(*parts, strict=True))
+    return _finish(e, m, lz, mass if received else None, g)
 
 
 def _kernel_inputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,7 +251,7 @@ def _split_plan(g: _Geom, device: torch.device, num_splits: int | None) -> tuple
 
 
 def _merge_splits(pm: torch.Tensor, pz: torch.Tensor, ps: torch.Tensor):
-    """Combine per-split (m, Z, S') along the last dim into (entropy, lse)."""
+    """Combine per-split (m, Z, S') along the last dim into (entropy, row max, log Z)."""
     m = pm.amax(dim=-1)
     m_use = torch.where(torch.isneginf(m), 0.0, m)
     w = torch.exp(pm - m_use.unsqueeze(-1))  # 0 for empty splits (pm = -inf)
@@ -248,9 +260,9 @@ def _merge_splits(pm: torch.Tensor, pz: torch.Tensor, ps: torch.Tensor):
     s = (w * (ps + shift * pz)).sum(-1)
     seen = z > 0
     safe_z = torch.where(seen, z, 1.0)
-    lse = torch.where(seen, m_use + torch.log(safe_z), float("-inf"))
+    log_z = torch.where(seen, torch.log(safe_z), float("-inf"))
     entropy = torch.where(seen, torch.log(safe_z) - s / safe_z, 0.0)
-    return entropy, lse
+    return entropy, m, log_z
 
 
 def attention_stats_triton(
@@ -274,49 +286,57 @@ def attention_stats_triton(
     rows = g.B * g.Hq * g.Tq
     if rows == 0 or g.Tk == 0:
         entropy = torch.zeros(g.B, g.Hq, g.Tq, dtype=torch.float32, device=dev)
-        lse = torch.full_like(entropy, float("-inf"))
+        row_max = torch.full_like(entropy, float("-inf"))
+        log_z = row_max.clone()
     else:
         n_splits, per = _split_plan(g, dev, num_splits)
         part = torch.empty(3, rows * n_splits, dtype=torch.float32, device=dev)
         tk.run_stats(q, k, pos32, part[0], part[1], part[2], group=g.group, scale=g.scale,
                      window=g.window, keys_per_split=per, n_splits=n_splits, causal=g.causal)
         part = part.view(3, g.B, g.Hq, g.Tq, n_splits)
-        entropy, lse = _merge_splits(part[0], part[1], part[2])
+        entropy, row_max, log_z = _merge_splits(part[0], part[1], part[2])
     mass = None
     if received:
-        mass = _mass_triton(q, k, pos32, lse, g)
-    return _finish(entropy, lse, mass, g)
+        mass = _mass_triton(q, k, pos32, row_max, log_z, g)
+    return _finish(entropy, row_max, log_z, mass, g)
 
 
-def _mass_triton(q: torch.Tensor, k: torch.Tensor, pos32: torch.Tensor, lse: torch.Tensor,
-                 g: _Geom) -> torch.Tensor:
+def _mass_triton(q: torch.Tensor, k: torch.Tensor, pos32: torch.Tensor, shift: torch.Tensor,
+                 log_z: torch.Tensor, g: _Geom) -> torch.Tensor:
     from kvtrace.kernels import _triton_attention as tk
 
     mass = torch.zeros(g.B * g.Hkv * g.Tk, dtype=torch.float32, device=q.device)
     if g.B * g.Hq * g.Tq and g.Tk:
-        tk.run_mass(q, k, pos32, lse.float().contiguous().view(-1), mass, group=g.group,
-                    scale=g.scale, window=g.window, q_offset=g.q_offset, causal=g.causal,
-                    contig=g.contig)
+        tk.run_mass(q, k, pos32, shift.float().contiguous().view(-1), log_z.float().contiguous().view(-1),
+                    mass, group=g.group, scale=g.scale, window=g.window, q_offset=g.q_offset,
+                    causal=g.causal, contig=g.contig)
     return mass.view(g.B, g.Hkv, g.Tk)
 
 
 def received_attention(
-    q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, q_offset: int | None = None,
-    q_positions: torch.Tensor | Sequence[int] | None = None, causal: bool = True,
-    window: int | None = None, scale: float | None = None, backend: str = "auto",
+    q: torch.Tensor, k: torch.Tensor, shift: torch.Tensor, log_z: torch.Tensor | None = None, *,
+    q_offset: int | None = None, q_positions: torch.Tensor | Sequence[int] | None = None,
+    causal: bool = True, window: int | None = None, scale: float | None = None, backend: str = "auto",
 ) -> torch.Tensor:
-    """Received attention mass ``[B, Hkv, Tk]`` given a saved ``lse`` ``[B, Hq, Tq]`` (pass 2 only)."""
+    """Pass 2 alone: received mass ``[B, Hkv, Tk]`` from a saved softmax normaliser.
+
+    ``p = exp((s - shift) - log_z)``: pass a saved ``lse`` alone (``log_z`` None), or
+    ``stats.row_max`` and ``stats.log_z`` to keep full precision when |scores| >> 1e3 (an fp32
+    LSE of ~1e10 has lost ln Z entirely). ``shift``/``log_z``: ``[B, Hq, Tq]``.
+    """
     q4, k4, g = _prepare(q, k, q_offset, q_positions, causal, window, scale)
-    lse = lse.reshape(g.B, g.Hq, g.Tq).float()
+    shift = shift.reshape(g.B, g.Hq, g.Tq).float()
+    log_z = torch.zeros_like(shift) if log_z is None else log_z.reshape(g.B, g.Hq, g.Tq).float()
     if resolve_backend(backend, q4) == "triton":
         q4, k4 = _kernel_inputs(q4, k4)
-        return _mass_triton(q4, k4, g.positions.to(torch.int32).contiguous(), lse, g)
+        return _mass_triton(q4, k4, g.positions.to(torch.int32).contiguous(), shift, log_z, g)
     kf = k4.float()
     mass = torch.zeros(g.B, g.Hkv, g.Tk, dtype=torch.float32, device=q4.device)
     step = _chunk_rows(g, None)
     for i in range(0, g.Tq, step):
-        mass += _dense_rows(q4[:, :, i:i + step], kf, g.positions[i:i + step], g,
-                            lse_in=lse[:, :, i:i + step])[2]
+        sl = slice(i, i + step)
+        mass += _dense_rows(q4[:, :, sl], kf, g.positions[sl], g,
+                            norm_in=(shift[:, :, sl], log_z[:, :, sl]))[3]
     return mass
 
 

@@ -53,7 +53,9 @@ def energy_rank(eigenvalues_desc: np.ndarray, fraction: float) -> int:
     if lam.size == 0 or total <= 0.0:
         return 0
     cum = np.cumsum(lam)
-    k = int(np.searchsorted(cum, fraction * total, side="left")) + 1
+    # A relative slack of 1e-9 so that an exact tie (top-k holding exactly the fraction) is not
+    # lost to rounding in the cumulative sum or the eigensolver.
+    k = int(np.searchsorted(cum, fraction * total * (1.0 - 1e-9), side="left")) + 1
     return min(k, lam.size)
 
 
