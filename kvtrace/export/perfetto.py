@@ -161,16 +161,25 @@ def _finding_instants(trace: Trace, findings: list[FindingRow], t0: int) -> list
     requests = {int(r["request"]): int(r["end_ns"]) or int(r["start_ns"]) for r in trace.requests()}
     ends = [v for v in requests.values() if v]
     trace_end = max(ends) if ends else t0
+    steps = trace.steps()
+    step_t = {(int(s["request"]), int(s["step"])): int(s["t_ns"]) for s in steps} if any(
+        f.steps for f in findings) else {}
     out = []
     for f in findings:
-        t = f.t_ns if f.t_ns is not None else requests.get(f.request, 0) if f.request is not None else 0
+        t = f.t_ns or 0
+        if not t and f.request is not None and f.steps:
+            t = step_t.get((f.request, f.steps[0]), 0)
+        if not t and f.request is not None:
+            t = requests.get(f.request, 0)
         t = t or trace_end
         args = {"detector": f.detector, "severity": f.severity, "score": f.score, "message": f.message,
                 "evidence": json.loads(json.dumps(f.evidence, default=str))}
         if f.request is not None:
             args["request"] = f.request
-        if f.layer is not None:
-            args["layer"] = f.layer
+        if f.layers:
+            args["layers"] = f.layers[:64]
+        if f.kind:
+            args["kind"] = f.kind
         out.append({"ph": "i", "s": "g", "name": f"{f.severity}: {f.detector}", "cat": "finding",
                     "pid": HOST_PID, "tid": FINDINGS_TID, "ts": _us(max(t, t0), t0), "args": args})
     return out
@@ -192,7 +201,8 @@ def write_perfetto(
     note = "findings given by the caller"
     if findings is None and run_analyzer:
         step("analyse")
-        findings, note = fmod.run_analysis(trace_path)
+        analysis, note = fmod.run_analysis(trace_path)
+        findings = None if analysis is None else fmod.flatten(analysis)
     elif findings is None:
         note = "analysis skipped"
     step("read")

@@ -34,6 +34,14 @@ class ReportResult:
     findings: int | None = None
 
 
+def _span(name: str, values: list[int], limit: int = 6) -> str:
+    """'requests 0, 1, 2' / 'layer 3' / '' for the findings table."""
+    if not values:
+        return ""
+    shown = ", ".join(str(v) for v in values[:limit]) + (f" (+{len(values) - limit})" if len(values) > limit else "")
+    return f"{name}{'s' if len(values) > 1 else ''} {shown}"
+
+
 def _fmt(n: int | None) -> str:
     return "n/a" if n is None else format_bytes(n)
 
@@ -183,28 +191,34 @@ class _Builder:
         s.body.append(html.table(["request", "device", "reserved", "allocated", "reserved - allocated",
                                   "inactive split"], rows, (2, 3, 4, 5)))
 
-    def findings(self, rows: list[findings.FindingRow] | None, note: str) -> None:
+    def findings(self, rows: list[findings.FindingRow] | None, note: str,
+                 statuses: list[findings.DetectorStatus]) -> None:
         s = self.section("findings", "Findings")
         if rows is None:
             self.none(s, note)
             return
         if not rows:
-            s.body.append('<p class="ok">The analyser ran every detector and reported no findings.</p>')
-            return
-        order = {"critical": 0, "error": 1, "warning": 2, "info": 3}
-        rows = sorted(rows, key=lambda r: (order.get(r.severity, 4), -(r.score or 0)))
-        cells = []
-        for r in rows:
-            evidence = "; ".join(f"{k}={v}" for k, v in list(r.evidence.items())[:8])
-            where = ", ".join(x for x in (
-                f"request {r.request}" if r.request is not None else "",
-                f"layer {r.layer}" if r.layer is not None else "") if x)
-            cells.append([
-                f'<span class="sev-{escape(r.severity)}">{escape(r.severity)}</span>',
-                escape(r.detector), "" if r.score is None else f"{r.score:.2f}", escape(where),
-                escape(r.message), escape(evidence),
-            ])
-        s.body.append(html.raw_table(["severity", "detector", "score", "where", "message", "evidence"], cells))
+            ran = sum(st.status == "ran" for st in statuses)
+            s.body.append(f'<p class="ok">No findings ({ran} of {len(statuses)} detectors ran; '
+                          "the others are listed below with why).</p>" if statuses else
+                          '<p class="ok">The analyser reported no findings.</p>')
+        else:
+            cells = []
+            for r in rows:
+                where = ", ".join(x for x in (
+                    _span("request", r.requests), _span("step", r.steps), _span("layer", r.layers)) if x)
+                cells.append([
+                    f'<span class="sev-{escape(r.severity)}">{escape(r.severity)}</span>',
+                    escape(r.detector) + (f"<br><small>{escape(r.kind)}</small>" if r.kind else ""),
+                    "" if r.score is None else f"{r.score:.2f}", escape(where), escape(r.message),
+                    escape(r.evidence_text()),
+                ])
+            s.body.append(html.raw_table(["severity", "detector", "score", "where", "message", "evidence"],
+                                         cells))
+        not_run = [st for st in statuses if st.status != "ran"]
+        if not_run:
+            s.body.append(html.table(["detector", "status", "why"], [(st.name, st.status, st.reason)
+                                                                   for st in not_run]))
         s.body.append(html.para(note))
 
     def heatmaps(self) -> None:
@@ -295,13 +309,13 @@ def build_report(
         b.progress("allocator-state")
         b.allocator_state(mems)
         b.progress("findings")
-        if analysis is not None:
-            rows, note = findings.flatten(analysis), "findings of kvtrace.analyze"
-        elif run_analyzer:
-            rows, note = findings.run_analysis(trace_path)
-        else:
-            rows, note = None, "analysis skipped (--no-analysis)"
-        b.findings(rows, note)
+        note = "findings of kvtrace.analyze"
+        if analysis is None and run_analyzer:
+            analysis, note = findings.run_analysis(trace_path)
+        elif analysis is None:
+            note = "analysis skipped (--no-analysis)"
+        rows = None if analysis is None else findings.flatten(analysis)
+        b.findings(rows, note, [] if analysis is None else findings.detector_statuses(analysis))
         b.progress("heatmaps")
         b.heatmaps()
         b.progress("data-quality")

@@ -57,10 +57,12 @@ def write_synthetic_trace(
     kv_extra_bytes: int = 0,
     close: bool = True,
     model_id: str = "synthetic/tiny-qwen3-hybrid",
+    devices: int = 1,
 ) -> Path:
     """Write a trace; `residual_bytes` stays allocated after each request (a retention bug),
     `kv_extra_bytes` is added to every full layer's valid bytes (a measurement that disagrees
-    with the geometry), `telemetry_gap_ms` inserts one pause in the NVML/allocator sampling."""
+    with the geometry), `telemetry_gap_ms` inserts one pause in the NVML/allocator sampling,
+    `devices=2` puts layers 2-3 on a second device (pipeline split) with its own telemetry."""
     sources = {"nvml": {"available": True}, "allocator": {"available": True},
                "process": {"available": True}}
     for name in unavailable:
@@ -72,7 +74,8 @@ def write_synthetic_trace(
         "cuda_version": "12.8", "driver_version": "570.00",
         "recorder_settings_json": {"telemetry_interval_s": 0.001},
     }
-    w = TraceWriter(path, meta, [DeviceInfo(0, "Synthetic GPU", 80 * 1024**3, "GPU-synthetic")])
+    w = TraceWriter(path, meta, [DeviceInfo(d, "Synthetic GPU", 80 * 1024**3, f"GPU-synthetic-{d}")
+                                 for d in range(devices)])
     anchor = w._file["meta"].attrs["clock_anchor_mono_ns"]  # noqa: SLF001 - reuse the writer's anchor
     t = int(anchor) + MS
     residual = 0
@@ -81,13 +84,19 @@ def write_synthetic_trace(
         w.append("layers", (layer, int(lt), KV_HEADS, HEAD_DIM, HEAD_DIM,
                             WINDOW if lt == schema.LayerType.SLIDING else -1, -1, 0, 0))
     kv_now = 0
+    kv_dev = [0] * devices
+
+    def layer_device(layer: int) -> int:
+        return 0 if devices == 1 else layer * devices // len(LAYER_TYPES)
 
     def telemetry() -> None:
-        allocated = WEIGHTS + kv_now + residual
-        reserved = -(-allocated // SEGMENT) * SEGMENT + SEGMENT
-        w.append("telemetry/allocator", (t, 0, allocated, reserved, allocated, SEGMENT // 4, 0, 0))
-        w.append("telemetry/nvml", (t, 0, CONTEXT + reserved, 80 * 1024**3 - CONTEXT - reserved,
-                                    CONTEXT // 2, 80 * 1024**3, CONTEXT + reserved - 1024**2))
+        for d in range(devices):
+            own = kv_dev[d] if devices > 1 else kv_now
+            allocated = WEIGHTS + own + (residual if d == 0 else 0)
+            reserved = -(-allocated // SEGMENT) * SEGMENT + SEGMENT
+            w.append("telemetry/allocator", (t, d, allocated, reserved, allocated, SEGMENT // 4, 0, 0))
+            w.append("telemetry/nvml", (t, d, CONTEXT + reserved, 80 * 1024**3 - CONTEXT - reserved,
+                                        CONTEXT // 2, 80 * 1024**3, CONTEXT + reserved - 1024**2))
 
     def reading(request: int, label: schema.ReadingLabel) -> None:
         allocated = WEIGHTS + kv_now + residual
@@ -119,12 +128,13 @@ def write_synthetic_trace(
                 k = kept(layer, seen)
                 valid = k * PER_TOKEN + (kv_extra_bytes if lt == schema.LayerType.FULL else 0)
                 shape = [1, KV_HEADS, k, HEAD_DIM]
-                kv_rows.append((r, step, layer, int(lt), 0, int(schema.CacheDType.BFLOAT16),
+                kv_rows.append((r, step, layer, int(lt), layer_device(layer), int(schema.CacheDType.BFLOAT16),
                                 int(schema.CacheDType.BFLOAT16), shape, shape, seen, k, valid, valid, valid,
                                 1000 + 2 * layer, 1001 + 2 * layer, valid // 2, valid // 2, 0, t))
                 total_valid += valid
             w.append("kv", kv_rows)
             kv_now = total_valid
+            kv_dev = [sum(row[11] for row in kv_rows if row[4] == d) for d in range(devices)]
             w.append("steps", (r, step, int(schema.Phase.PREFILL if step == 0 else schema.Phase.DECODE), t,
                                seen, total_valid, total_valid, total_valid, WEIGHTS + kv_now + residual,
                                -1, -1))
@@ -141,6 +151,7 @@ def write_synthetic_trace(
         reading(r, schema.ReadingLabel.PEAK)
         reading(r, schema.ReadingLabel.AFTER_RETURN)
         kv_now = 0
+        kv_dev = [0] * devices
         residual += residual_bytes
         t += MS
         event(schema.EventKind.GC, r)
