@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up a fresh virtual environment (CPU torch) and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${KVTRACE_VENV:-.venv}"
+python3 -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q torch==2.13.0   # the local CPU build; plain `torch` pulls CUDA
+"$VENV/bin/python" -m pip install -q -e ".[record,gpu,report,test]"
+"$VENV/bin/ruff" check kvtrace tests bench
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
