@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtrace.format.schema import (
@@ -44,7 +44,6 @@ class SamplingSettings:
     latents: bool = True  # MLA latents (what the cache stores in transformers >= 5.x)
     queue_size: int = 64
     level: int = 3  # zstd level
-    _layer_set: frozenset[int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.every_n_steps < 0:
@@ -59,7 +58,6 @@ class SamplingSettings:
             if any(int(x) < 0 for x in self.layers):
                 raise ValueError("layer indices must be >= 0")
             self.layers = sorted({int(x) for x in self.layers})
-            self._layer_set = frozenset(self.layers)
         if self.heads is not None:
             heads = sorted({int(h) for h in self.heads})
             if not heads or heads[0] < 0:
@@ -81,9 +79,7 @@ class SamplingSettings:
         return self.heads[0], stride, len(self.heads)
 
     def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.pop("_layer_set", None)
-        return out
+        return asdict(self)
 
 
 @dataclass
@@ -160,7 +156,7 @@ class PayloadSampler:
         return (is_last and s.at_last_step) or step % s.every_n_steps == 0
 
     def wants_layer(self, layer: int) -> bool:
-        layers = self.settings._layer_set
+        layers = self.settings.layers
         return layers is None or layer in layers
 
     def wants_kind(self, kind: PayloadKind) -> bool:

@@ -1,0 +1,55 @@
+"""Sampling through a whole recording session: the right steps, the real cache contents, queries
+from the attention wrapper, and the model's attention implementation back as it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import kvtrace  # noqa: E402
+from kvtrace.format import PayloadKind  # noqa: E402
+from kvtrace.recorder.sampling import SamplingSettings  # noqa: E402
+from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
+
+PROMPT, NEW = 6, 7
+
+
+def test_session_samples_cache_and_queries(tmp_path) -> None:
+    model = tiny_model("llama")
+    attn_before = model.config._attn_implementation
+    path = tmp_path / "s.kvt.h5"
+    settings = SamplingSettings(every_n_steps=3, heads=[1], max_tokens=4, queries=True)
+    with kvtrace.record(model, str(path), sampling=settings), torch.no_grad():
+        out = model.generate(tiny_prompt(PROMPT), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                             return_dict_in_generate=True)
+    assert model.config._attn_implementation == attn_before
+
+    last = NEW - 1  # step 0 is the prefill, step k the k-th decode forward
+    with kvtrace.open(str(path)) as trace:
+        assert trace.meta.contains_tensor_payloads
+        index = trace.payload_index()
+        assert sorted(set(index["step"].tolist())) == [0, 3, last]
+        payloads = [trace.payload(i) for i in range(len(index))]
+    n_layers = model.config.num_hidden_layers
+    for step in (0, 3, last):
+        kinds = sorted((p.layer, int(p.kind)) for p in payloads if p.step == step)
+        assert kinds == sorted((layer, int(k)) for layer in range(n_layers)
+                               for k in (PayloadKind.KEY, PayloadKind.VALUE, PayloadKind.QUERY))
+
+    # The last step's samples are the cache generate() handed back: head 1, last 4 tokens.
+    cache = out.past_key_values
+    total = PROMPT + NEW - 1
+    for p in payloads:
+        if p.step != last or p.kind == PayloadKind.QUERY:
+            continue
+        layer = cache.layers[p.layer]
+        src = layer.keys if p.kind == PayloadKind.KEY else layer.values
+        assert (p.head_start, p.token_start, p.shape) == (1, total - 4, (1, 1, 4, src.shape[-1]))
+        np.testing.assert_array_equal(p.to_float32(), src[:, 1:2, -4:].numpy())
+    decode_queries = [p for p in payloads if p.kind == PayloadKind.QUERY and p.step == last]
+    for p in decode_queries:  # one new token per decode step, every query head of its group
+        assert p.shape[2] == 1 and p.shape[-1] == model.config.head_dim
+        assert p.token_start == total - 1
