@@ -1,0 +1,166 @@
+"""Zenodo bundles: content refusal, metadata files, data card numbers, checksums."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from synth_trace import write_synthetic_trace
+
+from kvtrace import exitcodes
+from kvtrace.cli import cli, main
+from kvtrace.export import zenodo as z
+
+CREATOR = "Doe, Jane; Example University; 0000-0002-1825-0097"
+
+
+@dataclass
+class Result:
+    exit_code: int
+    output: str  # stdout + stderr
+
+
+@pytest.fixture
+def run(capsys):
+    """Run the real entry point (kvtrace.cli.main maps click usage errors to exit 64)."""
+
+    def _run(*args: str) -> Result:
+        try:
+            main(["export", "zenodo", *args])
+            code = 0
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        cap = capsys.readouterr()
+        return Result(code, cap.out + cap.err)
+
+    return _run
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    d = tmp_path_factory.mktemp("zen")
+    return {
+        "clean": write_synthetic_trace(d / "clean.kvt.h5"),
+        "messy": write_synthetic_trace(d / "messy.kvt.h5", dropped_samples=4, recorder_error="sampler thread died",
+                                       telemetry_gap_ms=30, unavailable=("process", "nvml")),
+        "prompts": write_synthetic_trace(d / "prompts.kvt.h5", prompt_text=True),
+        "tensors": write_synthetic_trace(d / "tensors.kvt.h5", payloads=True),
+        "crashed": write_synthetic_trace(d / "crashed.kvt.h5", close=False),
+    }
+
+
+def test_refuses_content_naming_which_and_why(traces, tmp_path, run):
+    res = run(str(traces["clean"]), str(traces["prompts"]), str(traces["tensors"]), "-o", str(tmp_path / "b"),
+               "--creator", CREATOR)
+    assert res.exit_code == exitcodes.USAGE
+    msg = res.output
+    assert "prompts.kvt.h5: holds prompt text" in msg
+    assert "tensors.kvt.h5: holds tensor contents (20 sampled tensors" in msg
+    assert "clean.kvt.h5" not in msg
+    assert "--allow-content" in msg
+    assert not (tmp_path / "b").exists()  # nothing written before the refusal
+    res = run(str(traces["prompts"]), str(traces["tensors"]), "-o", str(tmp_path / "b"), "--creator", CREATOR,
+               "--allow-content", "-q")
+    assert res.exit_code == 0 and res.output == ""
+    assert (tmp_path / "b" / "data" / "tensors.kvt.h5").exists()
+
+
+def test_bundle_files_and_metadata(traces, tmp_path, run):
+    out = tmp_path / "bundle"
+    res = run(str(traces["clean"]), str(traces["messy"]), "-o", str(out), "--creator", CREATOR,
+               "--creator", "Lab Collective", "--title", "Tiny hybrid KV traces", "--keyword", "sliding window",
+               "--version", "2.1", "--related", "issupplementto:10.5281/zenodo.19871039", "--json")
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.output)
+    assert sorted(info["files"]) == [".zenodo.json", "CITATION.cff", "README.md", "SHA256SUMS",
+                                     "data/clean.kvt.h5", "data/messy.kvt.h5"]
+    for name in ("clean", "messy"):
+        assert (out / "data" / f"{name}.kvt.h5").read_bytes() == traces[name].read_bytes()
+
+    meta = json.loads((out / ".zenodo.json").read_text())
+    assert meta["upload_type"] == "dataset" and meta["license"] == "cc-by-4.0"
+    assert meta["title"] == "Tiny hybrid KV traces" and meta["version"] == "2.1"
+    assert meta["creators"] == [
+        {"name": "Doe, Jane", "affiliation": "Example University", "orcid": "0000-0002-1825-0097"},
+        {"name": "Lab Collective"}]
+    assert meta["related_identifiers"] == [{"relation": "isSupplementTo", "identifier": "10.5281/zenodo.19871039"}]
+    assert "sliding window" in meta["keywords"] and "qwen3" in meta["keywords"]
+    assert "2 trace file(s), 4 generate requests" in meta["description"]
+
+    cff = yaml.safe_load((out / "CITATION.cff").read_text())
+    assert cff["cff-version"] == "1.2.0" and cff["type"] == "dataset" and cff["license"] == "CC-BY-4.0"
+    assert cff["authors"][0] == {"family-names": "Doe", "given-names": "Jane", "affiliation": "Example University",
+                                 "orcid": "https://orcid.org/0000-0002-1825-0097"}
+    assert cff["authors"][1] == {"name": "Lab Collective"}
+    assert cff["version"] == "2.1" and cff["references"][0]["doi"] == "10.5281/zenodo.19871039"
+
+
+def test_checksums_verify(traces, tmp_path, run):
+    out = tmp_path / "b"
+    assert run(str(traces["clean"]), "-o", str(out), "--creator", CREATOR, "-q").exit_code == 0
+    lines = (out / "SHA256SUMS").read_text().splitlines()
+    assert len(lines) == 4
+    for line in lines:
+        digest, name = line.split("  ", 1)
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
+    if shutil.which("sha256sum"):
+        assert subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=out).returncode == 0
+    # the checksums catch a flipped byte
+    data = bytearray((out / "data" / "clean.kvt.h5").read_bytes())
+    data[-1] ^= 1
+    (out / "data" / "clean.kvt.h5").write_bytes(bytes(data))
+    if shutil.which("sha256sum"):
+        assert subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=out,
+                              capture_output=True).returncode != 0
+
+
+def test_data_card_reports_quality(traces, tmp_path, run):
+    out = tmp_path / "b"
+    res = run(str(traces["clean"]), str(traces["messy"]), str(traces["crashed"]), "-o", str(out),
+               "--creator", CREATOR, "-q")
+    assert res.exit_code == 0, res.output
+    card = (out / "README.md").read_text()
+    assert "- 3 traces, 6 requests, 72 recorded steps" in card
+    assert "Synthetic GPU (80.0 GiB)" in card
+    assert "- torch: 2.11.0" in card and "- transformers: 5.17.0" in card
+    messy = [line for line in card.splitlines() if line.startswith("| `data/messy.kvt.h5` | yes |")]
+    assert messy == ["| `data/messy.kvt.h5` | yes | 4 | nvml, process | 1 | 2 | none |"]
+    assert "| `data/crashed.kvt.h5` | NO |" in card
+    assert "- incomplete: the writer never closed the trace" in card
+    assert "- source nvml unavailable: nvml sampling disabled in this synthetic trace" in card
+    assert "| `data/clean.kvt.h5` | yes | 0 | process | 0 | 0 | none |" in card
+
+
+def test_bad_inputs(traces, tmp_path, run):
+    assert run(str(traces["clean"]), "-o", str(tmp_path / "a")).exit_code == exitcodes.USAGE  # no creator
+    res = run(str(traces["clean"]), "-o", str(tmp_path / "a"), "--creator", "Doe, J; X; 1234")
+    assert res.exit_code == exitcodes.USAGE and "ORCID" in res.output
+    res = run(str(traces["clean"]), "-o", str(tmp_path / "a"), "--creator", CREATOR, "--related", "likes:x")
+    assert res.exit_code == exitcodes.USAGE and "unknown relation" in res.output
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    res = run(str(traces["clean"]), "-o", str(tmp_path / "full"), "--creator", CREATOR)
+    assert res.exit_code == exitcodes.CANNOT_WRITE
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(traces["clean"], other / "messy.kvt.h5")
+    res = run(str(traces["messy"]), str(other / "messy.kvt.h5"), "-o", str(tmp_path / "c"), "--creator", CREATOR)
+    assert res.exit_code == exitcodes.USAGE and "share a file name" in res.output
+    bad = tmp_path / "bad.kvt.h5"
+    bad.write_bytes(b"not a trace")
+    assert run(str(bad), "-o", str(tmp_path / "d"), "--creator", CREATOR).exit_code == exitcodes.UNREADABLE
+    assert "Examples:" in CliRunner().invoke(cli, ["export", "zenodo", "--help"]).output
+
+
+def test_creator_and_related_parsing():
+    assert z.Creator.parse("Doe, Jane") == z.Creator("Doe, Jane")
+    assert z.Creator.parse("Doe, Jane;;https://orcid.org/0000-0002-1825-009X").orcid == "0000-0002-1825-009X"
+    with pytest.raises(ValueError):
+        z.Creator.parse(";x")
+    assert z.Related.parse("isDerivedFrom:https://example.org/x").identifier == "https://example.org/x"
