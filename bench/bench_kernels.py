@@ -1,0 +1,267 @@
+"""Benchmark the kvtrace Triton kernels against torch on one CUDA GPU; prints a table.
+
+    PYTHONPATH=. python3 bench/bench_kernels.py [--json results.json] [--quick]
+
+Rows (targets from issue 5):
+  norms      effective bandwidth (bytes read + written / time) vs a device-to-device copy_ measured
+             in the same run (target >= 90%), and speed vs torch.linalg.vector_norm (target >= 3x)
+  attention  entropy + LSE + H2O mass (both Triton passes) vs the eager torch reference that
+             materialises the softmax, at 32k keys (target >= 10x); peak memory at 128k keys
+  mla        Gram of MLA latents: GB/s of latent read
+Exits with code 69 (EX_UNAVAILABLE) and one line on stderr when there is no CUDA device or triton.
+Timings: triton.testing.do_bench, median of repeated runs, L2 flushed between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+EX_UNAVAILABLE = 69
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+# Problem sizes. "full" is what the issue asks for; "quick" is a smoke run on a GPU.
+SIZES = {
+    "full": {
+        "copy_bytes": 2**30,
+        "norm_shapes": [(1, 32, 32768, 128), (8, 8, 16384, 128)],
+        "attn_heads": (32, 8, 128), "attn_tq": 1024, "attn_tk": 32768, "attn_window": 4096,
+        "mem_tk": 131072,
+        "mla_shapes": [(32768, 512), (131072, 512)],
+    },
+    "quick": {
+        "copy_bytes": 2**28,
+        "norm_shapes": [(1, 32, 8192, 128)],
+        "attn_heads": (32, 8, 128), "attn_tq": 1024, "attn_tk": 8192, "attn_window": 4096,
+        "mem_tk": 32768,
+        "mla_shapes": [(32768, 512)],
+    },
+}
+
+
+def _require_gpu() -> None:
+    try:
+        import torch
+    except Exception as exc:
+        print(f"bench_kernels: torch is not importable ({exc}); needs a CUDA GPU", file=sys.stderr)
+        sys.exit(EX_UNAVAILABLE)
+    if not torch.cuda.is_available():
+        print("bench_kernels: no CUDA device visible; this benchmark runs on a GPU only", file=sys.stderr)
+        sys.exit(EX_UNAVAILABLE)
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:
+        print(f"bench_kernels: triton is not importable ({exc}); install kvtrace[gpu]", file=sys.stderr)
+        sys.exit(EX_UNAVAILABLE)
+
+
+def _bench(fn, rep_ms: int = 200) -> float:
+    """Median milliseconds per call (triton.testing.do_bench flushes L2 between calls)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+
+
+def _gib(n: float) -> float:
+    return n / 2**30
+
+
+def _peak(fn):
+    """(result or exception, peak bytes allocated during fn beyond what was allocated before)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+    except torch.cuda.OutOfMemoryError as exc:
+        out = exc
+    peak = torch.cuda.max_memory_allocated() - base
+    torch.cuda.empty_cache()
+    return out, peak
+
+
+def copy_bandwidth(nbytes: int) -> dict:
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    return {"bytes": nbytes, "ms": ms, "gbps": 2 * nbytes / ms / 1e6}
+
+
+def bench_norms(copy_gbps: float, sz: dict) -> list[dict]:
+    import torch
+
+    from kvtrace.kernels import norms
+
+    rows = []
+    for shape in sz["norm_shapes"]:
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        B, H, T, D = shape
+        bytes_moved = x.numel() * x.element_size() + B * H * T * 4 + B * H * 4
+        t_tri = _bench(lambda x=x: norms.head_norms_triton(x))
+        t_vn = _bench(lambda x=x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).mean(-1))
+        t_ref = _bench(lambda x=x: norms.head_norms_reference(x))
+        gbps = bytes_moved / t_tri / 1e6
+        rows.append({
+            "kernel": "norms", "shape": list(shape), "dtype": "bf16", "triton_ms": t_tri,
+            "vector_norm_ms": t_vn, "reference_ms": t_ref, "gbps": gbps,
+            "pct_of_copy": 100 * gbps / copy_gbps, "speedup_vs_vector_norm": t_vn / t_tri,
+            "speedup_vs_reference": t_ref / t_tri,
+        })
+        del x
+    return rows
+
+
+def bench_attention(sz: dict) -> list[dict]:
+    import torch
+
+    from kvtrace.kernels import attention as A
+
+    rows = []
+    Hq, Hkv, D = sz["attn_heads"]
+    tk, tq = sz["attn_tk"], sz["attn_tq"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, Hq, tq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, Hkv, tk, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    for label, kw in (("causal", {}), (f"sliding {sz['attn_window']}", {"window": sz["attn_window"]})):
+        tri = lambda kw=kw, q=q, k=k: A.attention_stats_triton(q, k, **kw)  # noqa: E731
+        ref = lambda kw=kw, q=q, k=k: A.attention_stats_reference(q, k, **kw)  # noqa: E731
+        t_tri = _bench(tri, rep_ms=300)
+        t_ref = _bench(ref, rep_ms=300)
+        # agreement at full size, as a sanity check on what is being timed
+        a, r = tri(), ref()
+        err_h = float((a.entropy - r.entropy).abs().max())
+        err_m = float((a.received - r.received).abs().max() / r.received.abs().max())
+        del a, r
+        _, peak_tri = _peak(tri)
+        _, peak_ref = _peak(ref)
+        rows.append({
+            "kernel": "attention", "case": f"{label}, Tq={tq} sampled, Tk={tk}", "Hq": Hq, "Hkv": Hkv,
+            "D": D, "dtype": "bf16", "triton_ms": t_tri, "reference_ms": t_ref, "speedup": t_ref / t_tri,
+            "triton_peak_gib": _gib(peak_tri), "reference_peak_gib": _gib(peak_ref),
+            "max_abs_entropy_err": err_h, "max_rel_mass_err": err_m,
+        })
+    del q, k
+
+    # 128k keys: Triton peak memory; the reference is attempted and reported as it goes.
+    tk = sz["mem_tk"]
+    for label, tq in (("sampled", sz["attn_tq"]), ("full causal prefill", tk)):
+        q = torch.randn(1, Hq, tq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(1, Hkv, tk, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        t0 = time.perf_counter()
+        out, peak_tri = _peak(lambda q=q, k=k: A.attention_stats_triton(q, k))
+        wall = time.perf_counter() - t0
+        ok = not isinstance(out, Exception)
+        del out
+        one_matrix = Hq * tq * tk * 4
+        res, peak_ref = _peak(lambda q=q, k=k: A.attention_stats_reference(q, k))
+        ref_note = "OOM" if isinstance(res, Exception) else f"fit, peak {_gib(peak_ref):.1f} GiB"
+        del res
+        rows.append({
+            "kernel": "attention-memory", "case": f"{label}, Tq={tq}, Tk={tk}", "Hq": Hq, "Hkv": Hkv, "D": D,
+            "triton_ok": ok, "triton_wall_s": wall, "triton_peak_gib": _gib(peak_tri),
+            "inputs_gib": _gib((q.numel() + k.numel()) * 2),
+            "reference_one_fp32_matrix_gib": _gib(one_matrix), "reference": ref_note,
+            "device_total_gib": _gib(torch.cuda.get_device_properties(0).total_memory),
+        })
+        del q, k
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_mla(sz: dict) -> list[dict]:
+    import torch
+
+    from kvtrace.kernels import mla
+
+    rows = []
+    for n, r in sz["mla_shapes"]:
+        x = torch.randn(n, r, device="cuda", dtype=torch.bfloat16)
+        t_tri = _bench(lambda x=x: mla.latent_gram_triton(x))
+        t_ref = _bench(lambda x=x: mla.latent_gram_reference(x))
+        t_spec = _bench(lambda x=x: mla.mla_spectrum(x, num_heads=128, head_dim=128, rope_dim=64))
+        err = float((mla.latent_gram_triton(x) - mla.latent_gram_reference(x)).abs().max()
+                    / mla.latent_gram_reference(x).abs().max())
+        nbytes = x.numel() * x.element_size()
+        rows.append({
+            "kernel": "mla", "shape": [n, r], "dtype": "bf16", "gram_triton_ms": t_tri,
+            "gram_reference_ms": t_ref, "gbps_latent_read": nbytes / t_tri / 1e6,
+            "speedup_vs_reference": t_ref / t_tri, "mla_spectrum_ms": t_spec, "max_rel_err": err,
+        })
+        del x
+    return rows
+
+
+def _print(device: str, copy: dict, rows: list[dict]) -> None:
+    print(f"kvtrace kernels benchmark on {device}")
+    print(f"device-to-device copy_: {copy['gbps']:.0f} GB/s (read+write of {_gib(copy['bytes']):.1f} GiB)")
+    print()
+    print(f"{'kernel':<17}{'case':<44}{'triton':>10}{'torch':>10}{'ratio':>8}  notes")
+    for r in rows:
+        k = r["kernel"]
+        if k == "norms":
+            case = f"{r['shape']} {r['dtype']}"
+            note = (f"{r['gbps']:.0f} GB/s = {r['pct_of_copy']:.0f}% of copy (target >= 90%); "
+                    f"vs vector_norm {r['speedup_vs_vector_norm']:.2f}x (target >= 3x); "
+                    f"vs reference {r['speedup_vs_reference']:.2f}x")
+            print(f"{k:<17}{case:<44}{r['triton_ms']:>8.3f}ms{r['vector_norm_ms']:>8.3f}ms"
+                  f"{r['speedup_vs_vector_norm']:>7.2f}x  {note}")
+        elif k == "attention":
+            note = (f"target >= 10x; peak {r['triton_peak_gib']:.2f} vs {r['reference_peak_gib']:.2f} GiB; "
+                    f"|dH| {r['max_abs_entropy_err']:.1e}, mass rel {r['max_rel_mass_err']:.1e}")
+            print(f"{k:<17}{r['case']:<44}{r['triton_ms']:>8.2f}ms{r['reference_ms']:>8.2f}ms"
+                  f"{r['speedup']:>7.1f}x  {note}")
+        elif k == "attention-memory":
+            note = (f"triton peak {r['triton_peak_gib']:.2f} GiB beyond inputs ({r['inputs_gib']:.2f} GiB), "
+                    f"{r['triton_wall_s']:.2f} s; reference: {r['reference']} "
+                    f"(one fp32 score matrix = {r['reference_one_fp32_matrix_gib']:.0f} GiB, "
+                    f"device {r['device_total_gib']:.0f} GiB)")
+            print(f"{k:<17}{r['case']:<44}{'':>10}{'':>10}{'':>8}  {note}")
+        elif k == "mla":
+            case = f"{r['shape']} {r['dtype']}"
+            note = (f"{r['gbps_latent_read']:.0f} GB/s of latent read; full mla_spectrum "
+                    f"{r['mla_spectrum_ms']:.2f} ms; rel err {r['max_rel_err']:.1e}")
+            print(f"{k:<17}{case:<44}{r['gram_triton_ms']:>8.3f}ms{r['gram_reference_ms']:>8.3f}ms"
+                  f"{r['speedup_vs_reference']:>7.2f}x  {note}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    ap.add_argument("--quick", action="store_true", help="smaller shapes (smoke test)")
+    args = ap.parse_args(argv)
+    _require_gpu()
+    import torch
+    import triton
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference is fp32; keep it honest
+    t0 = time.perf_counter()
+    device = torch.cuda.get_device_name()
+    sz = SIZES["quick" if args.quick else "full"]
+    copy = copy_bandwidth(sz["copy_bytes"])
+    rows = bench_norms(copy["gbps"], sz)
+    rows += bench_attention(sz)
+    rows += bench_mla(sz)
+    _print(device, copy, rows)
+    total = time.perf_counter() - t0
+    print(f"\n(total {total:.0f} s; torch {torch.__version__}, triton {triton.__version__})")
+    if args.json:
+        payload = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+                   "copy": copy, "rows": rows, "total_s": total}
+        args.json.write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
