@@ -178,6 +178,7 @@ class PayloadSampler:
         *,
         token_start: int = 0,
         group_size: int | None = None,
+        mutable: bool | None = None,
     ) -> bool:
         """Enqueue one sample without blocking. False if not selected, unsupported or dropped.
 
@@ -185,6 +186,12 @@ class PayloadSampler:
         selected here. For queries, ``group_size`` (query heads per KV head) maps the KV-head
         selection onto query heads; without it (or for strided selections with groups) all
         query heads are kept. No reference to ``tensor`` survives this call.
+
+        ``mutable`` (CUDA only): may this memory be written in place after submit (static,
+        sliding-static, offloaded caches)? Then the main stream waits for the copy on the GPU.
+        Pass False for tensors nobody overwrites (DynamicLayer K/V, queries: the default for
+        QUERY): the copy then overlaps the next kernels, and the allocator is told not to reuse
+        the memory before the copy is done.
         """
         kind = PayloadKind(kind)
         if self._closed or not self.wants_layer(layer) or not self.wants_kind(kind):
@@ -204,7 +211,8 @@ class PayloadSampler:
         try:
             view = _carrier(view)
             if view.device.type == "cuda":
-                host, event = self._stage_cuda(view)
+                in_place = kind != PayloadKind.QUERY if mutable is None else mutable
+                host, event = self._stage_cuda(view, in_place)
             else:  # a plain copy: clone() always copies, so the cache's storage is not shared
                 host, event = view.to("cpu").clone(memory_format=_contiguous()), None
         except Exception as exc:  # noqa: BLE001 - sampling must never break generation
@@ -267,10 +275,11 @@ class PayloadSampler:
         count = min(count, max(0, -(-(n_heads - start) // stride)))
         return (start, stride, count) if count > 0 else None
 
-    def _stage_cuda(self, view: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Async D2H copy into pinned memory on a side stream. The main stream then waits for
-        the copy's event (GPU-side, the CPU never blocks), so a cache updated in place (static,
-        offloaded) cannot change under the copy: the sample is a consistent snapshot."""
+    def _stage_cuda(self, view: torch.Tensor, in_place: bool) -> tuple[torch.Tensor, Any]:
+        """Async D2H copy into pinned memory on a side stream, closed by an event. The CPU never
+        blocks. For memory written in place later (``in_place``) the main stream waits for the
+        event on the GPU, so the sample is a consistent snapshot; otherwise record_stream keeps
+        the allocator from handing the memory to new work before the copy has read it."""
         import torch
 
         device = view.device
@@ -296,7 +305,10 @@ class PayloadSampler:
                 del temp  # freed in side-stream order: reused only after the copy
             event = torch.cuda.Event()
             event.record(stream)
-        main.wait_event(event)
+        if in_place:
+            main.wait_event(event)
+        else:
+            view.record_stream(stream)
         if temp_bytes:
             with self._lock:
                 self._own_by_device[index] = max(self._own_by_device.get(index, 0), temp_bytes)

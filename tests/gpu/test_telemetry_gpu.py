@@ -143,6 +143,30 @@ def test_pinned_async_copy_is_bit_exact(tmp_path, dtype) -> None:
     assert (payloads[1].head_start, payloads[1].head_stride, payloads[1].token_start) == (1, 2, 5 + 64)
 
 
+def test_overlapping_copy_of_memory_freed_right_after_submit(tmp_path) -> None:
+    """mutable=False (DynamicLayer K/V, queries): the main stream does not wait for the copy, so
+    the source may be freed and its block requested again at once: the sample must not change."""
+    path = tmp_path / "free.kvt.h5"
+    expected = []
+    with TraceWriter(path) as writer:
+        sampler = PayloadSampler(writer, SamplingSettings(every_n_steps=1, queries=True))
+        for layer in range(4):
+            src = _random_bits((1, 8, 1024, 128), torch.bfloat16, seed=10 + layer)  # 2 MiB
+            expected.append(src.view(torch.int16).cpu().numpy().view(np.uint16))
+            kind = PayloadKind.QUERY if layer % 2 else PayloadKind.KEY
+            assert sampler.submit(0, 0, layer, kind, src, mutable=None if layer % 2 else False)
+            del src
+            reuse = torch.empty((1, 8, 1024, 128), dtype=torch.bfloat16, device="cuda")
+            reuse.fill_(0)  # would overwrite the block under the copy without record_stream
+            del reuse
+        stats = sampler.close()
+    assert stats["written"] == 4
+    with open_trace(path) as trace:
+        got = {int(trace.payload(i).layer): trace.payload(i).data for i in range(4)}
+    for layer in range(4):
+        np.testing.assert_array_equal(got[layer].reshape(expected[layer].shape), expected[layer])
+
+
 def test_query_capture_keeps_gpu_outputs_identical() -> None:
     from kvtrace.recorder.qcapture import QueryCapture
     from kvtrace.testing_models import tiny_model, tiny_prompt
