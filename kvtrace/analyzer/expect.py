@@ -130,7 +130,8 @@ def build_expectation(model_config: dict[str, Any], layers_table: np.ndarray,
             notes.append(f"model config not understood ({exc}); using the recorded /layers table")
         else:
             exp = Expectation("config", {g.index: g for g in model.decoder_layers}, model, notes)
-            recorded = {int(r["layer"]) for r in layers_table}
+            cross = int(schema.LayerType.CROSS_ATTENTION)
+            recorded = {int(r["layer"]) for r in layers_table if int(r["layer_type"]) != cross}
             if recorded and recorded - set(exp.layers):
                 notes.append(f"trace has layers {sorted(recorded - set(exp.layers))[:8]} the config does not")
             return exp

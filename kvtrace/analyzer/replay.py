@@ -258,11 +258,9 @@ class ReplayContext:
     def has_retention_tracking(self) -> bool:
         """Whether the recorder looked for surviving KV storages after each request (an empty
         /retention table then means nothing survived, not that nobody looked)."""
-        for key in ("retention", "cache_structure"):
-            if self.meta.source_available(key):
-                return any(
-                    schema.ReadingLabel.AFTER_GC in t.readings or t.retention.size for t in self.requests
-                ) or self.trace.nrows("retention") > 0
+        setting = self.meta.recorder_settings.get("retention")
+        if setting is not None:
+            return bool(setting)
         return self.trace.nrows("retention") > 0
 
     def missing(self, need: str) -> str | None:

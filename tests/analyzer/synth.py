@@ -53,6 +53,7 @@ class Req:
     referrers: str = "DynamicCache,GenerateDecoderOnlyOutput"
     peak_extra: int = 0  # transient above resident at the PEAK reading
     device_leak_per_step: int = 0  # allocator bytes added per decode step beyond the cache
+    same_storage: tuple[int, ...] = ()  # layers whose K points at one storage (planted aliasing)
     outcome: schema.Outcome = schema.Outcome.OK
     oom_text: str = ""
 
@@ -159,6 +160,8 @@ class SynthTrace:
                 kshape = [r.batch, g.num_kv_heads, klen, g.k_head_dim]
                 vshape = [r.batch, g.num_kv_heads, klen, g.v_head_dim]
                 kptr = 0x10000 + (rid * 1000 + layer) * 0x1000 + step * 0x10
+                if layer in r.same_storage:
+                    kptr = 0x900000 + step * 0x10
                 rows.append((rid, step, layer, int(rtype), self.device, int(self.dtype), int(self.dtype),
                              kshape, vshape, seen, kept, alloc, valid, alloc, kptr, kptr + 8,
                              alloc // 2, alloc - alloc // 2, 0, t))

@@ -71,7 +71,11 @@ class Fragmentation(Detector):
         si = int(np.argmax(split))
         share = float(split[si] / s["res"][si]) if s["res"][si] > 0 else 0.0
         t0 = int(ctx.requests[0].start_ns) if ctx.requests else int(s["t"][0])
-        slope, _, r2 = linear_fit((s["t"] - t0) / 1e9, split.astype(np.float64))
+        # Trend from the periodic samples only: labelled readings (after gc / empty_cache) are
+        # taken at chosen instants and would bend the line.
+        periodic = s["retries"] >= 0
+        tr = periodic if periodic.sum() >= 3 else np.ones(s.size, dtype=bool)
+        slope, _, r2 = linear_fit((s["t"][tr] - t0) / 1e9, split[tr].astype(np.float64))
         valid_retries = s["retries"][s["retries"] >= 0]
         retries = int(valid_retries.max() - valid_retries.min()) if valid_retries.size else 0
         score = min(ramp(share, *SPLIT_SHARE), ramp(float(split[si]), *SPLIT_BYTES))

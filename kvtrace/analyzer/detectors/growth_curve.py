@@ -21,8 +21,11 @@ from kvtrace.units import format_bytes
 # Score ramps (documented in docs/detectors.md).
 DUP_RATIO = (1.05, 2.0)  # measured / expected bytes
 SUPERLINEAR_RATIO = (1.2, 2.0)  # growth per token, second half / first half
-DEVICE_GROWTH_RATIO = (1.5, 3.0)  # device allocated growth / KV growth over decode
+DEVICE_GROWTH_RATIO = (1.5, 3.0)  # allocated (or RSS) growth / KV growth over decode
 STATIC_WASTE = (0.3, 0.9)  # fraction of a static allocation never holding a token
+# Process RSS moves in pages and with the C allocator's arenas: excess growth below 4 MiB scores
+# nothing, 16 MiB and more scores fully (only used on traces without allocator data).
+RSS_EXCESS = (4 * 1024**2, 16 * 1024**2)
 MIN_DECODE_STEPS = 4  # fewer decode steps than this say nothing about the shape of growth
 _STATIC = (int(schema.LayerType.STATIC), int(schema.LayerType.STATIC_SLIDING))
 
@@ -161,36 +164,41 @@ class GrowthCurve(Detector):
         )]
 
     def _device_growth(self, ctx: ReplayContext, req: RequestTimeline) -> list[Finding]:
-        """Allocator bytes grown over decode against the cache's own growth: copies that the
-        cache structure does not show (e.g. old tensors kept alive in a list) appear only here."""
+        """Memory grown over decode against the cache's own growth: copies that the cache
+        structure does not show (e.g. old tensors kept alive in a list) appear only here.
+        The allocator's allocated bytes when the trace has them, else the process RSS."""
         s = req.steps
         if s.size == 0:
             return []
-        s = s[(s["phase"] == int(schema.Phase.DECODE)) & (s["allocated_bytes"] >= 0)]
+        s = s[s["phase"] == int(schema.Phase.DECODE)]
+        if (s["allocated_bytes"] >= 0).sum() >= MIN_DECODE_STEPS:
+            s, column, source = s[s["allocated_bytes"] >= 0], "allocated_bytes", "Allocated memory"
+            # Allocator blocks are rounded to 512 B: one block per cached tensor of slack.
+            floor = (2 * 512 * max(1, req.kv.layers.size), 2 * 512 * max(1, req.kv.layers.size) + 1)
+        elif (s["rss_bytes"] >= 0).sum() >= MIN_DECODE_STEPS:
+            s, column, source = s[s["rss_bytes"] >= 0], "rss_bytes", "Process RSS"
+            floor = RSS_EXCESS
+        else:
+            return []
         if s.size < MIN_DECODE_STEPS:
             return []
-        d_alloc = int(s["allocated_bytes"][-1]) - int(s["allocated_bytes"][0])
+        d_mem = int(s[column][-1]) - int(s[column][0])
         d_kv = int(s["kv_bytes_unique"][-1]) - int(s["kv_bytes_unique"][0])
         d_tokens = int(s["tokens_seen"][-1]) - int(s["tokens_seen"][0])
-        if d_alloc <= 0 or d_tokens <= 0:
+        if d_mem <= 0 or d_tokens <= 0:
             return []
-        # Allocator blocks are rounded to 512 B; allow a block per cached tensor per step of slack.
-        n_layers = max(1, req.kv.layers.size)
-        slack = 2 * 512 * n_layers
-        excess = d_alloc - max(d_kv, 0) - slack
-        if excess <= 0:
-            return []
-        ratio = d_alloc / max(d_kv + slack, 1)
-        score = ramp(ratio, *DEVICE_GROWTH_RATIO)
+        excess = d_mem - max(d_kv, 0)
+        ratio = d_mem / max(d_kv, 1)
+        score = min(ramp(ratio, *DEVICE_GROWTH_RATIO), ramp(excess, *floor))
         if score == 0:
             return []
-        msg = (f"Allocated memory grew {format_bytes(d_alloc)} over {s.size:,} decode steps of request "
+        msg = (f"{source} grew {format_bytes(d_mem)} over {s.size:,} decode steps of request "
                f"{req.request} while the KV cache grew {format_bytes(max(d_kv, 0))} ({ratio:.1f}x): something "
                f"besides the cache grows with every token (e.g. old cache copies kept alive).")
         return [self.finding(
-            "unexplained_device_growth", score, msg,
+            "unexplained_memory_growth", score, msg,
             evidence={
-                "allocated_growth_bytes": ev(d_alloc, "bytes"),
+                "memory_growth_bytes": ev(d_mem, "bytes"),
                 "kv_growth_bytes": ev(d_kv, "bytes"),
                 "excess_bytes": ev(excess, "bytes"),
                 "ratio": ev(round(ratio, 4), "ratio"),

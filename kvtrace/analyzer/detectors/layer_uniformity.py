@@ -53,7 +53,9 @@ class LayerUniformity(Detector):
         for k, cs in sorted(groups.items(), key=lambda kv: float(np.median(g["bytes_valid"][row, kv[1]]))):
             tokens = int(np.median(g["tokens_kept"][row, cs]))
             size = float(np.median(g["bytes_valid"][row, cs]))
-            parts.append(f"{len(cs):,} {k} layers hold {tokens:,} tokens ({format_bytes(size)} each)")
+            noun = f"{k} layer holds" if len(cs) == 1 else f"{k} layers hold"
+            each = "" if len(cs) == 1 else " each"
+            parts.append(f"{len(cs):,} {noun} {tokens:,} tokens ({format_bytes(size)}{each})")
         split = ", ".join(parts)
         shared = f"; {consumers:,} KV-sharing layers hold none" if consumers else ""
         if total_cv < UNIFORM_CV:
