@@ -154,7 +154,13 @@ class Telemetry:
             entry["reason"] = f"no NVML device matches the UUID of CUDA device(s) {unmatched} (MIG?)"
             return
         entry["available"] = True
-        entry["reason"] = nvml.reason + "; process usage matched by pid"
+        # A container with its own pid namespace sees host pids in NVML: say so up front.
+        listed = any(nvml.process_used(h) >= 0 for h in self._handles.values())
+        entry["process_usage"] = listed
+        entry["reason"] = nvml.reason + (
+            "; process usage matched by pid" if listed
+            else "; this pid is not in NVML's process list (pid namespace?): process usage stored as -1"
+        )
         if unmatched:
             entry["reason"] += f"; CUDA device(s) {unmatched} not found in NVML"
 

@@ -65,6 +65,7 @@ def test_thread_writes_rows_per_device_at_the_rate(tmp_path, two_gpus) -> None:
     tel = Telemetry([1, 0], rate_hz=rate)  # a device_map split over two GPUs
     src = tel.sources()
     assert src["nvml"]["available"] and src["nvml"]["devices"] == [0, 1]
+    assert src["nvml"]["process_usage"] is True
     assert tel.versions()["driver_version"] == "580.95.05"
     path = tmp_path / "t.kvt.h5"
     with TraceWriter(path, devices=tel.device_infos()) as writer:
@@ -110,3 +111,17 @@ def test_start_needs_a_writer_and_stops_when_writer_closes(tmp_path) -> None:
     time.sleep(0.05)
     tel.stop()
     assert tel.tick_errors == 0
+
+
+def test_pid_missing_from_nvml_is_declared_not_zeroed(monkeypatch, tmp_path) -> None:
+    nvml = StandInNvml()
+    nvml.process_used = lambda handle, pid=None: -1  # NVML lists host pids only
+    monkeypatch.setattr(telemetry_mod, "_open_nvml", lambda: nvml)
+    monkeypatch.setattr(Telemetry, "_cuda_uuid", staticmethod(lambda device: f"GPU-{device}"))
+    tel = Telemetry([0, 5])  # device 5 has no NVML match
+    src = tel.sources()["nvml"]
+    assert src["available"] and src["process_usage"] is False
+    assert "pid namespace" in src["reason"] and "[5]" in src["reason"]
+    assert tel.reading(0)["nvml_process_used_bytes"] == -1
+    assert tel.reading(5)["nvml_used_bytes"] == -1  # unmatched device: no NVML value
+    assert tel.reading(0)["nvml_used_bytes"] > 0
