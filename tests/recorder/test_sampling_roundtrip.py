@@ -8,6 +8,8 @@ import weakref
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -178,3 +180,29 @@ def test_failed_writes_are_counted_and_recorded(tmp_path) -> None:
         errors = trace.events(EventKind.RECORDER_ERROR)
         assert len(errors) == 1 and errors[0]["value"] == 1
         assert "disk full" in trace.text(int(errors[0]["text_off"]), int(errors[0]["text_len"]))
+
+
+@given(
+    shape=st.tuples(st.integers(1, 2), st.integers(1, 6), st.integers(1, 9), st.integers(1, 3)),
+    start=st.integers(0, 6), stride=st.integers(1, 3), count=st.integers(1, 4),
+    max_tokens=st.one_of(st.none(), st.integers(1, 10)), token_start=st.integers(0, 50),
+)
+def test_selection_matches_plain_indexing(shape, start, stride, count, max_tokens, token_start) -> None:
+    heads = [start + i * stride for i in range(count)]
+    sampler = PayloadSampler(None, SamplingSettings(every_n_steps=1, heads=heads, max_tokens=max_tokens),
+                             workers=1)
+    try:
+        data = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+        view, h0, hs, t0 = sampler._select(torch.from_numpy(data), PayloadKind.KEY, token_start, None)
+    finally:
+        sampler.close()
+    kept_heads = [h for h in heads if h < shape[1]]
+    if not kept_heads:
+        assert view is None
+        return
+    keep_t = shape[2] if max_tokens is None else min(shape[2], max_tokens)
+    expected = data[:, kept_heads][:, :, shape[2] - keep_t:]
+    np.testing.assert_array_equal(view.numpy(), expected)
+    assert h0 == kept_heads[0] and (hs == stride or len(kept_heads) == 1)
+    assert [h0 + i * hs for i in range(view.shape[1])] == kept_heads
+    assert t0 == token_start + shape[2] - keep_t
