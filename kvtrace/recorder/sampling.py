@@ -121,6 +121,7 @@ class PayloadSampler:
         self.failed = 0
         self.skipped = 0  # unsupported dtype/device or nothing left after selection
         self.last_error = ""
+        self.last_skip = ""
         self.own_device_bytes = 0  # peak device bytes the sampler itself held (gather temporaries)
         self._own_by_device: dict[int, int] = {}
         self._pinned_in_flight = 0
@@ -235,7 +236,7 @@ class PayloadSampler:
     def _count_skip(self, why: str) -> None:
         with self._lock:
             self.skipped += 1
-            self.last_error = why
+            self.last_skip = why
 
     def _select(
         self, tensor: torch.Tensor, kind: PayloadKind, token_start: int, group_size: int | None
@@ -373,7 +374,8 @@ class PayloadSampler:
             }
 
     def close(self) -> dict[str, int]:
-        """Drain, stop the workers, record drops (DROPPED_SAMPLES) and failures (RECORDER_ERROR).
+        """Drain, stop the workers, record drops (DROPPED_SAMPLES), failures (RECORDER_ERROR)
+        and skipped samples (NOTE).
         Idempotent; returns the stats. The session writes the RECORDER_OWN readings (per
         request, from ``own_device_bytes_on``), so they are not written twice here."""
         if self._stats is not None:
@@ -398,6 +400,9 @@ class PayloadSampler:
                 f"{s['dropped']} sample(s) dropped: {self.settings.queue_size} already in flight"
             )
             w.append("events", (t, int(EventKind.DROPPED_SAMPLES), -1, -1, -1, -1, s["dropped"], off, n))
+        if s.get("skipped"):
+            off, n = w.add_text(f"sampling: {s['skipped']} sample(s) skipped, last: {self.last_skip}")
+            w.append("events", (t, int(EventKind.NOTE), -1, -1, -1, -1, s["skipped"], off, n))
         if s.get("failed"):
             off, n = w.add_text(f"sampling: {s['failed']} sample(s) failed, last: {self.last_error}")
             w.append("events", (t, int(EventKind.RECORDER_ERROR), -1, -1, -1, -1, s["failed"], off, n))

@@ -129,6 +129,8 @@ def test_selection_filters_and_settings(tmp_path) -> None:
     ])
     assert info["accepted"] == [False, False, False, False]
     assert info["stats"]["written"] == 0 and info["stats"]["skipped"] == 2
+    (note,) = info["events"][info["events"]["kind"] == int(EventKind.NOTE)]
+    assert note["value"] == 2
 
     with TraceWriter(tmp_path / "w.kvt.h5") as writer:
         off = PayloadSampler(writer, SamplingSettings())
