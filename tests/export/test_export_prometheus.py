@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 from click.testing import CliRunner
-from synth_trace import PER_TOKEN, kept, write_synthetic_trace
+from synth_trace import PER_TOKEN, stored, write_synthetic_trace
 
 from kvtrace.cli import cli
 from kvtrace.export.prometheus import METRICS, PrometheusExporter, exporter_from_trace, parse_address
@@ -160,7 +160,7 @@ def test_replay_of_a_trace(tmp_path):
     s = parse((tmp_path / "out.prom").read_text())
     for layer in range(4):
         name = "sliding" if layer % 2 == 0 else "full"
-        assert s[("kvtrace_kv_cache_bytes", (("layer", str(layer)), ("layer_type", name)))] == kept(layer, 19) * PER_TOKEN
+        assert s[("kvtrace_kv_cache_bytes", (("layer", str(layer)), ("layer_type", name)))] == stored(layer, 19, 1) * PER_TOKEN
     assert s[("kvtrace_requests_total", (("outcome", "ok"),))] == 2
     assert s[("kvtrace_generated_tokens_total", ())] == 24
     assert s[("kvtrace_steps_total", (("phase", "decode"),))] == 22

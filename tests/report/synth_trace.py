@@ -37,6 +37,15 @@ def kept(layer: int, tokens: int) -> int:
     return min(tokens, WINDOW - 1) if LAYER_TYPES[layer] == schema.LayerType.SLIDING else tokens
 
 
+def stored(layer: int, tokens: int, last_step_tokens: int) -> int:
+    """Tokens the layer's storage spans: a sliding layer keeps a view into the tensor that
+    concatenated its kept tokens with the last forward's (transformers DynamicSlidingWindowLayer)."""
+    if LAYER_TYPES[layer] != schema.LayerType.SLIDING:
+        return tokens
+    q = min(last_step_tokens, tokens)
+    return min(tokens - q, WINDOW - 1) + q
+
+
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
     return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
@@ -124,19 +133,23 @@ def write_synthetic_trace(
             seen = p + step
             kv_rows = []
             total_valid = 0
+            total_alloc = 0
             for layer, lt in enumerate(LAYER_TYPES):
                 k = kept(layer, seen)
-                valid = k * PER_TOKEN + (kv_extra_bytes if lt == schema.LayerType.FULL else 0)
+                extra = kv_extra_bytes if lt == schema.LayerType.FULL else 0
+                valid = k * PER_TOKEN + extra
+                alloc = stored(layer, seen, p if step == 0 else 1) * PER_TOKEN + extra
                 shape = [1, KV_HEADS, k, HEAD_DIM]
                 kv_rows.append((r, step, layer, int(lt), layer_device(layer), int(schema.CacheDType.BFLOAT16),
-                                int(schema.CacheDType.BFLOAT16), shape, shape, seen, k, valid, valid, valid,
-                                1000 + 2 * layer, 1001 + 2 * layer, valid // 2, valid // 2, 0, t))
+                                int(schema.CacheDType.BFLOAT16), shape, shape, seen, k, alloc, valid, alloc,
+                                1000 + 2 * layer, 1001 + 2 * layer, alloc // 2, alloc // 2, 0, t))
                 total_valid += valid
+                total_alloc += alloc
             w.append("kv", kv_rows)
-            kv_now = total_valid
-            kv_dev = [sum(row[11] for row in kv_rows if row[4] == d) for d in range(devices)]
+            kv_now = total_alloc
+            kv_dev = [sum(row[13] for row in kv_rows if row[4] == d) for d in range(devices)]
             w.append("steps", (r, step, int(schema.Phase.PREFILL if step == 0 else schema.Phase.DECODE), t,
-                               seen, total_valid, total_valid, total_valid, WEIGHTS + kv_now + residual,
+                               seen, total_alloc, total_alloc, total_valid, WEIGHTS + kv_now + residual,
                                -1, -1))
             telemetry()
             if step == 0:

@@ -10,6 +10,7 @@ from synth_trace import (
     SEGMENT,
     WEIGHTS,
     kept,
+    stored,
     write_synthetic_trace,
 )
 
@@ -39,9 +40,10 @@ def test_timeline_series_and_kv_totals(traces):
         assert set(names) == {"nvml_used", "nvml_process_used", "allocator_reserved", "allocator_allocated",
                               "allocator_inactive_split", "kv_bytes"}
         kv = names["kv_bytes"]
-        # one point per step of each request, each the sum of the four layers' valid bytes
+        # one point per step of each request, each the sum of the four layers' storage bytes
         assert kv.values.size == 2 * 12
-        expected = [sum(kept(layer, p + s) * PER_TOKEN for layer in range(4)) for p in (5, 8) for s in range(12)]
+        expected = [sum(stored(layer, p + s, p if s == 0 else 1) * PER_TOKEN for layer in range(4))
+                    for p in (5, 8) for s in range(12)]
         assert kv.values.tolist() == expected
         assert np.all(np.diff(kv.t_ns) > 0)
         alloc = names["allocator_allocated"].values
@@ -63,6 +65,8 @@ def test_layer_footprint_at_peak(traces):
         fp = data.layer_footprint(t)
     assert (fp.request, fp.step, fp.tokens_seen) == (1, 11, 19)
     assert fp.bytes_valid.tolist() == [kept(layer, 19) * PER_TOKEN for layer in range(4)]
+    # a saturated sliding layer's storage spans window - 1 kept tokens plus the new one
+    assert fp.bytes_allocated.tolist() == [8 * PER_TOKEN, 19 * PER_TOKEN] * 2
     assert [data.layer_type_name(c) for c in fp.layer_types] == ["sliding", "full", "sliding", "full"]
 
 

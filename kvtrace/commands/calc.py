@@ -1,0 +1,191 @@
+"""`kvtrace calc`: capacity planning from a preset, a config.json or a recorded trace."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import click
+
+from kvtrace.commands.common import guarded, json_dump
+
+# Element sizes of the cache and weight dtypes the planner understands.
+KV_DTYPES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
+             "fp8": 1, "float8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
+WEIGHT_DTYPES = {**KV_DTYPES, "int4": 0.5, "fp4": 0.5, "mxfp4": 0.53125}  # mxfp4: 4 bits + 8-bit scale / 32
+
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'80GiB' / '80G' / '80 GiB' -> binary units; '141GB' -> decimal (1e9); '1024' -> bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size (e.g. 80GiB, 141GB, 85899345920)")
+    value, unit = float(m.group(1)), (m.group(2) or "B")
+    u = unit.upper()
+    if u == "B":
+        return int(value)
+    power = "KMGT".index(u[0]) + 1
+    decimal = u.endswith("B") and not u.endswith("IB")  # "GB": 10^9; "G", "GiB": 2^30
+    return int(value * (1000**power if decimal else 1024**power))
+
+
+def parse_tokens(text: str) -> int:
+    """'131072', '128k' or '128Ki' (both 128 x 1024: context lengths are counted in powers of two)."""
+    m = re.fullmatch(r"\s*([0-9]+)\s*(k|ki|K|Ki|KI)?\s*", text)
+    if not m:
+        raise ValueError(f"{text!r} is not a token count (e.g. 8192 or 128k)")
+    return int(m.group(1)) * (1024 if m.group(2) else 1)
+
+
+class _Size(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class _Tokens(click.ParamType):
+    name = "TOKENS"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_tokens(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+@click.command("calc")
+@click.option("--preset", default=None, help="A built-in model preset (see 'kvtrace presets').")
+@click.option("--config", "config_path", type=click.Path(exists=False), default=None,
+              help="A Hugging Face config.json (or a directory holding one).")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
+              help="A recorded trace: its model config, cache dtype, and a check of measured vs predicted KV.")
+@click.option("--context", "context", type=_Tokens(), required=True, help="Tokens per request (8192, 128k).")
+@click.option("--gpu-memory", "gpu_memory", type=_Size(), required=True,
+              help="Memory of one GPU: 80GiB, 80G (binary), 141GB (decimal), or bytes.")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1), help="Tensor-parallel degree.")
+@click.option("--kv-dtype", type=click.Choice(sorted(KV_DTYPES)), default=None,
+              help="Cache element type [default: bf16, or the trace's].")
+@click.option("--weight-dtype", type=click.Choice(sorted(WEIGHT_DTYPES)), default="bf16", show_default=True)
+@click.option("--batch", default=None, type=click.IntRange(min=1), help="Concurrent requests to check [default: 1].")
+@click.option("--reserve", default=0.1, show_default=True, type=click.FloatRange(0, 1, max_open=True),
+              help="Fraction of each GPU set aside for the CUDA context, allocator slack and activations.")
+@click.option("--cache", "cache_kind", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True)
+@click.option("--encoder-len", type=click.IntRange(min=1), default=None,
+              help="Encoder tokens held by cross-attention layers (encoder-decoder models).")
+@click.option("--mla-cache", type=click.Choice(["latent", "expanded"]), default="latent", show_default=True,
+              help="How MLA layers are cached (transformers 5.x: latent).")
+@click.option("--json", "as_json", is_flag=True, help="Print only the plan as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="Print only FITS / DOES NOT FIT.")
+@guarded
+def calc(preset: str | None, config_path: str | None, trace_path: str | None, context: int, gpu_memory: int,
+         tp: int, kv_dtype: str | None, weight_dtype: str, batch: int | None, reserve: float, cache_kind: str,
+         encoder_len: int | None, mla_cache: str, as_json: bool, quiet: bool) -> None:
+    """Plan capacity: exact KV bytes per token and per request (windows, MLA latents, KV
+    sharing, fp8 KV), weight bytes, and for a context length, GPU memory and tensor-parallel
+    degree: does it fit, the headroom, and the largest number of concurrent requests.
+
+    Give exactly one of --preset, --config, --trace. Sizes print in binary units (GiB = 2^30 B).
+    Exit code 0 whether or not it fits; read FITS / DOES NOT FIT (or "fits" in --json).
+
+    \b
+    Examples:
+      kvtrace calc --preset gpt-oss-120b --context 128k --gpu-memory 80GiB
+      kvtrace calc --config ./llama/config.json --context 8192 --gpu-memory 80GiB --tp 4 --kv-dtype fp8
+      kvtrace calc --trace run.kvt.h5 --context 32k --gpu-memory 141GB --json
+    """
+    from kvtrace import calc as planner
+
+    sources = [s for s in (preset, config_path, trace_path) if s is not None]
+    if len(sources) != 1:
+        raise click.UsageError("give exactly one of --preset, --config, --trace")
+    check = None
+    if trace_path is not None:
+        config, label, trace_kv_bytes, check = _from_trace(trace_path)
+        kv_bytes = KV_DTYPES[kv_dtype] if kv_dtype else trace_kv_bytes
+    else:
+        kv_bytes = KV_DTYPES[kv_dtype or "bf16"]
+        source = preset if preset is not None else config_path
+        try:
+            config, label = planner.load_config(source)
+        except (OSError, ValueError) as exc:
+            raise click.BadParameter(str(exc), param_hint="--preset" if preset else "--config") from None
+    if label and isinstance(config, dict):
+        config = {**config, "_name_or_path": label}
+    try:
+        plan = planner.plan_capacity(
+            config, context_len=context, gpu_memory_bytes=gpu_memory, tp=tp, kv_dtype_bytes=kv_bytes,
+            weight_dtype_bytes=WEIGHT_DTYPES[weight_dtype], batch=batch, reserve_fraction=reserve,
+            cache_kind=cache_kind, encoder_len=encoder_len, mla_cache=mla_cache)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise click.UsageError(f"cannot plan this model: {exc}") from None
+    if as_json:
+        doc = plan.to_dict()
+        if check is not None:
+            doc["trace_check"] = check
+        click.echo(json_dump(doc))
+    elif quiet:
+        click.echo("FITS" if plan.fits else "DOES NOT FIT")
+    else:
+        click.echo(planner.format_plan(plan))
+        if check is not None:
+            click.echo(_format_check(check))
+
+
+def _from_trace(path: str) -> tuple[dict[str, Any], str, int, dict[str, Any]]:
+    """(config, label, cache element size, measured-vs-predicted check) of a recorded trace."""
+    import numpy as np
+
+    from kvtrace.format import schema
+    from kvtrace.format.reader import Trace
+    from kvtrace.report.kvcheck import check_kv
+
+    with Trace(path) as t:
+        config = t.meta.model_config
+        if not config:
+            raise click.UsageError(f"{path}: the trace stores no model config; use --preset or --config")
+        first = t.table("kv", slice(0, 1)) if t.nrows("kv") else np.zeros(0, dtype=schema.KV)
+        itemsize = 2
+        if first.size:
+            try:
+                itemsize = schema.DTYPE_ITEMSIZE[schema.CacheDType(int(first[0]["k_dtype"]))]
+            except (ValueError, KeyError):
+                pass
+        kc = check_kv(t, "last")
+        last = kc.steps[-1] if kc.steps else None
+        check = {
+            "note": kc.note,
+            "request": None if last is None else last.request,
+            "step": None if last is None else last.step,
+            "tokens_seen": None if last is None else last.tokens_seen,
+            "measured_bytes": None if last is None else last.measured,
+            "predicted_bytes": None if last is None else last.predicted,
+            "equal": None if last is None else last.equal,
+            "mismatched_layers": [] if last is None else [
+                {"layer": a, "measured_bytes": b, "predicted_bytes": c} for a, b, c in last.mismatches[:32]],
+        }
+        return dict(config), t.meta.model_id, itemsize, check
+
+
+def _format_check(check: dict[str, Any]) -> str:
+    from kvtrace.units import format_bytes
+
+    if check["equal"] is None:
+        return f"  trace check: not possible ({check['note']})"
+    head = (f"  trace check: request {check['request']} step {check['step']} ({check['tokens_seen']} tokens): "
+            f"recorded {format_bytes(check['measured_bytes'])} ({check['measured_bytes']} B), "
+            f"predicted {format_bytes(check['predicted_bytes'])} ({check['predicted_bytes']} B): ")
+    if check["equal"]:
+        return head + "equal"
+    layers = ", ".join(f"layer {m['layer']} {m['measured_bytes']} vs {m['predicted_bytes']} B"
+                       for m in check["mismatched_layers"][:6])
+    return head + f"DIFFERENT ({layers})"

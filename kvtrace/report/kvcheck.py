@@ -1,0 +1,135 @@
+"""Measured KV bytes against the analytical prediction, step by step.
+
+For every kv row: the recorder's `bytes_unique` (storage bytes this layer adds to the cache,
+each storage counted once) against kvtrace.geometry's allocated bytes for the same layer,
+tokens seen, element size and batch (what `kvtrace calc` uses). A prefill step is predicted with
+its whole prompt as the last forward, a decode step with one token. Static layers take their
+preallocated length from the recorded shape (a run setting, not geometry); quantized layers are
+not predicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from kvtrace.format import schema
+from kvtrace.format.reader import Trace
+from kvtrace.report import data
+
+STATIC_TYPES = (int(schema.LayerType.STATIC), int(schema.LayerType.STATIC_SLIDING))
+
+
+@dataclass
+class StepCheck:
+    request: int
+    step: int
+    tokens_seen: int
+    measured: int
+    predicted: int
+    mismatches: list[tuple[int, int, int]] = field(default_factory=list)  # (layer, measured, predicted)
+
+    @property
+    def equal(self) -> bool:
+        return self.measured == self.predicted and not self.mismatches
+
+
+@dataclass
+class KVCheck:
+    steps: list[StepCheck]
+    note: str = ""
+
+    @property
+    def checked(self) -> int:
+        return len(self.steps)
+
+    @property
+    def equal(self) -> int:
+        return sum(s.equal for s in self.steps)
+
+    @property
+    def first_mismatch(self) -> StepCheck | None:
+        return next((s for s in self.steps if not s.equal), None)
+
+
+class Unpredictable(Exception):
+    """The trace holds something the geometry cannot size (reason in the message)."""
+
+
+def _predictor(trace: Trace):
+    from kvtrace import geometry
+
+    config = trace.meta.model_config
+    if not config:
+        raise Unpredictable("the trace stores no model config")
+    try:
+        geo = geometry.model_geometry(config)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise Unpredictable(f"model config not understood by kvtrace.geometry ({exc})") from None
+    by_index = {g.index: g for g in geo.layers}
+    memo: dict[tuple, int] = {}
+
+    def predict(row: np.void, last_step_tokens: int) -> int:
+        g = by_index.get(int(row["layer"]))
+        if g is None:
+            raise Unpredictable(f"layer {int(row['layer'])} is not in the model config")
+        code = int(row["layer_type"])
+        if code in (int(schema.LayerType.QUANTIZED), int(schema.LayerType.UNKNOWN)):
+            raise Unpredictable(f"layer {g.index} is {schema.LayerType(code).name.lower()}: no exact prediction")
+        try:
+            itemsize = schema.DTYPE_ITEMSIZE[schema.CacheDType(int(row["k_dtype"]))]
+        except (ValueError, KeyError):
+            raise Unpredictable(f"layer {g.index} has an unknown cache dtype") from None
+        static = code in STATIC_TYPES
+        batch = max(1, int(row["k_shape"][0]))
+        cap = int(row["k_shape"][2]) if static else None
+        enc = int(row["k_shape"][2]) if g.kind == "cross_attention" else None
+        key = (g.index, int(row["tokens_seen"]), itemsize, batch, static, cap, enc, last_step_tokens)
+        if key not in memo:
+            try:
+                memo[key] = geometry.layer_kv_bytes(
+                    g, key[1], itemsize, batch, "static" if static else "dynamic", cap,
+                    encoder_len=enc, last_step_tokens=last_step_tokens)[0]
+            except ValueError as exc:
+                raise Unpredictable(f"geometry cannot size layer {g.index}: {exc}") from None
+        return memo[key]
+
+    return predict
+
+
+def check_kv(trace: Trace, which: Literal["all", "last"] = "all") -> KVCheck:
+    """Compare every step (or only the last step of the longest request)."""
+    steps = trace.steps()
+    if not steps.size:
+        return KVCheck([], "the trace has no step rows")
+    phase = {(int(s["request"]), int(s["step"])): int(s["phase"]) for s in steps}
+    try:
+        predict = _predictor(trace)
+    except Unpredictable as exc:
+        return KVCheck([], str(exc))
+    if which == "last":
+        longest = steps[np.argmax(steps["tokens_seen"])]
+        rows = data.kv_rows_of(trace, int(longest["request"]), int(longest["step"]))
+        chunks = [rows]
+    else:
+        chunks = list(data.iter_rows(trace, "kv"))
+    out: dict[tuple[int, int], StepCheck] = {}
+    try:
+        for rows in chunks:
+            for row in rows:
+                key = (int(row["request"]), int(row["step"]))
+                prefill = phase.get(key) == int(schema.Phase.PREFILL)
+                # a prefill forward brings all its tokens at once (fresh cache: all it has seen)
+                predicted = predict(row, int(row["tokens_seen"]) if prefill else 1)
+                sc = out.setdefault(key, StepCheck(key[0], key[1], 0, 0, 0))
+                measured = int(row["bytes_unique"])
+                sc.tokens_seen = max(sc.tokens_seen, int(row["tokens_seen"]))
+                sc.measured += measured
+                sc.predicted += predicted
+                if measured != predicted:
+                    sc.mismatches.append((int(row["layer"]), measured, predicted))
+    except Unpredictable as exc:
+        return KVCheck([], str(exc))
+    return KVCheck([out[k] for k in sorted(out)], "kvtrace.geometry allocated bytes vs recorded unique bytes")
