@@ -67,6 +67,7 @@ class ReportDiff:
     disappeared: list[dict[str, Any]] = field(default_factory=list)
     changed: list[dict[str, Any]] = field(default_factory=list)
     unchanged: int = 0
+    not_compared: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,7 +81,8 @@ class ReportDiff:
             "layers": self.layers,
             "memory": self.memory,
             "findings": {"appeared": self.appeared, "disappeared": self.disappeared,
-                         "changed": self.changed, "unchanged": self.unchanged},
+                         "changed": self.changed, "unchanged": self.unchanged,
+                         "not_compared": self.not_compared},
         }
 
 
@@ -133,8 +135,16 @@ def diff_reports(a: dict[str, Any], b: dict[str, Any]) -> ReportDiff:
         p, q = ma.get(dev, {}), mb.get(dev, {})
         d.memory.append({"device": int(dev), **{f: _delta(p.get(f), q.get(f)) for f in _MEM_FIELDS}})
     fa, fb = _worst_by_key(a["findings"]), _worst_by_key(b["findings"])
+    ran_a = {r["name"] for r in a["detectors"] if r["status"] == "ran"}
+    ran_b = {r["name"] for r in b["detectors"] if r["status"] == "ran"}
     for k in sorted(set(fa) | set(fb)):
         x, y = fa.get(k), fb.get(k)
+        if k[0] not in ran_a or k[0] not in ran_b:
+            # A detector that could not run on one side (e.g. no allocator on a CPU trace) says
+            # nothing about appearing or disappearing.
+            side = "A" if k[0] not in ran_a else "B"
+            d.not_compared.append({"detector": k[0], "kind": k[1], "reason": f"{k[0]} did not run on {side}"})
+            continue
         if x is None:
             d.appeared.append(y)  # type: ignore[arg-type]
         elif y is None:

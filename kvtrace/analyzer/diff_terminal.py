@@ -77,5 +77,7 @@ def render(d: ReportDiff, console: Console, *, all_layers: bool = False) -> None
     for c in d.changed:
         console.print(f"changed: {c['detector']}/{c['kind']} {c['a']['severity']} ({c['a']['score']:.2f}) -> "
                       f"{c['b']['severity']} ({c['b']['score']:.2f}): {c['message_b']}")
+    for n in d.not_compared:
+        console.print(f"not compared: {n['detector']}/{n['kind']}: {n['reason']}")
     console.print(f"{len(d.appeared)} appeared, {len(d.disappeared)} disappeared, {len(d.changed)} changed "
                   f"severity, {d.unchanged} unchanged. Sizes in binary units (KiB = 1024 B).")

@@ -3,6 +3,7 @@ detectors that could not run and why. Every size in binary units."""
 
 from __future__ import annotations
 
+import os
 from typing import IO
 
 from rich.console import Console
@@ -22,7 +23,10 @@ def _b(value: int | None) -> str:
 def console_for(file: IO[str] | None = None, width: int | None = None) -> Console:
     c = Console(file=file, highlight=False, soft_wrap=False)
     if not c.is_terminal:
-        c = Console(file=file, highlight=False, width=width or 140, no_color=True)
+        # Pipes and CI logs: plain text, as wide as COLUMNS says (140 by default).
+        cols = os.environ.get("COLUMNS", "")
+        c = Console(file=file, highlight=False, width=width or (int(cols) if cols.isdigit() else 140),
+                    no_color=True)
     return c
 
 
@@ -74,6 +78,6 @@ def render(report: AnalysisReport, console: Console, *, show_info: bool = True) 
     for r in skipped:
         console.print(f"{r.status:8s}{r.name}: {r.reason}")
     worst = report.max_severity
-    console.print(f"{len(report.findings)} finding(s), worst: {worst.label if worst else 'none'}; "
+    console.print(f"{len(report.findings)} finding(s), worst: {worst.label if worst is not None else 'none'}; "
                   f"{sum(r.status == 'ran' for r in report.results)} detector(s) ran, {len(skipped)} did not. "
                   "Sizes in binary units (KiB = 1024 B).")
