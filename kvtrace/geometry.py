@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import ChainMap
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -138,7 +138,7 @@ class ModelGeometry:
     is_encoder_decoder: bool = False
     mla_cache: str | None = None
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[LayerGeometry]:
         return iter(self.layers)
 
     def __len__(self) -> int:
@@ -714,7 +714,8 @@ def _pc_decoder(cfg: Mapping[str, Any], *, exact: bool) -> ParamCount:
                 if not consumer:
                     norm += hd  # k_norm (gemma4 v_norm has no weight)
         # feed-forward
-        inter = int(_get(lc, "intermediate_size", default=0))
+        inter = _get(lc, "intermediate_size", default=0)
+        inter = int(inter[i] if isinstance(inter, (list, tuple)) else inter)  # gemma3n: one per layer
         n_experts = _get(lc, "n_routed_experts", "num_local_experts", "num_experts")
         moe_inter = int(_get(lc, "moe_intermediate_size", default=inter))
         first_dense = int(_get(lc, "first_k_dense_replace", default=0))

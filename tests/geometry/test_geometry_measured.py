@@ -198,3 +198,22 @@ def test_tiny_models_are_deterministic():
         assert torch.equal(pa, pb)
     with pytest.raises(KeyError):
         tiny_config("nope")
+
+
+def test_gemma3n_kv_sharing_matches():
+    # gemma3n (not in the tiny matrix: slower to build) shares KV like gemma4
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "gemma3n_text", hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, vocab_size=256, vocab_size_per_layer_input=256,
+        hidden_size_per_layer_input=8, sliding_window=TINY_WINDOW, num_kv_shared_layers=2, laurel_rank=8,
+        layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    geom = G.model_geometry(cfg.to_dict())
+    assert [g.shares_kv_with for g in geom] == [None, None, 0, 1]
+    cache = _generate(model, 5, 12)
+    assert cache_tensor_bytes(cache) == list(G.kv_bytes(geom, 16, 4).per_layer)
+    assert not G.param_count(cfg.to_dict()).exact  # AltUp / LAuReL are not in the formula
