@@ -36,7 +36,8 @@ def _cost_us(fn, n: int = 200) -> float:
 
 
 def test_nvml_and_allocator_follow_a_256_mib_allocation() -> None:
-    torch.cuda.init()
+    warm = torch.zeros(1, device="cuda")  # the CUDA context exists before the baseline  # noqa: F841
+    torch.cuda.synchronize()
     torch.cuda.empty_cache()
     tel = Telemetry([0])
     src = tel.sources()
@@ -62,6 +63,7 @@ def test_nvml_and_allocator_follow_a_256_mib_allocation() -> None:
     assert after["nvml_used_bytes"] - before["nvml_used_bytes"] >= BLOCK - 16 * MiB
     del block
     proc = after["nvml_process_used_bytes"]
+    assert (proc == -1) == (not src["nvml"]["process_usage"])  # declared up front, not discovered
     if proc == -1:
         pytest.skip("NVML does not list this pid (container pid namespace): process usage stays -1")
     assert proc > 0
