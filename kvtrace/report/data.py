@@ -288,41 +288,15 @@ def _expected_valid(
     trace: Trace, rows: np.ndarray, pos: np.ndarray, n_steps: int
 ) -> tuple[dict[str, np.ndarray] | None, str]:
     """Valid bytes kvtrace.geometry predicts for every kv row, grouped like the measurement."""
+    from kvtrace.report.kvcheck import Unpredictable, predictor
+
     try:
-        from kvtrace import geometry
+        predict = predictor(trace)
+        per_row = np.array([predict(row, 1)[1] for row in rows], dtype=np.int64)
     except ImportError:
         return None, "kvtrace.geometry is not available"
-    config = trace.meta.model_config
-    if not config:
-        return None, "the trace stores no model config"
-    try:
-        geo = geometry.model_geometry(config)
-    except (ValueError, TypeError, KeyError) as exc:
-        return None, f"model config not understood by kvtrace.geometry ({exc})"
-    by_index = {g.index: g for g in geo.layers}
-    per_row = np.zeros(rows.size, dtype=np.int64)
-    memo: dict[tuple, int] = {}
-    for i, row in enumerate(rows):
-        g = by_index.get(int(row["layer"]))
-        if g is None:
-            return None, f"layer {int(row['layer'])} is not in the model config"
-        if int(row["layer_type"]) in (schema.LayerType.QUANTIZED, schema.LayerType.UNKNOWN):
-            return None, "quantized or unknown layer types have no byte-exact expectation"
-        try:
-            itemsize = schema.DTYPE_ITEMSIZE[schema.CacheDType(int(row["k_dtype"]))]
-        except (ValueError, KeyError):
-            return None, f"layer {g.index} has an unknown cache dtype"
-        batch = max(1, int(row["k_shape"][0]))
-        static = int(row["layer_type"]) in (schema.LayerType.STATIC, schema.LayerType.STATIC_SLIDING)
-        key = (g.index, int(row["tokens_seen"]), itemsize, batch, static,
-               int(row["k_shape"][2]) if static else None)
-        if key not in memo:
-            try:
-                memo[key] = geometry.layer_kv_bytes(
-                    g, key[1], itemsize, batch, "static" if static else "dynamic", key[5])[1]
-            except ValueError as exc:
-                return None, f"geometry cannot size layer {g.index} ({exc})"
-        per_row[i] = memo[key]
+    except Unpredictable as exc:
+        return None, str(exc)
     expected: dict[str, np.ndarray] = {}
     for code in np.unique(rows["layer_type"]):
         sel = rows["layer_type"] == code

@@ -10,6 +10,7 @@ not predicted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -58,7 +59,9 @@ class Unpredictable(Exception):
     """The trace holds something the geometry cannot size (reason in the message)."""
 
 
-def _predictor(trace: Trace):
+def predictor(trace: Trace) -> Callable[[np.void, int], tuple[int, int]]:
+    """A function (kv row, tokens of the last forward) -> predicted (allocated, valid) bytes.
+    Raises Unpredictable (here or when called) for what geometry cannot size."""
     from kvtrace import geometry
 
     config = trace.meta.model_config
@@ -68,32 +71,40 @@ def _predictor(trace: Trace):
         geo = geometry.model_geometry(config)
     except (ValueError, TypeError, KeyError) as exc:
         raise Unpredictable(f"model config not understood by kvtrace.geometry ({exc})") from None
-    by_index = {g.index: g for g in geo.layers}
-    memo: dict[tuple, int] = {}
+    # The recorder numbers cache layers in cache order: decoder layers, then cross-attention ones
+    # (geometry restarts its index for those), so the position in geo.layers is the trace's layer.
+    layers = list(geo.layers)
+    prompt_tokens = {int(r["request"]): int(r["prompt_tokens"]) for r in trace.requests()}
+    memo: dict[tuple, tuple[int, int]] = {}
 
-    def predict(row: np.void, last_step_tokens: int) -> int:
-        g = by_index.get(int(row["layer"]))
-        if g is None:
-            raise Unpredictable(f"layer {int(row['layer'])} is not in the model config")
+    def predict(row: np.void, last_step_tokens: int) -> tuple[int, int]:
+        pos = int(row["layer"])
+        if pos >= len(layers):
+            raise Unpredictable(f"layer {pos} is not in the model config ({len(layers)} cache layers)")
+        g = layers[pos]
         code = int(row["layer_type"])
+        if (code == int(schema.LayerType.CROSS_ATTENTION)) != (g.kind == "cross_attention"):
+            raise Unpredictable(f"layer {pos} is {schema.LayerType(code).name.lower()} in the trace "
+                                f"but {g.kind} in the model config")
         if code in (int(schema.LayerType.QUANTIZED), int(schema.LayerType.UNKNOWN)):
-            raise Unpredictable(f"layer {g.index} is {schema.LayerType(code).name.lower()}: no exact prediction")
+            raise Unpredictable(f"layer {pos} is {schema.LayerType(code).name.lower()}: no exact prediction")
         try:
             itemsize = schema.DTYPE_ITEMSIZE[schema.CacheDType(int(row["k_dtype"]))]
         except (ValueError, KeyError):
-            raise Unpredictable(f"layer {g.index} has an unknown cache dtype") from None
+            raise Unpredictable(f"layer {pos} has an unknown cache dtype") from None
         static = code in STATIC_TYPES
         batch = max(1, int(row["k_shape"][0]))
         cap = int(row["k_shape"][2]) if static else None
-        enc = int(row["k_shape"][2]) if g.kind == "cross_attention" else None
-        key = (g.index, int(row["tokens_seen"]), itemsize, batch, static, cap, enc, last_step_tokens)
+        # cross-attention holds the encoder output: as many tokens as the request's prompt
+        enc = prompt_tokens.get(int(row["request"])) if g.kind == "cross_attention" else None
+        key = (pos, int(row["tokens_seen"]), itemsize, batch, static, cap, enc, last_step_tokens)
         if key not in memo:
             try:
                 memo[key] = geometry.layer_kv_bytes(
                     g, key[1], itemsize, batch, "static" if static else "dynamic", cap,
-                    encoder_len=enc, last_step_tokens=last_step_tokens)[0]
+                    encoder_len=enc, last_step_tokens=last_step_tokens)
             except ValueError as exc:
-                raise Unpredictable(f"geometry cannot size layer {g.index}: {exc}") from None
+                raise Unpredictable(f"geometry cannot size layer {pos}: {exc}") from None
         return memo[key]
 
     return predict
@@ -106,7 +117,7 @@ def check_kv(trace: Trace, which: Literal["all", "last"] = "all") -> KVCheck:
         return KVCheck([], "the trace has no step rows")
     phase = {(int(s["request"]), int(s["step"])): int(s["phase"]) for s in steps}
     try:
-        predict = _predictor(trace)
+        predict = predictor(trace)
     except Unpredictable as exc:
         return KVCheck([], str(exc))
     if which == "last":
@@ -122,7 +133,7 @@ def check_kv(trace: Trace, which: Literal["all", "last"] = "all") -> KVCheck:
                 key = (int(row["request"]), int(row["step"]))
                 prefill = phase.get(key) == int(schema.Phase.PREFILL)
                 # a prefill forward brings all its tokens at once (fresh cache: all it has seen)
-                predicted = predict(row, int(row["tokens_seen"]) if prefill else 1)
+                predicted = predict(row, int(row["tokens_seen"]) if prefill else 1)[0]
                 sc = out.setdefault(key, StepCheck(key[0], key[1], 0, 0, 0))
                 measured = int(row["bytes_unique"])
                 sc.tokens_seen = max(sc.tokens_seen, int(row["tokens_seen"]))
