@@ -50,6 +50,10 @@ _ATTENTION_OF_LAYER_TYPE = {
     "full_attention": "full",
     "sliding_attention": "sliding",
     "chunked_attention": "chunked",
+    # KV plus a recurrent/conv state (LinearAttentionAnd*Layer): the KV part behaves as above; the
+    # state, constant in sequence length, is not counted.
+    "hybrid": "full",
+    "hybrid_sliding": "sliding",
 }
 # Layer types with no per-token KV (recurrent/conv state or no attention at all).
 _NO_KV_LAYER_TYPES = {"linear_attention", "conv", "mamba", "moe", "mlp", "dummy"}
@@ -240,7 +244,7 @@ def _layer_types(cfg: Mapping[str, Any], n_layers: int) -> list[str]:
         if len(types) != n_layers:
             raise ValueError(f"layer_types has {len(types)} entries for {n_layers} layers")
         return [str(t) for t in types]
-    if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True) is not False:
+    if _get(cfg, "sliding_window", "sliding_window_size") is not None and cfg.get("use_sliding_window", True) is not False:
         if cfg.get("use_sliding_window") and cfg.get("max_window_layers") is not None:
             # qwen2/qwen3 hub configs: layers from max_window_layers on use the window
             mwl = int(cfg["max_window_layers"])
@@ -249,6 +253,30 @@ def _layer_types(cfg: Mapping[str, Any], n_layers: int) -> list[str]:
     if cfg.get("attention_chunk_size") is not None:
         return ["chunked_attention"] * n_layers
     return ["full_attention"] * n_layers
+
+
+# Config fields of SSM / hybrid models whose layer layout is not spelled out as ``layer_types`` in
+# to_dict(): refuse them rather than silently treating every layer as full attention.
+_HYBRID_MARKERS = (
+    "layers_block_type", "attn_layer_indices", "attn_layer_period", "hybrid_override_pattern",
+    "block_types", "mamba_d_state", "mamba_expand", "state_size",
+)
+# Two attention blocks per decoder layer (cache has 2 x num_hidden_layers layers): not modelled.
+_UNSUPPORTED_MODEL_TYPES = ("longcat_flash",)
+# Attention and SSM side by side in every layer: the KV part is plain full attention (the SSM state,
+# constant in sequence length, is not counted).
+_PARALLEL_HYBRID = ("falcon_h1",)
+
+
+def _check_supported(cfg: Mapping[str, Any]) -> None:
+    mt = _model_type(cfg)
+    if mt in _UNSUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {mt!r}: cache layout not supported by kvtrace.geometry")
+    if not cfg.get("layer_types") and mt not in _PARALLEL_HYBRID:
+        marker = next((k for k in _HYBRID_MARKERS if cfg.get(k) is not None), None)
+        if marker is not None:
+            raise ValueError(f"model_type {mt!r} looks like an SSM/hybrid model ({marker!r}) without "
+                             "layer_types: not supported by kvtrace.geometry")
 
 
 def _kv_sharing(cfg: Mapping[str, Any], types: Sequence[str]) -> dict[int, int]:
@@ -274,7 +302,7 @@ def _kv_sharing(cfg: Mapping[str, Any], types: Sequence[str]) -> dict[int, int]:
 
 def _window(cfg: Mapping[str, Any], attention: str) -> int | None:
     if attention == "sliding":
-        w = cfg.get("sliding_window")
+        w = _get(cfg, "sliding_window", "sliding_window_size")  # the latter: attribute_map targets
         if w is None:
             return None
         w = int(w)
@@ -349,6 +377,7 @@ def model_geometry(config: Mapping[str, Any], *, mla_cache: MlaCacheMode = "late
     if mla_cache not in MLA_CACHE_MODES:
         raise ValueError(f"mla_cache must be one of {MLA_CACHE_MODES}, got {mla_cache!r}")
     cfg = text_config(config)
+    _check_supported(cfg)
     mt = _model_type(cfg)
     n = _decoder_layer_count(cfg)
     types = _layer_types(cfg, n)
@@ -364,7 +393,8 @@ def model_geometry(config: Mapping[str, Any], *, mla_cache: MlaCacheMode = "late
         nh = _num_heads(lc)
         if lt in _NO_KV_LAYER_TYPES or lt not in _ATTENTION_OF_LAYER_TYPE:
             if lt not in _NO_KV_LAYER_TYPES:
-                raise ValueError(f"layer {i}: unsupported layer type {lt!r}")
+                # e.g. indexed_attention (DSA indexer keys), hybrid (KV + recurrent state)
+                raise ValueError(f"layer {i}: layer type {lt!r} is not supported by kvtrace.geometry")
             g = LayerGeometry(i, "no_kv", "none", 0, 0, 0, None, nh)
             layers.append(g)
             continue
