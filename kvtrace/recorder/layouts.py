@@ -55,10 +55,17 @@ _DummyLayer = _cls("DummyLayer")
 _EncDecCache = _cls("EncoderDecoderCache")
 
 
+_DTYPE_CODES: dict[torch.dtype, int] = {}
+
+
 def dtype_code(dtype: torch.dtype | None) -> int:
     if dtype is None:
         return int(CacheDType.UNKNOWN)
-    return int(TORCH_DTYPE_NAMES.get(str(dtype).removeprefix("torch."), CacheDType.UNKNOWN))
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = int(TORCH_DTYPE_NAMES.get(str(dtype).removeprefix("torch."), CacheDType.UNKNOWN))
+        _DTYPE_CODES[dtype] = code
+    return code
 
 
 def device_index(device: torch.device) -> int:
@@ -112,7 +119,7 @@ def _tokens(t: torch.Tensor | None) -> int:
     return int(t.shape[-2]) if t is not None and t.dim() >= 2 else 0
 
 
-@dataclass
+@dataclass(slots=True)
 class LayerReading:
     """One layer of one cache at one step; plain ints so nothing here holds a tensor."""
 
@@ -343,8 +350,55 @@ def _is_latent(keys: torch.Tensor | None, values: torch.Tensor | None, ctx: Layo
             and int(values.shape[-1]) == ctx.qk_rope_head_dim)
 
 
+def _read_dynamic_fast(layer: Any, index: int, cache_index: int, part: str, ctx: LayoutContext,
+                       observe: Observer | None) -> LayerReading | None:
+    """The common case (plain DynamicLayer / DynamicSlidingWindowLayer, distinct K and V storages)
+    with the fewest tensor-attribute calls: this runs for every layer at every decode step.
+    Returns None to defer to the general reader."""
+    k, v = layer.keys, layer.values
+    if type(k) is not torch.Tensor or type(v) is not torch.Tensor or k.dim() != 4 or v.dim() != 4:
+        return None
+    ks, vs = k.shape, v.shape
+    if ctx.kv_lora_rank is not None:
+        return None  # MLA (latent or expanded): the general reader adds the expanded size
+    kst, vst = k.untyped_storage(), v.untyped_storage()
+    kp, vp = kst.data_ptr(), vst.data_ptr()
+    if kp == vp:
+        return None  # K and V alias: the general reader counts the storage once
+    kn, vn = kst.nbytes(), vst.nbytes()
+    dev = k.get_device()
+    sliding = type(layer) is _DynamicSliding
+    kept = ks[2]
+    r = LayerReading(
+        index, int(LayerType.SLIDING if sliding else LayerType.FULL), dev, dtype_code(k.dtype),
+        dtype_code(v.dtype), tuple(ks), tuple(vs), layer.cumulative_length if sliding else kept, kept,
+        k.nbytes + v.nbytes, 0, kp, vp, kn, vn, [], -1, -1, part, cache_index,
+    )
+    if sliding:
+        r.window = int(layer.sliding_window)
+        if ctx.layer_types and cache_index < len(ctx.layer_types) and \
+                ctx.layer_types[cache_index] == "chunked_attention":
+            r.layer_type = int(LayerType.CHUNKED)
+    if kn:
+        kk = (dev, kp, kn)
+        r.storages.append((kk, kn))
+        if observe is not None:
+            observe(kk, index, k)
+    if vn:
+        vk = (dev, vp, vn)
+        r.storages.append((vk, vn))
+        if observe is not None:
+            observe(vk, index, v)
+    return r
+
+
 def _read_layer(layer: Any, index: int, cache_index: int, part: str, ctx: LayoutContext,
                 static_seen: _StaticSeen, observe: Observer | None) -> LayerReading | None:
+    cls = type(layer)
+    if (cls is _DynamicLayer or cls is _DynamicSliding) and part == "self":
+        fast = _read_dynamic_fast(layer, index, cache_index, part, ctx, observe)
+        if fast is not None:
+            return fast
     keys = getattr(layer, "keys", None)
     values = getattr(layer, "values", None)
     qk = getattr(layer, "_quantized_keys", None)
