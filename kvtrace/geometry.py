@@ -21,6 +21,12 @@ tensors of tiny random-weight models (``tests/geometry``):
 * ``QuantizedCache(backend="fp8")`` stores K and V in one byte per element plus one fp32 per-tensor
   scale each; it only accepts models whose layers are all full attention.
 
+Layer kinds: ``full``, ``sliding``, ``chunked``, ``shared_consumer``, ``latent`` (MLA),
+``cross_attention`` and ``no_kv`` (linear-attention / conv / mamba layers: their constant-size state
+is not counted; ``hybrid`` layers count their KV only). Layouts this module does not model (DSA
+indexer caches, SSM hybrids without ``layer_types``, two-attention-per-layer models) raise
+``ValueError`` instead of guessing.
+
 Sizes are in bytes; anything printed elsewhere uses binary units (KiB, MiB, GiB).
 """
 
@@ -393,7 +399,7 @@ def model_geometry(config: Mapping[str, Any], *, mla_cache: MlaCacheMode = "late
         nh = _num_heads(lc)
         if lt in _NO_KV_LAYER_TYPES or lt not in _ATTENTION_OF_LAYER_TYPE:
             if lt not in _NO_KV_LAYER_TYPES:
-                # e.g. indexed_attention (DSA indexer keys), hybrid (KV + recurrent state)
+                # e.g. indexed_attention (DSA indexer keys), compressed attention: refuse, don't guess
                 raise ValueError(f"layer {i}: layer type {lt!r} is not supported by kvtrace.geometry")
             g = LayerGeometry(i, "no_kv", "none", 0, 0, 0, None, nh)
             layers.append(g)
