@@ -359,6 +359,8 @@ def _opt(value: int) -> int | None:
 def request_memory(trace: Trace) -> list[RequestMemory]:
     readings = trace.readings()
     steps = trace.steps()
+    alloc = trace.allocator()
+    ends = {int(r["request"]): int(r["end_ns"]) for r in trace.requests()}
     out: list[RequestMemory] = []
     requests = sorted({int(r) for r in trace.requests()["request"]} |
                       {int(r) for r in readings["request"] if r >= 0})
@@ -374,7 +376,7 @@ def request_memory(trace: Trace) -> list[RequestMemory]:
                 hit = rd[rd["label"] == int(label)]
                 return _opt(int(hit[-1][col])) if hit.size else None
 
-            end = _end_state(trace, r, dev, rd)
+            end = _end_state(rd, alloc, dev, ends.get(r, 0))
             out.append(RequestMemory(
                 r, dev,
                 get(schema.ReadingLabel.BASELINE, "allocated_bytes"),
@@ -389,23 +391,20 @@ def request_memory(trace: Trace) -> list[RequestMemory]:
     return [m for m in out if m.device != -2 or m.peak_kv is not None]
 
 
-def _end_state(trace: Trace, request: int, device: int, rd: np.ndarray
+def _end_state(rd: np.ndarray, alloc: np.ndarray, device: int, end_ns: int
                ) -> tuple[int | None, int | None, int | None]:
     """Allocator (reserved, allocated, inactive_split) when generate returned: the AFTER_RETURN
-    reading, else the last allocator sample before the request's end."""
+    reading, else the last allocator sample of the device before the request's end."""
     hit = rd[rd["label"] == int(schema.ReadingLabel.AFTER_RETURN)]
     if hit.size:
         h = hit[-1]
         return _opt(int(h["reserved_bytes"])), _opt(int(h["allocated_bytes"])), \
             _opt(int(h["inactive_split_bytes"]))
-    req = trace.requests()
-    req = req[req["request"] == request]
-    if not req.size or int(req[0]["end_ns"]) == 0:
+    if end_ns == 0:
         return None, None, None
-    alloc = trace.allocator()
-    alloc = alloc[(alloc["device"] == device) & (alloc["t_ns"] <= req[0]["end_ns"])]
-    if not alloc.size:
+    mine = alloc[(alloc["device"] == device) & (alloc["t_ns"] <= end_ns)]
+    if not mine.size:
         return None, None, None
-    last = alloc[np.argmax(alloc["t_ns"])]
+    last = mine[np.argmax(mine["t_ns"])]
     return _opt(int(last["reserved_bytes"])), _opt(int(last["allocated_bytes"])), \
         _opt(int(last["inactive_split_bytes"]))
