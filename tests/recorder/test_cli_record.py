@@ -1,0 +1,102 @@
+"""`kvtrace record`, `kvtrace presets`, `kvtrace demo`: exit codes and what they write."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtrace import exitcodes, presets
+from kvtrace.cli import main
+from kvtrace.format.reader import Trace
+from kvtrace.format.validate import validate
+
+TINY = ["--model", "preset:llama-3.1-8b", "--layers", "2", "--width", "0.05", "--vocab", "512"]
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return int(info.value.code or 0), out.out, out.err
+
+
+def test_record_preset_writes_a_valid_trace(tmp_path, capsys):
+    out = tmp_path / "r.kvt.h5"
+    code, _, err = run(["record", *TINY, "--prompt", "hi", "--prompt", "there", "--max-new-tokens", "3",
+                        "--min-new-tokens", "3", "--store-prompts", "-o", str(out)], capsys)
+    assert code == 0, err
+    assert "peak KV cache" in err and "KiB" in err
+    assert validate(out).valid
+    with Trace(out) as t:
+        req = t.requests()
+        assert req["prompt_tokens"].tolist() == [2, 5]  # UTF-8 bytes of "hi", "there"
+        assert req["new_tokens"].tolist() == [3, 3]
+        assert t.text(int(req[1]["prompt_text_off"]), int(req[1]["prompt_text_len"])) == "there"
+        assert t.meta.model_id == "preset:llama-3.1-8b"
+        cli = t.meta.recorder_settings["cli"]
+        assert cli["layers"] == 2 and cli["max_new_tokens"] == 3
+        # the kept layers have Llama-3.1-8B's KV geometry: 8 KV heads x 128
+        assert {tuple(s[:2]) + (s[3],) for s in t.kv()["k_shape"].tolist()} == {(1, 8, 128)}
+
+
+def test_record_unwritable_output_exits_73_before_loading(tmp_path, capsys, monkeypatch):
+    import kvtrace.commands.record as rec_cmd
+
+    def never(*a, **k):
+        raise AssertionError("model loaded despite an unwritable output")
+
+    monkeypatch.setattr(rec_cmd, "load_model", never)
+    code, _, err = run(["record", *TINY, "--prompt", "x", "--max-new-tokens", "2",
+                        "-o", str(tmp_path / "no" / "such" / "dir.kvt.h5")], capsys)
+    assert code == exitcodes.CANNOT_WRITE
+    assert err.startswith("kvtrace: cannot write trace") and err.count("\n") == 1
+
+
+def test_record_missing_model_exits_69(tmp_path, capsys):
+    code, _, err = run(["record", "--model", str(tmp_path / "nothing"), "--prompt", "x",
+                        "--max-new-tokens", "2", "-o", str(tmp_path / "x.kvt.h5")], capsys)
+    assert code == exitcodes.UNAVAILABLE
+    assert "never downloads" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["--max-new-tokens", "2"],  # neither --prompt nor --prompts
+    ["--prompt", "x", "--max-new-tokens", "0"],
+    ["--prompt", "x", "--max-new-tokens", "2", "--cache-implementation", "hybrid"],
+])
+def test_record_usage_errors_exit_64(tmp_path, capsys, argv):
+    code, _, err = run(["record", *TINY, *argv, "-o", str(tmp_path / "x.kvt.h5")], capsys)
+    assert code == exitcodes.USAGE, err
+    assert "Traceback" not in err
+
+
+def test_unknown_preset_is_a_usage_error(tmp_path, capsys):
+    code, _, err = run(["record", "--model", "preset:nope", "--prompt", "x", "--max-new-tokens", "2",
+                        "-o", str(tmp_path / "x.kvt.h5")], capsys)
+    assert code == exitcodes.USAGE and "unknown preset" in err
+
+
+def test_presets_json_lists_every_preset_with_geometry(capsys):
+    code, out, _ = run(["presets", "--json"], capsys)
+    assert code == 0
+    rows = json.loads(out)
+    assert [r["name"] for r in rows] == presets.list_presets()
+    by = {r["name"]: r for r in rows}
+    # gpt-oss-20b: 8 KV heads x 64, bf16 -> 2 x 8 x 64 x 2 B = 2 KiB per layer per token, 24 layers
+    assert by["gpt-oss-20b"]["kv_bytes_per_token_bf16"] == 24 * 2048
+    assert by["gpt-oss-20b"]["layer_kinds"] == {"sliding": 12, "full": 12}
+    code, out, _ = run(["presets"], capsys)
+    assert "pythia-1.4b" in out and "KiB" in out
+
+
+def test_demo_writes_and_summarises(tmp_path, capsys, monkeypatch):
+    import kvtrace.commands.demo as demo_cmd
+
+    monkeypatch.setattr(demo_cmd, "DEMO_REQUESTS", (6, 3))  # wiring only; the real demo is longer
+    code, out, err = run(["demo", "-o", str(tmp_path / "d")], capsys)
+    assert code == 0, err
+    path = tmp_path / "d" / "demo.kvt.h5"
+    assert f"trace written to {path}" in out and "sliding layers" in out and "full layers" in out
+    assert validate(path).valid
