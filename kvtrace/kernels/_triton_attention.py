@@ -178,6 +178,11 @@ def _tile_budget(block_d: int, elem: int) -> int:
 
 
 def _configs(block_d: int, elem: int) -> list:
+    if elem == 4:
+        # fp32 inputs take the IEEE FMA path (no tensor cores), whose operands live in registers:
+        # larger tiles spill on sm_90 (checked with ptxas -v), so only small ones are offered.
+        pairs = [(16, 32, 4), (32, 32, 8), (16, 64, 8), (16, 16, 4)]
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=2) for bm, bn, w in pairs]
     cap = _tile_budget(block_d, elem)
     pairs = [(64, 64), (128, 64), (64, 128), (128, 32), (32, 64), (32, 32), (16, 32)]
     out = []
