@@ -64,16 +64,33 @@ DUP_EXTRA = {"num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 6
 DUP_PROMPT, DUP_NEW = 32, 48
 
 
-def record_duplication(path: Path, *, planted: bool = True) -> Path:
-    """A cache layer that keeps its old tensors alive in a list when it grows."""
+def record_duplication(path: Path, *, planted: bool = True, mode: str = "arena") -> Path:
+    """A cache layer that keeps its old copies when it grows.
+
+    mode "arena": each update appends the new full K/V to a growing buffer that still holds every
+    earlier version, and the cache points into it (the copies live in the cache's own storage).
+    mode "list": the old tensors are kept alive in a list on the layer, invisible to the cache
+    structure; only memory telemetry shows them (allocator bytes on a GPU; on a CPU, process RSS,
+    which cannot tell them from heap fragmentation).
+    """
+    import torch
     from transformers.cache_utils import DynamicLayer
 
     def make(update: Callable) -> Callable:
-        def keeping_update(self: Any, key_states: Any, value_states: Any, *a: Any, **kw: Any) -> Any:
-            if planted and self.is_initialized:
+        def arena_update(self: Any, key_states: Any, value_states: Any, *a: Any, **kw: Any) -> Any:
+            if planted and mode == "list" and self.is_initialized:
                 self.__dict__.setdefault("_old_copies", []).append((self.keys, self.values))
-            return update(self, key_states, value_states, *a, **kw)
-        return keeping_update
+            out = update(self, key_states, value_states, *a, **kw)
+            if planted and mode == "arena":
+                for name in ("keys", "values"):
+                    cur = getattr(self, name)
+                    old = self.__dict__.get(f"_arena_{name}")
+                    flat = cur.reshape(-1)
+                    arena = flat.clone() if old is None else torch.cat([old, flat])
+                    self.__dict__[f"_arena_{name}"] = arena
+                    setattr(self, name, arena[-flat.numel():].view(cur.shape))
+            return out
+        return arena_update
 
     model = tiny_model("llama", **DUP_EXTRA)
     with _patched(DynamicLayer, "update", make), kvtrace.record(model, path):

@@ -26,6 +26,8 @@ STATIC_WASTE = (0.3, 0.9)  # fraction of a static allocation never holding a tok
 # Process RSS moves in pages and with the C allocator's arenas: excess growth below 4 MiB scores
 # nothing, 16 MiB and more scores fully (only used on traces without allocator data).
 RSS_EXCESS = (4 * 1024**2, 16 * 1024**2)
+# RSS cannot tell live tensors from freed-but-kept heap: its evidence is at most "low".
+RSS_MAX_SCORE = 0.3
 MIN_DECODE_STEPS = 4  # fewer decode steps than this say nothing about the shape of growth
 _STATIC = (int(schema.LayerType.STATIC), int(schema.LayerType.STATIC_SLIDING))
 
@@ -175,9 +177,11 @@ class GrowthCurve(Detector):
             s, column, source = s[s["allocated_bytes"] >= 0], "allocated_bytes", "Allocated memory"
             # Allocator blocks are rounded to 512 B: one block per cached tensor of slack.
             floor = (2 * 512 * max(1, req.kv.layers.size), 2 * 512 * max(1, req.kv.layers.size) + 1)
+            cap = 1.0
         elif (s["rss_bytes"] >= 0).sum() >= MIN_DECODE_STEPS:
             s, column, source = s[s["rss_bytes"] >= 0], "rss_bytes", "Process RSS"
             floor = RSS_EXCESS
+            cap = RSS_MAX_SCORE
         else:
             return []
         if s.size < MIN_DECODE_STEPS:
@@ -189,12 +193,17 @@ class GrowthCurve(Detector):
             return []
         excess = d_mem - max(d_kv, 0)
         ratio = d_mem / max(d_kv, 1)
-        score = min(ramp(ratio, *DEVICE_GROWTH_RATIO), ramp(excess, *floor))
+        score = min(ramp(ratio, *DEVICE_GROWTH_RATIO), ramp(excess, *floor), cap)
         if score == 0:
             return []
         msg = (f"{source} grew {format_bytes(d_mem)} over {s.size:,} decode steps of request "
                f"{req.request} while the KV cache grew {format_bytes(max(d_kv, 0))} ({ratio:.1f}x): something "
-               f"besides the cache grows with every token (e.g. old cache copies kept alive).")
+               f"besides the cache grows with every token (e.g. old cache copies kept alive)")
+        if column == "rss_bytes":
+            msg += ("; RSS also counts memory the C allocator keeps after frees, so this may be heap "
+                    "fragmentation rather than a leak (a GPU trace's allocator bytes tell them apart).")
+        else:
+            msg += "."
         return [self.finding(
             "unexplained_memory_growth", score, msg,
             evidence={
