@@ -127,6 +127,7 @@ class Recorder:
         self.requests = 0
         self._ctx: LayoutContext | None = None
         self._layers_written = False
+        self._kv_heads: dict[int, int] = {}  # layer -> KV heads (maps query heads onto KV heads)
         self._active: _Request | None = None
         self._started = False
         self._closed = False
@@ -487,13 +488,16 @@ class Recorder:
             off, length = w.add_text(name) if name else (0, 0)
             rows.append((r.layer, r.layer_type, r.k_shape[1], r.k_shape[3], r.v_shape[3], r.window,
                          r.shared_from, off, length))
+            if r.part == "self":
+                self._kv_heads[r.cache_index] = int(r.k_shape[1])
         w.append("layers", rows)
         self._layers_written = True
         self._discovery.remove()  # names are known: no per-layer hook remains
 
     def _sample(self, req: _Request, step: int, cache: Any, readings: list[LayerReading]) -> None:
         settings = self.sampling
-        if is_offloading(cache):
+        offloaded = is_offloading(cache)
+        if offloaded:
             wait_for_offload(cache)
         for r in readings:
             if settings.layers is not None and r.layer not in settings.layers:
@@ -503,14 +507,15 @@ class Recorder:
             k, v, start = valid_kv(cache, r)
             if k is None:
                 continue
+            # Static and offloaded layers are rewritten in place later: the copy must finish first.
+            mutable = offloaded or r.layer_type in (LayerType.STATIC, LayerType.STATIC_SLIDING)
             if r.layer_type == LayerType.LATENT:
-                if settings.latents:
-                    self.sampler.submit(req.id, step, r.layer, PayloadKind.LATENT, k, token_start=start)
-                    self.sampler.submit(req.id, step, r.layer, PayloadKind.ROPE_KEY, v, token_start=start)
+                kinds = (PayloadKind.LATENT, PayloadKind.ROPE_KEY) if settings.latents else ()
             else:
-                self.sampler.submit(req.id, step, r.layer, PayloadKind.KEY, k, token_start=start)
-                self.sampler.submit(req.id, step, r.layer, PayloadKind.VALUE, v, token_start=start)
-            del k, v
+                kinds = (PayloadKind.KEY, PayloadKind.VALUE)
+            for kind, tensor in zip(kinds, (k, v), strict=False):
+                self.sampler.submit(req.id, step, r.layer, kind, tensor, token_start=start, mutable=mutable)
+            k = v = tensor = None  # no cache tensor outlives this call
 
     def _on_query(self, layer_idx: int, query: torch.Tensor) -> None:
         try:
@@ -519,8 +524,11 @@ class Recorder:
                 return
             if self.sampling.layers is not None and layer_idx not in self.sampling.layers:
                 return
+            kv_heads = self._kv_heads.get(int(layer_idx), 0)
+            heads = self._ctx.num_attention_heads if self._ctx is not None else 0
+            group = heads // kv_heads if kv_heads and heads and heads % kv_heads == 0 else None
             self.sampler.submit(req.id, req.step, int(layer_idx), PayloadKind.QUERY, query,
-                                token_start=req.tokens_seen)
+                                token_start=req.tokens_seen, group_size=group)
         except Exception as exc:  # noqa: BLE001
             self._on_error("query-capture", exc)
 
