@@ -7,7 +7,7 @@ Everything is read once, lazily, from the trace's tables; nothing here imports t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -307,15 +307,3 @@ def _sorted(rows: np.ndarray) -> np.ndarray:
         return rows
     return rows[np.argsort(rows["t_ns"], kind="stable")]
 
-
-@dataclass
-class LayerFacts:
-    """Per-layer facts of one request at one step (used by several detectors)."""
-
-    layer: int
-    kind: str
-    bytes_valid: int
-    bytes_allocated: int
-    tokens_kept: int
-    tokens_seen: int
-    extra: dict[str, Any] = field(default_factory=dict)

@@ -13,7 +13,7 @@ from kvtrace.format.errors import TraceError
 
 
 @click.command("analyze")
-@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("traces", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
               help="Also write the report as JSON (spec/analysis-json.md) to FILE; '-' for stdout only.")
 @click.option("--fail-on", type=click.Choice(SEVERITY_NAMES, case_sensitive=False), default=None,
@@ -46,6 +46,8 @@ def analyze(traces: tuple[str, ...], json_path: str | None, fail_on: str | None,
             det = get_detectors([name])[0]
             click.echo(f"{name:18s} {det.summary}")
         return
+    if not traces:
+        raise click.UsageError("give at least one TRACE")
     try:
         get_detectors(detectors or None)
     except ValueError as exc:

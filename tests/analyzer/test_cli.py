@@ -111,8 +111,9 @@ def test_bad_arguments_and_inputs(traces, tmp_path):
 
 
 def test_list_detectors():
-    p = run("analyze", "--list-detectors", "x")
+    p = run("analyze", "--list-detectors")
     assert p.returncode == 0 and "growth_curve" in p.stdout and "oom" in p.stdout
+    assert run("analyze").returncode == exitcodes.USAGE
 
 
 def test_diff_traces_and_saved_reports(traces, tmp_path):
