@@ -28,6 +28,7 @@ unspecified non-finite outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -236,6 +237,19 @@ def _kernel_inputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torc
     return q, k
 
 
+_LIMIT = 2**29  # the kernels add up to three of these in int32
+
+
+def _int32_safe(g: _Geom) -> _Geom:
+    """Check the kernels' int32 position arithmetic cannot overflow; clamp a huge window (any
+    window >= 2**29 already shows every key at or before the query)."""
+    if abs(g.q_offset) >= _LIMIT or g.Tk >= _LIMIT or (g.Tq and int(g.positions.abs().max()) >= _LIMIT):
+        raise ValueError("positions and lengths must be below 2**29 for the Triton path")
+    if g.window is not None and g.window > _LIMIT:
+        g = dataclasses.replace(g, window=_LIMIT)
+    return g
+
+
 def _split_plan(g: _Geom, device: torch.device, num_splits: int | None) -> tuple[int, int]:
     from kvtrace.kernels._triton_attention import split_unit
 
@@ -278,8 +292,7 @@ def attention_stats_triton(
     from kvtrace.kernels import _triton_attention as tk
 
     q, k, g = _prepare(q, k, q_offset, q_positions, causal, window, scale)
-    if abs(g.q_offset) >= 2**30 or (g.Tq and int(g.positions.abs().max()) >= 2**30) or g.Tk >= 2**30:
-        raise ValueError("positions and lengths must be below 2**30 for the Triton path")
+    g = _int32_safe(g)
     q, k = _kernel_inputs(q, k)
     dev = q.device
     pos32 = g.positions.to(torch.int32).contiguous()
@@ -329,6 +342,7 @@ def received_attention(
     log_z = torch.zeros_like(shift) if log_z is None else log_z.reshape(g.B, g.Hq, g.Tq).float()
     if resolve_backend(backend, q4) == "triton":
         q4, k4 = _kernel_inputs(q4, k4)
+        g = _int32_safe(g)
         return _mass_triton(q4, k4, g.positions.to(torch.int32).contiguous(), shift, log_z, g)
     kf = k4.float()
     mass = torch.zeros(g.B, g.Hkv, g.Tk, dtype=torch.float32, device=q4.device)

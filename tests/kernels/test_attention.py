@@ -233,3 +233,11 @@ def test_empty_inputs(tri_device):
     for _, fn in _backends(tri_device):
         s = fn(q, k, q_offset=0)
         assert torch.isneginf(s.lse).all() and s.received.shape == (1, 1, 0)
+
+
+def test_huge_window_is_no_window_and_int32_limits(tri_device):
+    q, k = torch.randn(1, 2, 3, 64), torch.randn(1, 1, 20, 64)
+    ref = A.attention_stats_reference(q, k)
+    _compare(A.attention_stats_triton(q.to(tri_device), k.to(tri_device), window=2**40), ref)
+    with pytest.raises(ValueError, match="2\\*\\*29"):
+        A.attention_stats_triton(q.to(tri_device), k.to(tri_device), q_offset=2**30)
