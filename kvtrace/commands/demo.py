@@ -1,10 +1,10 @@
-"""`kvtrace demo`: record a small hybrid sliding-window model and show what the trace holds."""
+"""`kvtrace demo`: record a small hybrid sliding-window model, show what the trace holds,
+analyse it and write the HTML report."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -101,8 +101,24 @@ def show(trace_path: Path) -> None:
     click.echo(f"  explore it: kvtrace info {trace_path}")
 
 
-def _after_recording(trace_path: Path) -> Any:
-    """Plug-in point for the analyser and the HTML report (kvtrace.analyzer / kvtrace.report).
+def _after_recording(trace_path: Path) -> Path | None:
+    """Analyse the fresh trace, print the findings, write the HTML report and print its path."""
+    from kvtrace.analyzer import analyze
+    from kvtrace.analyzer.terminal import console_for, render
 
-    Intentionally does nothing yet: the demo shows only what was recorded, never a fake analysis."""
-    return None
+    report = analyze(trace_path)
+    click.echo("")
+    render(report, console_for())
+    html_path = trace_path.with_name("report.html")
+    try:
+        from kvtrace.report import write_report
+    except ImportError as exc:  # matplotlib is the `report` extra
+        click.echo(f"HTML report skipped: {exc} (pip install 'kvtrace[report]')")
+        return None
+    try:
+        write_report(trace_path, html_path, analysis=report)
+    except ImportError as exc:
+        click.echo(f"HTML report skipped: {exc} (pip install 'kvtrace[report]')")
+        return None
+    click.echo(f"HTML report: {html_path.resolve()}")
+    return html_path
