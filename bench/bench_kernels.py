@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SIZES = {
     "full": {
         "copy_bytes": 2**30,
-        "norm_shapes": [(1, 32, 32768, 128), (8, 8, 16384, 128)],
+        # one layer's K at 32k and 128k tokens (256 MiB, 1 GiB), and a batch of 8 sequences
+        "norm_shapes": [(1, 32, 32768, 128), (1, 32, 131072, 128), (8, 8, 16384, 128)],
         "attn_heads": (32, 8, 128), "attn_tq": 1024, "attn_tk": 32768, "attn_window": 4096,
         "mem_tk": 131072,
         "mla_shapes": [(32768, 512), (131072, 512)],
