@@ -72,22 +72,27 @@ def _gib(n: float) -> float:
     return n / 2**30
 
 
-def _peak(fn):
-    """(result or exception, peak bytes allocated during fn beyond what was allocated before)."""
+def _peak(fn) -> tuple[bool, int]:
+    """(finished without OOM, peak bytes allocated during fn beyond what was allocated before).
+
+    The result is dropped inside, and an OOM is reduced to False, so that no tensor (nor a
+    traceback frame holding one) outlives the measurement.
+    """
     import torch
 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    ok = True
     try:
-        out = fn()
+        fn()
         torch.cuda.synchronize()
-    except torch.cuda.OutOfMemoryError as exc:
-        out = exc
+    except torch.cuda.OutOfMemoryError:
+        ok = False
     peak = torch.cuda.max_memory_allocated() - base
     torch.cuda.empty_cache()
-    return out, peak
+    return ok, peak
 
 
 def copy_bandwidth(nbytes: int) -> dict:
@@ -161,14 +166,12 @@ def bench_attention(sz: dict) -> list[dict]:
         q = torch.randn(1, Hq, tq, D, device="cuda", dtype=torch.bfloat16, generator=g)
         k = torch.randn(1, Hkv, tk, D, device="cuda", dtype=torch.bfloat16, generator=g)
         t0 = time.perf_counter()
-        out, peak_tri = _peak(lambda q=q, k=k: A.attention_stats_triton(q, k))
+        ok, peak_tri = _peak(lambda q=q, k=k: A.attention_stats_triton(q, k))
         wall = time.perf_counter() - t0
-        ok = not isinstance(out, Exception)
-        del out
         one_matrix = Hq * tq * tk * 4
-        res, peak_ref = _peak(lambda q=q, k=k: A.attention_stats_reference(q, k))
-        ref_note = "OOM" if isinstance(res, Exception) else f"fit, peak {_gib(peak_ref):.1f} GiB"
-        del res
+        ref_ok, peak_ref = _peak(lambda q=q, k=k: A.attention_stats_reference(q, k))
+        ref_note = (f"fit, peak {_gib(peak_ref):.1f} GiB" if ref_ok
+                    else f"OOM (after reaching {_gib(peak_ref):.1f} GiB)")
         rows.append({
             "kernel": "attention-memory", "case": f"{label}, Tq={tq}, Tk={tk}", "Hq": Hq, "Hkv": Hkv, "D": D,
             "triton_ok": ok, "triton_wall_s": wall, "triton_peak_gib": _gib(peak_tri),
@@ -224,7 +227,8 @@ def _print(device: str, copy: dict, rows: list[dict]) -> None:
             print(f"{k:<17}{r['case']:<44}{r['triton_ms']:>8.2f}ms{r['reference_ms']:>8.2f}ms"
                   f"{r['speedup']:>7.1f}x  {note}")
         elif k == "attention-memory":
-            note = (f"triton peak {r['triton_peak_gib']:.2f} GiB beyond inputs ({r['inputs_gib']:.2f} GiB), "
+            note = (("" if r["triton_ok"] else "TRITON PATH FAILED (OOM); ")
+                    + f"triton peak {r['triton_peak_gib']:.2f} GiB beyond inputs ({r['inputs_gib']:.2f} GiB), "
                     f"{r['triton_wall_s']:.2f} s; reference: {r['reference']} "
                     f"(one fp32 score matrix = {r['reference_one_fp32_matrix_gib']:.0f} GiB, "
                     f"device {r['device_total_gib']:.0f} GiB)")
