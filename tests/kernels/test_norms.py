@@ -11,8 +11,10 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+
+pytest.importorskip("hypothesis")  # the GPU image may lack it; test_gpu.py does not need it
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 torch = pytest.importorskip("torch")
 
