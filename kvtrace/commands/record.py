@@ -135,6 +135,22 @@ def load_model(spec: str, *, device: str, dtype: str, layers: int | None, width:
     return LoadedModel(model, tok, spec, note)
 
 
+def check_bindable(host: str, port: int) -> None:
+    """Bind and release ``host:port`` the way the metrics server will, so a busy port or a bad
+    host fails before the model loads (the server binds again when recording starts)."""
+    import socket
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server does
+            s.bind((host, port))
+    except OSError as exc:
+        raise Unavailable(f"cannot serve Prometheus metrics on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def read_prompts(prompt: tuple[str, ...], prompts_file: str | None) -> list[str]:
     if bool(prompt) == bool(prompts_file):
         raise click.UsageError("give --prompt TEXT (repeatable) or --prompts FILE, not both or neither")
@@ -214,6 +230,12 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
 @click.option("--width", type=click.FloatRange(min=0, min_open=True, max=1), default=None,
               help="Presets: scale hidden/MLP/expert widths (KV geometry kept).")
 @click.option("--vocab", type=click.IntRange(min=16), default=None, help="Presets: vocabulary size.")
+@click.option("--prometheus", "prometheus", default=None, metavar="HOST:PORT",
+              help="Serve live metrics at http://HOST:PORT/metrics while recording (bind 127.0.0.1 "
+                   "unless the scraper is on another host).")
+@click.option("--prometheus-textfile", default=None, type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write the metrics to FILE for node_exporter's textfile collector "
+                   "(atomic rewrite, at most once a second, at each request end and at exit).")
 @click.option("--quiet", "-q", is_flag=True, help="Print only errors.")
 @click.option("-o", "--output", required=True, type=click.Path(), metavar="TRACE", help="Trace file to write.")
 @guarded
@@ -222,7 +244,8 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
            seed: int, sample_every: int, sample_layers: str | None, sample_heads: str | None,
            sample_max_tokens: int | None, sample_queries: bool, telemetry_hz: float, no_nvml: bool,
            store_prompts: bool, no_empty_cache: bool, device: str, dtype: str, cache_implementation: str,
-           layers: int | None, width: float | None, vocab: int | None, quiet: bool, output: str) -> None:
+           layers: int | None, width: float | None, vocab: int | None, prometheus: str | None,
+           prometheus_textfile: str | None, quiet: bool, output: str) -> None:
     """Record the KV cache of generate() on a model into a trace file.
 
     \b
@@ -235,13 +258,28 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
     """
     prompts = read_prompts(prompt, prompts_file)
     layer_list, head_list = parse_int_list(sample_layers), parse_int_list(sample_heads)
+    if prometheus is not None:
+        from kvtrace.export.prometheus import parse_address
+
+        try:
+            host, port = parse_address(prometheus)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--prometheus") from None
+        check_bindable(host, port)  # before the (possibly slow) model load
     try:
-        from kvtrace.recorder.session import CannotWriteTrace, check_writable
+        from kvtrace.recorder.session import (
+            CannotServeMetrics,
+            CannotWriteOutput,
+            check_textfile,
+            check_writable,
+        )
     except ImportError as exc:
         raise Unavailable(f"recording needs torch and transformers ({exc}); install kvtrace[record]") from None
     try:
         check_writable(output)  # before the (possibly slow) model load
-    except CannotWriteTrace as exc:
+        if prometheus_textfile is not None:
+            check_textfile(prometheus_textfile)
+    except CannotWriteOutput as exc:
         raise CannotWrite(str(exc)) from None
 
     def say(msg: str) -> None:
@@ -270,14 +308,19 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
         rec = kvtrace.record(loaded.model, output, model_id=loaded.model_id, store_prompts=store_prompts,
                              tokenizer=loaded.tokenizer, empty_cache=not no_empty_cache,
                              telemetry_hz=telemetry_hz, nvml=not no_nvml, sampling=sampling,
+                             prometheus=prometheus, prometheus_textfile=prometheus_textfile,
                              settings_extra=settings)
         with rec:
+            if rec.exporter is not None and rec.exporter.url:
+                say(f"metrics {rec.exporter.url}")
             for i, text in enumerate(prompts):
                 ids = encode(loaded.tokenizer, text, dev)
                 out = loaded.model.generate(ids, **gen_kw)
                 say(f"request {i}: {ids.shape[-1]} prompt tokens, {out.shape[-1] - ids.shape[-1]} new")
-    except CannotWriteTrace as exc:
+    except CannotWriteOutput as exc:
         raise CannotWrite(str(exc)) from None
+    except CannotServeMetrics as exc:
+        raise Unavailable(str(exc)) from None
     if rec.recorder_errors:
         say(f"warning: {rec.recorder_errors} recorder error(s) were caught and recorded (RECORDER_ERROR events)")
     if not quiet:

@@ -10,9 +10,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtrace.recorder.session import CannotWriteTrace, Recorder, RecordOptions, check_writable, record
+    from kvtrace.recorder.session import (
+        CannotServeMetrics,
+        CannotWriteOutput,
+        CannotWriteTrace,
+        Recorder,
+        RecordOptions,
+        check_textfile,
+        check_writable,
+        record,
+    )
 
-__all__ = ["CannotWriteTrace", "RecordOptions", "Recorder", "check_writable", "record"]
+__all__ = ["CannotServeMetrics", "CannotWriteOutput", "CannotWriteTrace", "RecordOptions", "Recorder",
+           "check_textfile", "check_writable", "record"]
 
 
 def __getattr__(name: str) -> Any:

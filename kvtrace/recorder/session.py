@@ -10,6 +10,11 @@ What a session changes while it is open, all undone by :meth:`Recorder.close`:
   off with ``reset_peak=False`` if the program reads the peak itself).
 
 Nothing in here ever holds a strong reference to a cache tensor beyond the hook call that reads it.
+
+Retention: the memory readings after a request (AFTER_RETURN, AFTER_GC, AFTER_EMPTY_CACHE) are taken
+as generate returns, but which KV storages the request left alive (/retention) is decided later,
+when the caller has had the chance to drop generate's output: at the start of the next generate
+call on this recorder, or at close, after a gc.collect(). A NOTE event says which of the two.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import hashlib
 import json
 import os
 import secrets
+import types
 import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass, field, is_dataclass
@@ -34,6 +40,7 @@ from kvtrace.recorder.accounting import account
 from kvtrace.recorder.layouts import (
     LayerReading,
     LayoutContext,
+    cache_parts,
     context_from_config,
     is_offloading,
     read_cache,
@@ -48,8 +55,18 @@ _OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
 _MAX_ERROR_TEXT = 500
 
 
-class CannotWriteTrace(OSError):
+class CannotWriteOutput(OSError):
+    """An output of the session (trace, metrics textfile) cannot be written; raised before the
+    model runs."""
+
+
+class CannotWriteTrace(CannotWriteOutput):
     """The trace path cannot be created; raised before the model runs."""
+
+
+class CannotServeMetrics(OSError):
+    """The Prometheus endpoint cannot be bound (address in use, bad host); raised before the model
+    runs."""
 
 
 @dataclass
@@ -67,6 +84,8 @@ class RecordOptions:
     allocator: bool = True
     sampling: Any = None  # kvtrace.recorder.sampling.SamplingSettings, a dict of its fields, or None
     flush_interval_s: float = 1.0
+    prometheus: str | None = None  # "HOST:PORT": serve live metrics at http://HOST:PORT/metrics
+    prometheus_textfile: str | None = None  # node_exporter textfile, rewritten atomically
     settings_extra: dict[str, Any] = field(default_factory=dict)  # e.g. the CLI's arguments
 
     def to_json(self) -> dict[str, Any]:
@@ -93,6 +112,20 @@ def check_writable(path: str | os.PathLike[str]) -> Path:
     return p
 
 
+def check_textfile(path: str | os.PathLike[str]) -> Path:
+    """Fail early when ``path`` cannot become a Prometheus textfile."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    what = f"cannot write Prometheus textfile {p}"
+    if p.is_dir():
+        raise CannotWriteOutput(f"{what}: it is a directory")
+    if not parent.is_dir():
+        raise CannotWriteOutput(f"{what}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CannotWriteOutput(f"{what}: permission denied")
+    return p
+
+
 @dataclass
 class _Request:
     id: int
@@ -106,6 +139,15 @@ class _Request:
     sample_now: bool = False
     step_t: list[int] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
+    last_cache: Any = None  # weakref.ref to the Cache of the last finished step
+
+
+@dataclass
+class _PendingRetention:
+    """A finished request whose retention verdict waits for the next request or close."""
+
+    request: int
+    cache: Any  # weakref.ref to its Cache, or None
 
 
 class Recorder:
@@ -118,6 +160,16 @@ class Recorder:
         self.model = model
         self.options = options or RecordOptions()
         self.path = check_writable(path)
+        self._prom_address: tuple[str, int] | None = None
+        if self.options.prometheus is not None:
+            from kvtrace.export.prometheus import parse_address
+
+            self._prom_address = parse_address(str(self.options.prometheus))  # ValueError if malformed
+        if self.options.prometheus_textfile is not None:
+            check_textfile(self.options.prometheus_textfile)
+        self.exporter: Any = None  # kvtrace.export.prometheus.PrometheusExporter while open
+        self._dropped_reported = 0
+        self._pending_retention: _PendingRetention | None = None
         self.writer: TraceWriter | None = None
         self.telemetry: Any = None
         self.sampler: Any = None
@@ -159,12 +211,22 @@ class Recorder:
                                    use_allocator=opts.allocator)
         self.sampling = _sampling_settings(opts.sampling)
         try:
-            self.writer = TraceWriter(self.path, self._meta(), self.telemetry.device_infos(),
+            self.exporter = self._start_exporter()
+            meta = self._meta()
+        except BaseException:
+            self.telemetry.close()
+            raise
+        try:
+            self.writer = TraceWriter(self.path, meta, self.telemetry.device_infos(),
                                       flush_interval_s=opts.flush_interval_s)
         except OSError as exc:
             self.telemetry.close()
+            self._close_exporter()
             raise CannotWriteTrace(f"cannot write trace to {self.path}: {exc}") from exc
         try:
+            if self.exporter is not None:
+                self.exporter.set_info(meta["model_id"], meta["model_type"])
+                self.telemetry.listeners.append(self._on_telemetry)
             self.telemetry.attach(self.writer)
             self.telemetry.start()
             if self.sampling is not None:
@@ -174,7 +236,8 @@ class Recorder:
                 if self.sampling.queries:
                     from kvtrace.recorder.qcapture import QueryCapture
 
-                    self.qcapture = QueryCapture(self.model, self._on_query)
+                    self.qcapture = QueryCapture(self.model, self._on_query,
+                                                 modules=decoder_self_attention(self.model))
                     self.qcapture.install()
             self._discovery.install()
             self._steps.install()
@@ -191,6 +254,8 @@ class Recorder:
         if self._closed:
             return
         self._closed = True
+        if self._active is None:
+            self._check_retention("close")
         self._unpatch_generate()
         self._steps.remove()
         self._discovery.remove()
@@ -205,13 +270,74 @@ class Recorder:
                 self.sampler.close()
             except Exception as exc:  # noqa: BLE001
                 self._on_error("sampler-close", exc)
+            self._report_dropped()
         if self.telemetry is not None:
             try:
-                self.telemetry.close()
+                self.telemetry.close()  # its last tick still reaches the exporter
             except Exception as exc:  # noqa: BLE001
                 self._on_error("telemetry-stop", exc)
+        self._close_exporter()
         if self.writer is not None:
             self.writer.close()
+
+    # ---- live metrics ---------------------------------------------------------------------------
+
+    def _start_exporter(self) -> Any:
+        opts = self.options
+        if self._prom_address is None and opts.prometheus_textfile is None:
+            return None
+        from kvtrace.export.prometheus import PrometheusExporter
+
+        host, port = self._prom_address if self._prom_address is not None else (None, None)
+        exporter = PrometheusExporter(host, port, textfile=opts.prometheus_textfile)
+        try:
+            return exporter.start()
+        except OSError as exc:
+            raise CannotServeMetrics(str(exc)) from None
+
+    def _close_exporter(self) -> None:
+        exporter, self.exporter = self.exporter, None
+        if exporter is None:
+            return
+        try:
+            exporter.close()
+        except Exception as exc:  # noqa: BLE001 - e.g. the textfile's directory went away
+            self._on_error("prometheus", exc)
+
+    def _prom(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """One exporter update; a failure is a recorder error, never the model's."""
+        exporter = self.exporter
+        if exporter is None:
+            return
+        try:
+            getattr(exporter, method)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            self._on_error("prometheus", exc)
+
+    def _on_telemetry(self, device: int, mem: Any, alloc: Any) -> None:
+        """Telemetry-thread listener: the readings just written, mirrored to the exporter."""
+        exporter = self.exporter
+        if exporter is None:
+            return
+        exporter.on_memory(
+            device,
+            mem.used if mem is not None else None,
+            total_bytes=mem.total if mem is not None else None,
+            reserved_bytes=alloc.reserved_bytes if alloc is not None else None,
+            allocated_bytes=alloc.allocated_bytes if alloc is not None else None,
+            inactive_split_bytes=alloc.inactive_split_bytes if alloc is not None else None,
+            num_alloc_retries=alloc.num_alloc_retries if alloc is not None else None,
+            num_ooms=alloc.num_ooms if alloc is not None else None,
+        )
+
+    def _report_dropped(self) -> None:
+        sampler = self.sampler
+        if sampler is None or self.exporter is None:
+            return
+        dropped = int(sampler.dropped)
+        if dropped > self._dropped_reported:
+            self._prom("on_dropped_samples", dropped - self._dropped_reported)
+            self._dropped_reported = dropped
 
     @property
     def recorder_errors(self) -> int:
@@ -283,6 +409,7 @@ class Recorder:
     # ---- requests -----------------------------------------------------------------------------
 
     def _begin_request(self, args: tuple, kwargs: dict) -> _Request | None:
+        self._check_retention("next request")
         try:
             return self._begin_request_unguarded(args, kwargs)
         except Exception as exc:  # noqa: BLE001 - the user's generate runs regardless
@@ -322,18 +449,21 @@ class Recorder:
                        (max_new - 1) if max_new else -1)
         if self.options.retention:
             self._retention.begin()
+        self._prom("on_request_start", rid)
         self._active = req
         return req
 
     def _finish_request(self, req: _Request, out: Any, args: tuple, kwargs: dict) -> None:
         self._active = None
+        new_tokens = req.step
         try:
-            self._finish_unguarded(req, out, kwargs)
+            new_tokens = self._finish_unguarded(req, out, kwargs)
         except Exception as exc:  # noqa: BLE001
             self._on_error("request-end", exc)
             self._safe_update(req.id, outcome=int(Outcome.OK), end_ns=monotonic_ns())
+        self._prom("on_request_end", "ok", new_tokens=new_tokens)
 
-    def _finish_unguarded(self, req: _Request, out: Any, kwargs: dict) -> None:
+    def _finish_unguarded(self, req: _Request, out: Any, kwargs: dict) -> int:
         w = self.writer
         assert w is not None
         rid = req.id
@@ -349,22 +479,18 @@ class Recorder:
         gc.collect()
         self._event(EventKind.GC, rid)
         self._readings(rid, ReadingLabel.AFTER_GC)
-        if self.options.retention:
-            rows = []
-            for r in self._retention.finish():
-                off, length = w.add_text(r.referrers) if r.referrers else (0, 0)
-                rows.append((rid, r.layer, r.device, r.storage, r.nbytes, off, length))
-            if rows:
-                w.append("retention", rows)
+        if self.options.retention:  # the verdict waits until the caller could drop the output
+            self._pending_retention = _PendingRetention(rid, req.last_cache)
         if self.options.empty_cache and self.devices:
             torch.cuda.empty_cache()
             self._event(EventKind.EMPTY_CACHE, rid)
             self._readings(rid, ReadingLabel.AFTER_EMPTY_CACHE)
         if self.sampler is not None:
-            own = int(getattr(self.sampler, "own_device_bytes", 0))
             t = monotonic_ns()
-            w.append("readings", [(t, rid, int(ReadingLabel.RECORDER_OWN), d, own, -1, -1, -1, -1, -1, -1)
-                                  for d in (self.devices or [-1])])
+            w.append("readings", [(t, rid, int(ReadingLabel.RECORDER_OWN), d,
+                                   int(self.sampler.own_device_bytes_on(d)) if d >= 0 else 0,
+                                   -1, -1, -1, -1, -1, -1) for d in (self.devices or [-1])])
+            self._report_dropped()
         new_tokens, eos_step = _generated(out, req, kwargs, self.model)
         if eos_step >= 0:
             t_eos = req.step_t[eos_step] if eos_step < len(req.step_t) else monotonic_ns()
@@ -374,10 +500,58 @@ class Recorder:
         w.update_request(rid, outcome=int(Outcome.OK), end_ns=end, new_tokens=new_tokens, eos_step=eos_step)
         self._event(EventKind.REQUEST_END, rid, value=int(Outcome.OK), t=end)
         w.flush()
+        return new_tokens
+
+    def _check_retention(self, when: str) -> None:
+        """The deferred retention verdict of the last finished request: after gc, which of its KV
+        storages are still alive and (by type) who holds them. Never raises."""
+        pending, self._pending_retention = self._pending_retention, None
+        if pending is None or self.writer is None or self.writer.closed:
+            return
+        try:
+            gc.collect()
+            survivors = self._retention.finish()
+            try:
+                held, chain = self._cache_holders(pending.cache)
+            except Exception as exc:  # noqa: BLE001 - the rows go out without the holder chain
+                self._on_error("retention-holders", exc)
+                held, chain = set(), []
+            w = self.writer
+            rows = []
+            for r in survivors:
+                names = r.referrers
+                if (r.device, r.storage, r.nbytes) in held:  # still reachable through that cache
+                    names = ",".join(dict.fromkeys([n for n in names.split(",") if n] + chain))
+                off, length = w.add_text(names) if names else (0, 0)
+                rows.append((pending.request, r.layer, r.device, r.storage, r.nbytes, off, length))
+            if rows:
+                w.append("retention", rows)
+            self._event(EventKind.NOTE, pending.request, value=len(rows), text=f"retention checked at {when}")
+        except Exception as exc:  # noqa: BLE001
+            self._on_error("retention-check", exc)
+
+    def _cache_holders(self, ref: Any) -> tuple[set, list[str]]:
+        """(storage keys the request's Cache still holds, type names from its sub-caches up to what
+        holds the Cache) when that Cache is alive; (set(), []) otherwise."""
+        cache = ref() if ref is not None else None
+        if cache is None:
+            return set(), []
+        try:
+            held: set = set()
+            if self._ctx is not None:
+                read_cache(cache, self._ctx, observe=lambda key, layer, tensor: held.add(key))
+            # no comprehension may name `cache`: it would become a closure cell, a referrer of its own
+            chain = [type(sub).__name__ for sub in _sub_caches(cache)]
+            chain.append(type(cache).__name__)
+            chain.extend(_holder_names(cache))
+            return held, chain
+        finally:
+            del cache
 
     def _abort_request(self, req: _Request, exc: BaseException) -> None:
         """generate raised: record why, with the allocator state for an OOM; never raises."""
         self._active = None
+        outcome = Outcome.ERROR
         try:
             w = self.writer
             assert w is not None
@@ -405,6 +579,7 @@ class Recorder:
             w.flush()
         except Exception as inner:  # noqa: BLE001 - never mask the user's exception
             self._on_error("request-abort", inner)
+        self._prom("on_request_end", outcome.name.lower(), new_tokens=req.step)
 
     # ---- steps --------------------------------------------------------------------------------
 
@@ -442,6 +617,7 @@ class Recorder:
         req.cache_ref = None
         if cache is None:
             raise RuntimeError("no transformers Cache seen in this forward (use_cache=False?)")
+        req.last_cache = weakref.ref(cache)
         if self._ctx is None:
             self._ctx = context_from_config(getattr(self.model, "config", None))
         observe = self._retention.observe if self.options.retention else None
@@ -465,6 +641,18 @@ class Recorder:
             self._write_layers(readings)
         if req.sample_now and self.sampler is not None:
             self._sample(req, step, cache, readings)
+        if self.exporter is not None:
+            self._prom_step(step, seen, readings, acc.unique_per_layer)
+
+    def _prom_step(self, step: int, seen: int, readings: list[LayerReading], unique: list[int]) -> None:
+        self._prom("on_step", "prefill" if step == 0 else "decode", tokens_seen=seen)
+        exporter = self.exporter
+        try:
+            for i, r in enumerate(readings):
+                exporter.on_kv(r.layer, _layer_type_name(r.layer_type), unique[i])
+        except Exception as exc:  # noqa: BLE001
+            self._on_error("prometheus", exc)
+        self._report_dropped()
 
     def _step_memory(self) -> tuple[int, int]:
         if not self.devices:
@@ -499,6 +687,7 @@ class Recorder:
         offloaded = is_offloading(cache)
         if offloaded:
             wait_for_offload(cache)
+        parts = dict(cache_parts(cache))
         for r in readings:
             if settings.layers is not None and r.layer not in settings.layers:
                 continue
@@ -507,8 +696,10 @@ class Recorder:
             k, v, start = valid_kv(cache, r)
             if k is None:
                 continue
-            # Static and offloaded layers are rewritten in place later: the copy must finish first.
-            mutable = offloaded or r.layer_type in (LayerType.STATIC, LayerType.STATIC_SLIDING)
+            # Dynamic layers replace their tensors (torch.cat) instead of writing into them, so the
+            # copy may overlap later kernels; every other layout keeps the sampler's safe default
+            # (the main stream waits for the copy): static, offloaded, quantized.
+            mutable = False if not offloaded and _never_in_place(parts.get(r.part), r.cache_index) else None
             if r.layer_type == LayerType.LATENT:
                 kinds = (PayloadKind.LATENT, PayloadKind.ROPE_KEY) if settings.latents else ()
             else:
@@ -524,9 +715,11 @@ class Recorder:
                 return
             if self.sampling.layers is not None and layer_idx not in self.sampling.layers:
                 return
-            kv_heads = self._kv_heads.get(int(layer_idx), 0)
-            heads = self._ctx.num_attention_heads if self._ctx is not None else 0
-            group = heads // kv_heads if kv_heads and heads and heads % kv_heads == 0 else None
+            group = self.qcapture.group_sizes.get(layer_idx) if self.qcapture is not None else None
+            if group is None:  # the capture could not see the key: derive it from the geometry
+                kv_heads = self._kv_heads.get(int(layer_idx), 0)
+                heads = self._ctx.num_attention_heads if self._ctx is not None else 0
+                group = heads // kv_heads if kv_heads and heads and heads % kv_heads == 0 else None
             self.sampler.submit(req.id, req.step, int(layer_idx), PayloadKind.QUERY, query,
                                 token_start=req.tokens_seen, group_size=group)
         except Exception as exc:  # noqa: BLE001
@@ -573,6 +766,11 @@ class Recorder:
             first = req.errors[summary] == 1
         if first:
             self._event(EventKind.RECORDER_ERROR, rid, step=req.step if req else -1, value=1, text=summary)
+        if self.exporter is not None:
+            try:
+                self.exporter.on_recorder_error()
+            except Exception:  # noqa: BLE001 - counted above already; never recurse
+                pass
 
     def _report_request_errors(self, req: _Request) -> None:
         for summary, n in req.errors.items():
@@ -616,6 +814,94 @@ def record(model: torch.nn.Module, path: str | os.PathLike[str], options: Record
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+
+def _layer_type_name(code: int) -> str:
+    try:
+        return LayerType(int(code)).name.lower()
+    except ValueError:
+        return f"type_{int(code)}"
+
+
+def _dynamic_layer_types() -> tuple[type, ...]:
+    try:
+        from transformers import cache_utils
+    except ImportError:  # pragma: no cover
+        return ()
+    return tuple(t for t in (getattr(cache_utils, n, None) for n in ("DynamicLayer", "DynamicSlidingWindowLayer"))
+                 if isinstance(t, type))
+
+
+_NEVER_IN_PLACE = _dynamic_layer_types()
+
+
+def _never_in_place(sub: Any, index: int) -> bool:
+    """The layer is exactly a DynamicLayer / DynamicSlidingWindowLayer (subclasses such as the
+    quantized layers may keep buffers they write into)."""
+    layers = getattr(sub, "layers", None)
+    if layers is None or not 0 <= index < len(layers):
+        return False
+    return type(layers[index]) in _NEVER_IN_PLACE
+
+
+def _sub_caches(cache: Any) -> list[Any]:
+    out = []
+    for _, sub in cache_parts(cache):
+        if sub is not cache:
+            out.append(sub)
+    return out
+
+
+def _holder_names(obj: Any) -> list[str]:
+    """Type names of what refers to ``obj``, an instance ``__dict__`` named by its owner's type;
+    frames (the caller's local variables, our own) are left out."""
+    names: dict[str, None] = {}
+    refs = gc.get_referrers(obj)
+    try:
+        for r in refs:
+            if isinstance(r, types.FrameType):
+                continue
+            name = type(r).__name__
+            if type(r) is dict:  # maybe an instance __dict__: name its owner
+                owner = next((o for o in gc.get_referrers(r)
+                              if o is not refs and getattr(o, "__dict__", None) is r), None)
+                name = type(owner).__name__ if owner is not None else "dict"
+            names[name] = None
+    finally:
+        del refs
+    return list(names)
+
+
+def decoder_self_attention(model: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """For an encoder-decoder model, the decoder's self-attention modules (the ones whose queries
+    pair with the self-attention cache); None (every ``layer_idx`` module) for decoder-only models.
+
+    Encoder modules are excluded through ``get_encoder()``. Cross-attention attends to every
+    encoder position, so it is never causal: decoder self-attention modules are the causal ones.
+    Where modules do not say (no ``is_causal``), the first attention module of each layer is
+    taken, the order every transformers decoder layer uses (self-attention, then cross)."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return None
+    encoder_ids: set[int] = set()
+    get_encoder = getattr(model, "get_encoder", None)
+    if callable(get_encoder):
+        try:
+            encoder = get_encoder()
+        except Exception:  # noqa: BLE001
+            encoder = None
+        if isinstance(encoder, torch.nn.Module):
+            encoder_ids = {id(m) for m in encoder.modules()}
+    named = [(n, m) for n, m in _hooks.layer_modules(model) if id(m) not in encoder_ids]
+    # innermost layer_idx modules only: a decoder block may carry layer_idx too
+    leaves = [m for n, m in named if not any(o.startswith(n + ".") for o, _ in named)]
+    wanted = {m.layer_idx for m in leaves}
+    causal = [m for m in leaves if getattr(m, "is_causal", None) is True]
+    if causal and {m.layer_idx for m in causal} == wanted:
+        return causal
+    first: dict[int, torch.nn.Module] = {}
+    for m in leaves:
+        first.setdefault(m.layer_idx, m)
+    return list(first.values())
 
 
 def _sampling_settings(value: Any) -> Any:

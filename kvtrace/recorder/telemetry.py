@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvtrace.format.schema import EventKind
@@ -76,6 +77,10 @@ def _open_nvml() -> Nvml:
     return Nvml()
 
 
+# listener(device, nvml memory or None, allocator reading or None), on the sampler thread
+Listener = Callable[[int, Any, Any], None]
+
+
 class Telemetry:
     """Probes memory sources at construction (before any writer exists) and, once attached to a
     writer, samples them from ONE background thread between ``start()`` and ``stop()``."""
@@ -87,6 +92,7 @@ class Telemetry:
         rate_hz: float = 20.0,
         use_nvml: bool = True,
         use_allocator: bool = True,
+        listeners: list[Listener] | None = None,
     ) -> None:
         if not 0 < float(rate_hz) <= MAX_RATE_HZ:
             raise ValueError(f"telemetry rate must be in (0, {MAX_RATE_HZ:g}] Hz, got {rate_hz}")
@@ -99,6 +105,9 @@ class Telemetry:
         self.tick_errors = 0
         self.last_tick_error = ""
         self._reported = {"nvml": 0, "tick": 0}  # error counts already written as events
+        # Called once per device per tick with what was just read (live exporters). A listener
+        # that raises is counted as a tick error; the rows of that tick are already written.
+        self.listeners: list[Listener] = list(listeners or ())
 
         self._rss, rss_reason = _probe_rss()
         self._sources: dict[str, dict[str, Any]] = {
@@ -317,8 +326,10 @@ class Telemetry:
         assert writer is not None
         t = monotonic_ns()
         nvml_rows, alloc_rows = [], []
+        seen: list[tuple[int, Any, Any]] = []
         for device in self.devices:
             handle = self._handles.get(device)
+            mem = r = None
             if handle is not None and self._nvml is not None:
                 mem = self._nvml.memory(handle)
                 if mem is not None:  # a failed read leaves a gap, never a fabricated row
@@ -328,6 +339,10 @@ class Telemetry:
                 r = allocator.read(device, self._alloc_backend)
                 if r is not allocator.UNAVAILABLE:
                     alloc_rows.append((t, device, *r.as_row()))
+                else:
+                    r = None
+            if mem is not None or r is not None:
+                seen.append((device, mem, r))
         if nvml_rows:
             writer.append("telemetry/nvml", nvml_rows)
         if alloc_rows:
@@ -336,6 +351,12 @@ class Telemetry:
         if rss >= 0:
             writer.append("telemetry/process", (t, rss))
         self.ticks += 1
+        for listener in self.listeners:
+            for device, mem, r in seen:
+                try:
+                    listener(device, mem, r)
+                except Exception as exc:  # noqa: BLE001 - a listener must not stop the sampling
+                    self._note_error(exc)
 
     def _record_errors(self) -> None:
         """Write read failures since the last stop() as RECORDER_ERROR events (count in value)."""

@@ -259,7 +259,8 @@ def test_retention_reports_what_the_caller_keeps(tmp_path):
         assert sorted(set(ret["layer"].tolist())) == [0, 1]
         assert ret["nbytes"].sum() == sum(x.numel() * 4 for layer in cache.layers for x in (layer.keys, layer.values))
         names = {text(t, r["referrers_off"], r["referrers_len"]) for r in ret}
-        assert names == {"DynamicLayer"}  # the holder by type; never the recorder itself
+        # the holders by type, from the tensor up to the output the caller kept; never the recorder
+        assert names == {"DynamicLayer,DynamicCache,GenerateDecoderOnlyOutput"}
 
 
 def test_forward_outside_generate_is_not_recorded(tmp_path):

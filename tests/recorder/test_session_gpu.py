@@ -1,0 +1,103 @@
+"""Session behaviour only a GPU can show: the deferred retention verdict against allocator numbers,
+live Prometheus gauges from the real allocator/NVML, and K/V samples of dynamic layers copied
+without a stream wait (mutable=False) still equal to the cache. Run on the device machine:
+
+    pytest tests/recorder/test_session_gpu.py -m gpu -q
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_prometheus_wiring import read_metrics
+
+import kvtrace
+from kvtrace.format import PayloadKind
+from kvtrace.format.reader import Trace
+from kvtrace.format.schema import EventKind, ReadingLabel
+from kvtrace.testing_models import tiny_model, tiny_prompt
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+PROMPT, NEW = 12, 12
+
+
+def _model(name: str = "llama") -> torch.nn.Module:
+    return tiny_model(name, dtype=torch.bfloat16).to("cuda")
+
+
+def _gen(m, **kw):
+    ids = tiny_prompt(PROMPT).to("cuda")
+    return m.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **kw)
+
+
+def _baseline(t: Trace, request: int) -> int:
+    r = t.readings(request)
+    return int(r[r["label"] == int(ReadingLabel.BASELINE)]["allocated_bytes"][0])
+
+
+def test_deferred_verdict_agrees_with_the_next_baseline(tmp_path):
+    m = _model()
+    _gen(m)  # warm-up: workspaces, kernels
+    path = tmp_path / "ret.kvt.h5"
+    with kvtrace.record(m, path) as rec:
+        _gen(m)  # request 0: dropped at once
+        out = _gen(m, return_dict_in_generate=True)  # request 1: dropped before request 2
+        kv_bytes = sum(x.untyped_storage().nbytes() for layer in out.past_key_values.layers
+                       for x in (layer.keys, layer.values))
+        del out
+        kept = _gen(m, return_dict_in_generate=True)  # request 2: kept across request 3
+        _gen(m)  # request 3
+        del kept
+    assert rec.recorder_errors == 0
+    with Trace(path) as t:
+        assert len(t.retention(0)) == len(t.retention(1)) == len(t.retention(3)) == 0
+        assert int(t.retention(2)["nbytes"].sum()) == kv_bytes
+        notes = [int(e["request"]) for e in t.events(EventKind.NOTE)]
+        assert notes == [0, 1, 2, 3]
+        # BASELINE of request N+1 is taken after the deferred gc: it sees what request N left
+        assert _baseline(t, 2) == _baseline(t, 1) == _baseline(t, 0)
+        assert _baseline(t, 3) - _baseline(t, 2) >= kv_bytes
+
+
+def test_live_gauges_come_from_the_allocator_and_nvml(tmp_path):
+    m = _model()
+    prom, path = tmp_path / "k.prom", tmp_path / "p.kvt.h5"
+    with kvtrace.record(m, path, prometheus_textfile=str(prom), telemetry_hz=100.0):
+        _gen(m)
+    got = read_metrics(prom)
+    dev = str(torch.cuda.current_device())
+    with Trace(path) as t:
+        alloc = t.allocator()
+        nvml_ok = t.meta.source_available("nvml")
+        nvml = t.nvml()
+    assert got[("kvtrace_allocator_allocated_bytes", (("device", dev),))] == int(alloc["allocated_bytes"][-1])
+    assert got[("kvtrace_allocator_reserved_bytes", (("device", dev),))] == int(alloc["reserved_bytes"][-1])
+    if nvml_ok:
+        assert got[("kvtrace_gpu_memory_used_bytes", (("device", dev),))] == int(nvml["used_bytes"][-1])
+        assert got[("kvtrace_gpu_memory_total_bytes", (("device", dev),))] == int(nvml["total_bytes"][-1])
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])  # DynamicLayer; + DynamicSlidingWindowLayer
+def test_dynamic_layer_samples_equal_the_cache(tmp_path, name):
+    m = _model(name)
+    path = tmp_path / "s.kvt.h5"
+    with kvtrace.record(m, path, sampling={"every_n_steps": 4}) as rec:
+        out = _gen(m, return_dict_in_generate=True)
+        own = rec.sampler.own_device_bytes_on(torch.cuda.current_device())
+    assert rec.recorder_errors == 0
+    cache = out.past_key_values
+    last = NEW - 1
+    with Trace(path) as t:
+        idx = t.payload_index()
+        payloads = [t.payload(i) for i in range(len(idx)) if int(idx[i]["step"]) == last]
+        r = t.readings(0)
+        r = r[r["label"] == int(ReadingLabel.RECORDER_OWN)]
+    assert payloads
+    for p in payloads:
+        src = cache.layers[p.layer].keys if p.kind == PayloadKind.KEY else cache.layers[p.layer].values
+        np.testing.assert_array_equal(p.to_float32(), src.float().cpu().numpy())
+    assert r["allocated_bytes"].tolist() == [own]
