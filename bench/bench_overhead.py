@@ -81,6 +81,9 @@ def attached(variant: str, model: Any, trace_dir: Path, tag: str) -> Iterator[di
         path = trace_dir / f"{tag}.kvt.h5"
         with kvtrace.record(model, path, sampling=sampling) as rec:
             yield info
+            # Direct cost: time inside the step hooks, read before close (gc/flush excluded).
+            info["hook_ns"] = rec.hook_time_ns
+            info["hook_calls"] = rec.hook_calls
         info["recorder_errors"] = rec.recorder_errors
         info["trace"] = str(path)
     elif variant == "memhist":
@@ -160,8 +163,14 @@ def bench_model(name: str, layers: int | None, args: argparse.Namespace, trace_d
             if v in by:
                 tot.append(by[v]["total_s"] / by["base"]["total_s"])
                 dec.append(by[v]["decode_step_s"] / by["base"]["decode_step_s"])
+        selfs = [by_run["hook_ns"] / max(by_run["hook_calls"] / 2, 1) / 1e9 / base_step
+                 for results in rounds
+                 for by_run, base_step in [({r["variant"]: r for r in results}.get(v, {}),
+                                            {r["variant"]: r for r in results}["base"]["decode_step_s"])]
+                 if "hook_ns" in by_run]
         if tot:
             summary[v] = {"pairs": len(tot), "total_ratio_median": statistics.median(tot),
+                          "self_time_fraction_median": statistics.median(selfs) if selfs else None,
                           "total_ratio_min": min(tot), "total_ratio_max": max(tot),
                           "decode_ratio_median": statistics.median(dec),
                           "decode_ratio_min": min(dec), "decode_ratio_max": max(dec)}
@@ -223,14 +232,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nkvtrace recorder overhead on {device} (torch {out['torch']}, transformers {out['transformers']}), "
           f"bf16, {args.prompt}-token prompt + {args.new_tokens} new tokens, greedy")
     print("ratio = time with variant / time without, same round; median [min-max] over pairs")
-    print(f"{'model':<22} {'variant':<11} {'pairs':>5}  {'total':>22}  {'decode/step':>22}")
+    print("self = time inside the recorder's step hooks per step / base decode step (direct, noise-free)")
+    print(f"{'model':<22} {'variant':<11} {'pairs':>5}  {'total':>22}  {'decode/step':>22}  {'self':>7}")
     for m in out["models"]:
         label = m["model"] + (f" ({m['layers']} layers)" if m["layers"] else "")
         print(f"{label:<22} {'base':<11} {'':>5}  {m['base_tokens_per_s']:>15.1f} tok/s")
         for v, s in m["summary"].items():
             tot = f"{s['total_ratio_median']:.3f} [{s['total_ratio_min']:.3f}-{s['total_ratio_max']:.3f}]"
             dec = f"{s['decode_ratio_median']:.3f} [{s['decode_ratio_min']:.3f}-{s['decode_ratio_max']:.3f}]"
-            print(f"{'':<22} {v:<11} {s['pairs']:>5}  {tot:>22}  {dec:>22}")
+            own = s.get("self_time_fraction_median")
+            own_s = f"{own * 100:6.2f}%" if own is not None else "      -"
+            print(f"{'':<22} {v:<11} {s['pairs']:>5}  {tot:>22}  {dec:>22}  {own_s}")
         if m["recorder_errors"]:
             print(f"{'':<22} (recorder errors caught during the runs: {m['recorder_errors']})")
     print(f"total wall time {out['wall_s']:.0f} s")

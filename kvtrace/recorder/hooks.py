@@ -14,6 +14,7 @@ recorder is counted and reported, never propagated into the model.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,13 +28,27 @@ except ImportError:  # pragma: no cover - the recorder needs transformers
 _CROSS_KWARGS = ("key_value_states", "encoder_hidden_states")
 
 
-def guarded(site: str, on_error: Callable[[str, BaseException], None]) -> Callable[[Callable], Callable]:
+class HookClock:
+    """Wall time spent inside the recorder's step hooks: its own cost, measured directly
+    (two perf_counter_ns calls per hook), so overhead can be read without A/B noise."""
+
+    __slots__ = ("calls", "ns")
+
+    def __init__(self) -> None:
+        self.ns = 0
+        self.calls = 0
+
+
+def guarded(
+    site: str, on_error: Callable[[str, BaseException], None], clock: HookClock | None = None
+) -> Callable[[Callable], Callable]:
     """Run a hook body so that an ``Exception`` is reported via ``on_error`` and swallowed
     (KeyboardInterrupt and other BaseExceptions still propagate: they belong to the user)."""
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter_ns()
             try:
                 fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - the model must never see recorder errors
@@ -41,6 +56,9 @@ def guarded(site: str, on_error: Callable[[str, BaseException], None]) -> Callab
                     on_error(site, exc)
                 except Exception:  # noqa: BLE001
                     pass
+            if clock is not None:
+                clock.ns += time.perf_counter_ns() - t0
+                clock.calls += 1
             return None  # a hook returning None changes nothing in the model's call
 
         return _compile_opaque(inner)
@@ -144,8 +162,9 @@ class StepHooks:
     def __init__(self, model: torch.nn.Module, pre: Callable, post: Callable,
                  on_error: Callable[[str, BaseException], None]) -> None:
         self.model = model
-        self._pre = guarded("step-start", on_error)(pre)
-        self._post = guarded("step-end", on_error)(post)
+        self.clock = HookClock()
+        self._pre = guarded("step-start", on_error, self.clock)(pre)
+        self._post = guarded("step-end", on_error, self.clock)(post)
         self._handles: list[Any] = []
 
     def install(self) -> None:

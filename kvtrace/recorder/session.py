@@ -340,6 +340,15 @@ class Recorder:
             self._dropped_reported = dropped
 
     @property
+    def hook_time_ns(self) -> int:
+        """Wall time spent in the recorder's per-step hooks so far (its direct cost)."""
+        return self._steps.clock.ns
+
+    @property
+    def hook_calls(self) -> int:
+        return self._steps.clock.calls
+
+    @property
     def recorder_errors(self) -> int:
         """Exceptions raised (and swallowed) inside the recorder so far."""
         return sum(self.errors.values())
