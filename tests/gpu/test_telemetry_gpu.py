@@ -81,6 +81,9 @@ def test_thread_rate_and_costs(tmp_path) -> None:
         tel.start()
         time.sleep(duration)
         tel.stop()
+    # Tick cost on a scratch writer: ticks appended here must not count as sampler rows.
+    with TraceWriter(tmp_path / "scratch.kvt.h5", devices=tel.device_infos()) as scratch:
+        tel.attach(scratch)
         tick = _cost_us(tel._tick, 50)
     step = _cost_us(lambda: tel.step_reading(0))
     full = _cost_us(lambda: tel.reading(0))

@@ -17,8 +17,11 @@ from kvtrace.units import format_bytes, format_ns
 
 MiB = 1 << 20
 # Score: fragmented share of reserved memory AND its absolute size must both be significant.
+# The byte floor was calibrated on H100 traces (tests/data/gpu): a clean run in a process whose
+# earlier work left allocator state showed 227 MiB of split blocks (66% of a small reserve),
+# harmless on an 80 GiB device; the planted case reached 1.45 GiB and kept growing.
 SPLIT_SHARE = (0.05, 0.30)
-SPLIT_BYTES = (32 * MiB, 512 * MiB)
+SPLIT_BYTES = (256 * MiB, 1024 * MiB)
 RETRY_BONUS = 0.2  # cudaMalloc retries: the allocator already had to flush its cache to continue
 
 
