@@ -58,8 +58,10 @@ def test_deferred_verdict_agrees_with_the_next_baseline(tmp_path):
         assert int(t.retention(2)["nbytes"].sum()) == kv_bytes
         notes = [int(e["request"]) for e in t.events(EventKind.NOTE)]
         assert notes == [0, 1, 2, 3]
-        # BASELINE of request N+1 is taken after the deferred gc: it sees what request N left
-        assert _baseline(t, 2) == _baseline(t, 1) == _baseline(t, 0)
+        # BASELINE of request N+1 is taken after the deferred gc: it sees what request N left.
+        # Dropped outputs leave nothing. Request 0 may even end lower than it started (on an
+        # H200, 211 KiB of warm-up leftovers were released during it), hence <= for 0 -> 1.
+        assert _baseline(t, 2) == _baseline(t, 1) <= _baseline(t, 0)
         assert _baseline(t, 3) - _baseline(t, 2) >= kv_bytes
 
 
