@@ -120,7 +120,7 @@ def zenodo(traces: tuple[str, ...], output: str, creators: tuple[str, ...], titl
             bundle = z.export_zenodo(traces, output, options,
                                      progress=lambda what, n: steps.advance(n, what))
         except z.ContentRefused as exc:
-            fail(str(exc), exitcodes.USAGE)
+            fail(str(exc), exitcodes.REFUSED)
         except z.BundleError as exc:
             code = {"invalid": exitcodes.INVALID, "output": exitcodes.CANNOT_WRITE}.get(exc.kind, exitcodes.USAGE)
             fail(str(exc), code)

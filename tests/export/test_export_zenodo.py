@@ -57,7 +57,7 @@ def traces(tmp_path_factory):
 def test_refuses_content_naming_which_and_why(traces, tmp_path, run):
     res = run(str(traces["clean"]), str(traces["prompts"]), str(traces["tensors"]), "-o", str(tmp_path / "b"),
                "--creator", CREATOR)
-    assert res.exit_code == exitcodes.USAGE
+    assert res.exit_code == exitcodes.REFUSED
     msg = res.output
     assert "prompts.kvt.h5: holds prompt text" in msg
     assert "tensors.kvt.h5: holds tensor contents (20 sampled tensors" in msg
