@@ -40,9 +40,15 @@ def parse(text: str) -> dict[tuple[str, tuple], float]:
             continue
         m = SAMPLE.match(line)
         assert m, line
-        labels = tuple(sorted(re.findall(r'([a-zA-Z_]\w*)="((?:\\.|[^"\\])*)"', m.group(2) or "")))
+        labels = tuple(sorted((k, _unescape(v)) for k, v in
+                              re.findall(r'([a-zA-Z_]\w*)="((?:\\.|[^"\\])*)"', m.group(2) or "")))
         out[(m.group(1), labels)] = float(m.group(5))
     return out
+
+
+def _unescape(value: str) -> str:
+    """Label values escape backslash, double quote and newline (exposition format 0.0.4)."""
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
 
 
 def scrape(url: str) -> str:
