@@ -13,7 +13,7 @@ from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.format import schema
 
 SCHEMA_NAME = "kvtrace-analysis"
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: the "contents" section (kvtrace analyze --gpu / --contents)
 
 
 @dataclass
@@ -26,6 +26,8 @@ class AnalysisReport:
     requests: list[dict[str, Any]]
     results: list[DetectorResult]
     memory: dict[str, Any] = field(default_factory=dict)
+    # Content analyses of sampled tensors (kvtrace.analyzer.contents), None when not asked for.
+    contents: dict[str, Any] | None = None
 
     @property
     def findings(self) -> list[Finding]:
@@ -57,7 +59,7 @@ class AnalysisReport:
 
     def to_dict(self) -> dict[str, Any]:
         sev = self.max_severity
-        return {
+        out = {
             "trace": self.trace,
             "model": self.model,
             "devices": self.devices,
@@ -77,6 +79,9 @@ class AnalysisReport:
             "detectors": [r.to_dict() for r in self.results],
             "findings": [f.to_dict() for f in self.findings],
         }
+        if self.contents is not None:  # only when asked for (--gpu / --contents): 1.0 readers see 1.0
+            out["contents"] = self.contents
+        return out
 
 
 def document(reports: list[AnalysisReport]) -> dict[str, Any]:

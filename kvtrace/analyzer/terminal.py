@@ -77,7 +77,76 @@ def render(report: AnalysisReport, console: Console, *, show_info: bool = True) 
     skipped = [r for r in report.results if r.status != "ran"]
     for r in skipped:
         console.print(f"{r.status:8s}{r.name}: {r.reason}")
+    if report.contents is not None:
+        render_contents(report.contents, console)
     worst = report.max_severity
     console.print(f"{len(report.findings)} finding(s), worst: {worst.label if worst is not None else 'none'}; "
                   f"{sum(r.status == 'ran' for r in report.results)} detector(s) ran, {len(skipped)} did not. "
                   "Sizes in binary units (KiB = 1024 B).")
+
+
+def _ratio_list(values: list[float | None]) -> str:
+    return " ".join("-" if v is None else f"{v:.2f}" for v in values)
+
+
+def render_contents(contents: dict, console: Console) -> None:
+    """The "Contents" section: analyses of sampled K/V/Q/latents (kvtrace.analyzer.contents)."""
+    if contents["status"] != "ran":
+        console.print(f"Contents: skipped: {contents['reason']}")
+        return
+    console.print(Text(f"Contents of {contents['payloads']} sampled tensor(s), backend {contents['backend']}",
+                       style="bold"))
+    if contents["device_note"]:
+        console.print(f"note    {contents['device_note']}")
+    if contents["dead_heads"]:
+        t = Table(title="KV heads (V mean norm / layer median; dead < threshold)", title_justify="left")
+        for col in ("req", "step", "layer", "type", "heads", "tokens", "V ratio", "K ratio", "dead", "bytes/head",
+                    "dead bytes"):
+            t.add_column(col, justify="left" if col in ("type", "V ratio", "K ratio", "dead") else "right")
+        for d in contents["dead_heads"]:
+            t.add_row(str(d["request"]), str(d["step"]), str(d["layer"]), d["layer_type"],
+                      f"{len(d['heads'])}/{d['kv_heads']}", f"{d['tokens']:,}", _ratio_list(d["value_ratio"]),
+                      _ratio_list(d["key_ratio"]), ",".join(map(str, d["dead"])) or "none",
+                      _b(d["bytes_per_head"]), _b(d["bytes_dead"]))
+        console.print(t)
+    if contents["entropy"]:
+        t = Table(title="Attention entropy per query head (mean normalised; low < 0.3 streaming, high >= 0.7)",
+                  title_justify="left")
+        for col in ("req", "layer", "type", "queries used", "entropy", "low (streaming)", "high", "KV heads all low"):
+            t.add_column(col, justify="right" if col in ("req", "layer", "queries used") else "left")
+        for e in contents["entropy"]:
+            t.add_row(str(e["request"]), str(e["layer"]), e["layer_type"],
+                      f"{e['queries_used']}/{e['queries_sampled']}", _ratio_list(e["mean_norm_entropy"]),
+                      ",".join(str(e["query_heads"][i]) for i in e["low"]) or "none",
+                      ",".join(str(e["query_heads"][i]) for i in e["high"]) or "none",
+                      ",".join(map(str, e["kv_low"])) or "none")
+        console.print(t)
+    if contents["eviction"]:
+        t = Table(title="Eviction what-ifs (bytes freed count K and V, all KV heads)", title_justify="left")
+        for col in ("req", "step", "layer", "policy", "tokens", "kept", "evicted", "freed", "of", "mass kept"):
+            t.add_column(col, justify="left" if col == "policy" else "right")
+        for v in contents["eviction"]:
+            p = v["params"]
+            pol = (f"h2o {p['heavy']}+{p['recent']}" if v["policy"] == "h2o"
+                   else f"streaming {p['sinks']}+{p['window']}")
+            mass = ("-" if v["mass_retained_mean"] is None
+                    else f"{v['mass_retained_mean']:.1%} (min {v['mass_retained_min']:.1%})")
+            t.add_row(str(v["request"]), str(v["step"]), str(v["layer"]), pol, f"{v['tokens']:,}", f"{v['kept']:,}",
+                      f"{v['evicted']:,}", _b(v["bytes_freed"]), _b(v["bytes_total"]), mass)
+        console.print(t)
+    if contents["mla"]:
+        t = Table(title="MLA latents (c_KV spectrum)", title_justify="left")
+        for col in ("req", "step", "layer", "tokens", "rank r", "eff. rank", "90%", "99%", "structural", "effective"):
+            t.add_column(col, justify="right")
+        for m in contents["mla"]:
+            eff = m["effective_ratio"]
+            t.add_row(str(m["request"]), str(m["step"]), str(m["layer"]), f"{m['num_tokens']:,}",
+                      str(m["kv_lora_rank"]), f"{m['effective_rank']:.1f}", str(m["energy_rank_90"]),
+                      str(m["energy_rank_99"]), f"{m['structural_ratio']:.1f}x",
+                      "-" if eff is None else f"{eff:.1f}x")
+        console.print(t)
+    reasons: dict[tuple[str, str], list[str]] = {}
+    for s in contents["skipped"]:
+        reasons.setdefault((s["analysis"], s["reason"]), []).append(f"{s['request']}/{s['layer']}")
+    for (analysis, reason), where in reasons.items():
+        console.print(f"not run {analysis} (request/layer {', '.join(where)}): {reason}")

@@ -1,4 +1,4 @@
-"""`kvtrace analyze TRACE... [--json FILE] [--fail-on SEVERITY] [--detector NAME...]`."""
+"""`kvtrace analyze TRACE... [--json FILE] [--fail-on SEVERITY] [--detector NAME...] [--gpu | --contents]`."""
 
 from __future__ import annotations
 
@@ -22,9 +22,14 @@ from kvtrace.format.errors import TraceError
               help="Run only this detector (repeatable). See --list-detectors.")
 @click.option("--list-detectors", is_flag=True, help="List the detectors and exit.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only findings above info.")
+@click.option("--gpu", is_flag=True,
+              help="Also analyse the sampled tensors (dead heads, attention entropy, eviction what-ifs, MLA "
+                   "latents) with the Triton kernels on the GPU; without CUDA they run on the CPU and say so.")
+@click.option("--contents", is_flag=True,
+              help="Also analyse the sampled tensors, on the GPU when there is one, else on the CPU.")
 @guarded
 def analyze(traces: tuple[str, ...], json_path: str | None, fail_on: str | None,
-            detectors: tuple[str, ...], list_detectors: bool, quiet: bool) -> None:
+            detectors: tuple[str, ...], list_detectors: bool, quiet: bool, gpu: bool, contents: bool) -> None:
     """Replay traces through the detectors and report findings.
 
     \b
@@ -34,6 +39,7 @@ def analyze(traces: tuple[str, ...], json_path: str | None, fail_on: str | None,
       kvtrace analyze run.kvt.h5
       kvtrace analyze run.kvt.h5 --json report.json --fail-on high
       kvtrace analyze run.kvt.h5 --detector growth_curve --detector post_eos
+      kvtrace analyze run.kvt.h5 --gpu     (needs torch; triton + CUDA for the GPU path)
     Sizes are printed in binary units (KiB = 1024 bytes).
     """
     from kvtrace.analyzer import analyze as run_analysis
@@ -63,6 +69,13 @@ def analyze(traces: tuple[str, ...], json_path: str | None, fail_on: str | None,
             click.echo(f"kvtrace: {exc}", err=True)
             error_code = error_code or exit_code_for(exc)
             continue
+        if gpu or contents:
+            from kvtrace.analyzer.contents import analyze_contents
+
+            try:
+                report.contents = analyze_contents(path, device="cuda" if gpu else "auto").to_dict()
+            except TraceError as exc:  # a payload that does not decode: the rest of the report stands
+                report.contents = {"status": "skipped", "reason": f"unreadable payloads: {exc}"}
         reports.append(report)
         if not to_stdout_json:
             render(report, console, show_info=not quiet)
