@@ -23,6 +23,7 @@ valid while their copies are in flight; only tensor *contents* need :func:`wait_
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -554,3 +555,100 @@ def valid_kv(cache: Any, reading: LayerReading) -> tuple[torch.Tensor | None, to
     if reading.layer_type in (LayerType.STATIC, LayerType.STATIC_SLIDING):
         keys, values = keys[..., :kept, :], values[..., :kept, :]
     return keys, values, start
+
+
+# ---- the per-step fast path -------------------------------------------------------------------
+
+KvRow = tuple  # one /kv row, in the schema's field order
+
+
+@dataclass(frozen=True, slots=True)
+class FastPlan:
+    """What stays constant for one plain dynamic cache, learnt from one full :func:`read_cache` of
+    it. Per layer: (class, layer-type code, slides, device, K dtype code, V dtype code). A
+    DynamicLayer's device and dtypes are fixed by its first update (``torch.cat`` onto it keeps
+    them); the plan is rebuilt at every general read. Holds no tensor."""
+
+    layers: tuple[tuple[type, int, bool, int, int, int], ...]
+
+
+def fast_plan(cache: Any, ctx: LayoutContext, readings: Sequence[LayerReading]) -> FastPlan | None:
+    """A plan when every layer of ``cache`` is a plain DynamicLayer / DynamicSlidingWindowLayer with
+    its own K and V storages (no KV sharing, no MLA, no offloading, no cross-attention), else None:
+    those caches always take the general reader."""
+    if _DynamicLayer is None or ctx.consumers or ctx.kv_lora_rank is not None:
+        return None
+    if len(cache_parts(cache)) != 1 or is_offloading(cache):
+        return None
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list) or not layers or len(readings) != len(layers):
+        return None
+    plan = []
+    for i, (layer, r) in enumerate(zip(layers, readings, strict=True)):
+        cls = type(layer)
+        if cls is not _DynamicLayer and cls is not _DynamicSliding:
+            return None
+        if r.cache_index != i or r.part != "self" or len(r.storages) != 2 or r.storages[0][0] == r.storages[1][0]:
+            return None
+        plan.append((cls, int(r.layer_type), cls is _DynamicSliding, r.device, r.k_dtype, r.v_dtype))
+    if len({key for r in readings for key, _ in r.storages}) != 2 * len(readings):
+        return None  # storages shared across layers: the general accounting de-duplicates them
+    return FastPlan(tuple(plan))
+
+
+# storage key -> (layer, weakref to the untyped storage, weakref to a tensor on it): the format of
+# RetentionTracker.live, filled in place by the fast path (no call per storage)
+LiveMap = dict
+
+
+def read_rows_fast(cache: Any, plan: FastPlan, request: int, step: int, t: int,
+                   live: LiveMap | None = None) -> tuple[list[KvRow], int, int, int] | None:
+    """(/kv rows, unique bytes, valid bytes, max tokens seen) of a cache that matches ``plan``, or
+    None when its layers differ from the plan (the caller then takes the general reader).
+
+    Runs at every recorded decode step, so per layer it reads only what changes: the K/V shapes
+    and their storages' pointers and sizes. Byte-exact with ``read_cache`` + ``accounting.account``
+    for these caches: every storage is distinct (checked here each step), so allocated == unique ==
+    K storage + V storage bytes and naive == unique. Every storage goes into ``live`` (retention);
+    an entry for the same key is replaced, which for these caches can only be the same storage."""
+    layers = cache.layers
+    specs = plan.layers
+    if len(layers) != len(specs):
+        return None
+    rows: list[KvRow] = []
+    ptrs: set[int] = set()
+    total = valid = seen_max = 0
+    tensor_type = torch.Tensor
+    wref = weakref.ref
+    for i, layer in enumerate(layers):
+        cls, lt, sliding, dev, kd, vd = specs[i]
+        if type(layer) is not cls:
+            return None
+        k, v = layer.keys, layer.values
+        if type(k) is not tensor_type or type(v) is not tensor_type:
+            return None
+        ks, vs = k.shape, v.shape  # torch.Size: an immutable tuple, no reference to the tensor
+        if len(ks) != 4 or len(vs) != 4:
+            return None
+        kst, vst = k.untyped_storage(), v.untyped_storage()
+        kn, vn = kst.nbytes(), vst.nbytes()
+        if not kn or not vn:
+            return None  # a 0-byte storage is not counted at all by the general reader
+        kp, vp = kst.data_ptr(), vst.data_ptr()
+        ptrs.add(kp)
+        ptrs.add(vp)
+        kept = ks[2]
+        seen = layer.cumulative_length if sliding else kept
+        if seen > seen_max:
+            seen_max = seen
+        own = kn + vn
+        total += own
+        held = k.nbytes + v.nbytes
+        valid += held
+        rows.append((request, step, i, lt, dev, kd, vd, ks, vs, seen, kept, own, held, own, kp, vp, kn, vn, 0, t))
+        if live is not None:
+            live[(dev, kp, kn)] = (i, wref(kst), wref(k))
+            live[(dev, vp, vn)] = (i, wref(vst), wref(v))
+    if len(ptrs) != 2 * len(rows):
+        return None  # a storage shared between layers: only the general accounting de-duplicates
+    return rows, total, valid, seen_max

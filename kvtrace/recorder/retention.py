@@ -58,6 +58,12 @@ class RetentionTracker:
             twr = None
         self._live[key] = (layer, swr, twr)
 
+    @property
+    def live(self) -> dict[StorageKey, tuple[int, weakref.ref, weakref.ref | None]]:
+        """The storage map itself, for the per-step fast path (layouts.read_rows_fast) to fill in
+        place: key -> (layer, weakref to the untyped storage, weakref to a tensor on it)."""
+        return self._live
+
     def end_step(self) -> None:
         self._steps += 1
         if self._steps % _PRUNE_EVERY == 0:

@@ -104,6 +104,7 @@ class Telemetry:
         self.ticks = 0
         self.tick_errors = 0
         self.last_tick_error = ""
+        self.last_rss = -1  # the background thread's latest RSS sample (-1: none yet); see latest_rss
         self._reported = {"nvml": 0, "tick": 0}  # error counts already written as events
         # Called once per device per tick with what was just read (live exporters). A listener
         # that raises is counted as a tick error; the rows of that tick are already written.
@@ -239,6 +240,11 @@ class Telemetry:
         except Exception:  # noqa: BLE001
             return -1
 
+    def latest_rss(self) -> int:
+        """The last RSS the background thread sampled (at most ~1/rate_hz old), -1 before the first
+        tick or without a source: the per-step path must not pay a /proc read."""
+        return self.last_rss
+
     def step_reading(self, device: int) -> tuple[int, int]:
         """(allocated, reserved) of ``device``: one allocator stats call; (-1, -1) without one."""
         if not self._alloc_ok or device < 0:
@@ -348,6 +354,7 @@ class Telemetry:
         if alloc_rows:
             writer.append("telemetry/allocator", alloc_rows)
         rss = self.rss_bytes()
+        self.last_rss = rss
         if rss >= 0:
             writer.append("telemetry/process", (t, rss))
         self.ticks += 1
