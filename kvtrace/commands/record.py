@@ -216,6 +216,9 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
 @click.option("--sample-max-tokens", type=click.IntRange(min=1), default=None,
               help="Keep only the last N tokens of each sample.")
 @click.option("--sample-queries", is_flag=True, help="Also sample post-RoPE queries.")
+@click.option("--structure-every", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Read the per-layer cache structure at prefill, every N-th decode step and the last "
+                   "step (1: every step); other steps still get their DECODE_STEP event.")
 @click.option("--telemetry-hz", type=click.FloatRange(min=0, min_open=True, max=1000), default=20.0,
               show_default=True)
 @click.option("--no-nvml", is_flag=True, help="Do not poll NVML.")
@@ -242,7 +245,8 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
 def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, max_new_tokens: int,
            min_new_tokens: int | None, do_sample: bool, temperature: float | None, top_p: float | None,
            seed: int, sample_every: int, sample_layers: str | None, sample_heads: str | None,
-           sample_max_tokens: int | None, sample_queries: bool, telemetry_hz: float, no_nvml: bool,
+           sample_max_tokens: int | None, sample_queries: bool, structure_every: int, telemetry_hz: float,
+           no_nvml: bool,
            store_prompts: bool, no_empty_cache: bool, device: str, dtype: str, cache_implementation: str,
            layers: int | None, width: float | None, vocab: int | None, prometheus: str | None,
            prometheus_textfile: str | None, quiet: bool, output: str) -> None:
@@ -308,6 +312,7 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
         rec = kvtrace.record(loaded.model, output, model_id=loaded.model_id, store_prompts=store_prompts,
                              tokenizer=loaded.tokenizer, empty_cache=not no_empty_cache,
                              telemetry_hz=telemetry_hz, nvml=not no_nvml, sampling=sampling,
+                             structure_every=structure_every,
                              prometheus=prometheus, prometheus_textfile=prometheus_textfile,
                              settings_extra=settings)
         with rec:

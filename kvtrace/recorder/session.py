@@ -19,6 +19,7 @@ call on this recorder, or at close, after a gc.collect(). A NOTE event says whic
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -38,12 +39,16 @@ from kvtrace.format.writer import TraceWriter, monotonic_ns
 from kvtrace.recorder import hooks as _hooks
 from kvtrace.recorder.accounting import account
 from kvtrace.recorder.layouts import (
+    FastPlan,
+    KvRow,
     LayerReading,
     LayoutContext,
     cache_parts,
     context_from_config,
+    fast_plan,
     is_offloading,
     read_cache,
+    read_rows_fast,
     valid_kv,
     wait_for_offload,
 )
@@ -53,6 +58,7 @@ _OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
     {getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)} - {None}
 )
 _MAX_ERROR_TEXT = 500
+_DECODE_STEP = int(EventKind.DECODE_STEP)
 
 
 class CannotWriteOutput(OSError):
@@ -83,6 +89,10 @@ class RecordOptions:
     nvml: bool = True
     allocator: bool = True
     sampling: Any = None  # kvtrace.recorder.sampling.SamplingSettings, a dict of its fields, or None
+    # Per-layer structure (/kv rows, the /steps row, retention observation) is read at the prefill
+    # step, at decode steps that are multiples of N, at content-sampling steps and at the last step;
+    # every step still gets its DECODE_STEP event. 1: every step.
+    structure_every: int = 1
     flush_interval_s: float = 1.0
     prometheus: str | None = None  # "HOST:PORT": serve live metrics at http://HOST:PORT/metrics
     prometheus_textfile: str | None = None  # node_exporter textfile, rewritten atomically
@@ -140,6 +150,10 @@ class _Request:
     step_t: list[int] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
     last_cache: Any = None  # weakref.ref to the Cache of the last finished step
+    plan: FastPlan | None = None  # the per-step fast path for that Cache, when it qualifies
+    layer_refs: list | None = None  # weakref.ref to each of its layers (for _cache_died)
+    recorded: int = -1  # last step whose structure was read (or tried: a failure is not retried)
+    final: tuple | None = None  # structure of the last step, read as its Cache died
 
 
 @dataclass
@@ -159,6 +173,10 @@ class Recorder:
             raise TypeError(f"record() needs a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.options = options or RecordOptions()
+        every = self.options.structure_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"structure_every must be an integer >= 1, got {every!r}")
+        self._every = every
         self.path = check_writable(path)
         self._prom_address: tuple[str, int] | None = None
         if self.options.prometheus is not None:
@@ -476,6 +494,7 @@ class Recorder:
         w = self.writer
         assert w is not None
         rid = req.id
+        self._final_structure(req)
         if self.sampler is not None:
             self.sampler.drain()  # its queued copies must not be what keeps memory alive below
         self._event(EventKind.GENERATE_RETURN, rid, step=req.step)
@@ -596,20 +615,20 @@ class Recorder:
         req = self._active
         if req is None:
             return
-        if req.step == 0:
+        step = req.step
+        if step == 0:
             self._event(EventKind.PREFILL_START, req.id, step=0)
-        cache = _hooks.find_cache(args, kwargs)
-        req.cache_ref = weakref.ref(cache) if cache is not None else None
         if self.sampler is not None:
-            req.sample_now = bool(self.sampler.wants(req.step, is_prefill=req.step == 0,
-                                                     is_last=req.step == req.expected_last))
+            req.sample_now = bool(self.sampler.wants(step, is_prefill=step == 0,
+                                                     is_last=step == req.expected_last))
 
     def _on_step_end(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        """Runs after every forward of a request: this is the recorder's per-step cost."""
         req = self._active
         if req is None:
             return
         step = req.step
-        req.step += 1  # first: a failure below must not shift later steps
+        req.step = step + 1  # first: a failure below must not shift later steps
         t = monotonic_ns()
         req.step_t.append(t)
         w = self.writer
@@ -617,48 +636,132 @@ class Recorder:
         if step == 0:
             self._event(EventKind.PREFILL_END, req.id, step=0, t=t)
         else:
-            self._event(EventKind.DECODE_STEP, req.id, step=step, value=step, t=t)
+            w.append("events", (t, _DECODE_STEP, req.id, step, -1, -1, step, 0, 0))
         cache = getattr(output, "past_key_values", None)
         if not isinstance(cache, _hooks.Cache):
-            cache = req.cache_ref() if req.cache_ref is not None else None
-        if cache is None and self._discovery.last_cache is not None:
-            cache = self._discovery.last_cache()
-        req.cache_ref = None
+            cache = _hooks.find_cache(args, kwargs)
+            if cache is None and self._discovery.last_cache is not None:
+                cache = self._discovery.last_cache()
         if cache is None:
             raise RuntimeError("no transformers Cache seen in this forward (use_cache=False?)")
-        req.last_cache = weakref.ref(cache)
+        last = req.last_cache
+        if last is None or last() is not cache:
+            self._track_cache(req, cache)
+        if step % self._every and step != req.expected_last and not req.sample_now:
+            if self.exporter is not None:
+                self._prom("on_step", "decode")
+            return  # structure not read at this step (structure_every)
+        self._structure(req, step, t, cache)
+
+    def _track_cache(self, req: _Request, cache: Any) -> None:
+        """A Cache seen for the first time in this request: weak references to it (with a callback
+        that reads its last step as it dies) and to its layers; no fast-path plan yet."""
+        req.plan = None
+        refs = None
+        if len(cache_parts(cache)) == 1:
+            try:
+                refs = [weakref.ref(layer) for layer in getattr(cache, "layers", ())]
+            except TypeError:  # layers without weak-reference support: no read at death
+                refs = None
+        req.layer_refs = refs
+        req.last_cache = weakref.ref(cache, functools.partial(self._cache_died, req))
         if self._ctx is None:
             self._ctx = context_from_config(getattr(self.model, "config", None))
-        observe = self._retention.observe if self.options.retention else None
-        readings = read_cache(cache, self._ctx, observe=observe)
-        acc = account(readings)
+
+    def _structure(self, req: _Request, step: int, t: int, cache: Any, *, memory: bool = True) -> None:
+        """Read and write the per-layer structure of ``cache`` as the state after ``step``."""
+        req.recorded = step
+        ctx = self._ctx
+        assert ctx is not None
         rid = req.id
-        w.append("kv", [
-            (rid, step, r.layer, r.layer_type, r.device, r.k_dtype, r.v_dtype, r.k_shape, r.v_shape,
-             r.tokens_seen, r.tokens_kept, acc.allocated[i], r.bytes_valid, acc.unique_per_layer[i],
-             r.k_storage, r.v_storage, r.k_storage_bytes, r.v_storage_bytes, r.expanded_bytes, t)
-            for i, r in enumerate(readings)
-        ])
-        seen = max((r.tokens_seen for r in readings if r.part == "self"), default=0)
-        alloc, reserved = self._step_memory()
-        w.append("steps", (rid, step, int(Phase.PREFILL if step == 0 else Phase.DECODE), t, seen,
-                           acc.naive, acc.unique, acc.valid, alloc, reserved, self.telemetry.rss_bytes()))
+        retention = self.options.retention
+        fast = None
+        if req.plan is not None and not req.sample_now:
+            fast = read_rows_fast(cache, req.plan, rid, step, t,
+                                  self._retention.live if retention else None)
+        readings = None
+        if fast is not None:
+            rows, unique, valid, seen = fast
+            naive = unique  # every storage distinct (checked by read_rows_fast)
+        else:
+            readings = read_cache(cache, ctx, observe=self._retention.observe if retention else None)
+            rows, naive, unique, valid, seen = _rows_of(rid, step, t, readings)
+            req.plan = fast_plan(cache, ctx, readings)
+        self._write_structure(req, step, t, rows, naive, unique, valid, seen, memory=memory)
+        if readings is not None and not self._layers_written:
+            self._write_layers(readings)
+        if req.sample_now and self.sampler is not None and readings is not None:
+            self._sample(req, step, cache, readings)
+
+    def _write_structure(self, req: _Request, step: int, t: int, rows: list[KvRow], naive: int, unique: int,
+                         valid: int, seen: int, *, memory: bool = True) -> None:
+        w = self.writer
+        assert w is not None
+        w.append("kv", rows)
+        # Allocator totals are read synchronously at the step; RSS is the telemetry thread's latest
+        # sample (at most ~1/telemetry_hz old), never a /proc read on the model's thread.
+        alloc, reserved = self._step_memory() if memory else (-1, -1)
+        w.append("steps", (req.id, step, int(Phase.PREFILL if step == 0 else Phase.DECODE), t, seen,
+                           naive, unique, valid, alloc, reserved, self.telemetry.latest_rss()))
         req.tokens_seen = seen
+        req.recorded = step
         if self.options.retention:
             self._retention.end_step()
-        if not self._layers_written:
-            self._write_layers(readings)
-        if req.sample_now and self.sampler is not None:
-            self._sample(req, step, cache, readings)
         if self.exporter is not None:
-            self._prom_step(step, seen, readings, acc.unique_per_layer)
+            self._prom_step(step, seen, rows)
 
-    def _prom_step(self, step: int, seen: int, readings: list[LayerReading], unique: list[int]) -> None:
+    def _cache_died(self, req: _Request, _ref: Any) -> None:
+        """Weak-reference callback of a request's Cache. CPython calls it before the Cache's own
+        attributes are cleared, so its layers are still alive: when the request's last step was not
+        recorded (structure_every > 1, generate stopped early), read it now, store plain rows only.
+        Never raises (an exception here would be printed by the interpreter)."""
+        try:
+            if self._active is not req or req.step == 0 or req.recorded == req.step - 1 or self._ctx is None:
+                return
+            refs = req.layer_refs
+            if not refs:
+                return
+            layers = [r() for r in refs]
+            if any(layer is None for layer in layers):
+                return
+            step = req.step - 1
+            observe = self._retention.observe if self.options.retention else None
+            readings = read_cache(types.SimpleNamespace(layers=layers), self._ctx, observe=observe)
+            layers = None
+            req.final = (step, *_rows_of(req.id, step, req.step_t[step], readings))
+        except Exception as exc:  # noqa: BLE001
+            try:
+                self._on_error("final-structure", exc)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _final_structure(self, req: _Request) -> None:
+        """At request end: the last step's structure when no hook recorded it (structure_every),
+        from the live Cache or from what :meth:`_cache_died` read; a NOTE when neither exists."""
+        last = req.step - 1
+        if last < 0 or req.recorded == last:
+            return
+        req.sample_now = False
+        cache = req.last_cache() if req.last_cache is not None else None
+        if cache is not None:
+            # memory=False: the allocator now is not the allocator at that step
+            self._structure(req, last, req.step_t[last], cache, memory=False)
+            cache = None
+            return
+        final, req.final = req.final, None
+        if final is not None and final[0] == last:
+            step, rows, naive, unique, valid, seen = final
+            self._write_structure(req, step, req.step_t[step], rows, naive, unique, valid, seen, memory=False)
+            return
+        self._event(EventKind.NOTE, req.id, step=last,
+                    text=f"structure of the last step ({last}) not recorded: its cache was not readable")
+
+    def _prom_step(self, step: int, seen: int, rows: list[KvRow]) -> None:
         self._prom("on_step", "prefill" if step == 0 else "decode", tokens_seen=seen)
         exporter = self.exporter
         try:
-            for i, r in enumerate(readings):
-                exporter.on_kv(r.layer, _layer_type_name(r.layer_type), unique[i])
+            for row in rows:
+                exporter.on_kv(row[2], _layer_type_name(row[3]), row[13])
         except Exception as exc:  # noqa: BLE001
             self._on_error("prometheus", exc)
         self._report_dropped()
@@ -823,6 +926,19 @@ def record(model: torch.nn.Module, path: str | os.PathLike[str], options: Record
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+
+def _rows_of(rid: int, step: int, t: int, readings: list[LayerReading]) -> tuple[list[KvRow], int, int, int, int]:
+    """(/kv rows, naive, unique, valid bytes, max tokens seen) of one step's readings."""
+    acc = account(readings)
+    rows = [
+        (rid, step, r.layer, r.layer_type, r.device, r.k_dtype, r.v_dtype, r.k_shape, r.v_shape,
+         r.tokens_seen, r.tokens_kept, acc.allocated[i], r.bytes_valid, acc.unique_per_layer[i],
+         r.k_storage, r.v_storage, r.k_storage_bytes, r.v_storage_bytes, r.expanded_bytes, t)
+        for i, r in enumerate(readings)
+    ]
+    seen = max((r.tokens_seen for r in readings if r.part == "self"), default=0)
+    return rows, acc.naive, acc.unique, acc.valid, seen
 
 
 def _layer_type_name(code: int) -> str:
