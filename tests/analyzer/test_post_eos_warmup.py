@@ -1,0 +1,20 @@
+"""A one-time allocation left by the first request (the cuBLAS workspace, 32 MiB on Hopper) is not
+a per-request leak: real H100 trace, tests/data/gpu_gemma3_tiny.kvt.h5 (see its .md note)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kvtrace
+
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "gpu_gemma3_tiny.kvt.h5"
+
+
+def test_first_request_workspace_is_one_time_not_a_leak():
+    report = kvtrace.analyze(FIXTURE)
+    findings = {f.requests[0]: f for f in report.findings if f.detector == "post_eos"}
+    first = findings[0]
+    assert first.evidence["retained_bytes"].value == 32 << 20  # measured, not assumed
+    assert first.kind == "one_time_allocation" and first.score <= 0.1
+    assert "request 1 added no more" in first.message
+    assert all(f.score <= 0.1 for f in findings.values())
