@@ -6,6 +6,7 @@ For each model geometry (random weights, bf16, on cuda:0) every round runs, in a
 generate() without anything attached (base) and with each variant:
 
   recorder     kvtrace.record(model, ...) with its defaults (structure + telemetry + gc/empty_cache)
+  recorder8    the same with structure_every=8 (per-layer structure every 8th step)
   sampling32   kvtrace.record(..., sampling every 32 steps: K/V contents copied to the host)
   memhist      torch.cuda.memory._record_memory_history() (what a user can turn on today)
   profiler     torch.profiler.profile(profile_memory=True) (idem; only its in-run time is counted)
@@ -33,7 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("recorder", "sampling32", "memhist", "profiler")
+VARIANTS = ("recorder", "recorder8", "sampling32", "memhist", "profiler")
 ALTERNATIVES = ("memhist", "profiler")
 
 
@@ -76,10 +77,11 @@ def attached(variant: str, model: Any, trace_dir: Path, tag: str) -> Iterator[di
     info: dict[str, Any] = {}
     if variant == "base":
         yield info
-    elif variant in ("recorder", "sampling32"):
+    elif variant in ("recorder", "recorder8", "sampling32"):
         sampling = {"every_n_steps": 32} if variant == "sampling32" else None
+        every = 8 if variant == "recorder8" else 1
         path = trace_dir / f"{tag}.kvt.h5"
-        with kvtrace.record(model, path, sampling=sampling) as rec:
+        with kvtrace.record(model, path, sampling=sampling, structure_every=every) as rec:
             yield info
             # Direct cost: time inside the step hooks, read before close (gc/flush excluded).
             info["hook_ns"] = rec.hook_time_ns
@@ -145,15 +147,20 @@ def bench_model(name: str, layers: int | None, args: argparse.Namespace, trace_d
         f"~{base_est:.1f} s ({args.new_tokens / base_est:.1f} tokens/s)")
     rng = random.Random(0)
     rounds: list[list[dict[str, Any]]] = []
+    last_round_s = 0.0
     while len(rounds) < args.rounds:
         todo = ["base", *[v for v in variants if v not in ALTERNATIVES or len(rounds) < args.alt_rounds]]
-        est = base_est * len(todo) * 1.5
+        # The first timed run is often slow (clocks, allocator growth): once a round has run,
+        # estimate the next one from it.
+        est = last_round_s * 1.1 if rounds else base_est * len(todo) * 1.5
         if rounds and time.monotonic() - t_start + est > budget_s:
             log(f"{name}: time budget reached after {len(rounds)} round(s)")
             break
         rng.shuffle(todo)
+        round_t0 = time.monotonic()
         results = [one_run(model, v, ids, args.new_tokens, trace_dir, f"{name}-r{len(rounds)}-{v}") for v in todo]
         rounds.append(results)
+        last_round_s = (time.monotonic() - round_t0) * len([v for v in todo if v not in ALTERNATIVES]) / len(todo)
         log(f"{name}: round {len(rounds)}: " + ", ".join(f"{r['variant']} {r['total_s']:.2f}s" for r in results))
     summary = {}
     for v in variants:
