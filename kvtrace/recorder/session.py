@@ -11,6 +11,14 @@ What a session changes while it is open, all undone by :meth:`Recorder.close`:
 
 Nothing in here ever holds a strong reference to a cache tensor beyond the hook call that reads it.
 
+Per-step cost: plain dynamic caches are read by ``layouts.read_rows_fast`` (byte-exact with the
+general reader, which every other cache takes). With ``structure_every=N`` the per-layer structure
+is read only at the prefill step, steps that are multiples of N, content-sampling steps and the
+last step. When generate stops before the step the recorder expected to be last, that step is read
+at request end from the Cache if something still holds it, else from its layers inside the Cache's
+weak-reference callback (CPython runs it before the Cache's attributes are cleared); if neither is
+possible a NOTE event says the last step's structure was not recorded.
+
 Retention: the memory readings after a request (AFTER_RETURN, AFTER_GC, AFTER_EMPTY_CACHE) are taken
 as generate returns, but which KV storages the request left alive (/retention) is decided later,
 when the caller has had the chance to drop generate's output: at the start of the next generate
@@ -145,7 +153,6 @@ class _Request:
     expected_last: int  # step index of the last forward if no EOS comes first (-1 unknown)
     step: int = 0
     tokens_seen: int = 0
-    cache_ref: Any = None  # weakref.ref to the Cache of the current step
     sample_now: bool = False
     step_t: list[int] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
@@ -378,9 +385,15 @@ class Recorder:
         config = getattr(model, "config", None)
         gen_cfg = getattr(model, "generation_config", None)
         sources = self.telemetry.sources()
+        every = self._every
         sources["cache_structure"] = {
-            "available": True, "reason": "per-layer shapes and storages read from the transformers Cache each step",
+            "available": True, "structure_every": every,
+            "reason": "per-layer shapes and storages read from the transformers Cache each step" if every == 1
+            else f"per-layer shapes and storages read from the transformers Cache at the prefill step, every "
+                 f"{every}th decode step, sampling steps and the last step",
         }
+        if "process_rss" in sources:  # /steps rss_bytes is not a read at the step: say what it is
+            sources["process_rss"]["steps_rss"] = "latest background sample, at most 1/rate_hz old (-1 before the first)"
         meta: dict[str, Any] = {
             "model_id": opts.model_id or str(getattr(config, "_name_or_path", "") or type(model).__name__),
             "model_type": str(getattr(config, "model_type", "unknown")),
