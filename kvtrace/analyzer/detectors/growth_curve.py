@@ -27,7 +27,7 @@ STATIC_WASTE = (0.3, 0.9)  # fraction of a static allocation never holding a tok
 # nothing, 16 MiB and more scores fully (only used on traces without allocator data).
 RSS_EXCESS = (4 * 1024**2, 16 * 1024**2)
 # RSS cannot tell live tensors from freed-but-kept heap: its evidence is at most "low".
-RSS_MAX_SCORE = 0.3
+RSS_MAX_SCORE = 0.25  # below the 0.3 "medium" boundary
 MIN_DECODE_STEPS = 4  # fewer decode steps than this say nothing about the shape of growth
 _STATIC = (int(schema.LayerType.STATIC), int(schema.LayerType.STATIC_SLIDING))
 
