@@ -323,7 +323,7 @@ class Trace:
         return self.table("payloads/index")
 
     def payload(self, index_row: int | np.void) -> Payload:
-        row = self.payload_index()[index_row] if isinstance(index_row, (int, np.integer)) else index_row
+        row = self._payload_row(int(index_row)) if isinstance(index_row, (int, np.integer)) else index_row
         try:
             itemsize = int(row["itemsize"])
             dtype = schema.CacheDType(int(row["dtype"]))
@@ -345,6 +345,15 @@ class Trace:
             int(row["head_start"]), int(row["head_stride"]), int(row["token_start"]),
             int(row["t_ns"]), data,
         )
+
+    def _payload_row(self, i: int) -> np.void:
+        """One index row, read alone: callers looping over payloads by number must not re-read
+        the whole index each time."""
+        n = self.nrows("payloads/index")
+        if not -n <= i < n:
+            raise IndexError(f"payload {i} out of range ({n} payloads)")
+        i %= n
+        return self.table("payloads/index", rows=slice(i, i + 1))[0]
 
     def payload_filters(self, itemsize: int) -> list[int]:
         """Filter ids of a payload dataset's pipeline, in order."""

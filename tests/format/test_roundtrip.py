@@ -173,3 +173,18 @@ def test_newer_minor_with_unknown_fields_and_attrs_is_readable(tmp_path):
         assert r.dtype.names == schema.REQUESTS.names
         assert int(r["new_tokens"][0]) == 3
         assert t.meta.extra["some_future_attr"] == "x"
+
+
+def test_payload_by_number_reads_one_index_row(tmp_path):
+    path = tmp_path / "n.kvt.h5"
+    arrays = [np.full(5, i, dtype=np.uint16) for i in range(3)]
+    with TraceWriter(path) as w:
+        for i, a in enumerate(arrays):
+            w.write_payload(encode_payload(0, i, 0, PayloadKind.KEY, CacheDType.FLOAT16, a))
+    with Trace(path) as t:
+        assert t.payload(-1).step == 2 and np.array_equal(t.payload(-1).data, arrays[2])
+        assert t.payload(1).step == 1
+        import pytest
+
+        with pytest.raises(IndexError, match="out of range"):
+            t.payload(3)
