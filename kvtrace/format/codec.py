@@ -1,8 +1,11 @@
 """Payload chunk codec: byte shuffle + one zstd frame per chunk, as HDF5 filters 2 and 32015.
 
-Encoding happens off the writer's lock (the recorder runs it in background threads); decoding
-never trusts the frame: the declared content size must equal the chunk size before any buffer
-is allocated, which stops decompression bombs.
+Encoding happens off the writer's lock (the recorder runs it in background threads), so it keeps
+its GIL-held stretches short: the shuffle is one numpy copy into a preallocated array (numpy
+releases the GIL for plain copies, while older numpy's `tobytes` of a transposed view copied
+element by element holding it), padding touches only the last chunk, and python-zstandard
+compresses with the GIL released. Decoding never trusts the frame: the declared content size must equal the chunk
+size before any buffer is allocated, which stops decompression bombs.
 """
 
 from __future__ import annotations
@@ -31,6 +34,44 @@ def unshuffle_bytes(data: bytes, itemsize: int) -> bytes:
     return buf.reshape(itemsize, -1).T.tobytes()
 
 
+def shuffle_chunks(carrier: np.ndarray, chunk_elements: int) -> np.ndarray:
+    """Zero-pad a carrier array to whole chunks and HDF5-shuffle each chunk.
+
+    Returns C-contiguous uint8 [n_chunks, itemsize, chunk_elements] (at least one chunk): row i
+    holds byte k of every element of chunk i, k = 0..itemsize-1, i.e. ``shuffle_bytes`` of each
+    zero-padded chunk. All full chunks move in one GIL-free numpy copy; only the last, partial
+    chunk is padded.
+    """
+    flat = np.ascontiguousarray(carrier).reshape(-1)
+    itemsize = flat.dtype.itemsize
+    full, rest = divmod(flat.size, chunk_elements)
+    n_chunks = max(1, full + (rest > 0))
+    out = np.empty((n_chunks, itemsize, chunk_elements), dtype=np.uint8)
+    src = flat.view(np.uint8)
+    split = full * chunk_elements * itemsize
+    if full:
+        np.copyto(out[:full], src[:split].reshape(full, chunk_elements, itemsize).transpose(0, 2, 1))
+    if n_chunks > full:
+        last = out[full]
+        last[:, rest:] = 0
+        np.copyto(last[:, :rest], src[split:].reshape(rest, itemsize).T)
+    return out
+
+
+def compress_shuffled(chunks: np.ndarray, level: int = 3) -> list[bytes]:
+    """One zstd frame (content size and checksum recorded) per already-shuffled chunk.
+
+    `chunks` is C-contiguous uint8 with one chunk per row of its first axis (what
+    ``shuffle_chunks`` returns, or the same bytes shuffled on a GPU). The frames are the ones
+    ``encode_chunks`` writes for the unshuffled data.
+    """
+    if chunks.dtype != np.uint8 or not chunks.flags.c_contiguous or chunks.ndim < 1:
+        raise ValueError("shuffled chunks must be a C-contiguous uint8 array, one chunk per row")
+    rows = chunks.reshape(len(chunks), -1)
+    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)
+    return [cctx.compress(row) for row in rows]  # python-zstandard releases the GIL inside
+
+
 def encode_chunks(
     carrier: np.ndarray, chunk_elements: int, level: int = 3
 ) -> list[bytes]:
@@ -38,17 +79,7 @@ def encode_chunks(
 
     Returns one zstd frame (content size recorded) per chunk of `chunk_elements` elements.
     """
-    flat = np.ascontiguousarray(carrier).reshape(-1)
-    itemsize = flat.dtype.itemsize
-    n_chunks = max(1, -(-flat.size // chunk_elements))
-    padded = np.zeros(n_chunks * chunk_elements, dtype=flat.dtype)
-    padded[: flat.size] = flat
-    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)
-    frames = []
-    for i in range(n_chunks):
-        part = padded[i * chunk_elements : (i + 1) * chunk_elements]
-        frames.append(cctx.compress(shuffle_bytes(part.view(np.uint8), itemsize)))
-    return frames
+    return compress_shuffled(shuffle_chunks(carrier, chunk_elements), level)
 
 
 def decode_chunk(filter_mask: int, stored: bytes, chunk_bytes: int, itemsize: int) -> bytes:

@@ -1,34 +1,40 @@
 """Opt-in sampling of tensor contents (K, V, post-RoPE Q, MLA latents) into trace payloads.
 
-The generating thread only selects a view and enqueues a copy: on CUDA an asynchronous
-device->host copy into pinned memory on a side stream, closed by an event; on CPU a plain copy.
-Background threads wait for the event, compress (``encode_payload``) and write
-(``TraceWriter.write_payload``). At most ``queue_size`` samples are in flight; when full, a sample
-is dropped and counted instead of stalling generation. Elements travel as their raw bits (bf16 as
-int16, fp8 as uint8, ...), so every dtype round-trips bit-exactly.
+The generating thread only selects a view and enqueues a copy: on CUDA the chunk padding and
+byte shuffle run on a side stream, followed by an asynchronous device->host copy into pinned
+memory, closed by an event (``staging.py``); on CPU a plain copy. Background threads wait for the
+event, shuffle if the GPU did not, compress (``codec.compress_shuffled``) and write
+(``TraceWriter.write_payload``), holding the GIL only between GIL-free numpy copies and zstd
+calls. At most ``queue_size`` samples are in flight; when full, a sample is dropped and counted
+instead of stalling generation. Elements travel as their raw bits (bf16 as int16, fp8 as uint8,
+...), so every dtype round-trips bit-exactly; the frames are the ones ``encode_payload`` writes.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvtrace.format.codec import compress_shuffled, shuffle_chunks
 from kvtrace.format.schema import (
+    DTYPE_ITEMSIZE,
+    PAYLOAD_MAX_NDIM,
     TORCH_DTYPE_NAMES,
     CacheDType,
     EventKind,
     PayloadKind,
+    payload_chunk_elements,
 )
-from kvtrace.format.writer import TraceWriter, encode_payload, monotonic_ns
+from kvtrace.format.writer import EncodedPayload, TraceWriter, monotonic_ns
+from kvtrace.recorder.staging import carrier_bits, stage_on_stream
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-# Per-(batch, head) copies avoid a device-side gather; past this many rows one gather is cheaper.
-MAX_ROW_COPIES = 64
 _SHARED_ACROSS_HEADS = (PayloadKind.LATENT, PayloadKind.ROPE_KEY)  # one latent serves every head
 
 
@@ -89,7 +95,9 @@ class _Job:
     layer: int
     kind: PayloadKind
     dtype: CacheDType
-    host: Any  # torch.Tensor (carrier dtype), pinned on CUDA
+    shape: tuple[int, ...]
+    host: Any  # torch.Tensor: carrier elements (CPU), or pinned shuffled chunks (CUDA, ``shuffled``)
+    shuffled: bool
     event: Any  # torch.cuda.Event or None
     head_start: int
     head_stride: int
@@ -102,12 +110,16 @@ def cache_dtype(dtype: torch.dtype) -> CacheDType | None:
     return TORCH_DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
 
 
-def _carrier(tensor: torch.Tensor) -> torch.Tensor:
-    """Same bits, integer element type of the same size: no float conversion can touch them."""
-    import torch
-
-    kinds = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return tensor.view(kinds[tensor.element_size()])
+def encode_sample(job: _Job, level: int) -> EncodedPayload:
+    """Shuffle (unless the GPU already did) and compress one staged sample, off the generating thread."""
+    chunks = job.host.numpy()
+    if not job.shuffled:
+        chunks = shuffle_chunks(chunks, payload_chunk_elements(chunks.dtype.itemsize))
+    return EncodedPayload(
+        job.request, job.step, job.layer, job.kind, job.dtype, job.shape, DTYPE_ITEMSIZE[job.dtype],
+        math.prod(job.shape), compress_shuffled(chunks, level), job.head_start, job.head_stride,
+        job.token_start, job.t_ns,
+    )
 
 
 class PayloadSampler:
@@ -122,7 +134,7 @@ class PayloadSampler:
         self.skipped = 0  # unsupported dtype/device or nothing left after selection
         self.last_error = ""
         self.last_skip = ""
-        self.own_device_bytes = 0  # peak device bytes the sampler itself held (gather temporaries)
+        self.own_device_bytes = 0  # peak device bytes the sampler itself held (staging temporaries)
         self._own_by_device: dict[int, int] = {}
         self._pinned_in_flight = 0
         self.pinned_host_bytes_peak = 0
@@ -198,8 +210,8 @@ class PayloadSampler:
         if self._closed or not self.wants_layer(layer) or not self.wants_kind(kind):
             return False
         dtype = cache_dtype(tensor.dtype)
-        if dtype is None or tensor.device.type == "meta":
-            self._count_skip(f"cannot sample {tensor.dtype} on {tensor.device}")
+        if dtype is None or tensor.device.type == "meta" or tensor.dim() > PAYLOAD_MAX_NDIM:
+            self._count_skip(f"cannot sample a {tensor.dim()}-d {tensor.dtype} on {tensor.device}")
             return False
         view, head_start, head_stride, token_start = self._select(tensor, kind, token_start, group_size)
         if view is None:
@@ -209,8 +221,9 @@ class PayloadSampler:
             with self._lock:
                 self.dropped += 1
             return False
+        shape = tuple(view.shape)
         try:
-            view = _carrier(view)
+            view = carrier_bits(view)
             if view.device.type == "cuda":
                 in_place = kind != PayloadKind.QUERY if mutable is None else mutable
                 host, event = self._stage_cuda(view, in_place)
@@ -224,8 +237,8 @@ class PayloadSampler:
             return False
         del view  # the copy is enqueued: drop our reference to the cache memory now
         nbytes = host.numel() * host.element_size()
-        job = _Job(request, step, layer, kind, dtype, host, event, head_start, head_stride,
-                   token_start, monotonic_ns(), nbytes if event is not None else 0)
+        job = _Job(request, step, layer, kind, dtype, shape, host, event is not None, event, head_start,
+                   head_stride, token_start, monotonic_ns(), nbytes if event is not None else 0)
         with self._lock:
             self._pending += 1
             self._pinned_in_flight += job.pinned_bytes
@@ -277,10 +290,8 @@ class PayloadSampler:
         return (start, stride, count) if count > 0 else None
 
     def _stage_cuda(self, view: torch.Tensor, in_place: bool) -> tuple[torch.Tensor, Any]:
-        """Async D2H copy into pinned memory on a side stream, closed by an event. The CPU never
-        blocks. For memory written in place later (``in_place``) the main stream waits for the
-        event on the GPU, so the sample is a consistent snapshot; otherwise record_stream keeps
-        the allocator from handing the memory to new work before the copy has read it."""
+        """Shuffle on the side stream of view's device and copy to pinned memory (``staging``);
+        counts the sampler's own device temporaries. Returns (pinned chunks, ready event)."""
         import torch
 
         device = view.device
@@ -288,36 +299,11 @@ class PayloadSampler:
         stream = self._streams.get(index)
         if stream is None:
             stream = self._streams[index] = torch.cuda.Stream(device=device)
-        main = torch.cuda.current_stream(device)
-        stream.wait_stream(main)
-        temp_bytes = 0
-        with torch.cuda.stream(stream):
-            host = torch.empty(view.shape, dtype=view.dtype, pin_memory=True)
-            n_rows = view.shape[:-2].numel() if view.dim() > 2 else 0
-            if view.is_contiguous():
-                host.copy_(view, non_blocking=True)
-            elif 0 < n_rows <= MAX_ROW_COPIES and _rows_contiguous(view):
-                for idx in itertools.product(*map(range, view.shape[:-2])):
-                    host[idx].copy_(view[idx], non_blocking=True)
-            else:  # one gather on the side stream: the sampler's own device allocation
-                temp = view.contiguous()
-                temp_bytes = temp.numel() * temp.element_size()
-                host.copy_(temp, non_blocking=True)
-                del temp  # freed in side-stream order: reused only after the copy
-            event = torch.cuda.Event()
-            event.record(stream)
-        if in_place:
-            main.wait_event(event)
-        else:
-            view.record_stream(stream)
-        if temp_bytes:
-            with self._lock:
-                self._own_by_device[index] = max(self._own_by_device.get(index, 0), temp_bytes)
-                self.own_device_bytes = max(self.own_device_bytes, temp_bytes)
-        else:
-            with self._lock:
-                self._own_by_device.setdefault(index, 0)
-        return host, event
+        staged = stage_on_stream(view, stream, in_place=in_place)
+        with self._lock:
+            self._own_by_device[index] = max(self._own_by_device.get(index, 0), staged.device_bytes)
+            self.own_device_bytes = max(self.own_device_bytes, staged.device_bytes)
+        return staged.host, staged.ready
 
     # ---- background writing ------------------------------------------------------------------
 
@@ -329,12 +315,7 @@ class PayloadSampler:
             try:
                 if job.event is not None:
                     job.event.synchronize()  # this worker waits, the generating thread never does
-                payload = encode_payload(
-                    job.request, job.step, job.layer, job.kind, job.dtype, job.host.numpy(),
-                    head_start=job.head_start, head_stride=job.head_stride,
-                    token_start=job.token_start, t_ns=job.t_ns, level=self.settings.level,
-                )
-                self.writer.write_payload(payload)
+                self.writer.write_payload(encode_sample(job, self.settings.level))
                 ok = True
             except Exception as exc:  # noqa: BLE001 - counted; the trace records it at close
                 ok = False
@@ -406,12 +387,6 @@ class PayloadSampler:
         if s.get("failed"):
             off, n = w.add_text(f"sampling: {s['failed']} sample(s) failed, last: {self.last_error}")
             w.append("events", (t, int(EventKind.RECORDER_ERROR), -1, -1, -1, -1, s["failed"], off, n))
-
-
-def _rows_contiguous(view: torch.Tensor) -> bool:
-    """Each [..., T, D] row block is one contiguous run of memory."""
-    t, d = view.shape[-2], view.shape[-1]
-    return (d <= 1 or view.stride(-1) == 1) and (t <= 1 or view.stride(-2) == d)
 
 
 def _contiguous() -> Any:
