@@ -1,62 +1,149 @@
-"""Triton kernel for per-token L2 norms of a [B, H, T, D] tensor. Imported lazily (needs triton)."""
+"""Triton kernel for per-token L2 norms of a [B, H, T, D] tensor. Imported lazily (needs triton).
+
+Shape of the launch (bench/tune_norms.py measured the candidates on an H200):
+
+* grid ``(segments, B * H)``: each program owns ``tiles_per_segment`` consecutive tiles of
+  ``BLOCK_T`` tokens of one head and loops over them with a software-pipelined ``tl.range``
+  (``num_stages`` tiles' loads in flight), so a fixed grid of a few programs per SM streams the
+  whole tensor instead of one short-lived program per tile;
+* each program also writes the sum of its tokens' norms divided by ``T`` (one float), so the per-head
+  mean is a sum over ``segments`` values, not a second pass over ``T`` norms. With one segment the
+  partial *is* the mean and no reduction runs at all.
+
+One segment per tile (``tiles_per_segment == 1``) is the original one-program-per-tile shape; the
+planner picks it for short sequences, where there is nothing to loop over.
+"""
 
 from __future__ import annotations
+
+from functools import cache
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
 from kvtrace.kernels._env import interpreting
 
+# Launch heuristic (H200 sweep, bf16, D = 128): 4K-element tiles on 4 warps with 8 programs per SM
+# up to ~512 MiB of input; 8K-element tiles on 8 warps with 4 programs per SM above that.
+_LARGE_INPUT_BYTES = 512 * 2**20
+_SMALL = (4096, 4, 8)  # (elements per tile, num_warps, programs per SM)
+_LARGE = (8192, 8, 4)
+_NUM_STAGES = 3
+# Under the CPU interpreter every program runs in Python: tiny tiles and a pretend 1-SM device
+# keep tests fast while still producing several segments per head.
+_INTERP_BLOCK_T = 8
+_INTERP_SMS = 1
 
-@triton.jit(do_not_specialize=["T"])
+
+class LaunchPlan(NamedTuple):
+    block_t: int  # tokens per tile
+    block_d: int  # next power of two >= D
+    segments: int  # programs per (batch, head); partial sums per head
+    tiles_per_segment: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit(do_not_specialize=["T", "tiles_per_segment"])
 def _token_norms_kernel(
     X, OUT,
     H, T, D,
     stride_b, stride_h, stride_t,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    tiles_per_segment,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
 ):
-    # One program: BLOCK_T consecutive tokens of one (batch, head). The last dim is unit-stride
-    # (the wrapper guarantees it), so each row is one contiguous read.
-    pid_t = tl.program_id(0)
+    # OUT: [B*H, T] token norms, then [B*H, segments] partial means; grid (segments, B*H).
+    # The last dim of X is unit-stride (the wrapper guarantees it): each row is one contiguous read.
+    seg = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
     base = X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
-    ptrs = base + offs_t[:, None].to(tl.int64) * stride_t + offs_d[None, :]
-    mask = (offs_t[:, None] < T) & (offs_d[None, :] < D)
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    # Scale by the row's max |x| before squaring (as BLAS nrm2 does): bf16/fp32 values above
-    # ~1.8e19 would overflow fp32 when squared; scaled squares are <= 1.
-    amax = tl.max(tl.abs(x), axis=1)
-    inv = tl.where(amax > 0, 1.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-    xs = x * inv[:, None]
-    ss = tl.sum(xs * xs, axis=1)
-    norm = amax * tl.sqrt(ss)
-    tl.store(OUT + pid_bh.to(tl.int64) * T + offs_t, norm, mask=offs_t < T)
+    out_row = OUT + pid_bh.to(tl.int64) * T
+    offs_d = tl.arange(0, BLOCK_D)
+    first = seg * tiles_per_segment
+    last = tl.minimum(first + tiles_per_segment, tl.cdiv(T, BLOCK_T))
+    acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for tile in tl.range(first, last, num_stages=STAGES):
+        offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = offs_t < T
+        ptrs = base + offs_t[:, None].to(tl.int64) * stride_t + offs_d[None, :]
+        x = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+        # Scale by the row's max |x| before squaring (as BLAS nrm2 does): bf16/fp32 values above
+        # ~1.8e19 would overflow fp32 when squared; scaled squares are <= 1.
+        amax = tl.max(tl.abs(x), axis=1)
+        inv = tl.where(amax > 0, 1.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+        xs = x * inv[:, None]
+        norm = amax * tl.sqrt(tl.sum(xs * xs, axis=1))
+        tl.store(out_row + offs_t, norm, mask=row_ok)
+        acc += tl.where(row_ok, norm, 0.0)
+    part = OUT + tl.num_programs(1).to(tl.int64) * T + pid_bh * tl.num_programs(0) + seg
+    tl.store(part, tl.sum(acc, axis=0) / T.to(tl.float32))
 
 
-def _block_t(block_d: int) -> int:
-    # ~8K elements per program (16 KiB of bf16): enough bytes in flight per SM to stream at
-    # full bandwidth, small enough to stay in registers for D up to 1024.
-    return max(1, min(256, 8192 // block_d))
+@cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``device_index`` (queried once per device)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def token_norms(x, out) -> None:
-    """Fill ``out`` [B*H*T] fp32 with the L2 norm of each token row of ``x`` [B, H, T, D]."""
-    B, H, T, D = x.shape
-    if B * H * T == 0:
-        return
-    block_d = triton.next_power_of_2(max(D, 1))
-    block_t = _block_t(block_d)
-    if interpreting():
-        block_t = min(block_t, 16)  # the CPU interpreter is slow; tiny tiles keep tests fast
+def plan_launch(
+    shape: tuple[int, int, int, int], itemsize: int, sms: int, *,
+    block_t: int | None = None, programs: int | None = None,
+) -> LaunchPlan:
+    """Tile size, warps and segments per head for a ``[B, H, T, D]`` input with ``T > 0``.
+
+    ``block_t`` / ``programs`` override the heuristic (tests use them to force many segments).
+    """
+    B, H, T, D = shape
+    block_d = triton.next_power_of_2(D)
+    large = B * H * T * D * itemsize > _LARGE_INPUT_BYTES
+    tile_elems, num_warps, per_sm = _LARGE if large else _SMALL
+    if block_t is None:
+        block_t = max(1, tile_elems // block_d)
     block_t = min(block_t, triton.next_power_of_2(T))
-    grid = (triton.cdiv(T, block_t), B * H)
-    num_warps = 8 if block_t * block_d >= 8192 else 4
-    _token_norms_kernel[grid](
-        x, out, H, T, D,
-        x.stride(0), x.stride(1), x.stride(2),
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
+    if block_t * block_d < tile_elems:  # short sequences or narrow heads: a smaller tile, fewer warps
+        num_warps = 4
+    tiles = triton.cdiv(T, block_t)
+    if programs is None:
+        programs = per_sm * sms
+    segments = max(1, min(tiles, programs // (B * H)))
+    tiles_per_segment = triton.cdiv(tiles, segments)
+    segments = triton.cdiv(tiles, tiles_per_segment)  # no segment is left without a tile
+    return LaunchPlan(block_t, block_d, segments, tiles_per_segment, num_warps, _NUM_STAGES)
+
+
+def default_plan(x) -> LaunchPlan:
+    """The plan :func:`head_norms` uses for ``x`` (4-D, ``T > 0``) on its device."""
+    if interpreting():
+        return plan_launch(tuple(x.shape), x.element_size(), _INTERP_SMS, block_t=_INTERP_BLOCK_T)
+    return plan_launch(tuple(x.shape), x.element_size(), sm_count(x.device.index))
+
+
+def head_norms(x, plan: LaunchPlan | None = None):
+    """(token_norms [B, H, T], head_mean [B, H]) fp32 of ``x`` [B, H, T, D] (unit-stride last dim).
+
+    One allocation holds both outputs: the token norms, then the per-segment partial means. With
+    one segment per head ``head_mean`` is a view of that buffer; otherwise it is one torch sum.
+    """
+    import torch
+
+    B, H, T, D = x.shape
+    if T == 0 or B * H == 0:  # nothing to launch; the mean over no tokens is NaN
+        return x.new_empty((B, H, T), dtype=torch.float32), x.new_full((B, H), float("nan"), dtype=torch.float32)
+    if plan is None:
+        plan = default_plan(x)
+    n_tok = B * H * T
+    segments = plan.segments
+    buf = torch.empty(n_tok + B * H * segments, dtype=torch.float32, device=x.device)
+    stride_b, stride_h, stride_t, _ = x.stride()
+    _token_norms_kernel[(segments, B * H)](
+        x, buf, H, T, D, stride_b, stride_h, stride_t, plan.tiles_per_segment,
+        BLOCK_T=plan.block_t, BLOCK_D=plan.block_d, STAGES=plan.num_stages, num_warps=plan.num_warps,
     )
+    part = buf[n_tok:]
+    head_mean = part.view(B, H) if segments == 1 else part.view(B, H, segments).sum(-1)
+    return buf[:n_tok].view(B, H, T), head_mean

@@ -53,17 +53,18 @@ def head_norms_reference(x: torch.Tensor) -> HeadNorms:
 
 
 def head_norms_triton(x: torch.Tensor) -> HeadNorms:
-    """Triton implementation: one read of ``x``, one fp32 write per token; mean over T in torch."""
+    """Triton implementation: one read of ``x`` and one launch; the head means come from per-segment
+    partial sums written by the same kernel (one small torch sum when a head spans several programs).
+
+    ``token_norms`` is a view of one fp32 allocation that also holds the partial sums (and is
+    ``head_mean`` itself when a head is one segment).
+    """
     from kvtrace.kernels import _triton_norms
 
     x = _as_4d(x)
-    if x.shape[-1] > 1 and x.stride(-1) != 1:
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
         x = x.contiguous()
-    B, H, T, _ = x.shape
-    out = torch.empty(B * H * T, dtype=torch.float32, device=x.device)
-    _triton_norms.token_norms(x, out)
-    token = out.view(B, H, T)
-    return HeadNorms(token, token.mean(dim=-1))
+    return HeadNorms(*_triton_norms.head_norms(x))
 
 
 def head_norms(x: torch.Tensor, backend: str = "auto") -> HeadNorms:

@@ -51,12 +51,14 @@ def jobs(all_configs: bool, smoke: bool = False):
     """Yield (label, fn, types, constexprs, options). ``smoke``: bf16 only, D=128 and 80."""
     for dt in ("bf16",) if smoke else ("bf16", "fp16", "fp32"):
         for d in (80, 128) if smoke else (64, 80, 128, 512):
-            bd = triton.next_power_of_2(d)
-            bt = tn._block_t(bd)
-            yield (f"norms {dt} D={d}", tn._token_norms_kernel,
-                   dict(X=f"*{dt}", OUT="*fp32", H="i32", T="i32", D="i32", stride_b="i64",
-                        stride_h="i64", stride_t="i32"),
-                   dict(BLOCK_T=bt, BLOCK_D=bd), dict(num_warps=8 if bt * bd >= 8192 else 4))
+            elem = 4 if dt == "fp32" else 2
+            for t in (32768, 131072):  # the <= 512 MiB and the large-input launch plans
+                p = tn.plan_launch((1, 32, t, d), elem, sms=132)
+                yield (f"norms {dt} D={d} T={t} BLOCK_T={p.block_t} w{p.num_warps}", tn._token_norms_kernel,
+                       dict(X=f"*{dt}", OUT="*fp32", H="i32", T="i32", D="i32", stride_b="i64",
+                            stride_h="i64", stride_t="i32", tiles_per_segment="i32"),
+                       dict(BLOCK_T=p.block_t, BLOCK_D=p.block_d, STAGES=p.num_stages),
+                       dict(num_warps=p.num_warps))
     cases = [("bf16", 128), ("fp16", 128), ("fp32", 128), ("bf16", 64), ("bf16", 256), ("bf16", 512)]
     if smoke:
         cases = [("bf16", 128)]
