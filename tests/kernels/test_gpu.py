@@ -84,6 +84,50 @@ def test_norms_fp16_near_max_and_int64_offsets():
     del big
 
 
+@pytest.mark.parametrize("block_t,programs", [(32, 8), (64, 1), (16, 4096), (1, 64)])
+def test_norms_forced_segment_plans(block_t, programs):
+    from kvtrace.kernels import _triton_norms as tn
+
+    x = torch.randn(2, 4, 5003, 128, device="cuda", dtype=torch.bfloat16)
+    plan = tn.plan_launch(tuple(x.shape), 2, tn.sm_count(x.device.index), block_t=block_t, programs=programs)
+    token, mean = tn.head_norms(x, plan)
+    ref = norms.head_norms_reference(x)
+    torch.testing.assert_close(token, ref.token_norms, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(mean, ref.head_mean, rtol=2e-5, atol=1e-6)
+
+
+def test_norms_ragged_lengths_do_not_recompile():
+    from kvtrace.kernels import _triton_norms as tn
+
+    buf = torch.randn(8, 8, 4200, 128, device="cuda", dtype=torch.bfloat16)
+    norms.head_norms(buf[:, :, :4000])
+    cache = tn._token_norms_kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = len(cache)
+    per_segment = set()
+    for t in (4001, 4017, 4100, 4133, 4199):  # same constexprs; T and tiles per segment vary
+        x = buf[:, :, :t]
+        per_segment.add(tn.default_plan(x).tiles_per_segment)
+        got = norms.head_norms(x)
+        torch.testing.assert_close(got.head_mean, norms.head_norms_reference(x).head_mean, rtol=2e-5, atol=1e-6)
+    assert len(per_segment) > 1
+    assert len(cache) == compiled
+
+
+def test_norms_capture_in_cuda_graph():
+    x = torch.randn(1, 8, 3000, 128, device="cuda", dtype=torch.bfloat16)
+    norms.head_norms(x)  # compile and cache the SM count outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        res = norms.head_norms(x)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    ref = norms.head_norms_reference(x)
+    torch.testing.assert_close(res.token_norms, ref.token_norms, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(res.head_mean, ref.head_mean, rtol=2e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------ attention
 
 
