@@ -16,7 +16,7 @@ planner picks it for short sequences, where there is nothing to loop over.
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, lru_cache
 from typing import NamedTuple
 
 import triton
@@ -90,6 +90,15 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@lru_cache(maxsize=4096)
 def plan_launch(
     shape: tuple[int, int, int, int], itemsize: int, sms: int, *,
     block_t: int | None = None, programs: int | None = None,
@@ -97,22 +106,23 @@ def plan_launch(
     """Tile size, warps and segments per head for a ``[B, H, T, D]`` input with ``T > 0``.
 
     ``block_t`` / ``programs`` override the heuristic (tests use them to force many segments).
+    Plain-int arithmetic and a cache: this runs on every call, inside the caller's launch latency.
     """
     B, H, T, D = shape
-    block_d = triton.next_power_of_2(D)
+    block_d = _pow2_at_least(D)
     large = B * H * T * D * itemsize > _LARGE_INPUT_BYTES
     tile_elems, num_warps, per_sm = _LARGE if large else _SMALL
     if block_t is None:
         block_t = max(1, tile_elems // block_d)
-    block_t = min(block_t, triton.next_power_of_2(T))
+    block_t = min(block_t, _pow2_at_least(T))
     if block_t * block_d < tile_elems:  # short sequences or narrow heads: a smaller tile, fewer warps
         num_warps = 4
-    tiles = triton.cdiv(T, block_t)
+    tiles = _cdiv(T, block_t)
     if programs is None:
         programs = per_sm * sms
     segments = max(1, min(tiles, programs // (B * H)))
-    tiles_per_segment = triton.cdiv(tiles, segments)
-    segments = triton.cdiv(tiles, tiles_per_segment)  # no segment is left without a tile
+    tiles_per_segment = _cdiv(tiles, segments)
+    segments = _cdiv(tiles, tiles_per_segment)  # no segment is left without a tile
     return LaunchPlan(block_t, block_d, segments, tiles_per_segment, num_warps, _NUM_STAGES)
 
 
