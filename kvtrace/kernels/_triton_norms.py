@@ -25,7 +25,9 @@ import triton.language as tl
 from kvtrace.kernels._env import interpreting
 
 # Launch heuristic (H200 sweep, bf16, D = 128): 4K-element tiles on 4 warps with 8 programs per SM
-# up to ~512 MiB of input; 8K-element tiles on 8 warps with 4 programs per SM above that.
+# up to ~512 MiB of input; 8K-element tiles on 8 warps with 4 programs per SM above that. With
+# 3 stages a program buffers 2 tiles in shared memory (bf16: 16 KiB at 4K elements, 32 KiB at 8K),
+# i.e. 128 KiB per SM for either grid, within the 228 KiB of an H100/H200 SM.
 _LARGE_INPUT_BYTES = 512 * 2**20
 _SMALL = (4096, 4, 8)  # (elements per tile, num_warps, programs per SM)
 _LARGE = (8192, 8, 4)
@@ -136,8 +138,8 @@ def default_plan(x) -> LaunchPlan:
 def head_norms(x, plan: LaunchPlan | None = None):
     """(token_norms [B, H, T], head_mean [B, H]) fp32 of ``x`` [B, H, T, D] (unit-stride last dim).
 
-    One allocation holds both outputs: the token norms, then the per-segment partial means. With
-    one segment per head ``head_mean`` is a view of that buffer; otherwise it is one torch sum.
+    One allocation holds the token norms, then the per-segment partial means. With one segment per
+    head ``head_mean`` is a view of those partials; otherwise it is their sum (one small torch op).
     """
     import torch
 
