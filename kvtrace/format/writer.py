@@ -5,7 +5,13 @@ chunked datasets grow, and HDF5 orders its metadata writes so that a reader open
 at any instant (even after SIGKILL) sees a consistent state as of the last flush. Rows are
 buffered in memory between flushes; a daemon thread flushes at least every
 `flush_interval_s`, so a killed process loses at most that interval, and memory stays bounded
-(buffers are also drained when they pass `max_buffer_rows`).
+(a buffer past `max_buffer_rows` wakes the flusher early).
+
+Two locks, because the recorder appends from the model's thread at every decode step: appending
+takes only `_buf_lock` (held for a list operation), never the HDF5 lock that payload writes and
+flushes hold for milliseconds. A flush swaps the buffers out under `_buf_lock`, then converts and
+writes them under the HDF5 lock. Rows may be buffered as tuples or as :class:`RowBlock` objects
+whose conversion to a numpy array is deferred to the flusher, off the model's thread.
 """
 
 from __future__ import annotations
@@ -129,7 +135,8 @@ class TraceWriter:
         self.flush_interval_s = flush_interval_s
         self.max_buffer_rows = max_buffer_rows
         self.payload_level = payload_level
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # HDF5 calls (h5py is not thread-safe across files' state)
+        self._buf_lock = threading.Lock()  # in-memory buffers only: held for microseconds
         self._closed = False
         self._flushes = 0
         self._buffers: dict[str, list[tuple]] = {name: [] for name in schema.TABLES}
@@ -147,6 +154,7 @@ class TraceWriter:
             self._file.close()
             raise
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by append() when a buffer passes max_buffer_rows
         self._flusher = threading.Thread(target=self._flush_loop, name="kvtrace-flush", daemon=True)
         self._flusher.start()
 
@@ -218,15 +226,23 @@ class TraceWriter:
 
     # ---- appending ------------------------------------------------------------------------------
 
-    def append(self, table: str, row: tuple | Sequence[tuple]) -> None:
-        """Buffer one row (a tuple in the table's field order) or a list of rows."""
-        rows = row if isinstance(row, list) else [row]
-        with self._lock:
+    def append(self, table: str, row: tuple | Sequence[tuple] | RowBlock) -> None:
+        """Buffer one row (a tuple in the table's field order), a list of rows, or a
+        :class:`RowBlock` (converted later, by the flusher)."""
+        with self._buf_lock:
             self._check_open()
             buf = self._buffers[table]
-            buf.extend(rows)
-            if len(buf) >= self.max_buffer_rows:
-                self._drain_table(table)
+            if isinstance(row, list):
+                buf.extend(row)
+            else:
+                buf.append(row)
+            pending = len(buf)
+        if pending >= self.max_buffer_rows:
+            if pending >= 4 * self.max_buffer_rows:  # the flusher is not keeping up: write here
+                with self._lock:
+                    self._drain_buffers(tables=(table,))
+            else:
+                self._wake.set()
 
     def add_text(self, text: str) -> tuple[int, int]:
         """Store a string in the text heap; returns (offset, length) for a row to reference."""
@@ -235,7 +251,7 @@ class TraceWriter:
             data = data[: TEXT_MAX_BYTES - 16] + b"...[truncated]"
         if not data:
             return (0, 0)
-        with self._lock:
+        with self._buf_lock:
             self._check_open()
             off = self._text_size
             self._text_buffer.append(data)
@@ -244,7 +260,7 @@ class TraceWriter:
 
     def begin_request(self, row: tuple) -> None:
         """Append a request row now (outcome RUNNING) so a crash still leaves it visible."""
-        with self._lock:
+        with self._lock, self._buf_lock:
             self._check_open()
             request_id = int(row[0])
             self._request_rows[request_id] = (
@@ -254,7 +270,7 @@ class TraceWriter:
 
     def update_request(self, request_id: int, **fields: Any) -> None:
         """Rewrite fields of a request row (outcome, end_ns, new_tokens, ...)."""
-        with self._lock:
+        with self._lock, self._buf_lock:
             self._check_open()
             index = self._request_rows[request_id]
             names = schema.REQUESTS.names
@@ -284,57 +300,85 @@ class TraceWriter:
             ds.resize(((first + n) * chunk,))
             for i, frame in enumerate(payload.frames):
                 ds.id.write_direct_chunk(((first + i) * chunk,), frame, filter_mask=0)
+                _yield_gil()
             self._payload_chunks[itemsize] = first + n
             shape = list(payload.shape) + [0] * (schema.PAYLOAD_MAX_NDIM - len(payload.shape))
-            self._buffers["payloads/index"].append(
-                (
-                    payload.request, payload.step, payload.layer, int(payload.kind),
-                    int(payload.dtype), len(payload.shape), shape, payload.head_start,
-                    payload.head_stride, payload.token_start, itemsize, first, n,
-                    payload.n_elements, payload.t_ns,
-                )
+            row = (
+                payload.request, payload.step, payload.layer, int(payload.kind),
+                int(payload.dtype), len(payload.shape), shape, payload.head_start,
+                payload.head_stride, payload.token_start, itemsize, first, n,
+                payload.n_elements, payload.t_ns,
             )
+            with self._buf_lock:
+                self._buffers["payloads/index"].append(row)
 
     # ---- flushing ------------------------------------------------------------------------------
 
-    def _drain_table(self, table: str) -> None:
-        buf = self._buffers[table]
+    def _take_buffers(self, tables: Iterable[str]) -> tuple[list[bytes], dict[str, list]]:
+        """Swap out the text heap and the named tables' buffers in one step (under _buf_lock),
+        so every row taken can only reference text taken with it or earlier."""
+        with self._buf_lock:
+            text, self._text_buffer = self._text_buffer, []
+            taken = {}
+            for table in tables:
+                if self._buffers[table]:
+                    taken[table], self._buffers[table] = self._buffers[table], []
+        return text, taken
+
+    def _drain_buffers(self, tables: Iterable[str] = schema.TABLES) -> None:
+        """Write buffered text, then rows, to the file. Caller holds ``_lock``."""
+        text, taken = self._take_buffers(tables)
+        try:
+            self._write_text(text)  # text first: rows that reference it must never land before it
+            while taken:
+                table = next(iter(taken))
+                self._write_rows(table, taken[table])
+                del taken[table]
+                _yield_gil()  # between tables, let the model's thread run
+        except BaseException:
+            # Not written: put it back in front of anything buffered since, for the next flush.
+            with self._buf_lock:
+                self._text_buffer[:0] = text
+                for table, rows in taken.items():
+                    self._buffers[table][:0] = rows
+            raise
+
+    def _write_rows(self, table: str, buf: list) -> None:
         if not buf:
             return
-        dtype = schema.TABLES[table][0]
-        arr = np.array(buf, dtype=dtype)
+        arr = _rows_array(buf, schema.TABLES[table][0])
         ds = self._file[table]
         start = self._rows_written[table]
         ds.resize((start + len(arr),))
         ds[start:] = arr
         self._rows_written[table] = start + len(arr)
-        buf.clear()
 
-    def _drain_text(self) -> None:
-        if not self._text_buffer:
+    def _write_text(self, pieces: list[bytes]) -> None:
+        if not pieces:
             return
-        data = np.frombuffer(b"".join(self._text_buffer), dtype=np.uint8)
+        data = np.frombuffer(b"".join(pieces), dtype=np.uint8)
         ds = self._file["text"]
         ds.resize((self._text_written + data.size,))
         ds[self._text_written :] = data
         self._text_written += data.size
-        self._text_buffer.clear()
+        pieces.clear()
 
     def flush(self) -> None:
         """Write every buffered row and make it visible to readers (and to crash recovery)."""
         with self._lock:
             if self._closed:
                 return
-            # Text first: rows that reference it must never land before it.
-            self._drain_text()
-            for table in schema.TABLES:
-                self._drain_table(table)
+            self._drain_buffers()
             self._flushes += 1
             self._file["status"][0] = (0, monotonic_ns(), self._flushes)
             self._file.flush()
 
     def _flush_loop(self) -> None:
-        while not self._stop.wait(self.flush_interval_s):
+        while not self._stop.is_set():
+            self._wake.wait(self.flush_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return  # close() does the final flush
             try:
                 self.flush()
             except Exception:  # noqa: BLE001 - a failed flush must not kill the host process
@@ -344,6 +388,7 @@ class TraceWriter:
     def close(self) -> None:
         """Flush, mark the trace complete, close. Safe to call twice."""
         self._stop.set()
+        self._wake.set()
         if self._flusher.is_alive() and threading.current_thread() is not self._flusher:
             self._flusher.join(timeout=5)
         with self._lock:
@@ -368,6 +413,39 @@ class TraceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RowBlock:
+    """Rows whose numpy conversion is deferred to the flusher (see the module docstring).
+    Subclasses return a structured array of the table's dtype from :meth:`rows_array`."""
+
+    __slots__ = ()
+
+    def rows_array(self, dtype: np.dtype) -> np.ndarray:
+        raise NotImplementedError
+
+
+def _rows_array(buf: list, dtype: np.dtype) -> np.ndarray:
+    """One structured array from buffered tuples and RowBlocks, in buffer order."""
+    parts: list[np.ndarray] = []
+    run: list[tuple] = []
+    for item in buf:
+        if isinstance(item, RowBlock):
+            if run:
+                parts.append(np.array(run, dtype=dtype))
+                run = []
+            parts.append(item.rows_array(dtype))
+        else:
+            run.append(item)
+    if run:
+        parts.append(np.array(run, dtype=dtype))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _yield_gil() -> None:
+    """Let a thread waiting for the GIL (the model's) run now rather than after the 5 ms switch
+    interval: h5py holds the GIL through each HDF5 call."""
+    time.sleep(0)
 
 
 def _attr_value(key: str, value: Any) -> Any:

@@ -28,9 +28,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from kvtrace.format.schema import TORCH_DTYPE_NAMES, CacheDType, LayerType
+from kvtrace.format.schema import DTYPE_ITEMSIZE, KV, TORCH_DTYPE_NAMES, CacheDType, LayerType
+from kvtrace.format.writer import RowBlock
 
 StorageKey = tuple[int, int, int]  # (device index or -1, storage data_ptr, storage nbytes)
 
@@ -567,9 +569,30 @@ class FastPlan:
     """What stays constant for one plain dynamic cache, learnt from one full :func:`read_cache` of
     it. Per layer: (class, layer-type code, slides, device, K dtype code, V dtype code). A
     DynamicLayer's device and dtypes are fixed by its first update (``torch.cat`` onto it keeps
-    them); the plan is rebuilt at every general read. Holds no tensor."""
+    them); the plan is rebuilt at every general read. Holds no tensor. The numpy columns are what
+    :class:`FastStep` needs to build its rows off the model's thread."""
 
     layers: tuple[tuple[type, int, bool, int, int, int], ...]
+    classes: tuple[type, ...] = field(init=False)
+    sliding: tuple[bool, ...] = field(init=False)
+    devices: tuple[int, ...] = field(init=False)
+    columns: dict[str, np.ndarray] = field(init=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen dataclass: derived fields are set once, here
+        set_(self, "classes", tuple(spec[0] for spec in self.layers))
+        set_(self, "sliding", tuple(spec[2] for spec in self.layers))
+        set_(self, "devices", tuple(spec[3] for spec in self.layers))
+        itemsize = {int(k): v for k, v in DTYPE_ITEMSIZE.items()}
+        set_(self, "columns", {
+            "layer": np.arange(len(self.layers), dtype=np.int64),
+            "layer_type": np.array([spec[1] for spec in self.layers], dtype=np.int64),
+            "device": np.array(self.devices, dtype=np.int64),
+            "k_dtype": np.array([spec[4] for spec in self.layers], dtype=np.int64),
+            "v_dtype": np.array([spec[5] for spec in self.layers], dtype=np.int64),
+            "k_itemsize": np.array([itemsize[spec[4]] for spec in self.layers], dtype=np.int64),
+            "v_itemsize": np.array([itemsize[spec[5]] for spec in self.layers], dtype=np.int64),
+        })
 
 
 def fast_plan(cache: Any, ctx: LayoutContext, readings: Sequence[LayerReading]) -> FastPlan | None:
@@ -590,38 +613,113 @@ def fast_plan(cache: Any, ctx: LayoutContext, readings: Sequence[LayerReading]) 
             return None
         if r.cache_index != i or r.part != "self" or len(r.storages) != 2 or r.storages[0][0] == r.storages[1][0]:
             return None
+        if int(r.k_dtype) not in _ITEMSIZE_CODES or int(r.v_dtype) not in _ITEMSIZE_CODES:
+            return None
         plan.append((cls, int(r.layer_type), cls is _DynamicSliding, r.device, r.k_dtype, r.v_dtype))
     if len({key for r in readings for key, _ in r.storages}) != 2 * len(readings):
         return None  # storages shared across layers: the general accounting de-duplicates them
     return FastPlan(tuple(plan))
 
 
-# storage key -> (layer, weakref to the untyped storage, weakref to a tensor on it): the format of
-# RetentionTracker.live, filled in place by the fast path (no call per storage)
+_ITEMSIZE_CODES = frozenset(int(k) for k in DTYPE_ITEMSIZE)
+
+# storage key -> (layer, weakref to the untyped storage, weakref to a tensor on it or None): the
+# format of RetentionTracker.live, filled in place by the fast path (no call per storage)
 LiveMap = dict
 
+_PER_LAYER = 7  # FastStep.values per layer: k shape, v shape, k ptr, v ptr, k bytes, v bytes, seen
 
-def read_rows_fast(cache: Any, plan: FastPlan, request: int, step: int, t: int,
-                   live: LiveMap | None = None) -> tuple[list[KvRow], int, int, int] | None:
-    """(/kv rows, unique bytes, valid bytes, max tokens seen) of a cache that matches ``plan``, or
-    None when its layers differ from the plan (the caller then takes the general reader).
 
-    Runs at every recorded decode step, so per layer it reads only what changes: the K/V shapes
-    and their storages' pointers and sizes. Byte-exact with ``read_cache`` + ``accounting.account``
-    for these caches: every storage is distinct (checked here each step), so allocated == unique ==
-    K storage + V storage bytes and naive == unique. Every storage goes into ``live`` (retention);
-    an entry for the same key is replaced, which for these caches can only be the same storage."""
+class FastStep(RowBlock):
+    """One decode step of a cache that matches a :class:`FastPlan`: the few values read per layer
+    on the model's thread, turned into /kv rows (and the /steps totals) by the writer's flusher.
+
+    Byte-exact with ``read_cache`` + ``accounting.account`` for these caches: every storage is
+    distinct (checked when reading), so allocated == unique == K storage + V storage bytes, and
+    valid == K and V elements x item size (what ``Tensor.nbytes`` gives for these dense tensors)."""
+
+    __slots__ = ("_arrays", "plan", "request", "seen", "step", "t", "values")
+
+    def __init__(self, request: int, step: int, t: int, plan: FastPlan, values: list, seen: int) -> None:
+        self.request, self.step, self.t, self.plan, self.values, self.seen = request, step, t, plan, values, seen
+        self._arrays: dict[str, np.ndarray] | None = None
+
+    def _columns(self) -> dict[str, np.ndarray]:
+        if self._arrays is None:
+            v, n = self.values, _PER_LAYER
+            cols = self.plan.columns
+            k_shape = np.array(v[0::n], dtype=np.int64).reshape(-1, 4)
+            v_shape = np.array(v[1::n], dtype=np.int64).reshape(-1, 4)
+            k_bytes = np.array(v[4::n], dtype=np.uint64)
+            v_bytes = np.array(v[5::n], dtype=np.uint64)
+            valid = k_shape.prod(axis=1) * cols["k_itemsize"] + v_shape.prod(axis=1) * cols["v_itemsize"]
+            self._arrays = {
+                "k_shape": k_shape, "v_shape": v_shape,
+                "k_storage": np.array(v[2::n], dtype=np.uint64), "v_storage": np.array(v[3::n], dtype=np.uint64),
+                "k_storage_bytes": k_bytes, "v_storage_bytes": v_bytes, "own": k_bytes + v_bytes,
+                "valid": valid.astype(np.uint64), "tokens_seen": np.array(v[6::n], dtype=np.uint64),
+                "tokens_kept": k_shape[:, 2].astype(np.uint64),
+            }
+        return self._arrays
+
+    def rows_array(self, dtype: np.dtype) -> np.ndarray:
+        a, cols = self._columns(), self.plan.columns
+        out = np.zeros(len(self.plan.layers), dtype=dtype)
+        out["request"], out["step"], out["t_ns"] = self.request, self.step, self.t
+        for name in ("layer", "layer_type", "device", "k_dtype", "v_dtype"):
+            out[name] = cols[name]
+        for name in ("k_shape", "v_shape", "k_storage", "v_storage", "k_storage_bytes", "v_storage_bytes",
+                     "tokens_seen", "tokens_kept"):
+            out[name] = a[name]
+        out["bytes_allocated"] = a["own"]
+        out["bytes_unique"] = a["own"]
+        out["bytes_valid"] = a["valid"]
+        return out
+
+    def totals(self) -> tuple[int, int]:
+        """(unique bytes, valid bytes) of the step: naive == unique for these caches."""
+        a = self._columns()
+        return int(a["own"].sum()), int(a["valid"].sum())
+
+    def rows(self) -> list[KvRow]:
+        """The rows as tuples (for consumers on the model's thread, e.g. the Prometheus exporter)."""
+        return [tuple(r.tolist()) for r in self.rows_array(KV)]
+
+
+class FastStepTotals(RowBlock):
+    """The /steps row of a :class:`FastStep`, built with it by the flusher."""
+
+    __slots__ = ("alloc", "fast", "phase", "reserved", "rss")
+
+    def __init__(self, fast: FastStep, phase: int, alloc: int, reserved: int, rss: int) -> None:
+        self.fast, self.phase, self.alloc, self.reserved, self.rss = fast, phase, alloc, reserved, rss
+
+    def rows_array(self, dtype: np.dtype) -> np.ndarray:
+        f = self.fast
+        unique, valid = f.totals()
+        return np.array([(f.request, f.step, self.phase, f.t, f.seen, unique, unique, valid,
+                          self.alloc, self.reserved, self.rss)], dtype=dtype)
+
+
+def read_step_fast(cache: Any, plan: FastPlan, request: int, step: int, t: int,
+                   live: LiveMap | None = None) -> FastStep | None:
+    """The step's :class:`FastStep` for a cache that matches ``plan``, or None when its layers
+    differ from the plan (the caller then takes the general reader).
+
+    Runs at every recorded decode step on the model's thread, so per layer it reads only what
+    changes (K/V shapes, their storages' pointers and sizes, the sliding layers' token count) and
+    leaves every conversion to the flusher. Every storage goes into ``live`` (retention) with a
+    weak reference to the storage only; an entry for the same key is replaced, which for these
+    caches can only be the same storage."""
     layers = cache.layers
-    specs = plan.layers
-    if len(layers) != len(specs):
+    if len(layers) != len(plan.classes):
         return None
-    rows: list[KvRow] = []
-    ptrs: set[int] = set()
-    total = valid = seen_max = 0
+    values: list = []
+    put = values.extend
     tensor_type = torch.Tensor
     wref = weakref.ref
-    for i, layer in enumerate(layers):
-        cls, lt, sliding, dev, kd, vd = specs[i]
+    seen_max = 0
+    for i, (layer, cls, sliding) in enumerate(zip(layers, plan.classes, plan.sliding, strict=True)):
         if type(layer) is not cls:
             return None
         k, v = layer.keys, layer.values
@@ -635,20 +733,15 @@ def read_rows_fast(cache: Any, plan: FastPlan, request: int, step: int, t: int,
         if not kn or not vn:
             return None  # a 0-byte storage is not counted at all by the general reader
         kp, vp = kst.data_ptr(), vst.data_ptr()
-        ptrs.add(kp)
-        ptrs.add(vp)
-        kept = ks[2]
-        seen = layer.cumulative_length if sliding else kept
+        seen = layer.cumulative_length if sliding else ks[2]
         if seen > seen_max:
             seen_max = seen
-        own = kn + vn
-        total += own
-        held = k.nbytes + v.nbytes
-        valid += held
-        rows.append((request, step, i, lt, dev, kd, vd, ks, vs, seen, kept, own, held, own, kp, vp, kn, vn, 0, t))
+        put((ks, vs, kp, vp, kn, vn, seen))
         if live is not None:
-            live[(dev, kp, kn)] = (i, wref(kst), wref(k))
-            live[(dev, vp, vn)] = (i, wref(vst), wref(v))
-    if len(ptrs) != 2 * len(rows):
+            dev = plan.devices[i]
+            live[(dev, kp, kn)] = (i, wref(kst), None)
+            live[(dev, vp, vn)] = (i, wref(vst), None)
+    ptrs = values[2::_PER_LAYER] + values[3::_PER_LAYER]
+    if len(set(ptrs)) != len(ptrs):
         return None  # a storage shared between layers: only the general accounting de-duplicates
-    return rows, total, valid, seen_max
+    return FastStep(request, step, t, plan, values, seen_max)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvtrace.recorder.layouts import StorageKey
+from kvtrace.recorder.layouts import StorageKey, device_index
 
 _PRUNE_EVERY = 64  # steps between sweeps of dead entries (bounds memory on long requests)
 _MAX_REPORTED = 4096  # retained storages reported per request
@@ -71,22 +71,53 @@ class RetentionTracker:
 
     def finish(self) -> list[Retained]:
         """Survivors after the caller's gc.collect(); clears the tracker."""
-        found: list[Retained] = []
         entries, self._live = self._live, {}
-        for (device, ptr, nbytes), (layer, swr, twr) in entries.items():
+        survivors = []
+        for key, (layer, swr, twr) in entries.items():
             if swr() is None:
                 continue
-            if len(found) >= _MAX_REPORTED:
+            if len(survivors) >= _MAX_REPORTED:
                 break
-            found.append(Retained(layer, device, ptr, nbytes, _referrers(twr, entries)))
+            survivors.append((key, layer, twr))
+        # The fast path keeps no tensor reference: find tensors for those storages in one scan.
+        missing = {key for key, _, twr in survivors if twr is None or twr() is None}
+        found_tensors = _tensors_on(missing) if missing else {}
+        found: list[Retained] = []
+        for key, layer, twr in survivors:
+            tensor = twr() if twr is not None else None
+            if tensor is None:
+                tensor = found_tensors.get(key)
+            device, ptr, nbytes = key
+            found.append(Retained(layer, device, ptr, nbytes, _referrers(tensor, (entries, found_tensors))))
+            tensor = None
+        found_tensors.clear()
         return found
 
 
-def _referrers(twr: weakref.ref | None, own: Any) -> str:
+def _tensors_on(keys: set[StorageKey]) -> dict[StorageKey, torch.Tensor]:
+    """One live tensor per storage key, found by scanning the garbage collector's objects. Runs
+    only when storages survived a request (rare), never per step."""
+    out: dict[StorageKey, torch.Tensor] = {}
+    tensor_type = torch.Tensor
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), tensor_type):  # type(), not isinstance: no __class__ lookups
+            continue
+        try:
+            st = obj.untyped_storage()
+            key = (device_index(obj.device), st.data_ptr(), st.nbytes())
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue
+        if key in keys and key not in out:
+            out[key] = obj
+            if len(out) == len(keys):
+                break
+    return out
+
+
+def _referrers(tensor: torch.Tensor | None, own: tuple[Any, ...]) -> str:
     """Type names of what refers to the tensor, an object's ``__dict__`` named by its owner's type.
 
     The recorder's own frames and containers are excluded so they can never appear."""
-    tensor = twr() if twr is not None else None
     if tensor is None:
         return ""
     names: list[str] = []
@@ -94,7 +125,7 @@ def _referrers(twr: weakref.ref | None, own: Any) -> str:
         this_frame = sys._getframe()
         refs = gc.get_referrers(tensor)
         for r in refs:
-            if r is own or isinstance(r, types.FrameType) or r is this_frame:
+            if any(r is o for o in own) or isinstance(r, types.FrameType) or r is this_frame:
                 continue
             name = _owner_name(r, refs)
             if name and name not in names:

@@ -11,7 +11,7 @@ What a session changes while it is open, all undone by :meth:`Recorder.close`:
 
 Nothing in here ever holds a strong reference to a cache tensor beyond the hook call that reads it.
 
-Per-step cost: plain dynamic caches are read by ``layouts.read_rows_fast`` (byte-exact with the
+Per-step cost: plain dynamic caches are read by ``layouts.read_step_fast`` (byte-exact with the
 general reader, which every other cache takes). With ``structure_every=N`` the per-layer structure
 is read only at the prefill step, steps that are multiples of N, content-sampling steps and the
 last step. When generate stops before the step the recorder expected to be last, that step is read
@@ -48,6 +48,8 @@ from kvtrace.recorder import hooks as _hooks
 from kvtrace.recorder.accounting import account
 from kvtrace.recorder.layouts import (
     FastPlan,
+    FastStep,
+    FastStepTotals,
     KvRow,
     LayerReading,
     LayoutContext,
@@ -56,7 +58,7 @@ from kvtrace.recorder.layouts import (
     fast_plan,
     is_offloading,
     read_cache,
-    read_rows_fast,
+    read_step_fast,
     valid_kv,
     wait_for_offload,
 )
@@ -153,6 +155,8 @@ class _Request:
     expected_last: int  # step index of the last forward if no EOS comes first (-1 unknown)
     step: int = 0
     tokens_seen: int = 0
+    fed: int = 0  # tokens fed to the model so far (cache length before the request + inputs)
+    step_position: int = 0  # position of the current forward's first token (for sampled queries)
     sample_now: bool = False
     step_t: list[int] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
@@ -631,6 +635,12 @@ class Recorder:
         step = req.step
         if step == 0:
             self._event(EventKind.PREFILL_START, req.id, step=0)
+            cache = _hooks.find_cache(args, kwargs)
+            req.fed = int(cache.get_seq_length()) if cache is not None else 0
+        # Positions are counted from the inputs, not from the last structure read: with
+        # structure_every > 1 that read may be several steps old.
+        req.step_position = req.fed
+        req.fed += _new_tokens(args, kwargs)
         if self.sampler is not None:
             req.sample_now = bool(self.sampler.wants(step, is_prefill=step == 0,
                                                      is_last=step == req.expected_last))
@@ -688,23 +698,30 @@ class Recorder:
         assert ctx is not None
         rid = req.id
         retention = self.options.retention
-        fast = None
         if req.plan is not None and not req.sample_now:
-            fast = read_rows_fast(cache, req.plan, rid, step, t,
-                                  self._retention.live if retention else None)
-        readings = None
-        if fast is not None:
-            rows, unique, valid, seen = fast
-            naive = unique  # every storage distinct (checked by read_rows_fast)
-        else:
-            readings = read_cache(cache, ctx, observe=self._retention.observe if retention else None)
-            rows, naive, unique, valid, seen = _rows_of(rid, step, t, readings)
-            req.plan = fast_plan(cache, ctx, readings)
+            fast = read_step_fast(cache, req.plan, rid, step, t, self._retention.live if retention else None)
+            if fast is not None:
+                self._write_fast(req, fast, memory=memory)
+                return
+        readings = read_cache(cache, ctx, observe=self._retention.observe if retention else None)
+        rows, naive, unique, valid, seen = _rows_of(rid, step, t, readings)
+        req.plan = fast_plan(cache, ctx, readings)
         self._write_structure(req, step, t, rows, naive, unique, valid, seen, memory=memory)
-        if readings is not None and not self._layers_written:
+        if not self._layers_written:
             self._write_layers(readings)
-        if req.sample_now and self.sampler is not None and readings is not None:
+        if req.sample_now and self.sampler is not None:
             self._sample(req, step, cache, readings)
+
+    def _write_fast(self, req: _Request, fast: FastStep, *, memory: bool = True) -> None:
+        """The fast path's rows: two deferred blocks, converted by the writer's flusher."""
+        w = self.writer
+        assert w is not None
+        step = fast.step
+        w.append("kv", fast)
+        alloc, reserved = self._step_memory() if memory else (-1, -1)
+        w.append("steps", FastStepTotals(fast, int(Phase.PREFILL if step == 0 else Phase.DECODE), alloc, reserved,
+                                         self.telemetry.latest_rss()))
+        self._after_structure(req, step, fast.seen, fast)
 
     def _write_structure(self, req: _Request, step: int, t: int, rows: list[KvRow], naive: int, unique: int,
                          valid: int, seen: int, *, memory: bool = True) -> None:
@@ -716,12 +733,15 @@ class Recorder:
         alloc, reserved = self._step_memory() if memory else (-1, -1)
         w.append("steps", (req.id, step, int(Phase.PREFILL if step == 0 else Phase.DECODE), t, seen,
                            naive, unique, valid, alloc, reserved, self.telemetry.latest_rss()))
+        self._after_structure(req, step, seen, rows)
+
+    def _after_structure(self, req: _Request, step: int, seen: int, rows: list[KvRow] | FastStep) -> None:
         req.tokens_seen = seen
         req.recorded = step
         if self.options.retention:
             self._retention.end_step()
         if self.exporter is not None:
-            self._prom_step(step, seen, rows)
+            self._prom_step(step, seen, rows.rows() if isinstance(rows, FastStep) else rows)
 
     def _cache_died(self, req: _Request, _ref: Any) -> None:
         """Weak-reference callback of a request's Cache. CPython calls it before the Cache's own
@@ -846,7 +866,7 @@ class Recorder:
                 heads = self._ctx.num_attention_heads if self._ctx is not None else 0
                 group = heads // kv_heads if kv_heads and heads and heads % kv_heads == 0 else None
             self.sampler.submit(req.id, req.step, int(layer_idx), PayloadKind.QUERY, query,
-                                token_start=req.tokens_seen, group_size=group)
+                                token_start=req.step_position, group_size=group)
         except Exception as exc:  # noqa: BLE001
             self._on_error("query-capture", exc)
 
@@ -952,6 +972,19 @@ def _rows_of(rid: int, step: int, t: int, readings: list[LayerReading]) -> tuple
     ]
     seen = max((r.tokens_seen for r in readings if r.part == "self"), default=0)
     return rows, acc.naive, acc.unique, acc.valid, seen
+
+
+def _new_tokens(args: tuple, kwargs: dict) -> int:
+    """Tokens one forward feeds (its input_ids / inputs_embeds length), 0 when not visible."""
+    x = None
+    for key in ("decoder_input_ids", "decoder_inputs_embeds", "input_ids", "inputs_embeds"):  # decoder first
+        x = kwargs.get(key)
+        if x is not None:
+            break
+    if x is None and args:
+        x = args[0]
+    shape = getattr(x, "shape", None)
+    return int(shape[1]) if shape is not None and len(shape) >= 2 else 0
 
 
 def _layer_type_name(code: int) -> str:

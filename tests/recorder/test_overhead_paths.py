@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from rec_helpers import NEW, PROMPT, model
@@ -15,9 +16,15 @@ import kvtrace
 from kvtrace import geometry
 from kvtrace.cli import main
 from kvtrace.format.reader import Trace
-from kvtrace.format.schema import EventKind
+from kvtrace.format.schema import KV, STEPS, EventKind
 from kvtrace.format.validate import validate
-from kvtrace.recorder.layouts import context_from_config, fast_plan, read_cache, read_rows_fast
+from kvtrace.recorder.layouts import (
+    FastStepTotals,
+    context_from_config,
+    fast_plan,
+    read_cache,
+    read_step_fast,
+)
 from kvtrace.recorder.session import Recorder, _rows_of
 from kvtrace.testing_models import tiny_prompt
 
@@ -49,14 +56,16 @@ def test_fast_rows_equal_general_rows_every_step(name):
             assert plan is not None, "a plain dynamic cache must qualify for the fast path"
             continue
         live: dict = {}
-        fast = read_rows_fast(cache, plan, 3, step, 1000 + step, live)
+        fast = read_step_fast(cache, plan, 3, step, 1000 + step, live)
         assert fast is not None, f"fast path fell back at step {step}"
-        frows, funique, fvalid, fseen = fast
-        assert [tuple(tuple(x) if isinstance(x, tuple) else x for x in r) for r in frows] == rows, step
-        assert (funique, funique, fvalid, fseen) == (naive, unique, valid, seen), step
-        # retention sees every storage of the step, attributed to its layer
+        # the rows the flusher writes are the general reader's rows, field for field
+        assert fast.rows_array(KV).tobytes() == np.array(rows, dtype=KV).tobytes(), step
+        totals = FastStepTotals(fast, 1, -1, -1, 7).rows_array(STEPS)[0]
+        assert (totals["kv_bytes_naive"], totals["kv_bytes_unique"], totals["kv_bytes_valid"],
+                totals["tokens_seen"], fast.seen) == (naive, unique, valid, seen, seen), step
+        # retention sees every storage of the step, attributed to its layer, by weak reference only
         assert {k: v[0] for k, v in live.items()} == {key: r.layer for r in readings for key, _ in r.storages}
-        assert all(v[1]() is not None and v[2]() is not None for v in live.values())
+        assert all(v[1]() is not None for v in live.values())
         fast_steps += 1
     assert fast_steps == NEW
 
@@ -68,9 +77,9 @@ def test_fast_path_refuses_storages_shared_across_layers():
     cache = next(caches)
     plan = fast_plan(cache, ctx, read_cache(cache, ctx))
     cache = next(caches)
-    assert read_rows_fast(cache, plan, 0, 1, 0) is not None
+    assert read_step_fast(cache, plan, 0, 1, 0) is not None
     cache.layers[1].keys = cache.layers[0].keys  # layer 1's K now aliases layer 0's K
-    assert read_rows_fast(cache, plan, 0, 1, 0) is None
+    assert read_step_fast(cache, plan, 0, 1, 0) is None
     readings = read_cache(cache, ctx)
     assert fast_plan(cache, ctx, readings) is None
     _, naive, unique, _, _ = _rows_of(0, 1, 0, readings)

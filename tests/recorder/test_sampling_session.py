@@ -53,3 +53,19 @@ def test_session_samples_cache_and_queries(tmp_path) -> None:
     for p in decode_queries:  # one new token per decode step, every query head of its group
         assert p.shape[2] == 1 and p.shape[-1] == model.config.head_dim
         assert p.token_start == total - 1
+
+
+def test_query_positions_exact_when_structure_is_read_sparsely(tmp_path) -> None:
+    """Sampled queries carry their absolute position even when the structure was last read several
+    steps earlier (structure_every > 1): positions come from the inputs, not from that read."""
+    model = tiny_model("llama")
+    path = tmp_path / "q.kvt.h5"
+    settings = SamplingSettings(every_n_steps=5, queries=True, at_last_step=False)
+    with kvtrace.record(model, str(path), sampling=settings, structure_every=4), torch.no_grad():
+        model.generate(tiny_prompt(PROMPT), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    with kvtrace.open(str(path)) as trace:
+        index = trace.payload_index()
+        queries = [trace.payload(i) for i in range(len(index)) if int(index[i]["kind"]) == int(PayloadKind.QUERY)]
+    by_step = {p.step: p.token_start for p in queries}
+    # step 0 (prefill) feeds positions 0..PROMPT-1; decode step s feeds position PROMPT + s - 1
+    assert by_step == {0: 0, 5: PROMPT + 4}
