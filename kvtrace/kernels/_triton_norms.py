@@ -24,13 +24,13 @@ import triton.language as tl
 
 from kvtrace.kernels._env import interpreting
 
-# Launch heuristic (H200 sweep, bf16, D = 128): 4K-element tiles on 4 warps with 8 programs per SM
-# up to ~512 MiB of input; 8K-element tiles on 8 warps with 4 programs per SM above that. With
-# 3 stages a program buffers 2 tiles in shared memory (bf16: 16 KiB at 4K elements, 32 KiB at 8K),
-# i.e. 128 KiB per SM for either grid, within the 228 KiB of an H100/H200 SM.
+# Launch heuristic (H200 sweep, bf16, D = 128): 8 KiB tiles (32 x 128) on 4 warps with 8 programs
+# per SM up to ~512 MiB of input; 16 KiB tiles (64 x 128) on 8 warps with 4 programs per SM above.
+# With 3 stages a program buffers 2 tiles in shared memory: 128 KiB per SM for either grid, within
+# the 228 KiB of an H100/H200 SM. Tiles are sized in bytes so fp32 inputs keep that footprint.
 _LARGE_INPUT_BYTES = 512 * 2**20
-_SMALL = (4096, 4, 8)  # (elements per tile, num_warps, programs per SM)
-_LARGE = (8192, 8, 4)
+_SMALL = (8192, 4, 8)  # (bytes per tile, num_warps, programs per SM)
+_LARGE = (16384, 8, 4)
 _NUM_STAGES = 3
 # Under the CPU interpreter every program runs in Python: tiny tiles and a pretend 1-SM device
 # keep tests fast while still producing several segments per head.
@@ -113,11 +113,12 @@ def plan_launch(
     B, H, T, D = shape
     block_d = _pow2_at_least(D)
     large = B * H * T * D * itemsize > _LARGE_INPUT_BYTES
-    tile_elems, num_warps, per_sm = _LARGE if large else _SMALL
+    tile_bytes, num_warps, per_sm = _LARGE if large else _SMALL
+    row_bytes = block_d * itemsize
     if block_t is None:
-        block_t = max(1, tile_elems // block_d)
+        block_t = max(1, tile_bytes // row_bytes)
     block_t = min(block_t, _pow2_at_least(T))
-    if block_t * block_d < tile_elems:  # short sequences or narrow heads: a smaller tile, fewer warps
+    if block_t * row_bytes < tile_bytes:  # short sequences or a forced small tile: fewer warps
         num_warps = 4
     tiles = _cdiv(T, block_t)
     if programs is None:

@@ -93,7 +93,7 @@ def test_plan_covers_every_tile_once(b, h, t, d, itemsize, sms):
     assert 1 <= p.segments <= max(1, 8 * sms // (b * h))
     assert p.block_d >= d and p.block_d & (p.block_d - 1) == 0
     assert p.block_t & (p.block_t - 1) == 0 and p.block_t <= max(1, 2 * t)
-    assert p.block_t * p.block_d <= 8192 or p.block_t == 1
+    assert p.block_t * p.block_d * itemsize <= 16384 or p.block_t == 1  # at most 16 KiB per tile
 
 
 def test_plan_heuristic_on_h200_shapes():
@@ -104,7 +104,9 @@ def test_plan_heuristic_on_h200_shapes():
     assert (large.block_t, large.num_warps) == (64, 8)
     assert large.segments * 32 <= 4 * 132 and large.segments == 16
     wide = tn.plan_launch((1, 8, 4096, 512), 2, sms=132)
-    assert wide.block_t * wide.block_d == 4096
+    assert wide.block_t * wide.block_d == 4096  # 8 KiB tiles whatever D and the dtype
+    fp32 = tn.plan_launch((1, 32, 32768, 128), 4, sms=132)  # 512 MiB: still the small-input grid
+    assert (fp32.block_t, fp32.num_warps, fp32.segments) == (16, 4, 33)  # 2048 tiles: 32 segments of 63 + one of 32
     short = tn.plan_launch((1, 8, 5, 128), 2, sms=132)  # one short tile per head
     assert (short.block_t, short.segments, short.tiles_per_segment) == (8, 1, 1)
 
