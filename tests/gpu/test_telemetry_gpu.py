@@ -1,5 +1,6 @@
 """GPU-only checks of telemetry and sampling: NVML and allocator readings follow a real 256 MiB
-allocation, the telemetry thread keeps its rate, and the pinned async copy path is bit-exact.
+allocation, the telemetry thread keeps its rate, and the GPU-shuffled pinned async copy path
+stores exactly encode_payload's frames.
 
 Run on the device:  python -m pytest tests/gpu/test_telemetry_gpu.py -m gpu -q -s
 (-s shows the measured per-call costs; nothing here asserts a timing.)
@@ -19,7 +20,7 @@ pytestmark = [
 ]
 pytest.importorskip("zstandard", reason="the trace writer needs zstandard (carry it to the GPU host)")
 
-from kvtrace.format import PayloadKind, TraceWriter, open_trace  # noqa: E402
+from kvtrace.format import PayloadKind, TraceWriter, encode_payload, open_trace, schema  # noqa: E402
 from kvtrace.recorder.sampling import PayloadSampler, SamplingSettings  # noqa: E402
 from kvtrace.recorder.telemetry import Telemetry  # noqa: E402
 
@@ -101,52 +102,91 @@ def test_thread_rate_and_costs(tmp_path) -> None:
     tel.close()
 
 
-BITS = {1: torch.uint8, 2: torch.int16}
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def _random_bits(shape, dtype, seed):
+    """Every bit pattern is fair game (NaN payloads, infinities, subnormals)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    raw = torch.randint(-(2 ** 15), 2 ** 15, shape, generator=gen, device="cuda", dtype=torch.int32)
-    if torch.empty((), dtype=dtype).element_size() == 1:
-        return (raw & 0xFF).to(torch.uint8).view(dtype)
-    return raw.to(torch.int16).view(dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape, size), generator=gen, device="cuda", dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def _staging_bytes(view) -> int:
+    """Device bytes the sampler holds to stage one sample: its whole shuffled chunks, plus a
+    gather when the view is not contiguous (kvtrace.recorder.staging)."""
+    nbytes = view.numel() * view.element_size()
+    chunks = max(1, -(-nbytes // schema.PAYLOAD_CHUNK_BYTES)) * schema.PAYLOAD_CHUNK_BYTES
+    return chunks + (0 if view.is_contiguous() else nbytes)
+
+
+def _stored_frames(path, row) -> list[bytes]:
+    import h5py
+
+    itemsize = int(row["itemsize"])
+    chunk = schema.payload_chunk_elements(itemsize)
+    first = int(row["first_chunk"])
+    with h5py.File(path, "r") as f:
+        ds = f[schema.payload_dataset_name(itemsize)]
+        return [bytes(ds.id.read_direct_chunk(((first + i) * chunk,))[1]) for i in range(int(row["n_chunks"]))]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=["bf16", "fp8", "fp32"])
 def test_pinned_async_copy_is_bit_exact(tmp_path, dtype) -> None:
+    """Shuffled on the GPU, copied to pinned memory, compressed by the workers: the stored frames
+    are encode_payload's frames for the values at submit time, whatever the view's layout."""
     cache = _random_bits((2, 8, 96, 64), dtype, seed=3)
     transposed = _random_bits((2, 8, 64, 96), dtype, seed=4).transpose(2, 3)  # rows not contiguous
-    expected = {
-        "full": cache.clone(),
-        "strided": cache[:, 1::2, -32:].clone(),
-        "gather": transposed[:, 1::2, -32:].clone(),
+    long = _random_bits((1, 4, 1100, 128), dtype, seed=5)  # several chunks, the last one partial
+    exact = _random_bits((1, 8, 512, 64), dtype, seed=6)  # whole chunks only
+    views = {
+        "full": cache,
+        "strided": cache[:, 1::2, -32:],
+        "gather": transposed[:, 1::2, -32:],
+        "long": long,
+        "exact": exact,
     }
+    expected = {name: v.clone() for name, v in views.items()}
+    own = {name: _staging_bytes(v) for name, v in views.items()}
+    del views
     settings = SamplingSettings(every_n_steps=1, heads=[1, 3, 5, 7], max_tokens=32)
     path = tmp_path / "copy.kvt.h5"
     with TraceWriter(path) as writer:
         full = PayloadSampler(writer, SamplingSettings(every_n_steps=1))
         picked = PayloadSampler(writer, settings)
         t0 = time.perf_counter()
-        assert full.submit(0, 0, 0, PayloadKind.KEY, cache)  # contiguous: one copy
-        assert picked.submit(0, 0, 1, PayloadKind.KEY, cache, token_start=5)  # per-row copies
-        assert picked.submit(0, 0, 2, PayloadKind.KEY, transposed)  # device gather
-        submit_us = (time.perf_counter() - t0) / 3 * 1e6
+        assert full.submit(0, 0, 0, PayloadKind.KEY, cache)  # in place (the KEY default)
+        assert picked.submit(0, 0, 1, PayloadKind.KEY, cache, token_start=5)  # head + token selection
+        assert picked.submit(0, 0, 2, PayloadKind.KEY, transposed)  # selection of a transposed layout
+        assert full.submit(0, 0, 3, PayloadKind.VALUE, long, mutable=False)  # record_stream path
+        assert full.submit(0, 0, 4, PayloadKind.VALUE, exact, mutable=True)
+        submit_us = (time.perf_counter() - t0) / 5 * 1e6
         # The model writes its cache in place right after (static cache): the samples must
         # still hold the values at submit time. (Integer views: fill_ is not defined for fp8.)
-        cache.view(BITS[cache.element_size()]).zero_()
-        transposed.view(BITS[transposed.element_size()]).zero_()
+        for t in (cache, transposed, exact):
+            t.view(BITS[t.element_size()]).zero_()
+        del long  # nobody writes it in place; its block may go to new work at once
+        reuse = torch.empty((1, 4, 1100, 128), dtype=dtype, device="cuda")
+        reuse.view(BITS[reuse.element_size()]).fill_(0)
         full_stats, picked_stats = full.close(), picked.close()
-    print(f"\nsubmit: {submit_us:.0f} us each; own device bytes {picked_stats['own_device_bytes']}")
-    assert full_stats["own_device_bytes"] == 0
-    assert picked_stats["own_device_bytes"] == expected["gather"].numel() * expected["gather"].element_size()
+    print(f"\nsubmit: {submit_us:.0f} us each; own device bytes full {full_stats['own_device_bytes']}, "
+          f"picked {picked_stats['own_device_bytes']}")
+    assert full_stats["written"] == 3 and picked_stats["written"] == 2
+    assert full_stats["own_device_bytes"] == max(own["full"], own["long"], own["exact"])
+    assert picked_stats["own_device_bytes"] == max(own["strided"], own["gather"])
     assert picked.own_device_bytes_on(torch.cuda.current_device()) == picked_stats["own_device_bytes"]
     with open_trace(path) as trace:
-        payloads = {int(trace.payload(i).layer): trace.payload(i) for i in range(trace.nrows("payloads/index"))}
-    for layer, name in enumerate(("full", "strided", "gather")):
+        index = trace.payload_index()
+        payloads = {int(trace.payload(i).layer): trace.payload(i) for i in range(len(index))}
+    rows = {int(r["layer"]): r for r in index}
+    for layer, name in enumerate(("full", "strided", "gather", "long", "exact")):
         p, src = payloads[layer], expected[name]
         assert p.shape == tuple(src.shape)
         want = src.contiguous().view(BITS[src.element_size()]).cpu().numpy()
-        np.testing.assert_array_equal(p.data.reshape(p.shape), want.view(p.data.dtype))
+        np.testing.assert_array_equal(p.data.reshape(p.shape), want.view(p.data.dtype), err_msg=name)
+        frames = encode_payload(0, 0, layer, p.kind, p.dtype, want, level=SamplingSettings().level).frames
+        assert _stored_frames(path, rows[layer]) == frames, name
     assert (payloads[1].head_start, payloads[1].head_stride, payloads[1].token_start) == (1, 2, 5 + 64)
 
 
