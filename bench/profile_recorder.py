@@ -3,8 +3,8 @@
     python bench/profile_recorder.py [--device cuda] [--json out.json]
 
 Wraps the recorder's step-path functions with perf_counter timers and runs generate on the
-Pythia-1.4B geometry (bf16, random weights) twice per mode: structure read every 1, 2 and 4 steps,
-and the default with sampling every 32 steps. Prints microseconds per decode step for each component, the decode-step times of
+Pythia-1.4B geometry (bf16, random weights) twice per mode: structure read every step, every 4th,
+the default (every 8th), and the default with sampling every 32 steps. Prints microseconds per decode step for each component, the decode-step times of
 sampling steps, of the steps right after them and of the others (against a run without the
 recorder), and the background workers' time split (waiting, shuffle+compress, write). Costs of
 the raw calls involved (allocator stats, pinned allocation) are measured alone too. The timers
@@ -42,7 +42,6 @@ def timed(owner: Any, name: str, label: str) -> None:
 
 
 def instrument() -> None:
-    import kvtrace.format.codec as codec
     import kvtrace.format.writer as writer
     import kvtrace.recorder.allocator as allocator
     import kvtrace.recorder.sampling as sampling
@@ -58,10 +57,9 @@ def instrument() -> None:
     timed(sampling.PayloadSampler, "_stage_cuda", "sampler._stage_cuda")
     timed(sampling.PayloadSampler, "submit", "sampler.submit")
     # worker side (background threads)
-    timed(writer, "encode_payload", "worker: encode_payload")
-    timed(codec, "shuffle_bytes", "worker: shuffle_bytes")
+    timed(sampling, "encode_sample", "worker: encode_sample")
+    timed(sampling, "compress_shuffled", "worker: compress")
     timed(writer.TraceWriter, "write_payload", "worker: write_payload")
-    sampling.encode_payload = writer.encode_payload
 
 
 def raw_costs(device: str) -> dict[str, float]:
@@ -151,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.randint(3, int(cfg.vocab_size), (1, 64)).to(args.device)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
                            "model": args.model, "new_tokens": args.new_tokens, "raw": raw_costs(args.device)}
-    modes = {"base": None, "every1": {"structure_every": 1}, "every2": {"structure_every": 2},
-             "every4": {"structure_every": 4}, "sampling32": {"sampling": {"every_n_steps": 32}}}
+    modes = {"base": None, "every1": {"structure_every": 1}, "every4": {"structure_every": 4},
+             "default": {}, "sampling32": {"sampling": {"every_n_steps": 32}}}
     with tempfile.TemporaryDirectory() as tmp:
         for mode, kw in modes.items():  # warm-up
             run(model, ids, 40, kw, Path(tmp), f"warm-{mode}")

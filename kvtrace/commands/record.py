@@ -216,7 +216,7 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
 @click.option("--sample-max-tokens", type=click.IntRange(min=1), default=None,
               help="Keep only the last N tokens of each sample.")
 @click.option("--sample-queries", is_flag=True, help="Also sample post-RoPE queries.")
-@click.option("--structure-every", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--structure-every", type=click.IntRange(min=1), default=8, show_default=True,
               help="Read the per-layer cache structure at prefill, every N-th decode step and the last "
                    "step (1: every step); other steps still get their DECODE_STEP event.")
 @click.option("--telemetry-hz", type=click.FloatRange(min=0, min_open=True, max=1000), default=20.0,

@@ -1,11 +1,10 @@
 """Opt-in sampling of tensor contents (K, V, post-RoPE Q, MLA latents) into trace payloads.
 
-The generating thread only selects a view and enqueues a copy: on CUDA the chunk padding and
-byte shuffle run on a side stream, followed by an asynchronous device->host copy into pinned
-memory, closed by an event (``staging.py``); on CPU a plain copy. Background threads wait for the
-event, shuffle if the GPU did not, compress (``codec.compress_shuffled``) and write
-(``TraceWriter.write_payload``), holding the GIL only between GIL-free numpy copies and zstd
-calls. At most ``queue_size`` samples are in flight; when full, a sample is dropped and counted
+The generating thread only selects a view and enqueues a copy: on CUDA an asynchronous
+device->host copy into pinned memory on a side stream, closed by an event (``staging.py``); on CPU
+a plain copy. Background threads wait for the event, byte-shuffle (``codec.shuffle_chunks``),
+compress (``codec.compress_shuffled``) and write (``TraceWriter.write_payload``), holding the GIL
+only between GIL-free numpy copies and zstd calls. At most ``queue_size`` samples are in flight; when full, a sample is dropped and counted
 instead of stalling generation. Elements travel as their raw bits (bf16 as int16, fp8 as uint8,
 ...), so every dtype round-trips bit-exactly; the frames are the ones ``encode_payload`` writes.
 """
@@ -96,8 +95,7 @@ class _Job:
     kind: PayloadKind
     dtype: CacheDType
     shape: tuple[int, ...]
-    host: Any  # torch.Tensor: carrier elements (CPU), or pinned shuffled chunks (CUDA, ``shuffled``)
-    shuffled: bool
+    host: Any  # torch.Tensor: the sample's carrier elements, contiguous (pinned on CUDA)
     event: Any  # torch.cuda.Event or None
     head_start: int
     head_stride: int
@@ -111,10 +109,9 @@ def cache_dtype(dtype: torch.dtype) -> CacheDType | None:
 
 
 def encode_sample(job: _Job, level: int) -> EncodedPayload:
-    """Shuffle (unless the GPU already did) and compress one staged sample, off the generating thread."""
-    chunks = job.host.numpy()
-    if not job.shuffled:
-        chunks = shuffle_chunks(chunks, payload_chunk_elements(chunks.dtype.itemsize))
+    """Shuffle and compress one staged sample, off the generating thread."""
+    elements = job.host.numpy()
+    chunks = shuffle_chunks(elements, payload_chunk_elements(elements.dtype.itemsize))
     return EncodedPayload(
         job.request, job.step, job.layer, job.kind, job.dtype, job.shape, DTYPE_ITEMSIZE[job.dtype],
         math.prod(job.shape), compress_shuffled(chunks, level), job.head_start, job.head_stride,
@@ -237,7 +234,7 @@ class PayloadSampler:
             return False
         del view  # the copy is enqueued: drop our reference to the cache memory now
         nbytes = host.numel() * host.element_size()
-        job = _Job(request, step, layer, kind, dtype, shape, host, event is not None, event, head_start,
+        job = _Job(request, step, layer, kind, dtype, shape, host, event, head_start,
                    head_stride, token_start, monotonic_ns(), nbytes if event is not None else 0)
         with self._lock:
             self._pending += 1
@@ -290,8 +287,8 @@ class PayloadSampler:
         return (start, stride, count) if count > 0 else None
 
     def _stage_cuda(self, view: torch.Tensor, in_place: bool) -> tuple[torch.Tensor, Any]:
-        """Shuffle on the side stream of view's device and copy to pinned memory (``staging``);
-        counts the sampler's own device temporaries. Returns (pinned chunks, ready event)."""
+        """Copy to pinned memory on the side stream of view's device (``staging``); counts the
+        sampler's own device temporaries. Returns (pinned elements, ready event)."""
         import torch
 
         device = view.device

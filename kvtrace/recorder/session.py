@@ -102,7 +102,7 @@ class RecordOptions:
     # Per-layer structure (/kv rows, the /steps row, retention observation) is read at the prefill
     # step, at decode steps that are multiples of N, at content-sampling steps and at the last step;
     # every step still gets its DECODE_STEP event. 1: every step.
-    structure_every: int = 1
+    structure_every: int = 8
     flush_interval_s: float = 1.0
     prometheus: str | None = None  # "HOST:PORT": serve live metrics at http://HOST:PORT/metrics
     prometheus_textfile: str | None = None  # node_exporter textfile, rewritten atomically

@@ -24,7 +24,7 @@ PROMPT, NEW = 5, 12  # 5 + 12 tokens saturate the tiny window of 8
 def _record(name: str, path, **options) -> None:
     model = tiny_model(name)
     ids = torch.randint(3, 200, (1, PROMPT), generator=torch.Generator().manual_seed(0))
-    with kvtrace.record(model, path, **options):
+    with kvtrace.record(model, path, **{"structure_every": 1, **options}):  # every step
         model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
 
 

@@ -114,11 +114,9 @@ def _random_bits(shape, dtype, seed):
 
 
 def _staging_bytes(view) -> int:
-    """Device bytes the sampler holds to stage one sample: its whole shuffled chunks, plus a
-    gather when the view is not contiguous (kvtrace.recorder.staging)."""
-    nbytes = view.numel() * view.element_size()
-    chunks = max(1, -(-nbytes // schema.PAYLOAD_CHUNK_BYTES)) * schema.PAYLOAD_CHUNK_BYTES
-    return chunks + (0 if view.is_contiguous() else nbytes)
+    """Device bytes the sampler holds to stage one sample: a gather when the view is not
+    contiguous (kvtrace.recorder.staging), else none."""
+    return 0 if view.is_contiguous() else view.numel() * view.element_size()
 
 
 def _stored_frames(path, row) -> list[bytes]:
@@ -134,7 +132,7 @@ def _stored_frames(path, row) -> list[bytes]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=["bf16", "fp8", "fp32"])
 def test_pinned_async_copy_is_bit_exact(tmp_path, dtype) -> None:
-    """Shuffled on the GPU, copied to pinned memory, compressed by the workers: the stored frames
+    """Copied to pinned memory, shuffled and compressed by the workers: the stored frames
     are encode_payload's frames for the values at submit time, whatever the view's layout."""
     cache = _random_bits((2, 8, 96, 64), dtype, seed=3)
     transposed = _random_bits((2, 8, 64, 96), dtype, seed=4).transpose(2, 3)  # rows not contiguous

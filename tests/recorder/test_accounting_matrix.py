@@ -63,7 +63,7 @@ def test_per_layer_bytes_match_geometry(tmp_path, name, cache_kind, batch):
     elif cache_kind == "quantized_fp8":
         gen["cache_implementation"] = "quantized"
         gen["cache_config"] = {"backend": "fp8"}
-    path, rec = record_run(tmp_path, name, **gen)
+    path, rec = record_run(tmp_path, name, record_kwargs={"structure_every": 1}, **gen)  # every step
     assert rec.recorder_errors == 0, dict(rec.errors)
     report = validate(path)
     assert report.valid, report.problems

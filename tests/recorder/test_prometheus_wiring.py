@@ -73,13 +73,15 @@ def test_cli_textfile_mirrors_the_trace(tmp_path, capsys):
     got = read_metrics(prom)
     with Trace(out) as t:
         kv, steps, nvml = last_step_kv(t), t.steps(), t.meta.source_available("nvml")
+        t_events = t.events()
         n_layers = t.nrows("layers")
         replay = parse(exporter_from_trace(t, tmp_path / "replay.prom").render())
     assert got[("kvtrace_requests_total", (("outcome", "ok"),))] == 2
     assert got[("kvtrace_requests_in_flight", ())] == 0
     assert got[("kvtrace_generated_tokens_total", ())] == 6
     assert got[("kvtrace_steps_total", (("phase", "prefill"),))] == 2
-    assert got[("kvtrace_steps_total", (("phase", "decode"),))] == len(steps) - 2
+    decode_events = int((t_events["kind"] == int(EventKind.DECODE_STEP)).sum())
+    assert got[("kvtrace_steps_total", (("phase", "decode"),))] == decode_events == 4  # 2 per request
     assert got[("kvtrace_kv_cache_tokens", ())] == int(steps["tokens_seen"][-1])
     live_kv = {dict(k[1])["layer"]: v for k, v in got.items() if k[0] == "kvtrace_kv_cache_bytes"}
     assert live_kv == kv and len(kv) == n_layers and all(v > 0 for v in kv.values())
@@ -177,10 +179,10 @@ def test_exporter_failure_never_reaches_the_model(tmp_path, monkeypatch):
     monkeypatch.setattr(PrometheusExporter, "on_kv", broken)
     prom = tmp_path / "k.prom"
     path = tmp_path / "b.kvt.h5"
-    with kvtrace.record(m, path, prometheus_textfile=str(prom)) as rec:
+    with kvtrace.record(m, path, prometheus_textfile=str(prom), structure_every=1) as rec:
         out = generate(m, new=4)
     assert torch.equal(out, ref)
-    assert rec.recorder_errors == 4  # once per step
+    assert rec.recorder_errors == 4  # once per step (structure read at every step)
     got = read_metrics(prom)
     assert got[("kvtrace_recorder_errors_total", ())] == 4
     assert got[("kvtrace_requests_total", (("outcome", "ok"),))] == 1
@@ -208,13 +210,13 @@ def test_failed_request_is_counted_by_outcome(tmp_path):
 
 def test_dropped_samples_are_counted_live(tmp_path, monkeypatch):
     """A slow payload writer and a queue of one: the counter equals what the trace records."""
-    original = sampling_mod.encode_payload
+    original = sampling_mod.encode_sample
 
     def slow(*a, **k):
         time.sleep(0.02)
         return original(*a, **k)
 
-    monkeypatch.setattr(sampling_mod, "encode_payload", slow)
+    monkeypatch.setattr(sampling_mod, "encode_sample", slow)
     m = model("llama")
     prom, path = tmp_path / "k.prom", tmp_path / "d.kvt.h5"
     with kvtrace.record(m, path, prometheus_textfile=str(prom),

@@ -139,7 +139,7 @@ def test_recorder_error_never_reaches_the_model(tmp_path, monkeypatch):
 
     monkeypatch.setattr("kvtrace.recorder.session.read_cache", broken)
     path = tmp_path / "err.kvt.h5"
-    with kvtrace.record(m, path) as rec:
+    with kvtrace.record(m, path, structure_every=1) as rec:  # a failure at every step
         out = generate(m, new=5)
         out2 = generate(m, new=5)
     assert torch.equal(out, ref) and torch.equal(out2, ref)
@@ -177,7 +177,7 @@ def test_failures_inside_generate(tmp_path, exc, outcome, kind):
     path = tmp_path / "fail.kvt.h5"
     try:
         with pytest.raises(type(exc)) as info:
-            with kvtrace.record(m, path):
+            with kvtrace.record(m, path, structure_every=1):  # every step up to the failure
                 generate(m, new=8)
         assert info.value is exc  # re-raised unchanged
     finally:

@@ -196,7 +196,8 @@ class GrowthCurve(Detector):
         score = min(ramp(ratio, *DEVICE_GROWTH_RATIO), ramp(excess, *floor), cap)
         if score == 0:
             return []
-        msg = (f"{source} grew {format_bytes(d_mem)} over {s.size:,} decode steps of request "
+        span = int(s["step"][-1]) - int(s["step"][0])  # steps spanned (rows may be every N-th step)
+        msg = (f"{source} grew {format_bytes(d_mem)} over {span:,} decode steps of request "
                f"{req.request} while the KV cache grew {format_bytes(max(d_kv, 0))} ({ratio:.1f}x): something "
                f"besides the cache grows with every token (e.g. old cache copies kept alive)")
         if column == "rss_bytes":
