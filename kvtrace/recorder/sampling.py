@@ -11,10 +11,12 @@ instead of stalling generation. Elements travel as their raw bits (bf16 as int16
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import queue
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +31,7 @@ from kvtrace.format.schema import (
     payload_chunk_elements,
 )
 from kvtrace.format.writer import EncodedPayload, TraceWriter, monotonic_ns
-from kvtrace.recorder.staging import carrier_bits, stage_on_stream
+from kvtrace.recorder.staging import StagingBatch, carrier_bits
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -136,6 +138,8 @@ class PayloadSampler:
         self._pinned_in_flight = 0
         self.pinned_host_bytes_peak = 0
         self._streams: dict[int, Any] = {}
+        self._batch: StagingBatch | None = None  # open while a sampling step stages its tensors
+        self._batch_jobs: list[tuple[_Job, int]] = []
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0
@@ -219,13 +223,18 @@ class PayloadSampler:
                 self.dropped += 1
             return False
         shape = tuple(view.shape)
+        index, event = -1, None
         try:
             view = carrier_bits(view)
             if view.device.type == "cuda":
                 in_place = kind != PayloadKind.QUERY if mutable is None else mutable
-                host, event = self._stage_cuda(view, in_place)
+                index = _device_index(view)
+                batch = self._batch if self._batch is not None else StagingBatch(self._streams)
+                host = self._stage_cuda(batch, view, index, in_place)
+                if batch is not self._batch:  # a copy outside batch(): a batch of one
+                    event = batch.close()[index]
             else:  # a plain copy: clone() always copies, so the cache's storage is not shared
-                host, event = view.to("cpu").clone(memory_format=_contiguous()), None
+                host = view.to("cpu").clone(memory_format=_contiguous())
         except Exception as exc:  # noqa: BLE001 - sampling must never break generation
             self._slots.release()
             with self._lock:
@@ -235,13 +244,45 @@ class PayloadSampler:
         del view  # the copy is enqueued: drop our reference to the cache memory now
         nbytes = host.numel() * host.element_size()
         job = _Job(request, step, layer, kind, dtype, shape, host, event, head_start,
-                   head_stride, token_start, monotonic_ns(), nbytes if event is not None else 0)
+                   head_stride, token_start, monotonic_ns(), nbytes if index >= 0 else 0)
+        if index >= 0 and event is None:
+            self._batch_jobs.append((job, index))  # queued when the batch closes, with its event
+            return True
+        self._enqueue(job)
+        return True
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Stage every CUDA sample submitted inside on one side stream per device, closed by one
+        event: what a sampling step does for all its layers. Jobs reach the workers at exit."""
+        if self._batch is not None:  # nested: the outer batch closes
+            yield
+            return
+        self._batch = StagingBatch(self._streams)
+        try:
+            yield
+        finally:
+            batch, self._batch = self._batch, None
+            jobs, self._batch_jobs = self._batch_jobs, []
+            try:
+                events = batch.close()
+            except Exception as exc:  # noqa: BLE001 - counted, never raised into generation
+                for _ in jobs:
+                    self._slots.release()
+                with self._lock:
+                    self.failed += len(jobs)
+                    self.last_error = f"copy: {type(exc).__name__}: {exc}"
+                jobs = []
+            for job, index in jobs:
+                job.event = events[index]
+                self._enqueue(job)
+
+    def _enqueue(self, job: _Job) -> None:
         with self._lock:
             self._pending += 1
             self._pinned_in_flight += job.pinned_bytes
             self.pinned_host_bytes_peak = max(self.pinned_host_bytes_peak, self._pinned_in_flight)
         self._jobs.put(job)
-        return True
 
     def _count_skip(self, why: str) -> None:
         with self._lock:
@@ -286,21 +327,14 @@ class PayloadSampler:
         count = min(count, max(0, -(-(n_heads - start) // stride)))
         return (start, stride, count) if count > 0 else None
 
-    def _stage_cuda(self, view: torch.Tensor, in_place: bool) -> tuple[torch.Tensor, Any]:
-        """Copy to pinned memory on the side stream of view's device (``staging``); counts the
-        sampler's own device temporaries. Returns (pinned elements, ready event)."""
-        import torch
-
-        device = view.device
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self._streams.get(index)
-        if stream is None:
-            stream = self._streams[index] = torch.cuda.Stream(device=device)
-        staged = stage_on_stream(view, stream, in_place=in_place)
+    def _stage_cuda(self, batch: StagingBatch, view: torch.Tensor, index: int, in_place: bool) -> torch.Tensor:
+        """Enqueue the copy to pinned memory in ``batch``; counts the sampler's own device
+        temporaries. Returns the pinned host tensor."""
+        host, own = batch.copy(view, index, in_place=in_place)
         with self._lock:
-            self._own_by_device[index] = max(self._own_by_device.get(index, 0), staged.device_bytes)
-            self.own_device_bytes = max(self.own_device_bytes, staged.device_bytes)
-        return staged.host, staged.ready
+            self._own_by_device[index] = max(self._own_by_device.get(index, 0), own)
+            self.own_device_bytes = max(self.own_device_bytes, own)
+        return host
 
     # ---- background writing ------------------------------------------------------------------
 
@@ -384,6 +418,13 @@ class PayloadSampler:
         if s.get("failed"):
             off, n = w.add_text(f"sampling: {s['failed']} sample(s) failed, last: {self.last_error}")
             w.append("events", (t, int(EventKind.RECORDER_ERROR), -1, -1, -1, -1, s["failed"], off, n))
+
+
+def _device_index(t: torch.Tensor) -> int:
+    import torch
+
+    index = t.device.index
+    return index if index is not None else torch.cuda.current_device()
 
 
 def _contiguous() -> Any:

@@ -828,11 +828,16 @@ class Recorder:
         self._discovery.remove()  # names are known: no per-layer hook remains
 
     def _sample(self, req: _Request, step: int, cache: Any, readings: list[LayerReading]) -> None:
-        settings = self.sampling
         offloaded = is_offloading(cache)
         if offloaded:
             wait_for_offload(cache)
         parts = dict(cache_parts(cache))
+        with self.sampler.batch():  # one side-stream context and one event for the whole step
+            self._submit_layers(req, step, cache, readings, parts, offloaded)
+
+    def _submit_layers(self, req: _Request, step: int, cache: Any, readings: list[LayerReading],
+                       parts: dict, offloaded: bool) -> None:
+        settings = self.sampling
         for r in readings:
             if settings.layers is not None and r.layer not in settings.layers:
                 continue

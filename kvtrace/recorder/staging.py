@@ -9,7 +9,7 @@ copy is plain, and the workers shuffle with the GIL released (``codec.shuffle_ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
 
 import torch
 
@@ -21,26 +21,39 @@ def carrier_bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(_CARRIERS[tensor.element_size()])
 
 
-@dataclass
-class Staged:
-    host: torch.Tensor  # pinned, the view's carrier elements (contiguous), valid once `ready` fired
-    ready: torch.cuda.Event
-    device_bytes: int  # device bytes of the sampler's own temporary (a gather), 0 if none
+class StagingBatch:
+    """Asynchronous D2H copies of several samples into pinned memory, enqueued on one side stream
+    per device and closed by one event per device; the CPU never blocks.
 
-
-def stage_on_stream(view: torch.Tensor, stream: torch.cuda.Stream, *, in_place: bool) -> Staged:
-    """Enqueue the D2H copy of ``view`` (carrier dtype) on ``stream``; the CPU never blocks.
-
-    ``in_place``: the cache memory is written in place later, so the main stream waits (on the
-    GPU) for the copy. Otherwise record_stream keeps the allocator from handing the memory to new
-    work before the side stream has read it. A non-contiguous view is first gathered on the side
-    stream (the sampler's own device memory, freed in side-stream order).
+    Per device, the first copy makes the side stream wait for the main stream's work so far and
+    enters the side stream's context; :meth:`close` records one event per device, makes the main
+    stream wait for it (on the GPU) when a copy was of memory that is written in place later, and
+    leaves the contexts. A sampling step stages all its layers in one batch: the per-copy cost on
+    the generating thread is then one pinned allocation and one ``copy_``.
     """
-    main = torch.cuda.current_stream(view.device)
-    stream.wait_stream(main)
-    own = 0
-    with torch.cuda.stream(stream):
+
+    def __init__(self, streams: dict[int, torch.cuda.Stream]) -> None:
+        self._streams = streams  # the sampler's side stream per device index (created here if absent)
+        self._open: dict[int, list] = {}  # index -> [side stream, main stream, any in-place copy]
+        self._contexts = contextlib.ExitStack()
+
+    def copy(self, view: torch.Tensor, index: int, *, in_place: bool) -> tuple[torch.Tensor, int]:
+        """Enqueue the copy of ``view`` (carrier dtype, on device ``index``); returns the pinned
+        host tensor (valid once this batch's event for the device fired) and the device bytes of
+        the sampler's own temporary (a gather of a non-contiguous view, freed in side-stream
+        order), 0 if none. ``in_place``: the memory is written in place later (static caches).
+        Otherwise record_stream keeps the allocator from reusing it before the copy has read it."""
+        state = self._open.get(index)
+        if state is None:
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = torch.cuda.Stream(device=index)
+            main = torch.cuda.current_stream(index)
+            stream.wait_stream(main)
+            self._contexts.enter_context(torch.cuda.stream(stream))
+            state = self._open[index] = [stream, main, False]
         host = torch.empty(view.shape, dtype=view.dtype, pin_memory=True)
+        own = 0
         if view.is_contiguous():
             host.copy_(view, non_blocking=True)
         else:
@@ -48,10 +61,23 @@ def stage_on_stream(view: torch.Tensor, stream: torch.cuda.Stream, *, in_place: 
             own = gathered.numel() * gathered.element_size()
             host.copy_(gathered, non_blocking=True)
             del gathered
-        ready = torch.cuda.Event()
-        ready.record(stream)
-    if in_place:
-        main.wait_event(ready)
-    else:
-        view.record_stream(stream)
-    return Staged(host, ready, own)
+        if in_place:
+            state[2] = True
+        else:
+            view.record_stream(state[0])
+        return host, own
+
+    def close(self) -> dict[int, torch.cuda.Event]:
+        """One event per device, recorded after every copy of the batch."""
+        events: dict[int, torch.cuda.Event] = {}
+        try:
+            for index, (stream, main, in_place) in self._open.items():
+                event = torch.cuda.Event()
+                event.record(stream)
+                events[index] = event
+                if in_place:
+                    main.wait_event(event)
+        finally:
+            self._open.clear()
+            self._contexts.close()
+        return events

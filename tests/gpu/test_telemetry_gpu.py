@@ -227,3 +227,31 @@ def test_query_capture_keeps_gpu_outputs_identical() -> None:
         after = model.generate(ids, **gen)
     assert torch.equal(before, during) and torch.equal(before, after)
     assert qc.errors == 0 and shapes[0] == (1, 4, 9, 16)
+
+
+def test_batched_staging_is_bit_exact(tmp_path) -> None:
+    """A sampling step stages all its layers in one batch (one event per device closes every copy,
+    so jobs reach the workers only when the batch closes); in-place memory overwritten right after the batch still yields the values at submit time, and
+    memory freed right after the batch is not reused under the copy (record_stream)."""
+    path = tmp_path / "batch.kvt.h5"
+    tensors = [_random_bits((1, 4, 300 + 37 * i, 64), torch.bfloat16, seed=20 + i) for i in range(6)]
+    expected = [t.view(torch.int16).cpu().numpy() for t in tensors]
+    with TraceWriter(path) as writer:
+        sampler = PayloadSampler(writer, SamplingSettings(every_n_steps=1))
+        with sampler.batch():
+            for i, t in enumerate(tensors):
+                assert sampler.submit(0, 0, i, PayloadKind.KEY, t, mutable=i % 2 == 0)
+            assert sampler.stats()["written"] == 0 and not sampler._jobs.qsize()  # held until the batch closes
+            assert len(sampler._batch_jobs) == 6 and all(job.event is None for job, _ in sampler._batch_jobs)
+        for i, t in enumerate(tensors):  # in place (even) or freed and reused (odd) right away
+            if i % 2 == 0:
+                t.view(torch.int16).zero_()
+        reuse = [torch.zeros_like(t) for t in tensors[1::2]]
+        del tensors[1::2]
+        stats = sampler.close()
+    assert stats["written"] == 6 and stats["own_device_bytes"] == 0
+    with open_trace(path) as trace:
+        got = {int(trace.payload(i).layer): trace.payload(i) for i in range(6)}
+    for i, want in enumerate(expected):
+        np.testing.assert_array_equal(got[i].data.reshape(want.shape), want.view(got[i].data.dtype))
+    del reuse
