@@ -155,7 +155,7 @@ def test_static_cache_with_auto_compile(tmp_path):
     """generate auto-compiles static caches on GPUs; the recorder must neither break nor change it."""
     m = _model("llama")
     ref = _gen(m, new=6, cache_implementation="static")
-    with kvtrace.record(m, tmp_path / "c.kvt.h5") as rec:
+    with kvtrace.record(m, tmp_path / "c.kvt.h5", structure_every=1) as rec:  # every step
         out = _gen(m, new=6, cache_implementation="static")
     assert torch.equal(out, ref)
     with Trace(tmp_path / "c.kvt.h5") as t:
