@@ -5,9 +5,10 @@
 For each model geometry (random weights, bf16, on cuda:0) every round runs, in a shuffled order,
 generate() without anything attached (base) and with each variant:
 
-  recorder     kvtrace.record(model, ...) with its defaults (structure + telemetry + gc/empty_cache)
-  recorder8    the same with structure_every=8 (per-layer structure every 8th step)
-  sampling32   kvtrace.record(..., sampling every 32 steps: K/V contents copied to the host)
+  recorder     kvtrace.record(model, ...) with its defaults (structure every 8th step + telemetry +
+               gc/empty_cache)
+  every1       the same with structure_every=1 (per-layer structure at every step)
+  sampling32   the defaults plus sampling every 32 steps (all layers' K/V contents to the host)
   memhist      torch.cuda.memory._record_memory_history() (what a user can turn on today)
   profiler     torch.profiler.profile(profile_memory=True) (idem; only its in-run time is counted)
 
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("recorder", "recorder8", "sampling32", "memhist", "profiler")
+VARIANTS = ("recorder", "every1", "sampling32", "memhist", "profiler")
 ALTERNATIVES = ("memhist", "profiler")
 
 
@@ -77,11 +78,14 @@ def attached(variant: str, model: Any, trace_dir: Path, tag: str) -> Iterator[di
     info: dict[str, Any] = {}
     if variant == "base":
         yield info
-    elif variant in ("recorder", "recorder8", "sampling32"):
-        sampling = {"every_n_steps": 32} if variant == "sampling32" else None
-        every = 8 if variant == "recorder8" else 1
+    elif variant in ("recorder", "every1", "sampling32"):
+        options: dict[str, Any] = {}
+        if variant == "sampling32":
+            options["sampling"] = {"every_n_steps": 32}
+        if variant == "every1":
+            options["structure_every"] = 1
         path = trace_dir / f"{tag}.kvt.h5"
-        with kvtrace.record(model, path, sampling=sampling, structure_every=every) as rec:
+        with kvtrace.record(model, path, **options) as rec:
             yield info
             # Direct cost: time inside the step hooks, read before close (gc/flush excluded).
             info["hook_ns"] = rec.hook_time_ns

@@ -70,7 +70,7 @@ def gen(m: Any, prompt: int, new: int, **kw: Any) -> Any:
 
 def case_clean(path: Path) -> dict:
     m = model("llama", **KV4x64)
-    with kvtrace.record(m, path, telemetry_hz=HZ):
+    with kvtrace.record(m, path, telemetry_hz=HZ, structure_every=1):
         gen(m, 32, 64)
         gen(m, 48, 32)
     return {"detector": None, "note": "tiny llama (fp16, 4 KV heads x 64), two requests of 32+64 and 48+32 tokens, nothing planted"}
@@ -79,7 +79,7 @@ def case_clean(path: Path) -> dict:
 def case_kept_cache(path: Path) -> dict:
     m = model("llama", **KV4x64)
     kept = []
-    with kvtrace.record(m, path, telemetry_hz=HZ):
+    with kvtrace.record(m, path, telemetry_hz=HZ, structure_every=1):
         out = gen(m, 32, 64, return_dict_in_generate=True)
         kept.append(out.past_key_values)  # user code holding on to the cache after generate
         del out
@@ -102,7 +102,7 @@ def case_duplication(path: Path) -> dict:
     m = model("llama", **KV4x64)
     DynamicLayer.update = keeping_update
     try:
-        with kvtrace.record(m, path, telemetry_hz=HZ):
+        with kvtrace.record(m, path, telemetry_hz=HZ, structure_every=1):
             gen(m, 32, 64)
     finally:
         DynamicLayer.update = original
@@ -135,7 +135,7 @@ def case_fragmentation(path: Path) -> dict:
 
     m = model("llama")
     proc = OddSizedAllocations()
-    with kvtrace.record(m, path, telemetry_hz=HZ):
+    with kvtrace.record(m, path, telemetry_hz=HZ, structure_every=1):
         gen(m, 32, 24, logits_processor=LogitsProcessorList([proc]))
         proc.kept.clear()
     return {"detector": "fragmentation", "kind": "split_fragmentation",
@@ -150,7 +150,7 @@ def case_prefill(path: Path, attn: str) -> dict:
     if hasattr(m, "set_attn_implementation"):
         with contextlib.suppress(Exception):
             m.set_attn_implementation(attn)
-    with kvtrace.record(m, path, telemetry_hz=HZ):
+    with kvtrace.record(m, path, telemetry_hz=HZ, structure_every=1):
         gen(m, 4096, 4)
     planted = attn == "eager"
     return {"detector": "prefill_spike" if planted else None, "kind": "eager_attention_spike" if planted else None,
@@ -165,7 +165,7 @@ def case_oom(path: Path) -> dict:
     if hasattr(m, "set_attn_implementation"):
         with contextlib.suppress(Exception):
             m.set_attn_implementation("eager")
-    with kvtrace.record(m, path, telemetry_hz=HZ):
+    with kvtrace.record(m, path, telemetry_hz=HZ, structure_every=1):
         try:
             gen(m, 65536, 2)
         except torch.OutOfMemoryError:

@@ -25,7 +25,7 @@ def cuda_trace(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpu") / "gpu.kvt.h5"
     model = tiny_model("gpt_oss", dtype=torch.bfloat16).to("cuda")
     ids = torch.randint(3, 200, (1, 16), device="cuda")
-    with kvtrace.record(model, path):
+    with kvtrace.record(model, path, structure_every=1):  # every step is checked below
         for _ in range(2):
             model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
     return path

@@ -31,7 +31,7 @@ def main(out_dir: str) -> Path:
     path = out / f"{NAME}.kvt.h5"
     model = tiny_model("gemma3_text", dtype=torch.bfloat16).to("cuda")
     with kvtrace.record(model, path, model_id="kvtrace.testing_models:gemma3_text",
-                        sampling={"every_n_steps": 5}) as rec:
+                        sampling={"every_n_steps": 5}, structure_every=1) as rec:
         for seed, new in ((0, 16), (1, 6)):
             ids = tiny_prompt(12, seed=seed).to("cuda")
             model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
