@@ -7,8 +7,10 @@ Rows (targets from issue 5):
              in the same run (target >= 90%), and speed vs torch.linalg.vector_norm (target >= 3x).
              Timed twice: "eager" (do_bench: one Python call per timed run, L2 flushed) and "graph"
              (do_bench_cudagraph: many calls replayed from one CUDA graph, so host launch overhead is
-             excluded for the kernel and for the copy alike). The targets are about kernel bandwidth:
-             graph norm vs graph copy is the number compared with 90%; eager is shown alongside.
+             excluded). Both are compared with the eager copy_ (the device's copy bandwidth): a copy_
+             captured in a graph becomes a copy-engine memcpy node (measured ~2.7 TB/s on an H200
+             against ~4.2 TB/s for the eager SM copy kernel), so it is no baseline; its number is
+             printed only to show that.
   attention  entropy + LSE + H2O mass (both Triton passes) vs the eager torch reference that
              materialises the softmax, at 32k keys (target >= 10x); peak memory at 128k keys
   mla        Gram of MLA latents: GB/s of latent read
@@ -189,7 +191,7 @@ def bench_norms(copy: dict, sz: dict) -> list[dict]:
             "speedup_vs_reference": t_ref / t_tri,
             # graph: do_bench_cudagraph for the kernel, vector_norm and the copy (host overhead excluded)
             "graph_triton_ms": g_tri, "graph_vector_norm_ms": g_vn, "graph_gbps": graph_gbps,
-            "graph_pct_of_copy": 100 * graph_gbps / copy["graph_gbps"],
+            "graph_pct_of_copy": 100 * graph_gbps / copy["gbps"],  # vs the eager copy: see the docstring
             "graph_speedup_vs_vector_norm": g_vn / g_tri,
             # diagnostics for where eager time goes: host time per call; eager with a clean-L2 flush
             "host_us_per_call": _host_us(tri), "clean_l2_triton_ms": _bench_clean_l2(tri),
@@ -283,7 +285,7 @@ def _print_norms(r: dict) -> None:
     eager = (f"eager: {r['gbps']:.0f} GB/s = {r['pct_of_copy']:.0f}% of eager copy; "
              f"vs vector_norm {r['speedup_vs_vector_norm']:.2f}x; vs reference {r['speedup_vs_reference']:.2f}x; "
              f"host {r['host_us_per_call']:.0f} us/call, clean-L2 eager {r['clean_l2_triton_ms']:.3f} ms")
-    graph = (f"graph: {r['graph_gbps']:.0f} GB/s = {r['graph_pct_of_copy']:.0f}% of graph copy (target >= 90%); "
+    graph = (f"graph: {r['graph_gbps']:.0f} GB/s = {r['graph_pct_of_copy']:.0f}% of eager copy (target >= 90%); "
              f"vs vector_norm {r['graph_speedup_vs_vector_norm']:.2f}x (target >= 3x); "
              f"BLOCK_T={p['block_t']} w{p['num_warps']} {p['segments']} segments/head; "
              f"max rel err {r['max_rel_err']:.1e}")
@@ -295,8 +297,8 @@ def _print_norms(r: dict) -> None:
 
 def _print(device: str, copy: dict, rows: list[dict]) -> None:
     print(f"kvtrace kernels benchmark on {device}")
-    print(f"device-to-device copy_: {copy['gbps']:.0f} GB/s eager, {copy['graph_gbps']:.0f} GB/s in a CUDA graph "
-          f"(read+write of {_gib(copy['bytes']):.1f} GiB)")
+    print(f"device-to-device copy_: {copy['gbps']:.0f} GB/s eager, {copy['graph_gbps']:.0f} GB/s in a CUDA graph (a copy-engine "
+          f"memcpy node, no baseline) (read+write of {_gib(copy['bytes']):.1f} GiB)")
     print()
     print(f"{'kernel':<17}{'case':<44}{'triton':>10}{'torch':>10}{'ratio':>8}  notes")
     for r in rows:
