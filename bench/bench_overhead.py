@@ -9,6 +9,8 @@ generate() without anything attached (base) and with each variant:
                gc/empty_cache)
   every1       the same with structure_every=1 (per-layer structure at every step)
   sampling32   the defaults plus sampling every 32 steps (all layers' K/V contents to the host)
+  telemetry1   the defaults with the telemetry thread at 1 Hz instead of 20 (a diagnostic: does the
+               background sampling thread cost the decode loop?)
   memhist      torch.cuda.memory._record_memory_history() (what a user can turn on today)
   profiler     torch.profiler.profile(profile_memory=True) (idem; only its in-run time is counted)
 
@@ -35,7 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("recorder", "every1", "sampling32", "memhist", "profiler")
+VARIANTS = ("recorder", "every1", "sampling32", "telemetry1", "memhist", "profiler")
 ALTERNATIVES = ("memhist", "profiler")
 
 
@@ -78,12 +80,14 @@ def attached(variant: str, model: Any, trace_dir: Path, tag: str) -> Iterator[di
     info: dict[str, Any] = {}
     if variant == "base":
         yield info
-    elif variant in ("recorder", "every1", "sampling32"):
+    elif variant in ("recorder", "every1", "sampling32", "telemetry1"):
         options: dict[str, Any] = {}
         if variant == "sampling32":
             options["sampling"] = {"every_n_steps": 32}
         if variant == "every1":
             options["structure_every"] = 1
+        if variant == "telemetry1":
+            options["telemetry_hz"] = 1.0
         path = trace_dir / f"{tag}.kvt.h5"
         with kvtrace.record(model, path, **options) as rec:
             yield info
