@@ -229,10 +229,15 @@ class PayloadSampler:
             if view.device.type == "cuda":
                 in_place = kind != PayloadKind.QUERY if mutable is None else mutable
                 index = _device_index(view)
-                batch = self._batch if self._batch is not None else StagingBatch(self._streams)
-                host = self._stage_cuda(batch, view, index, in_place)
-                if batch is not self._batch:  # a copy outside batch(): a batch of one
-                    event = batch.close()[index]
+                if self._batch is not None:
+                    host = self._stage_cuda(self._batch, view, index, in_place)
+                else:  # a copy outside batch(): a batch of one, closed even if the copy failed
+                    single = StagingBatch(self._streams)
+                    try:
+                        host = self._stage_cuda(single, view, index, in_place)
+                    finally:
+                        events = single.close()  # leaves the side stream's context
+                    event = events[index]
             else:  # a plain copy: clone() always copies, so the cache's storage is not shared
                 host = view.to("cpu").clone(memory_format=_contiguous())
         except Exception as exc:  # noqa: BLE001 - sampling must never break generation

@@ -255,3 +255,24 @@ def test_batched_staging_is_bit_exact(tmp_path) -> None:
     for i, want in enumerate(expected):
         np.testing.assert_array_equal(got[i].data.reshape(want.shape), want.view(got[i].data.dtype))
     del reuse
+
+
+def test_failed_copy_leaves_the_side_stream(tmp_path, monkeypatch) -> None:
+    """A copy that fails after the side stream's context was entered is counted, and the model's
+    thread is back on its own stream afterwards."""
+    import kvtrace.recorder.staging as staging
+
+    main = torch.cuda.current_stream()
+    t = _random_bits((1, 4, 64, 64), torch.bfloat16, seed=30)
+    with TraceWriter(tmp_path / "fail.kvt.h5") as writer:
+        sampler = PayloadSampler(writer, SamplingSettings(every_n_steps=1))
+
+        def boom(*a, **k):
+            raise RuntimeError("pinned allocation failed")
+
+        monkeypatch.setattr(staging.torch, "empty", boom)
+        assert not sampler.submit(0, 0, 0, PayloadKind.KEY, t)
+        monkeypatch.undo()
+        assert torch.cuda.current_stream() == main
+        stats = sampler.close()
+    assert stats["failed"] == 1 and stats["written"] == 0
