@@ -4,8 +4,8 @@ Encoding happens off the writer's lock (the recorder runs it in background threa
 its GIL-held stretches short: the shuffle is one numpy copy into a preallocated array (numpy
 releases the GIL for plain copies, while older numpy's `tobytes` of a transposed view copied
 element by element holding it), padding touches only the last chunk, and python-zstandard
-compresses with the GIL released. Decoding never trusts the frame: the declared content size must equal the chunk
-size before any buffer is allocated, which stops decompression bombs.
+compresses with the GIL released. Decoding never trusts the frame: the declared content size
+must equal the chunk size before any buffer is allocated, which stops decompression bombs.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def compress_shuffled(chunks: np.ndarray, level: int = 3) -> list[bytes]:
     """One zstd frame (content size and checksum recorded) per already-shuffled chunk.
 
     `chunks` is C-contiguous uint8 with one chunk per row of its first axis (what
-    ``shuffle_chunks`` returns, or the same bytes shuffled on a GPU). The frames are the ones
-    ``encode_chunks`` writes for the unshuffled data.
+    ``shuffle_chunks`` returns). The frames are the ones ``encode_chunks`` writes for the
+    unshuffled data.
     """
     if chunks.dtype != np.uint8 or not chunks.flags.c_contiguous or chunks.ndim < 1:
         raise ValueError("shuffled chunks must be a C-contiguous uint8 array, one chunk per row")

@@ -135,7 +135,7 @@ class TraceWriter:
         self.flush_interval_s = flush_interval_s
         self.max_buffer_rows = max_buffer_rows
         self.payload_level = payload_level
-        self._lock = threading.RLock()  # HDF5 calls (h5py is not thread-safe across files' state)
+        self._lock = threading.RLock()  # HDF5 calls and the file's own state (row counts, chunks)
         self._buf_lock = threading.Lock()  # in-memory buffers only: held for microseconds
         self._closed = False
         self._flushes = 0
@@ -443,8 +443,9 @@ def _rows_array(buf: list, dtype: np.dtype) -> np.ndarray:
 
 
 def _yield_gil() -> None:
-    """Let a thread waiting for the GIL (the model's) run now rather than after the 5 ms switch
-    interval: h5py holds the GIL through each HDF5 call."""
+    """Release the GIL between HDF5 calls so a thread waiting for it (the model's) runs now: a
+    background thread that keeps running Python holds it until the 5 ms switch interval forces a
+    hand-over. (h5py itself releases the GIL inside dataset reads and writes.)"""
     time.sleep(0)
 
 

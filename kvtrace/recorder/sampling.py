@@ -4,8 +4,8 @@ The generating thread only selects a view and enqueues a copy: on CUDA an asynch
 device->host copy into pinned memory on a side stream, closed by an event (``staging.py``); on CPU
 a plain copy. Background threads wait for the event, byte-shuffle (``codec.shuffle_chunks``),
 compress (``codec.compress_shuffled``) and write (``TraceWriter.write_payload``), holding the GIL
-only between GIL-free numpy copies and zstd calls. At most ``queue_size`` samples are in flight; when full, a sample is dropped and counted
-instead of stalling generation. Elements travel as their raw bits (bf16 as int16, fp8 as uint8,
+only between GIL-free numpy copies and zstd calls. At most ``queue_size`` samples are in flight;
+when full, a sample is dropped and counted instead of stalling generation. Elements travel as their raw bits (bf16 as int16, fp8 as uint8,
 ...), so every dtype round-trips bit-exactly; the frames are the ones ``encode_payload`` writes.
 """
 

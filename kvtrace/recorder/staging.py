@@ -1,7 +1,7 @@
 """Device-side staging of one sample: one asynchronous D2H copy into pinned memory, on a side stream.
 
-Measured on an H200 host (bench/profile_recorder.py, bench/scratch notes in docs/benchmarks.md):
-the generating thread's cost per sample is what matters, because HF decode is CPU-bound Python.
+Measured on an H200 host (bench/profile_recorder.py; docs/benchmarks.md): the generating thread's
+cost per sample is what matters, because HF decode is CPU-bound Python.
 A plain pinned copy costs it ~20 us; padding and byte-shuffling on the GPU first (about ten more
 torch calls, allocations on the side stream) cost ~250 us, more than it saved the workers. So the
 copy is plain, and the workers shuffle with the GIL released (``codec.shuffle_chunks``).
