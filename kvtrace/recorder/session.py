@@ -716,24 +716,25 @@ class Recorder:
         """The fast path's rows: two deferred blocks, converted by the writer's flusher."""
         w = self.writer
         assert w is not None
-        step = fast.step
         w.append("kv", fast)
-        alloc, reserved = self._step_memory() if memory else (-1, -1)
-        w.append("steps", FastStepTotals(fast, int(Phase.PREFILL if step == 0 else Phase.DECODE), alloc, reserved,
-                                         self.telemetry.latest_rss()))
-        self._after_structure(req, step, fast.seen, fast)
+        w.append("steps", FastStepTotals(fast, *self._step_readings(fast.step, memory)))
+        self._after_structure(req, fast.step, fast.seen, fast)
 
     def _write_structure(self, req: _Request, step: int, t: int, rows: list[KvRow], naive: int, unique: int,
                          valid: int, seen: int, *, memory: bool = True) -> None:
         w = self.writer
         assert w is not None
         w.append("kv", rows)
-        # Allocator totals are read synchronously at the step; RSS is the telemetry thread's latest
-        # sample (at most ~1/telemetry_hz old), never a /proc read on the model's thread.
-        alloc, reserved = self._step_memory() if memory else (-1, -1)
-        w.append("steps", (req.id, step, int(Phase.PREFILL if step == 0 else Phase.DECODE), t, seen,
-                           naive, unique, valid, alloc, reserved, self.telemetry.latest_rss()))
+        phase, alloc, reserved, rss = self._step_readings(step, memory)
+        w.append("steps", (req.id, step, phase, t, seen, naive, unique, valid, alloc, reserved, rss))
         self._after_structure(req, step, seen, rows)
+
+    def _step_readings(self, step: int, memory: bool) -> tuple[int, int, int, int]:
+        """(phase, allocated, reserved, RSS) of a /steps row. Allocator totals are read
+        synchronously at the step (-1 when ``memory`` is off); RSS is the telemetry thread's latest
+        sample (at most ~1/telemetry_hz old), never a /proc read on the model's thread."""
+        alloc, reserved = self._step_memory() if memory else (-1, -1)
+        return int(Phase.PREFILL if step == 0 else Phase.DECODE), alloc, reserved, self.telemetry.latest_rss()
 
     def _after_structure(self, req: _Request, step: int, seen: int, rows: list[KvRow] | FastStep) -> None:
         req.tokens_seen = seen
