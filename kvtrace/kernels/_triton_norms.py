@@ -6,9 +6,12 @@ Shape of the launch (bench/tune_norms.py measured the candidates on an H200):
   ``BLOCK_T`` tokens of one head and loops over them with a software-pipelined ``tl.range``
   (``num_stages`` tiles' loads in flight), so a fixed grid of a few programs per SM streams the
   whole tensor instead of one short-lived program per tile;
-* each program also writes the sum of its tokens' norms divided by ``T`` (one float), so the per-head
-  mean is a sum over ``segments`` values, not a second pass over ``T`` norms. With one segment the
-  partial *is* the mean and no reduction runs at all.
+* each program also reduces its tokens' norms to one partial mean (their sum divided by ``T``).
+  With one segment per head that partial *is* the mean and nothing else runs. With several, each
+  program stores its partial and draws a ticket from a per-head atomic counter; the program that
+  draws the last ticket sums the head's partials in segment order (bitwise reproducible whatever
+  the arrival order), writes the mean and resets the counter to zero. The mean thus costs no
+  second launch, and the counters (see :func:`counters`) need no memset per call.
 
 One segment per tile (``tiles_per_segment == 1``) is the original one-program-per-tile shape; the
 planner picks it for short sequences, where there is nothing to loop over.
@@ -36,6 +39,10 @@ _NUM_STAGES = 3
 # keep tests fast while still producing several segments per head.
 _INTERP_BLOCK_T = 8
 _INTERP_SMS = 1
+# Partials the last program of a head loads per step when it sums them (any power of two works).
+_SEG_BLOCK = 128
+# triton.jit picks the interpreter when a kernel is decorated, i.e. at import: so does this module.
+_INTERPRETED = interpreting()
 
 
 class LaunchPlan(NamedTuple):
@@ -49,16 +56,19 @@ class LaunchPlan(NamedTuple):
 
 @triton.jit(do_not_specialize=["T", "tiles_per_segment"])
 def _token_norms_kernel(
-    X, OUT,
+    X, OUT, CNT,
     H, T, D,
     stride_b, stride_h, stride_t,
     tiles_per_segment,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr, SEG_BLOCK: tl.constexpr,
 ):
-    # OUT: [B*H, T] token norms, then [B*H, segments] partial means; grid (segments, B*H).
+    # OUT: [B*H, T] token norms, [B*H] head means, then (segments > 1) [B*H, segments] partial
+    # means; CNT: [>= B*H] int32 tickets, zero between launches. Grid (segments, B*H).
     # The last dim of X is unit-stride (the wrapper guarantees it): each row is one contiguous read.
     seg = tl.program_id(0)
+    n_seg = tl.num_programs(0)
     pid_bh = tl.program_id(1)
+    n_bh = tl.num_programs(1)
     b = pid_bh // H
     h = pid_bh % H
     base = X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
@@ -80,8 +90,26 @@ def _token_norms_kernel(
         norm = amax * tl.sqrt(tl.sum(xs * xs, axis=1))
         tl.store(out_row + offs_t, norm, mask=row_ok)
         acc += tl.where(row_ok, norm, 0.0)
-    part = OUT + tl.num_programs(1).to(tl.int64) * T + pid_bh * tl.num_programs(0) + seg
-    tl.store(part, tl.sum(acc, axis=0) / T.to(tl.float32))
+    partial = tl.sum(acc, axis=0) / T.to(tl.float32)
+    means = OUT + n_bh.to(tl.int64) * T
+    if n_seg == 1:  # the partial is the mean: nothing to reduce
+        tl.store(means + pid_bh, partial)
+    else:
+        parts = means + n_bh + pid_bh * n_seg
+        tl.store(parts + seg, partial)
+        # Every thread's store is ordered before the ticket (the barrier), and the acq_rel atomic
+        # publishes them at GPU scope: the program that draws the last ticket sees all partials.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(CNT + pid_bh, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_seg - 1:
+            # Fixed summation order (by segment index, not by arrival): bitwise reproducible.
+            # .cg loads read L2, never a stale L1 line of this SM.
+            total = tl.zeros([SEG_BLOCK], dtype=tl.float32)
+            for start in range(0, n_seg, SEG_BLOCK):
+                offs = start + tl.arange(0, SEG_BLOCK)
+                total += tl.load(parts + offs, mask=offs < n_seg, other=0.0, cache_modifier=".cg")
+            tl.store(means + pid_bh, tl.sum(total, axis=0))
+            tl.store(CNT + pid_bh, 0)  # ready for the next launch; no memset per call
 
 
 @cache
@@ -131,16 +159,62 @@ def plan_launch(
 
 def default_plan(x) -> LaunchPlan:
     """The plan :func:`head_norms` uses for ``x`` (4-D, ``T > 0``) on its device."""
-    if interpreting():
+    if _INTERPRETED:
         return plan_launch(tuple(x.shape), x.element_size(), _INTERP_SMS, block_t=_INTERP_BLOCK_T)
-    return plan_launch(tuple(x.shape), x.element_size(), sm_count(x.device.index))
+    return plan_launch(tuple(x.shape), x.element_size(), sm_count(x.get_device()))
+
+
+def aot_spec(dtype: str, plan: LaunchPlan) -> tuple[dict, dict, dict]:
+    """(argument types, constexprs, options) of :func:`_token_norms_kernel` for ``triton.compile``.
+
+    ``dtype`` is Triton's name of the input type (``"bf16"``, ``"fp16"``, ``"fp32"``). Kept next to
+    the kernel so that ahead-of-time compiles follow its signature.
+    """
+    types = dict(X=f"*{dtype}", OUT="*fp32", CNT="*i32", H="i32", T="i32", D="i32", stride_b="i64",
+                 stride_h="i64", stride_t="i32", tiles_per_segment="i32")
+    consts = dict(BLOCK_T=plan.block_t, BLOCK_D=plan.block_d, STAGES=plan.num_stages, SEG_BLOCK=_SEG_BLOCK)
+    return types, consts, dict(num_warps=plan.num_warps)
+
+
+# Ticket counters, one int32 per (batch, head), keyed by (device, stream). Each launch leaves them
+# at zero, so they are zeroed once, when allocated, not per call. Keyed by stream, not just by
+# device: two launches on different streams may overlap and would otherwise draw each other's
+# tickets (a silently wrong mean); launches on one stream run in order, so they can share.
+_COUNTERS: dict[tuple[int, int], object] = {}
+_MIN_COUNTERS = 4096  # 16 KiB: enough for most B * H, so the buffer rarely regrows
+
+
+def _stream_key(x) -> tuple[int, int]:
+    import torch
+
+    if _INTERPRETED:  # CPU tensors, programs run one after another
+        return -1, 0
+    dev = x.get_device()
+    return dev, torch._C._cuda_getCurrentRawStream(dev)  # the stream Triton launches on, as Triton asks
+
+
+def counters(x, n: int):
+    """Zeroed int32 ticket counters (at least ``n``) for a launch on ``x``'s device and stream.
+
+    Inside CUDA-graph capture a fresh zeroed buffer is captured instead: its memset replays with
+    the graph, so replays never share tickets with eager calls or with another graph.
+    """
+    import torch
+
+    if not _INTERPRETED and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=x.device)
+    key = _stream_key(x)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=x.device)
+    return buf
 
 
 def head_norms(x, plan: LaunchPlan | None = None):
     """(token_norms [B, H, T], head_mean [B, H]) fp32 of ``x`` [B, H, T, D] (unit-stride last dim).
 
-    One allocation holds the token norms, then the per-segment partial means. With one segment per
-    head ``head_mean`` is a view of those partials; otherwise it is their sum (one small torch op).
+    One launch, one allocation: token norms, then head means, then (several segments per head)
+    the per-segment partial means that the last program of each head sums in a fixed order.
     """
     import torch
 
@@ -149,14 +223,18 @@ def head_norms(x, plan: LaunchPlan | None = None):
         return x.new_empty((B, H, T), dtype=torch.float32), x.new_full((B, H), float("nan"), dtype=torch.float32)
     if plan is None:
         plan = default_plan(x)
-    n_tok = B * H * T
+    n_bh = B * H
+    n_tok = n_bh * T
     segments = plan.segments
-    buf = torch.empty(n_tok + B * H * segments, dtype=torch.float32, device=x.device)
+    buf = torch.empty(n_tok + n_bh * (1 if segments == 1 else 1 + segments), dtype=torch.float32, device=x.device)
+    # With one segment the counters are never touched; an int32 view of the output keeps the
+    # pointer's type, hence one compiled variant, and needs no counter buffer.
+    cnt = buf.view(torch.int32) if segments == 1 else counters(x, n_bh)
     stride_b, stride_h, stride_t, _ = x.stride()
-    _token_norms_kernel[(segments, B * H)](
-        x, buf, H, T, D, stride_b, stride_h, stride_t, plan.tiles_per_segment,
-        BLOCK_T=plan.block_t, BLOCK_D=plan.block_d, STAGES=plan.num_stages, num_warps=plan.num_warps,
+    _token_norms_kernel[(segments, n_bh)](
+        x, buf, cnt, H, T, D, stride_b, stride_h, stride_t, plan.tiles_per_segment,
+        BLOCK_T=plan.block_t, BLOCK_D=plan.block_d, STAGES=plan.num_stages, SEG_BLOCK=_SEG_BLOCK,
+        num_warps=plan.num_warps,
     )
-    part = buf[n_tok:]
-    head_mean = part.view(B, H) if segments == 1 else part.view(B, H, segments).sum(-1)
-    return buf[:n_tok].view(B, H, T), head_mean
+    # as_strided: one view op per output (a slice then a view would be two)
+    return buf.as_strided((B, H, T), (H * T, T, 1)), buf.as_strided((B, H), (H, 1), n_tok)

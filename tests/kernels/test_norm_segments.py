@@ -1,8 +1,9 @@
 """The segmented norm kernel: launch plans, and forced multi-segment launches vs the torch reference.
 
 Each program of the kernel loops over ``tiles_per_segment`` tiles of one head and writes one partial
-mean; these tests force tiny tiles and few programs so that a head spans several segments, the last
-segment is short or ragged, and T can be smaller than one tile. Tolerances as in test_norms.py.
+mean (the last program of a head sums them: test_norms_fused.py); these tests force tiny tiles and
+few programs so that a head spans several segments, the last segment is short or ragged, and T can
+be smaller than one tile. Tolerances as in test_norms.py.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def test_outputs_share_one_allocation(tri_device):
     assert mean.data_ptr() == token.data_ptr() + token.numel() * 4
     torch.testing.assert_close(mean.cpu(), token.cpu().mean(-1), rtol=RTOL, atol=ATOL)
     t2, m2 = tn.head_norms(x, multi)
+    assert m2.data_ptr() == t2.data_ptr() + t2.numel() * 4  # several segments: the same place
     torch.testing.assert_close(m2.cpu(), mean.cpu(), rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(t2.cpu(), token.cpu(), rtol=0, atol=0)
 
