@@ -9,6 +9,8 @@ torch.linalg.vector_norm measured in the same run. Two plan shapes:
   tile    one program per (BLOCK_T tokens, head): tiles_per_segment = 1, nothing to loop over
   loop    a fixed grid of programs per head, each looping over its tiles with software
           pipelining (num_stages) and writing one partial sum of norms
+Either way the head mean is summed inside the same launch, by the last program of each head (the
+tile shape has one segment per tile, so that program sums up to T / BLOCK_T partials).
 The best plans feed the heuristic in ``plan_launch``; bench/bench_kernels.py measures that.
 """
 
