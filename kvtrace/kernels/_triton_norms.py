@@ -20,12 +20,15 @@ planner picks it for short sequences, where there is nothing to loop over.
 from __future__ import annotations
 
 from functools import cache, lru_cache
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import triton
 import triton.language as tl
 
 from kvtrace.kernels._env import interpreting
+
+if TYPE_CHECKING:
+    import torch
 
 # Launch heuristic (H200 sweep, bf16, D = 128): 8 KiB tiles (32 x 128) on 4 warps with 8 programs
 # per SM up to ~512 MiB of input; 16 KiB tiles (64 x 128) on 8 warps with 4 programs per SM above.
@@ -157,7 +160,7 @@ def plan_launch(
     return LaunchPlan(block_t, block_d, segments, tiles_per_segment, num_warps, _NUM_STAGES)
 
 
-def default_plan(x) -> LaunchPlan:
+def default_plan(x: torch.Tensor) -> LaunchPlan:
     """The plan :func:`head_norms` uses for ``x`` (4-D, ``T > 0``) on its device."""
     if _INTERPRETED:
         return plan_launch(tuple(x.shape), x.element_size(), _INTERP_SMS, block_t=_INTERP_BLOCK_T)
@@ -180,20 +183,20 @@ def aot_spec(dtype: str, plan: LaunchPlan) -> tuple[dict, dict, dict]:
 # at zero, so they are zeroed once, when allocated, not per call. Keyed by stream, not just by
 # device: two launches on different streams may overlap and would otherwise draw each other's
 # tickets (a silently wrong mean); launches on one stream run in order, so they can share.
-_COUNTERS: dict[tuple[int, int], object] = {}
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 _MIN_COUNTERS = 4096  # 16 KiB: enough for most B * H, so the buffer rarely regrows
 
 
-def _stream_key(x) -> tuple[int, int]:
+def _stream_key(x: torch.Tensor) -> tuple[int, int]:
     import torch
 
     if _INTERPRETED:  # CPU tensors, programs run one after another
         return -1, 0
     dev = x.get_device()
-    return dev, torch._C._cuda_getCurrentRawStream(dev)  # the stream Triton launches on, as Triton asks
+    return dev, torch._C._cuda_getCurrentRawStream(dev)  # what Triton's launcher calls to pick its stream
 
 
-def counters(x, n: int):
+def counters(x: torch.Tensor, n: int) -> torch.Tensor:
     """Zeroed int32 ticket counters (at least ``n``) for a launch on ``x``'s device and stream.
 
     Inside CUDA-graph capture a fresh zeroed buffer is captured instead: its memset replays with
@@ -210,7 +213,7 @@ def counters(x, n: int):
     return buf
 
 
-def head_norms(x, plan: LaunchPlan | None = None):
+def head_norms(x: torch.Tensor, plan: LaunchPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(token_norms [B, H, T], head_mean [B, H]) fp32 of ``x`` [B, H, T, D] (unit-stride last dim).
 
     One launch, one allocation: token norms, then head means, then (several segments per head)
