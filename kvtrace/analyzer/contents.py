@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvtrace.format import schema
+from kvtrace.format.assemble import ContentsAssembler
 from kvtrace.format.reader import Trace
 
 __all__ = ["ContentsReport", "analyze_contents", "select_device"]
@@ -151,6 +152,7 @@ class _Analysis:
         self.kv = trace.kv() if trace.has("kv") else np.zeros(0, schema.KV)
         cfg = trace.meta.model_config
         self.cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+        self.contents = ContentsAssembler(trace)  # K/V/latents at a step, incremental samples joined
         self.rows_by: dict[tuple[int, int, int, int], int] = {}
         for i, r in enumerate(index):
             self.rows_by[(int(r["request"]), int(r["step"]), int(r["layer"]), int(r["kind"]))] = i
@@ -161,13 +163,29 @@ class _Analysis:
         self.rep.skipped.append({"analysis": analysis, "request": request, "layer": layer, "reason": reason})
 
     def tensor(self, row: int) -> tuple[Any, Any]:
-        p = self.trace.payload(int(row))
+        return self._on_device(self.trace.payload(int(row)))
+
+    def at_step(self, request: int, step: int, layer: int, kind: PK, *, kept: bool = False) -> tuple[Any, Any]:
+        """(payload, fp32 tensor) of the layer's sampled tokens at ``step`` (spec §6.1): every
+        position sampled so far, or with ``kept`` only those the cache still held then."""
+        first = self.first_kept(request, step, layer) if kept else None
+        p = self.contents.at(request, layer, int(kind), step, first=first)
+        if p is None:  # callers ask only for steps listed in rows_by
+            raise KeyError((request, step, layer, int(kind)))
+        return self._on_device(p)
+
+    def _on_device(self, p: Any) -> tuple[Any, Any]:
         return p, self.torch.from_numpy(np.ascontiguousarray(p.to_float32())).to(self.dev)
 
     def kv_row(self, request: int, step: int, layer: int) -> np.void | None:
         k = self.kv
         sel = k[(k["request"] == request) & (k["step"] == step) & (k["layer"] == layer)]
         return sel[0] if sel.size else None
+
+    def first_kept(self, request: int, step: int, layer: int) -> int | None:
+        """Position of the first token the layer's cache held after ``step`` (from /kv)."""
+        row = self.kv_row(request, step, layer)
+        return None if row is None else int(row["tokens_seen"]) - int(row["tokens_kept"])
 
     def layer_type(self, layer: int, kvrow: np.void | None) -> LT:
         code = int(kvrow["layer_type"]) if kvrow is not None else int(self.layers[layer]["layer_type"]) if layer in self.layers else 0
@@ -197,14 +215,15 @@ class _Analysis:
             last = kv_steps[-1]
             self.dead_heads(request, layer, last)
             self.attention(request, layer, last, steps)
+            self.contents.clear()  # decoded payloads of this (request, layer) are not needed again
 
     # ------------------------------------------------------------------------------ dead heads
 
     def dead_heads(self, request: int, layer: int, step: int) -> None:
         from kvtrace.kernels.analyses import kv_head_report
 
-        kp, k = self.tensor(self.rows_by[(request, step, layer, int(PK.KEY))])
-        vp, v = self.tensor(self.rows_by[(request, step, layer, int(PK.VALUE))])
+        kp, k = self.at_step(request, step, layer, PK.KEY, kept=True)
+        vp, v = self.at_step(request, step, layer, PK.VALUE, kept=True)
         if k.dim() != 4 or v.dim() != 4:
             self.skip("dead_heads", request, layer, f"K/V payloads are not [B, H, T, D] (got {kp.shape})")
             return
@@ -232,8 +251,10 @@ class _Analysis:
 
         kvrow = self.kv_row(request, last, layer)
         lt = self.layer_type(layer, kvrow)
-        kp_last, k_last = self.tensor(self.rows_by[(request, last, layer, int(PK.KEY))])
-        vp_last = self.trace.payload(self.rows_by[(request, last, layer, int(PK.VALUE))])
+        # Eviction plans act on what the cache held at the last step; each query's entropy uses
+        # every key sampled up to its step (a sliding layer has dropped its oldest since).
+        kp_last, k_last = self.at_step(request, last, layer, PK.KEY, kept=True)
+        vp_last = self.contents.at(request, layer, int(PK.VALUE), last, first=self.first_kept(request, last, layer))
         B, hk, Tk, Dk = k_last.shape
         kb, vb = _dtype_bytes(kvrow, kp_last, vp_last)
         kv_heads = int(self.layers[layer]["num_kv_heads"]) if layer in self.layers else hk
@@ -255,7 +276,7 @@ class _Analysis:
             if s > last:
                 continue
             qp, q = self.tensor(self.rows_by[(request, s, layer, int(PK.QUERY))])
-            kp, k = (kp_last, k_last) if s == last else self.tensor(self.rows_by[(request, s, layer, int(PK.KEY))])
+            kp, k = self.at_step(request, s, layer, PK.KEY)
             sampled += q.shape[2] * q.shape[0]
             pick = _pair_heads(qp, q.shape[1], kp, k.shape[1], self.cfg, kv_heads)
             if pick is None or [kp.head_start + i * kp.head_stride for i in pick[1]] != kv_abs:
@@ -332,14 +353,14 @@ class _Analysis:
             self.skip("mla", request, layer, "no latent (c_KV) sampled for this layer")
             return
         step = steps[-1]
-        row = self.rows_by.get((request, step, layer, int(PK.LATENT)), self.rows_by.get((request, step, layer, int(PK.KEY))))
+        kind = PK.LATENT if (request, step, layer, int(PK.LATENT)) in self.rows_by else PK.KEY
         c = self.cfg
         need = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_attention_heads")
         missing = [n for n in need if not isinstance(c.get(n), int)]
         if missing:
             self.skip("mla", request, layer, f"model_config lacks {', '.join(missing)}")
             return
-        lp, lat = self.tensor(row)
+        lp, lat = self.at_step(request, step, layer, kind)
         r = int(c["kv_lora_rank"])
         if lat.shape[-1] != r:
             self.skip("mla", request, layer, f"latent width {lat.shape[-1]} is not kv_lora_rank {r} (expanded cache?)")

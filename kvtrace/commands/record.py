@@ -216,6 +216,9 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
 @click.option("--sample-max-tokens", type=click.IntRange(min=1), default=None,
               help="Keep only the last N tokens of each sample.")
 @click.option("--sample-queries", is_flag=True, help="Also sample post-RoPE queries.")
+@click.option("--sample-tokens", type=click.Choice(["new", "all"]), default="new", show_default=True,
+              help="new: each K/V sample holds only tokens no earlier sample holds (joined on analysis); "
+                   "all: every kept token at every sample.")
 @click.option("--structure-every", type=click.IntRange(min=1), default=8, show_default=True,
               help="Read the per-layer cache structure at prefill, every N-th decode step and the last "
                    "step (1: every step); other steps still get their DECODE_STEP event.")
@@ -245,7 +248,8 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
 def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, max_new_tokens: int,
            min_new_tokens: int | None, do_sample: bool, temperature: float | None, top_p: float | None,
            seed: int, sample_every: int, sample_layers: str | None, sample_heads: str | None,
-           sample_max_tokens: int | None, sample_queries: bool, structure_every: int, telemetry_hz: float,
+           sample_max_tokens: int | None, sample_queries: bool, sample_tokens: str, structure_every: int,
+           telemetry_hz: float,
            no_nvml: bool,
            store_prompts: bool, no_empty_cache: bool, device: str, dtype: str, cache_implementation: str,
            layers: int | None, width: float | None, vocab: int | None, prometheus: str | None,
@@ -299,7 +303,7 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
     sampling = None
     if sample_every or sample_queries:
         sampling = {"every_n_steps": sample_every, "layers": layer_list, "heads": head_list,
-                    "max_tokens": sample_max_tokens, "queries": sample_queries}
+                    "max_tokens": sample_max_tokens, "queries": sample_queries, "tokens": sample_tokens}
     gen_kw = generate_kwargs(max_new_tokens, min_new_tokens, do_sample, temperature, top_p,
                              cache_implementation)
     settings = {"cli": {"command": "record", "model": model_spec, "device": device, "dtype": dtype,

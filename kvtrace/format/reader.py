@@ -72,6 +72,9 @@ class TraceMeta:
     clock_anchor_mono_ns: int
     contains_prompt_text: bool
     contains_tensor_payloads: bool
+    # "all" (every payload holds every token its layer kept) or "new" (incremental, format 1.1+:
+    # spec §6.1); traces before 1.1 and traces without payloads say "all".
+    payload_tokens: str = "all"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def source_available(self, name: str) -> bool:
@@ -198,6 +201,7 @@ class Trace:
             else:
                 values[key] = _plain(value)
         known = {f for f in TraceMeta.__dataclass_fields__ if f != "extra"}
+        values["payload_tokens"] = _as_str(values.get("payload_tokens", "all"))  # optional (1.1)
         missing = [k for k in known if k not in values]
         if missing:
             raise InvalidTrace(f"{self.path}: /meta lacks {', '.join(sorted(missing))}")

@@ -13,8 +13,12 @@ import numpy as np
 
 FORMAT_NAME = "kvtrace"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
+# /meta payload_tokens (1.1): what one K/V/latent payload holds (spec §6.1)
+PAYLOAD_TOKENS = ("all", "new")
+# Token axis of a payload by its number of dimensions: [B, H, T, D] K/V/Q, [B, T, D] latents.
+PAYLOAD_TOKEN_AXIS = {4: 2, 3: 1}
 
 # HDF5 filter ids: shuffle is built in; zstd is the registered id used by hdf5plugin & co.
 FILTER_SHUFFLE = 2

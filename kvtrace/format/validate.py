@@ -76,11 +76,16 @@ def _guard(check, trace: Trace, report: ValidationReport, *args) -> None:
 
 def _check_meta(trace: Trace, report: ValidationReport) -> None:
     try:
-        trace.meta  # noqa: B018 - parsing is the check
+        meta = trace.meta
     except InvalidTrace as exc:
         report.problems.append(str(exc).split(": ", 1)[-1])
+        return
     except H5_READ_ERRORS as exc:
         report.problems.append(f"/meta unreadable ({exc})")
+        return
+    if meta.payload_tokens not in schema.PAYLOAD_TOKENS and trace.minor >= schema.FORMAT_MINOR:
+        report.problems.append(f"/meta payload_tokens {meta.payload_tokens!r} is not one of "
+                               f"{', '.join(schema.PAYLOAD_TOKENS)}")
 
 
 def _check_tables(trace: Trace, report: ValidationReport) -> set[str]:

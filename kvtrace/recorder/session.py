@@ -63,6 +63,7 @@ from kvtrace.recorder.layouts import (
     wait_for_offload,
 )
 from kvtrace.recorder.retention import RetentionTracker
+from kvtrace.recorder.sampling import token_axis, unsampled_tokens
 
 _OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
     {getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)} - {None}
@@ -165,6 +166,11 @@ class _Request:
     layer_refs: list | None = None  # weakref.ref to each of its layers (for _cache_died)
     recorded: int = -1  # last step whose structure was read (or tried: a failure is not retried)
     final: tuple | None = None  # structure of the last step, read as its Cache died
+    # Incremental sampling (SamplingSettings.tokens == "new"): per (layer, payload kind) the end
+    # position of what earlier samples hold. whole_samples: this request rewrites cached tokens
+    # (beam search, assisted decoding, a cache that shrank), so every sample holds every kept token.
+    sampled_until: dict[tuple[int, int], int] = field(default_factory=dict)
+    whole_samples: bool = False
 
 
 @dataclass
@@ -410,6 +416,8 @@ class Recorder:
             "contains_tensor_payloads": self.sampling is not None and bool(
                 self.sampling.every_n_steps > 0 or self.sampling.at_prefill_end or self.sampling.at_last_step),
         }
+        if self.sampling is not None:
+            meta["payload_tokens"] = self.sampling.tokens
         meta.update(self.telemetry.versions())
         return meta
 
@@ -491,6 +499,7 @@ class Recorder:
         max_new = _max_new_tokens(self.model, kwargs, prompt_len if not is_encdec else dec_len)
         req = _Request(rid, start, 0 if is_encdec or ids is None else prompt_len, dec_len,
                        (max_new - 1) if max_new else -1)
+        req.whole_samples = _rewrites_cache(self.model, kwargs)
         if self.options.retention:
             self._retention.begin()
         self._prom("on_request_start", rid)
@@ -855,9 +864,28 @@ class Recorder:
                 kinds = (PayloadKind.LATENT, PayloadKind.ROPE_KEY) if settings.latents else ()
             else:
                 kinds = (PayloadKind.KEY, PayloadKind.VALUE)
+            whole = settings.tokens == "all" or r.layer_type in _SAMPLED_WHOLE
             for kind, tensor in zip(kinds, (k, v), strict=False):
-                self.sampler.submit(req.id, step, r.layer, kind, tensor, token_start=start, mutable=mutable)
+                self._submit_tokens(req, step, r.layer, kind, tensor, start, mutable, whole=whole)
             k = v = tensor = None  # no cache tensor outlives this call
+
+    def _submit_tokens(self, req: _Request, step: int, layer: int, kind: PayloadKind, tensor: torch.Tensor,
+                       start: int, mutable: bool | None, *, whole: bool) -> None:
+        """Submit one layer's K, V or latent: whole, or (incremental sampling) only the tokens no
+        earlier sample of this (request, layer, kind) holds."""
+        key = (layer, int(kind))
+        axis = token_axis(tensor)
+        end = start + tensor.shape[axis] if axis is not None else None
+        until = req.sampled_until.get(key)
+        if until is not None and end is not None and end < until:
+            req.whole_samples = True  # the cache shrank (cropped): positions may be rewritten
+        if not (whole or req.whole_samples):
+            tensor, start = unsampled_tokens(tensor, start, until)
+            if tensor is None:
+                return  # nothing new since the last sample
+        if self.sampler.submit(req.id, step, layer, kind, tensor, token_start=start, mutable=mutable) \
+                and end is not None:
+            req.sampled_until[key] = end  # a dropped sample is retried at the next sampling step
 
     def _on_query(self, layer_idx: int, query: torch.Tensor) -> None:
         try:
@@ -1079,6 +1107,19 @@ def decoder_self_attention(model: torch.nn.Module) -> list[torch.nn.Module] | No
     for m in leaves:
         first.setdefault(m.layer_idx, m)
     return list(first.values())
+
+
+# Layouts whose cached values change after they are written: never sampled incrementally.
+_SAMPLED_WHOLE = frozenset({LayerType.QUANTIZED, LayerType.UNKNOWN})
+
+
+def _rewrites_cache(model: Any, kwargs: dict) -> bool:
+    """Does this generate call rewrite cached tokens (beams reorder the cache; assisted and
+    prompt-lookup decoding crop rejected tokens)? Then samples hold every kept token."""
+    if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+        return True
+    beams = _gen_setting(model, kwargs, "num_beams")
+    return isinstance(beams, int) and beams > 1
 
 
 def _sampling_settings(value: Any) -> Any:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvtrace.format import schema
+from kvtrace.format.assemble import ContentsAssembler
 from kvtrace.format.reader import Trace
 from kvtrace.format.writer import encode_payload
 
@@ -55,6 +56,12 @@ def _payloads(path, kind, layer):
         return [t.payload(i) for i in rows]
 
 
+def _at(path, kind, layer, step):
+    """What the layer's cache held at ``step``: incremental samples joined (spec §6.1)."""
+    with Trace(path) as t:
+        return ContentsAssembler(t).at(0, layer, int(kind), step)
+
+
 def _kv_row(path, step, layer):
     with Trace(path) as t:
         kv = t.kv()
@@ -72,8 +79,8 @@ def test_llama_structure_and_norms_match_numpy(traces):
     assert "no GPU" in d["device_note"]
     assert {x["layer"] for x in d["dead_heads"]} == {0, 1}
     for x in d["dead_heads"]:
-        v = [p for p in _payloads(traces["llama"], PK.VALUE, x["layer"]) if p.step == x["step"]][0].to_float32()
-        k = [p for p in _payloads(traces["llama"], PK.KEY, x["layer"]) if p.step == x["step"]][0].to_float32()
+        v = _at(traces["llama"], PK.VALUE, x["layer"], x["step"]).to_float32()
+        k = _at(traces["llama"], PK.KEY, x["layer"], x["step"]).to_float32()
         assert x["step"] == 8 and x["tokens"] == v.shape[2] == 20
         np.testing.assert_allclose(x["value_mean_norm"], np.linalg.norm(v, axis=-1).mean(axis=(0, 2)), rtol=1e-5)
         np.testing.assert_allclose(x["key_mean_norm"], np.linalg.norm(k, axis=-1).mean(axis=(0, 2)), rtol=1e-5)
@@ -89,10 +96,9 @@ def test_llama_structure_and_norms_match_numpy(traces):
 
 def _numpy_entropy(path, layer, scale):
     """Mean normalised entropy per query head over every sampled query with > 1 visible key."""
-    keys = {p.step: p for p in _payloads(path, PK.KEY, layer)}
     sums, counts = np.zeros(4), 0
     for qp in _payloads(path, PK.QUERY, layer):
-        q, kp = qp.to_float32()[0].astype(np.float64), keys[qp.step]
+        q, kp = qp.to_float32()[0].astype(np.float64), _at(path, PK.KEY, layer, qp.step)
         k = kp.to_float32()[0].astype(np.float64)
         for i in range(q.shape[1]):
             pos = qp.token_start + i
@@ -129,8 +135,27 @@ def test_llama_entropy_matches_numpy_and_eviction_bytes(traces):
         assert 0 < x["mass_retained_min"] <= x["mass_retained_mean"] < 1
 
 
-def test_gpt_oss_sliding_layer_is_explained(traces):
+def test_gpt_oss_sliding_layer_gets_entropy_from_incremental_samples(traces):
+    """Incremental samples keep the keys a sliding cache has dropped since: each query is scored
+    against every key it attended to, while dead heads and eviction see only the kept tokens."""
     d = analyze_contents(traces["gpt_oss"]).to_dict()
+    window = int(tiny_model("gpt_oss").config.sliding_window)
+    ent = {e["layer"]: e for e in d["entropy"]}
+    assert set(ent) == {0, 1} and ent[0]["window"] == window and ent[1]["window"] is None
+    # 12 prefill queries + one per sampled decode step (4, 8); the prefill forward itself drops the
+    # prompt's first 12 - (window - 1) keys, so only the decode steps' queries see all their keys.
+    assert (ent[0]["queries_sampled"], ent[0]["queries_used"]) == (14, 2)
+    dead = {x["layer"]: x for x in d["dead_heads"]}
+    assert dead[0]["layer_type"] == "sliding" and dead[0]["tokens"] == window - 1 and dead[1]["tokens"] == 20
+    h2o0 = [x for x in d["eviction"] if x["layer"] == 0 and x["policy"] == "h2o"][0]
+    assert h2o0["tokens"] == window - 1 and h2o0["token_start"] == 20 - (window - 1)
+    assert not [s for s in d["skipped"] if s["layer"] == 0]
+
+
+def test_gpt_oss_sliding_snapshots_are_explained(tmp_path):
+    """With whole samples a sliding layer's sampled queries miss the key the cache dropped."""
+    path = _record(tmp_path / "all.kvt.h5", "gpt_oss", sampling={**SAMPLING, "tokens": "all"})
+    d = analyze_contents(path).to_dict()
     by = {(s["analysis"], s["layer"]): s["reason"] for s in d["skipped"]}
     assert "window - 1" in by[("entropy", 0)]
     assert ("eviction_h2o", 0) in by
@@ -141,12 +166,28 @@ def test_gpt_oss_sliding_layer_is_explained(traces):
     assert stream0["policy"] == "streaming" and stream0["evicted"] == 0 and stream0["mass_retained_mean"] is None
 
 
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_incremental_and_whole_samples_give_the_same_analysis(tmp_path, traces, name):
+    """The same generate() recorded with whole samples: identical analyses from fewer bytes."""
+    whole = _record(tmp_path / "all.kvt.h5", name, sampling={**SAMPLING, "tokens": "all"})
+    a = analyze_contents(traces[name], heavy=3, recent=2, sinks=2, window=5).to_dict()
+    b = analyze_contents(whole, heavy=3, recent=2, sinks=2, window=5).to_dict()
+    with Trace(traces[name]) as t_new, Trace(whole) as t_all:
+        assert (t_new.meta.payload_tokens, t_all.meta.payload_tokens) == ("new", "all")
+        new_elems = int(t_new.payload_index()["n_elements"].sum())
+        all_elems = int(t_all.payload_index()["n_elements"].sum())
+    assert new_elems < all_elems
+    for key in ("dead_heads", "entropy", "eviction", "mla", "skipped"):
+        assert a[key] == b[key], key
+    assert any(a[k] for k in ("dead_heads", "mla"))
+
+
 def test_deepseek_mla_spectrum(traces):
     d = analyze_contents(traces["deepseek_v3"]).to_dict()
     assert d["dead_heads"] == [] and d["entropy"] == [] and d["eviction"] == []
     assert {m["layer"] for m in d["mla"]} == {0, 1}
     for m in d["mla"]:
-        lat = [p for p in _payloads(traces["deepseek_v3"], PK.LATENT, m["layer"]) if p.step == m["step"]][0]
+        lat = _at(traces["deepseek_v3"], PK.LATENT, m["layer"], m["step"])
         x = lat.to_float32().reshape(-1, 32).astype(np.float64)
         assert m["num_tokens"] == 20 and m["kv_lora_rank"] == 32 and m["rope_dim"] == 8
         assert m["trace"] == pytest.approx(float((x * x).sum()), rel=1e-5)  # trace of the Gram

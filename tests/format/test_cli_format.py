@@ -9,6 +9,7 @@ from fmt_helpers import write_minimal
 
 from kvtrace._version import __version__
 from kvtrace.cli import cli
+from kvtrace.format import schema
 
 
 def test_version():
@@ -24,7 +25,7 @@ def test_info_text_and_json(tmp_path):
     assert "test/minimal" in res.output and "1 ok" in res.output and "KiB" in res.output
     res = CliRunner().invoke(cli, ["info", "--json", str(path)])
     data = json.loads(res.output)
-    assert data["format_version"] == "1.0" and data["complete"] is True
+    assert data["format_version"] == schema.FORMAT_VERSION and data["complete"] is True
     assert data["requests"]["outcomes"] == {"ok": 1}
     assert data["rows"]["requests"] == 1
 

@@ -55,10 +55,7 @@ def jobs(all_configs: bool, smoke: bool = False):
             for t in (32768, 131072):  # the <= 512 MiB and the large-input launch plans
                 p = tn.plan_launch((1, 32, t, d), elem, sms=132)
                 yield (f"norms {dt} D={d} T={t} BLOCK_T={p.block_t} w{p.num_warps}", tn._token_norms_kernel,
-                       dict(X=f"*{dt}", OUT="*fp32", H="i32", T="i32", D="i32", stride_b="i64",
-                            stride_h="i64", stride_t="i32", tiles_per_segment="i32"),
-                       dict(BLOCK_T=p.block_t, BLOCK_D=p.block_d, STAGES=p.num_stages),
-                       dict(num_warps=p.num_warps))
+                       *tn.aot_spec(dt, p))
     cases = [("bf16", 128), ("fp16", 128), ("fp32", 128), ("bf16", 64), ("bf16", 256), ("bf16", 512)]
     if smoke:
         cases = [("bf16", 128)]

@@ -21,7 +21,7 @@ def test_session_samples_cache_and_queries(tmp_path) -> None:
     model = tiny_model("llama")
     attn_before = model.config._attn_implementation
     path = tmp_path / "s.kvt.h5"
-    settings = SamplingSettings(every_n_steps=3, heads=[1], max_tokens=4, queries=True)
+    settings = SamplingSettings(every_n_steps=3, heads=[1], max_tokens=4, queries=True, tokens="all")
     with kvtrace.record(model, str(path), sampling=settings), torch.no_grad():
         out = model.generate(tiny_prompt(PROMPT), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                              return_dict_in_generate=True)
@@ -29,7 +29,7 @@ def test_session_samples_cache_and_queries(tmp_path) -> None:
 
     last = NEW - 1  # step 0 is the prefill, step k the k-th decode forward
     with kvtrace.open(str(path)) as trace:
-        assert trace.meta.contains_tensor_payloads
+        assert trace.meta.contains_tensor_payloads and trace.meta.payload_tokens == "all"
         index = trace.payload_index()
         assert sorted(set(index["step"].tolist())) == [0, 3, last]
         payloads = [trace.payload(i) for i in range(len(index))]
@@ -69,3 +69,54 @@ def test_query_positions_exact_when_structure_is_read_sparsely(tmp_path) -> None
     by_step = {p.step: p.token_start for p in queries}
     # step 0 (prefill) feeds positions 0..PROMPT-1; decode step s feeds position PROMPT + s - 1
     assert by_step == {0: 0, 5: PROMPT + 4}
+
+
+def _kv_payloads(path):
+    with kvtrace.open(str(path)) as trace:
+        index = trace.payload_index()
+        meta = trace.meta
+        payloads = [trace.payload(i) for i in range(len(index)) if int(index[i]["kind"]) != int(PayloadKind.QUERY)]
+    return meta, payloads
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
+def test_incremental_samples_chain_into_the_final_cache(tmp_path, name) -> None:
+    """The default sample holds only new tokens: per (layer, kind) the samples tile the positions
+    without gap or overlap, and joined they are the cache generate() returned, bit for bit."""
+    from kvtrace.format.assemble import ContentsAssembler
+
+    model = tiny_model(name)
+    path = tmp_path / "inc.kvt.h5"
+    with kvtrace.record(model, str(path), sampling={"every_n_steps": 2}), torch.no_grad():
+        out = model.generate(tiny_prompt(PROMPT), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                             return_dict_in_generate=True)
+    meta, payloads = _kv_payloads(path)
+    assert meta.payload_tokens == "new"
+    total = PROMPT + NEW - 1  # tokens in the cache after the last forward
+    cache = out.past_key_values
+    with kvtrace.open(str(path)) as trace:
+        joined = ContentsAssembler(trace)
+        for layer_idx, layer in enumerate(cache.layers):
+            for kind, src in ((PayloadKind.KEY, layer.keys), (PayloadKind.VALUE, layer.values)):
+                mine = sorted((p for p in payloads if p.layer == layer_idx and p.kind == kind), key=lambda p: p.step)
+                ends = [p.token_start + p.shape[2] for p in mine]
+                starts = [p.token_start for p in mine]
+                assert starts[1:] == ends[:-1] and ends[-1] == total  # contiguous, never twice
+                kept = src.shape[2]
+                got = joined.at(0, layer_idx, int(kind), NEW - 1, first=total - kept)
+                assert got.token_start == total - kept
+                np.testing.assert_array_equal(got.to_float32(), src.float().numpy())
+
+
+def test_beam_search_samples_whole(tmp_path) -> None:
+    """Beam search reorders cached rows: every sample then holds every kept token."""
+    model = tiny_model("llama")
+    path = tmp_path / "beam.kvt.h5"
+    with kvtrace.record(model, str(path), sampling={"every_n_steps": 2}), torch.no_grad():
+        model.generate(tiny_prompt(PROMPT), max_new_tokens=4, min_new_tokens=4, do_sample=False, num_beams=2)
+    _meta, payloads = _kv_payloads(path)
+    assert payloads and all(p.token_start == 0 for p in payloads)
+    steps = sorted({p.step for p in payloads})
+    assert len(steps) > 1
+    assert [max(p.shape[2] for p in payloads if p.step == s) for s in steps] == \
+        sorted(max(p.shape[2] for p in payloads if p.step == s) for s in steps)
