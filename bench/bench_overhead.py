@@ -8,9 +8,15 @@ generate() without anything attached (base) and with each variant:
   recorder     kvtrace.record(model, ...) with its defaults (structure every 8th step + telemetry +
                gc/empty_cache)
   every1       the same with structure_every=1 (per-layer structure at every step)
-  sampling32   the defaults plus sampling every 32 steps (all layers' K/V contents to the host)
+  sampling32   the defaults plus sampling every 32 steps (all layers' K/V contents to the host;
+               incremental, the default: each sample holds only the tokens added since the last)
+  sampling32all  the same with whole samples (tokens="all": every cached token at every sample)
   telemetry1   the defaults with the telemetry thread at 1 Hz instead of 20 (a diagnostic: does the
                background sampling thread cost the decode loop?)
+  nohooks      diagnostic: the recorder attached but its two step hooks not installed (what the
+               background threads, the open trace and the generate wrapper cost without any step work)
+  nothreads    diagnostic: the defaults without the telemetry thread and with the flusher idle
+               (60 s interval): what the step hooks cost without background threads
   memhist      torch.cuda.memory._record_memory_history() (what a user can turn on today)
   profiler     torch.profiler.profile(profile_memory=True) (idem; only its in-run time is counted)
 
@@ -37,7 +43,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("recorder", "every1", "sampling32", "telemetry1", "memhist", "profiler")
+VARIANTS = ("recorder", "every1", "sampling32", "sampling32all", "telemetry1", "nohooks", "nothreads",
+            "memhist", "profiler")
+RECORDER_VARIANTS = {
+    "recorder": {}, "every1": {"structure_every": 1}, "sampling32": {"sampling": {"every_n_steps": 32}},
+    "sampling32all": {"sampling": {"every_n_steps": 32, "tokens": "all"}}, "telemetry1": {"telemetry_hz": 1.0},
+    "nohooks": {}, "nothreads": {"flush_interval_s": 60.0},
+}
 ALTERNATIVES = ("memhist", "profiler")
 
 
@@ -80,22 +92,16 @@ def attached(variant: str, model: Any, trace_dir: Path, tag: str) -> Iterator[di
     info: dict[str, Any] = {}
     if variant == "base":
         yield info
-    elif variant in ("recorder", "every1", "sampling32", "telemetry1"):
-        options: dict[str, Any] = {}
-        if variant == "sampling32":
-            options["sampling"] = {"every_n_steps": 32}
-        if variant == "every1":
-            options["structure_every"] = 1
-        if variant == "telemetry1":
-            options["telemetry_hz"] = 1.0
+    elif variant in RECORDER_VARIANTS:
         path = trace_dir / f"{tag}.kvt.h5"
-        with kvtrace.record(model, path, **options) as rec:
+        with _diagnostic_patch(variant), kvtrace.record(model, path, **RECORDER_VARIANTS[variant]) as rec:
             yield info
             # Direct cost: time inside the step hooks, read before close (gc/flush excluded).
             info["hook_ns"] = rec.hook_time_ns
             info["hook_calls"] = rec.hook_calls
         info["recorder_errors"] = rec.recorder_errors
-        info["trace"] = str(path)
+        info["trace_bytes"] = path.stat().st_size
+        path.unlink()  # GiB-sized traces would fill the disk and the page cache across rounds
     elif variant == "memhist":
         torch.cuda.memory._record_memory_history(max_entries=100_000)
         try:
@@ -113,6 +119,24 @@ def attached(variant: str, model: Any, trace_dir: Path, tag: str) -> Iterator[di
         info["profiler_teardown_s"] = time.perf_counter() - t0  # not counted in the ratio
     else:
         raise ValueError(variant)
+
+
+@contextlib.contextmanager
+def _diagnostic_patch(variant: str) -> Iterator[None]:
+    """The diagnostic variants switch one part of the recorder off by patching it for one run."""
+    from kvtrace.recorder import hooks, telemetry
+
+    target = {"nohooks": (hooks.StepHooks, "install"), "nothreads": (telemetry.Telemetry, "start")}.get(variant)
+    if target is None:
+        yield
+        return
+    cls, name = target
+    original = getattr(cls, name)
+    setattr(cls, name, lambda self: None)
+    try:
+        yield
+    finally:
+        setattr(cls, name, original)
 
 
 def _sync() -> None:
@@ -183,8 +207,10 @@ def bench_model(name: str, layers: int | None, args: argparse.Namespace, trace_d
                  for by_run, base_step in [({r["variant"]: r for r in results}.get(v, {}),
                                             {r["variant"]: r for r in results}["base"]["decode_step_s"])]
                  if "hook_ns" in by_run]
+        sizes = [r["trace_bytes"] for results in rounds for r in results if r["variant"] == v and "trace_bytes" in r]
         if tot:
-            summary[v] = {"pairs": len(tot), "total_ratio_median": statistics.median(tot),
+            summary[v] = {"pairs": len(tot), "trace_mib_median": statistics.median(sizes) / 2**20 if sizes else None,
+                          "total_ratio_median": statistics.median(tot),
                           "self_time_fraction_median": statistics.median(selfs) if selfs else None,
                           "total_ratio_min": min(tot), "total_ratio_max": max(tot),
                           "decode_ratio_median": statistics.median(dec),
@@ -248,16 +274,19 @@ def main(argv: list[str] | None = None) -> int:
           f"bf16, {args.prompt}-token prompt + {args.new_tokens} new tokens, greedy")
     print("ratio = time with variant / time without, same round; median [min-max] over pairs")
     print("self = time inside the recorder's step hooks per step / base decode step (direct, noise-free)")
-    print(f"{'model':<22} {'variant':<11} {'pairs':>5}  {'total':>22}  {'decode/step':>22}  {'self':>7}")
+    print("trace = median trace file size, MiB")
+    print(f"{'model':<22} {'variant':<13} {'pairs':>5}  {'total':>22}  {'decode/step':>22}  {'self':>7}  {'trace':>9}")
     for m in out["models"]:
         label = m["model"] + (f" ({m['layers']} layers)" if m["layers"] else "")
-        print(f"{label:<22} {'base':<11} {'':>5}  {m['base_tokens_per_s']:>15.1f} tok/s")
+        print(f"{label:<22} {'base':<13} {'':>5}  {m['base_tokens_per_s']:>15.1f} tok/s")
         for v, s in m["summary"].items():
             tot = f"{s['total_ratio_median']:.3f} [{s['total_ratio_min']:.3f}-{s['total_ratio_max']:.3f}]"
             dec = f"{s['decode_ratio_median']:.3f} [{s['decode_ratio_min']:.3f}-{s['decode_ratio_max']:.3f}]"
             own = s.get("self_time_fraction_median")
             own_s = f"{own * 100:6.2f}%" if own is not None else "      -"
-            print(f"{'':<22} {v:<11} {s['pairs']:>5}  {tot:>22}  {dec:>22}  {own_s}")
+            mib = s.get("trace_mib_median")
+            mib_s = f"{mib:9.1f}" if mib is not None else "        -"
+            print(f"{'':<22} {v:<13} {s['pairs']:>5}  {tot:>22}  {dec:>22}  {own_s}  {mib_s}")
         if m["recorder_errors"]:
             print(f"{'':<22} (recorder errors caught during the runs: {m['recorder_errors']})")
     print(f"total wall time {out['wall_s']:.0f} s")
