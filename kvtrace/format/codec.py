@@ -10,6 +10,8 @@ must equal the chunk size before any buffer is allocated, which stops decompress
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import zstandard
 
@@ -68,8 +70,23 @@ def compress_shuffled(chunks: np.ndarray, level: int = 3) -> list[bytes]:
     if chunks.dtype != np.uint8 or not chunks.flags.c_contiguous or chunks.ndim < 1:
         raise ValueError("shuffled chunks must be a C-contiguous uint8 array, one chunk per row")
     rows = chunks.reshape(len(chunks), -1)
-    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)
+    cctx = _compressor(level)
     return [cctx.compress(row) for row in rows]  # python-zstandard releases the GIL inside
+
+
+_per_thread = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compressor for ``level`` (a ZstdCompressor is not thread-safe, and building
+    one allocates its tables with the GIL held: once per thread, not once per payload)."""
+    cache = getattr(_per_thread, "compressors", None)
+    if cache is None:
+        cache = _per_thread.compressors = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)
+    return cctx
 
 
 def encode_chunks(

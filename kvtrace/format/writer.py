@@ -40,6 +40,9 @@ TEXT_CHUNK_BYTES = 64 * 1024
 TEXT_MAX_BYTES = 1 << 20  # one string; longer ones are cut and say so
 
 
+_PAYLOAD_GROW_CHUNKS = 64  # 16 MiB of extent per payload dataset at least, per growth
+
+
 def monotonic_ns() -> int:
     """The trace clock: monotonic nanoseconds, anchored to wall time in /meta."""
     return time.monotonic_ns()
@@ -145,7 +148,9 @@ class TraceWriter:
         self._text_size = 0
         self._text_written = 0
         self._request_rows: dict[int, int] = {}
-        self._payload_chunks = {s: 0 for s in schema.PAYLOAD_ITEMSIZES}
+        self._payload_chunks = {s: 0 for s in schema.PAYLOAD_ITEMSIZES}  # chunks in use
+        self._payload_extent = {s: 0 for s in schema.PAYLOAD_ITEMSIZES}  # chunks the extent spans
+        self._payload_ds: dict[int, h5py.Dataset] = {}
         self._file = h5py.File(self.path, "w", libver=LIBVER)
         try:
             self._create_layout(meta or {}, list(devices))
@@ -180,7 +185,7 @@ class TraceWriter:
         )
         for itemsize in schema.PAYLOAD_ITEMSIZES:
             chunk = schema.payload_chunk_elements(itemsize)
-            f.create_dataset(
+            self._payload_ds[itemsize] = f.create_dataset(
                 schema.payload_dataset_name(itemsize), shape=(0,), maxshape=(None,),
                 dtype=schema.payload_carrier(itemsize), chunks=(chunk,), shuffle=True,
                 compression=schema.FILTER_ZSTD, compression_opts=(self.payload_level,),
@@ -293,11 +298,11 @@ class TraceWriter:
         with self._lock:
             self._check_open()
             itemsize = payload.itemsize
-            ds = self._file[schema.payload_dataset_name(itemsize)]
+            ds = self._payload_ds[itemsize]
             chunk = schema.payload_chunk_elements(itemsize)
             first = self._payload_chunks[itemsize]
             n = len(payload.frames)
-            ds.resize(((first + n) * chunk,))
+            self._reserve_chunks(itemsize, first + n)
             for i, frame in enumerate(payload.frames):
                 ds.id.write_direct_chunk(((first + i) * chunk,), frame, filter_mask=0)
                 _yield_gil()
@@ -311,6 +316,25 @@ class TraceWriter:
             )
             with self._buf_lock:
                 self._buffers["payloads/index"].append(row)
+
+    def _reserve_chunks(self, itemsize: int, needed: int) -> None:
+        """Grow a payload dataset's extent ahead of use, by half again at least 64 chunks: a
+        resize holds the GIL for a B-tree update, and one per payload stalled the model's thread
+        after every sampling step (bench/profile_recorder.py). Unwritten chunks take no space in
+        the file; close() trims the extent to what is used."""
+        extent = self._payload_extent[itemsize]
+        if needed <= extent:
+            return
+        extent = max(needed, extent + extent // 2, _PAYLOAD_GROW_CHUNKS)
+        self._payload_ds[itemsize].resize((extent * schema.payload_chunk_elements(itemsize),))
+        self._payload_extent[itemsize] = extent
+
+    def _trim_payload_extents(self) -> None:
+        for itemsize, ds in self._payload_ds.items():
+            used = self._payload_chunks[itemsize]
+            if self._payload_extent[itemsize] > used:
+                ds.resize((used * schema.payload_chunk_elements(itemsize),))
+                self._payload_extent[itemsize] = used
 
     # ---- flushing ------------------------------------------------------------------------------
 
@@ -394,6 +418,7 @@ class TraceWriter:
         with self._lock:
             if self._closed:
                 return
+            self._trim_payload_extents()
             self.flush()
             self._file["status"][0] = (monotonic_ns(), monotonic_ns(), self._flushes)
             self._file.flush()

@@ -40,3 +40,15 @@ def record_run(tmp: Path, name: str, *, calls: int = 1, record_kwargs: dict | No
 
 def text(trace: Trace, off: int, length: int) -> str:
     return trace.text(int(off), int(length)) if length else ""
+
+
+def sampled_cache_at(path: Path, step: int, layer: int, kind: int, kept: int) -> Any:
+    """What the samples say layer ``layer`` of request 0 held after ``step``: increments joined
+    (spec §6.1), restricted to the last ``kept`` positions (the cache's own length)."""
+    from kvtrace.format.assemble import ContentsAssembler
+
+    with Trace(path) as t:
+        joined = ContentsAssembler(t)
+        p = joined.at(0, layer, kind, step)
+        end = p.token_start + p.shape[2]
+        return joined.at(0, layer, kind, step, first=end - kept)

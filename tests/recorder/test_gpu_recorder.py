@@ -9,7 +9,7 @@ import gc
 
 import pytest
 import torch
-from rec_helpers import NEW, PROMPT
+from rec_helpers import NEW, PROMPT, sampled_cache_at
 
 import kvtrace
 from kvtrace import geometry
@@ -139,16 +139,12 @@ def test_offloaded_samples_match_cache_contents(tmp_path):
         out = _gen(m, cache_implementation="offloaded", return_dict_in_generate=True)
     cache = out.past_key_values
     with Trace(path) as t:
-        idx = t.payload_index()
-        last = int(idx["step"].max())
-        assert last == NEW - 1
-        for i in range(len(idx)):
-            p = t.payload(i)
-            if p.step != last:
-                continue
-            layer = cache.layers[p.layer]
-            src = layer.keys if p.kind == PayloadKind.KEY else layer.values
-            torch.testing.assert_close(torch.from_numpy(p.to_float32()), src.float().cpu(), rtol=0, atol=0)
+        last = int(t.payload_index()["step"].max())
+    assert last == NEW - 1
+    for layer_idx, layer in enumerate(cache.layers):  # incremental samples, joined: the cache, bit for bit
+        for kind, src in ((PayloadKind.KEY, layer.keys), (PayloadKind.VALUE, layer.values)):
+            got = sampled_cache_at(path, last, layer_idx, int(kind), src.shape[2])
+            torch.testing.assert_close(torch.from_numpy(got.to_float32()), src.float().cpu(), rtol=0, atol=0)
 
 
 def test_static_cache_with_auto_compile(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from rec_helpers import sampled_cache_at
 from test_prometheus_wiring import read_metrics
 
 import kvtrace
@@ -94,12 +95,13 @@ def test_dynamic_layer_samples_equal_the_cache(tmp_path, name):
     cache = out.past_key_values
     last = NEW - 1
     with Trace(path) as t:
-        idx = t.payload_index()
-        payloads = [t.payload(i) for i in range(len(idx)) if int(idx[i]["step"]) == last]
+        assert t.meta.payload_tokens == "new"
+        steps = sorted(set(t.payload_index()["step"].tolist()))
         r = t.readings(0)
         r = r[r["label"] == int(ReadingLabel.RECORDER_OWN)]
-    assert payloads
-    for p in payloads:
-        src = cache.layers[p.layer].keys if p.kind == PayloadKind.KEY else cache.layers[p.layer].values
-        np.testing.assert_array_equal(p.to_float32(), src.float().cpu().numpy())
+    assert steps[-1] == last and len(steps) > 2
+    for layer_idx, layer in enumerate(cache.layers):  # incremental samples, joined: the cache, bit for bit
+        for kind, src in ((PayloadKind.KEY, layer.keys), (PayloadKind.VALUE, layer.values)):
+            got = sampled_cache_at(path, last, layer_idx, int(kind), src.shape[2])
+            np.testing.assert_array_equal(got.to_float32(), src.float().cpu().numpy())
     assert r["allocated_bytes"].tolist() == [own]
