@@ -174,7 +174,8 @@ def bench_model(name: str, layers: int | None, args: argparse.Namespace, trace_d
     variants = [v for v in VARIANTS if v not in args.skip]
     for v in ["base", *variants]:  # warm-up: kernels, allocator pools, profiler init
         one_run(model, v, ids, 32, trace_dir, f"{name}-warm-{v}")
-    base_est = one_run(model, "base", ids, args.new_tokens, trace_dir, f"{name}-est")["total_s"]
+    probe = min(args.new_tokens, 128)  # a short run, scaled: a full one costs a round's worth of time
+    base_est = one_run(model, "base", ids, probe, trace_dir, f"{name}-est")["total_s"] * args.new_tokens / probe
     log(f"{name}: built + warm in {time.monotonic() - t_start:.0f} s; one {args.new_tokens}-token run "
         f"~{base_est:.1f} s ({args.new_tokens / base_est:.1f} tokens/s)")
     rng = random.Random(0)
