@@ -67,11 +67,29 @@ def compress_shuffled(chunks: np.ndarray, level: int = 3) -> list[bytes]:
     ``shuffle_chunks`` returns). The frames are the ones ``encode_chunks`` writes for the
     unshuffled data.
     """
-    if chunks.dtype != np.uint8 or not chunks.flags.c_contiguous or chunks.ndim < 1:
-        raise ValueError("shuffled chunks must be a C-contiguous uint8 array, one chunk per row")
-    rows = chunks.reshape(len(chunks), -1)
-    cctx = _compressor(level)
-    return [cctx.compress(row) for row in rows]  # python-zstandard releases the GIL inside
+    return compress_shuffled_many([chunks], level)[0]
+
+
+def compress_shuffled_many(chunk_arrays: list[np.ndarray], level: int = 3) -> list[list[bytes]]:
+    """:func:`compress_shuffled` of several payloads in ONE zstd call, which holds no GIL from the
+    first chunk to the last: a background thread that re-takes the GIL after every chunk makes
+    the model's thread wait for it each time."""
+    rows: list[np.ndarray] = []
+    counts = []
+    for chunks in chunk_arrays:
+        if chunks.dtype != np.uint8 or not chunks.flags.c_contiguous or chunks.ndim < 1:
+            raise ValueError("shuffled chunks must be a C-contiguous uint8 array, one chunk per row")
+        flat = chunks.reshape(len(chunks), -1)
+        rows.extend(flat)
+        counts.append(len(flat))
+    if not rows:
+        return [[] for _ in chunk_arrays]
+    frames = [bytes(segment) for segment in _compressor(level).multi_compress_to_buffer(rows, threads=1)]
+    out, at = [], 0
+    for n in counts:
+        out.append(frames[at:at + n])
+        at += n
+    return out
 
 
 _per_thread = threading.local()

@@ -2,11 +2,15 @@
 
 The generating thread only selects a view and enqueues a copy: on CUDA an asynchronous
 device->host copy into pinned memory on a side stream, closed by an event (``staging.py``); on CPU
-a plain copy. Background threads wait for the event, byte-shuffle (``codec.shuffle_chunks``),
-compress (``codec.compress_shuffled``) and write (``TraceWriter.write_payload``), holding the GIL
-only between GIL-free numpy copies and zstd calls. At most ``queue_size`` samples are in flight;
-when full, a sample is dropped and counted instead of stalling generation. Elements travel as their raw bits (bf16 as int16, fp8 as uint8,
-...), so every dtype round-trips bit-exactly; the frames are the ones ``encode_payload`` writes.
+a plain copy. A sampling step's samples reach the background threads as one work item per thread
+(balanced by bytes); a thread waits for the step's event once, byte-shuffles each sample
+(``codec.shuffle_chunks``, GIL-free numpy copies), compresses them all in one GIL-free zstd call
+(``codec.compress_shuffled_many``) and writes them (``TraceWriter.write_payload``). Every time a
+background thread takes the GIL back, the model's thread (CPU-bound in HF decode) may have to wait
+for it, so these hand-overs are kept per step, not per chunk. At most ``queue_size`` samples are
+in flight; when full, a sample is dropped and counted instead of stalling generation. Elements
+travel as their raw bits (bf16 as int16, fp8 as uint8, ...), so every dtype round-trips
+bit-exactly; the frames are the ones ``encode_payload`` writes.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtrace.format.codec import compress_shuffled, shuffle_chunks
+from kvtrace.format.codec import compress_shuffled_many, shuffle_chunks
 from kvtrace.format.schema import (
     DTYPE_ITEMSIZE,
     PAYLOAD_MAX_NDIM,
@@ -124,13 +128,23 @@ def cache_dtype(dtype: torch.dtype) -> CacheDType | None:
 
 def encode_sample(job: _Job, level: int) -> EncodedPayload:
     """Shuffle and compress one staged sample, off the generating thread."""
-    elements = job.host.numpy()
-    chunks = shuffle_chunks(elements, payload_chunk_elements(elements.dtype.itemsize))
-    return EncodedPayload(
-        job.request, job.step, job.layer, job.kind, job.dtype, job.shape, DTYPE_ITEMSIZE[job.dtype],
-        math.prod(job.shape), compress_shuffled(chunks, level), job.head_start, job.head_stride,
-        job.token_start, job.t_ns,
-    )
+    return encode_samples([job], level)[0]
+
+
+def encode_samples(jobs: list[_Job], level: int) -> list[EncodedPayload]:
+    """Shuffle each staged sample (GIL-free numpy copies) and compress them all in one zstd call."""
+    shuffled = []
+    for job in jobs:
+        elements = job.host.numpy()
+        shuffled.append(shuffle_chunks(elements, payload_chunk_elements(elements.dtype.itemsize)))
+    frames = compress_shuffled_many(shuffled, level)
+    return [
+        EncodedPayload(
+            job.request, job.step, job.layer, job.kind, job.dtype, job.shape, DTYPE_ITEMSIZE[job.dtype],
+            math.prod(job.shape), job_frames, job.head_start, job.head_stride, job.token_start, job.t_ns,
+        )
+        for job, job_frames in zip(jobs, frames, strict=True)
+    ]
 
 
 class PayloadSampler:
@@ -156,7 +170,9 @@ class PayloadSampler:
         self._idle = threading.Condition(self._lock)
         self._pending = 0
         self._slots = threading.Semaphore(settings.queue_size)
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        # Work items are lists of jobs: a sampling step's samples travel as one item per worker, so
+        # a worker waits on one event, compresses in one call and writes under one lock.
+        self._jobs: queue.SimpleQueue[list[_Job] | None] = queue.SimpleQueue()
         self._closed = False
         self._stats: dict[str, int] | None = None
         self._workers = [
@@ -265,7 +281,7 @@ class PayloadSampler:
         if index >= 0 and event is None:
             self._batch_jobs.append((job, index))  # queued when the batch closes, with its event
             return True
-        self._enqueue(job)
+        self._enqueue([job])
         return True
 
     @contextlib.contextmanager
@@ -292,14 +308,24 @@ class PayloadSampler:
                 jobs = []
             for job, index in jobs:
                 job.event = events[index]
-                self._enqueue(job)
+            self._enqueue([job for job, _index in jobs])
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, jobs: list[_Job]) -> None:
+        """Queue jobs as at most one item per worker, balanced by bytes."""
+        if not jobs:
+            return
         with self._lock:
-            self._pending += 1
-            self._pinned_in_flight += job.pinned_bytes
+            self._pending += len(jobs)
+            self._pinned_in_flight += sum(job.pinned_bytes for job in jobs)
             self.pinned_host_bytes_peak = max(self.pinned_host_bytes_peak, self._pinned_in_flight)
-        self._jobs.put(job)
+        items: list[list[_Job]] = [[] for _ in range(min(len(jobs), len(self._workers)))]
+        loads = [0] * len(items)
+        for job in sorted(jobs, key=lambda j: -j.host.numel() * j.host.element_size()):
+            lightest = loads.index(min(loads))
+            items[lightest].append(job)
+            loads[lightest] += job.host.numel() * job.host.element_size()
+        for item in items:
+            self._jobs.put(sorted(item, key=lambda j: (j.layer, int(j.kind))))
 
     def _count_skip(self, why: str) -> None:
         with self._lock:
@@ -357,29 +383,36 @@ class PayloadSampler:
 
     def _work(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
+            jobs = self._jobs.get()
+            if jobs is None:
                 return
+            written, error = 0, ""
             try:
-                if job.event is not None:
-                    job.event.synchronize()  # this worker waits, the generating thread never does
-                self.writer.write_payload(encode_sample(job, self.settings.level))
-                ok = True
-            except Exception as exc:  # noqa: BLE001 - counted; the trace records it at close
-                ok = False
+                for event in {id(j.event): j.event for j in jobs if j.event is not None}.values():
+                    event.synchronize()  # this worker waits, the generating thread never does
+                for payload in encode_samples(jobs, self.settings.level):
+                    try:
+                        self.writer.write_payload(payload)
+                        written += 1
+                    except Exception as exc:  # noqa: BLE001 - counted; the trace records it at close
+                        error = f"write: {type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - the copy or the encoding failed
                 error = f"write: {type(exc).__name__}: {exc}"
-            job.host = job.event = None
+            failed = len(jobs) - written
+            pinned = sum(job.pinned_bytes for job in jobs)
+            for job in jobs:
+                job.host = job.event = None
             with self._lock:
-                if ok:
-                    self.written += 1
-                else:
-                    self.failed += 1
+                self.written += written
+                self.failed += failed
+                if error:
                     self.last_error = error
-                self._pinned_in_flight -= job.pinned_bytes
-                self._pending -= 1
+                self._pinned_in_flight -= pinned
+                self._pending -= len(jobs)
                 if self._pending == 0:
                     self._idle.notify_all()
-            self._slots.release()
+            for _ in jobs:
+                self._slots.release()
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued sample is written (or failed). False on timeout."""
