@@ -72,7 +72,9 @@ class StagingBatch:
         events: dict[int, torch.cuda.Event] = {}
         try:
             for index, (stream, main, in_place) in self._open.items():
-                event = torch.cuda.Event()
+                # blocking: the worker that waits on it sleeps instead of spinning a core in the
+                # driver next to the model's thread
+                event = torch.cuda.Event(blocking=True)
                 event.record(stream)
                 events[index] = event
                 if in_place:
