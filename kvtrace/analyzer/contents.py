@@ -10,11 +10,12 @@ torch is imported only inside :func:`analyze_contents`: importing this module (a
 reason; thresholds and choices are documented in docs/kernels.md.
 
 Unit of analysis: one (request, layer). Dead heads and eviction use the request's last sampled
-step that holds the layer's K and V (the most tokens). Entropy uses every sampled query of the
-request at that layer, each against the keys sampled at its own step; H2O scores accumulate the
-received mass of all those queries onto the last step's keys by absolute position. A query is used
-only when every key it attends to is in the sample (a sliding cache keeps ``window - 1`` tokens
-after a step, so its sampled queries usually miss one key: they are counted, not used).
+step that holds the layer's K and V, restricted to the tokens the cache held then. Entropy uses
+every sampled query of the request at that layer, each against every key sampled up to its own
+step (incremental samples joined, spec §6.1); H2O scores accumulate the received mass of all those
+queries onto the last step's kept keys by absolute position. A query is used only when every key
+it attends to is sampled; otherwise it is counted, not used (with whole samples a sliding cache
+keeps ``window - 1`` tokens after a step, so its queries miss one key).
 """
 
 from __future__ import annotations
