@@ -58,7 +58,8 @@ def _print(s: dict) -> None:
     click.echo(f"rows       kv {rows['kv']}, steps {rows['steps']}, events {rows['events']}, "
                f"nvml {rows['telemetry/nvml']}, allocator {rows['telemetry/allocator']}, "
                f"process {rows['telemetry/process']}")
-    click.echo(f"payloads   {s['payloads']['count']} sampled tensors, "
+    kind = "incremental: new tokens per sample" if s["payloads"]["tokens"] == "new" else "whole samples"
+    click.echo(f"payloads   {s['payloads']['count']} sampled tensors ({kind}), "
                f"{format_bytes(s['payloads']['stored_bytes'])} stored (compressed)")
     click.echo(f"privacy    prompt text {'STORED' if s['contains_prompt_text'] else 'not stored'}, "
                f"tensor contents {'STORED' if s['contains_tensor_payloads'] else 'not stored'}")

@@ -50,5 +50,6 @@ def summarize(trace: Trace) -> dict[str, Any]:
                      "new_tokens": int(np.sum(requests["new_tokens"], dtype=np.int64))},
         "layers": {"count": int(layers.shape[0]), "types": layer_types},
         "rows": {name: trace.nrows(name) for name in schema.TABLES},
-        "payloads": {"count": trace.nrows("payloads/index"), "stored_bytes": payload_bytes},
+        "payloads": {"count": trace.nrows("payloads/index"), "stored_bytes": payload_bytes,
+                     "tokens": meta.payload_tokens},
     }

@@ -27,6 +27,7 @@ def test_info_text_and_json(tmp_path):
     data = json.loads(res.output)
     assert data["format_version"] == schema.FORMAT_VERSION and data["complete"] is True
     assert data["requests"]["outcomes"] == {"ok": 1}
+    assert data["payloads"]["tokens"] == "all"  # no /meta payload_tokens: whole samples (1.0 meaning)
     assert data["rows"]["requests"] == 1
 
 
