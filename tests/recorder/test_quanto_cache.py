@@ -1,12 +1,14 @@
-"""QuantizedCache with the quanto backend (optimum-quanto): the recorder counts the packed integer
-data, the per-group scales and shifts, and the full-precision residual, byte for byte.
+"""QuantizedCache with the quanto (optimum-quanto) and HQQ (hqq) backends: the recorder counts the
+packed integer data, the per-group scales and shifts (zeros), and the full-precision residual,
+byte for byte. Each backend's test skips, saying so, where its package is not installed.
 
 The expectation is computed here from the config and the cache's documented rule, independently
 of what the recorder read: the prompt is quantized whole; each decode step appends its token to
 the residual, unless the residual would reach ``residual_length``, in which case everything seen
 so far is re-quantized and the residual emptied. A quantized tensor of n elements at ``nbits``
 takes n * nbits / 8 bytes of packed data plus one fp32 scale and one fp32 shift per group of
-``q_group_size`` elements.
+``q_group_size`` elements (both backends; HQQ's 3-bit packing, 10 values per int32, is not
+covered).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("optimum.quanto", reason="optimum-quanto is not installed")
 
 from rec_helpers import model  # noqa: E402
 
@@ -41,17 +42,23 @@ def _expected_per_layer(step: int, kv_heads: int, head_dim: int, nbits: int, ele
     return quantized + residual, 2 * one_tensor
 
 
-@pytest.mark.parametrize("nbits", [2, 4])
-def test_quanto_layers_counted_byte_for_byte(tmp_path, nbits):
+_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq.core.quantize", "hqq")}
+_AXES = {"hqq": {"axis_key": 1, "axis_value": 1}}  # transformers' documented HQQ KV setting
+
+
+@pytest.mark.parametrize(("backend", "nbits"), [("quanto", 2), ("quanto", 4), ("hqq", 2), ("hqq", 4), ("hqq", 8)])
+def test_quantized_layers_counted_byte_for_byte(tmp_path, backend, nbits):
+    module, package = _PACKAGES[backend]
+    pytest.importorskip(module, reason=f"{package} is not installed")
     m = model("llama")
     cfg = m.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    path = tmp_path / f"quanto{nbits}.kvt.h5"
+    path = tmp_path / f"{backend}{nbits}.kvt.h5"
     with kvtrace.record(m, path, structure_every=1) as rec:
         m.generate(tiny_prompt(PROMPT), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                    cache_implementation="quantized",
-                   cache_config={"backend": "quanto", "nbits": nbits, "residual_length": RESIDUAL,
-                                 "q_group_size": GROUP})
+                   cache_config={"backend": backend, "nbits": nbits, "residual_length": RESIDUAL,
+                                 "q_group_size": GROUP, **_AXES.get(backend, {})})
     assert rec.recorder_errors == 0, dict(rec.errors)
     assert validate(path).valid
     with Trace(path) as t:
