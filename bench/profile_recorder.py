@@ -57,8 +57,8 @@ def instrument() -> None:
     timed(sampling.PayloadSampler, "_stage_cuda", "sampler._stage_cuda")
     timed(sampling.PayloadSampler, "submit", "sampler.submit")
     # worker side (background threads)
-    timed(sampling, "encode_sample", "worker: encode_sample")
-    timed(sampling, "compress_shuffled", "worker: compress")
+    timed(sampling, "encode_samples", "worker: encode_samples")
+    timed(sampling, "compress_shuffled_many", "worker: compress")
     timed(writer.TraceWriter, "write_payload", "worker: write_payload")
 
 

@@ -153,7 +153,7 @@ class _Analysis:
         self.kv = trace.kv() if trace.has("kv") else np.zeros(0, schema.KV)
         cfg = trace.meta.model_config
         self.cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-        self.contents = ContentsAssembler(trace)  # K/V/latents at a step, incremental samples joined
+        self.contents = ContentsAssembler(trace, index)  # K/V/latents at a step, increments joined
         self.rows_by: dict[tuple[int, int, int, int], int] = {}
         for i, r in enumerate(index):
             self.rows_by[(int(r["request"]), int(r["step"]), int(r["layer"]), int(r["kind"]))] = i
@@ -166,10 +166,9 @@ class _Analysis:
     def tensor(self, row: int) -> tuple[Any, Any]:
         return self._on_device(self.trace.payload(int(row)))
 
-    def at_step(self, request: int, step: int, layer: int, kind: PK, *, kept: bool = False) -> tuple[Any, Any]:
+    def at_step(self, request: int, step: int, layer: int, kind: PK, *, first: int | None = None) -> tuple[Any, Any]:
         """(payload, fp32 tensor) of the layer's sampled tokens at ``step`` (spec §6.1): every
-        position sampled so far, or with ``kept`` only those the cache still held then."""
-        first = self.first_kept(request, step, layer) if kept else None
+        position sampled so far, or from ``first`` on (``_first_kept``: what the cache held then)."""
         p = self.contents.at(request, layer, int(kind), step, first=first)
         if p is None:  # callers ask only for steps listed in rows_by
             raise KeyError((request, step, layer, int(kind)))
@@ -182,11 +181,6 @@ class _Analysis:
         k = self.kv
         sel = k[(k["request"] == request) & (k["step"] == step) & (k["layer"] == layer)]
         return sel[0] if sel.size else None
-
-    def first_kept(self, request: int, step: int, layer: int) -> int | None:
-        """Position of the first token the layer's cache held after ``step`` (from /kv)."""
-        row = self.kv_row(request, step, layer)
-        return None if row is None else int(row["tokens_seen"]) - int(row["tokens_kept"])
 
     def layer_type(self, layer: int, kvrow: np.void | None) -> LT:
         code = int(kvrow["layer_type"]) if kvrow is not None else int(self.layers[layer]["layer_type"]) if layer in self.layers else 0
@@ -223,12 +217,13 @@ class _Analysis:
     def dead_heads(self, request: int, layer: int, step: int) -> None:
         from kvtrace.kernels.analyses import kv_head_report
 
-        kp, k = self.at_step(request, step, layer, PK.KEY, kept=True)
-        vp, v = self.at_step(request, step, layer, PK.VALUE, kept=True)
+        kvrow = self.kv_row(request, step, layer)
+        first = _first_kept(kvrow)
+        kp, k = self.at_step(request, step, layer, PK.KEY, first=first)
+        vp, v = self.at_step(request, step, layer, PK.VALUE, first=first)
         if k.dim() != 4 or v.dim() != 4:
             self.skip("dead_heads", request, layer, f"K/V payloads are not [B, H, T, D] (got {kp.shape})")
             return
-        kvrow = self.kv_row(request, step, layer)
         kb, vb = _dtype_bytes(kvrow, kp, vp)
         rep = kv_head_report(k, v, layer=layer, dtype_bytes=kb, backend=self.backend)
         heads = [kp.head_start + i * kp.head_stride for i in range(k.shape[1])]
@@ -254,8 +249,9 @@ class _Analysis:
         lt = self.layer_type(layer, kvrow)
         # Eviction plans act on what the cache held at the last step; each query's entropy uses
         # every key sampled up to its step (a sliding layer has dropped its oldest since).
-        kp_last, k_last = self.at_step(request, last, layer, PK.KEY, kept=True)
-        vp_last = self.contents.at(request, layer, int(PK.VALUE), last, first=self.first_kept(request, last, layer))
+        first = _first_kept(kvrow)
+        kp_last, k_last = self.at_step(request, last, layer, PK.KEY, first=first)
+        vp_last = self.contents.at(request, layer, int(PK.VALUE), last, first=first)
         B, hk, Tk, Dk = k_last.shape
         kb, vb = _dtype_bytes(kvrow, kp_last, vp_last)
         kv_heads = int(self.layers[layer]["num_kv_heads"]) if layer in self.layers else hk
@@ -374,6 +370,11 @@ class _Analysis:
         eig = d.pop("eigenvalues")
         self.rep.mla.append({"request": request, "step": step, "layer": layer, "token_start": lp.token_start,
                              **d, "eigenvalues_top": list(eig[:8])})
+
+
+def _first_kept(kvrow: np.void | None) -> int | None:
+    """Position of the first token a layer's cache held at its /kv row's step (None: no row)."""
+    return None if kvrow is None else int(kvrow["tokens_seen"]) - int(kvrow["tokens_kept"])
 
 
 def _means(a: _Analysis, x: Any) -> np.ndarray:

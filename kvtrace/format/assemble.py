@@ -24,10 +24,12 @@ class ContentsAssembler:
     """Contents of (request, layer, kind) at a step. Decoded payloads are cached per index row
     until :meth:`clear`, so assembling at every sampled step decodes each payload once."""
 
-    def __init__(self, trace: Trace) -> None:
+    def __init__(self, trace: Trace, index: np.ndarray | None = None) -> None:
+        """``index``: the trace's payload index when the caller has already read it."""
         self.trace = trace
         self.incremental = trace.meta.payload_tokens == "new"
-        index = trace.payload_index()
+        if index is None:
+            index = trace.payload_index()
         self._rows: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # -> [(step, row)]
         for i, r in enumerate(index):
             key = (int(r["request"]), int(r["layer"]), int(r["kind"]))

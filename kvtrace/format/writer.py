@@ -331,7 +331,7 @@ class TraceWriter:
     def _reserve_chunks(self, itemsize: int, needed: int) -> None:
         """Grow a payload dataset's extent ahead of use, by half again at least 64 chunks: a
         resize holds the GIL for a B-tree update, and one per payload stalled the model's thread
-        after every sampling step (bench/profile_recorder.py). Unwritten chunks take no space in
+        after every sampling step (bench/sampling_phases.py). Unwritten chunks take no space in
         the file; close() trims the extent to what is used."""
         extent = self._payload_extent[itemsize]
         if needed <= extent:

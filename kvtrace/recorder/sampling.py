@@ -43,7 +43,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 _SHARED_ACROSS_HEADS = (PayloadKind.LATENT, PayloadKind.ROPE_KEY)  # one latent serves every head
-SAMPLE_TOKENS = PAYLOAD_TOKENS  # SamplingSettings.tokens: written as /meta payload_tokens
 
 
 @dataclass
@@ -62,7 +61,7 @@ class SamplingSettings:
     # kind) holds; the contents at a step are the union of the samples up to it (spec §6.1).
     # Cached tokens never change in the append-only layouts, so this stores the same information
     # as "all" (every kept token at every sample) at a fraction of the bytes: 1,088 tokens of
-    # Pythia-1.4B sampled every 32 steps are ~200 MiB instead of ~3 GiB. Layouts that rewrite
+    # Pythia-1.4B sampled every 32 steps are 117 MiB instead of 2 GiB. Layouts that rewrite
     # tokens (quantized layers, beam search, assisted decoding) are always sampled whole.
     tokens: str = "new"
 
@@ -73,8 +72,8 @@ class SamplingSettings:
             raise ValueError("queue_size must be >= 1")
         if not 1 <= self.level <= 22:
             raise ValueError("zstd level must be in 1..22")
-        if self.tokens not in SAMPLE_TOKENS:
-            raise ValueError(f"tokens must be one of {', '.join(SAMPLE_TOKENS)}, got {self.tokens!r}")
+        if self.tokens not in PAYLOAD_TOKENS:  # written as /meta payload_tokens
+            raise ValueError(f"tokens must be one of {', '.join(PAYLOAD_TOKENS)}, got {self.tokens!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1 or None")
         if self.layers is not None:
@@ -126,11 +125,6 @@ def cache_dtype(dtype: torch.dtype) -> CacheDType | None:
     return TORCH_DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
 
 
-def encode_sample(job: _Job, level: int) -> EncodedPayload:
-    """Shuffle and compress one staged sample, off the generating thread."""
-    return encode_samples([job], level)[0]
-
-
 def encode_samples(jobs: list[_Job], level: int) -> list[EncodedPayload]:
     """Shuffle each staged sample (GIL-free numpy copies) and compress them all in one zstd call."""
     shuffled = []
@@ -171,7 +165,7 @@ class PayloadSampler:
         self._pending = 0
         self._slots = threading.Semaphore(settings.queue_size)
         # Work items are lists of jobs: a sampling step's samples travel as one item per worker, so
-        # a worker waits on one event, compresses in one call and writes under one lock.
+        # a worker waits on one event and compresses them all in one call.
         self._jobs: queue.SimpleQueue[list[_Job] | None] = queue.SimpleQueue()
         self._closed = False
         self._stats: dict[str, int] | None = None

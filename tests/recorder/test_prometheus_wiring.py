@@ -210,13 +210,13 @@ def test_failed_request_is_counted_by_outcome(tmp_path):
 
 def test_dropped_samples_are_counted_live(tmp_path, monkeypatch):
     """A slow payload writer and a queue of one: the counter equals what the trace records."""
-    original = sampling_mod.encode_sample
+    original = sampling_mod.encode_samples
 
     def slow(*a, **k):
         time.sleep(0.02)
         return original(*a, **k)
 
-    monkeypatch.setattr(sampling_mod, "encode_sample", slow)
+    monkeypatch.setattr(sampling_mod, "encode_samples", slow)
     m = model("llama")
     prom, path = tmp_path / "k.prom", tmp_path / "d.kvt.h5"
     with kvtrace.record(m, path, prometheus_textfile=str(prom),

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtrace.format import CacheDType, PayloadKind, TraceWriter, encode_payload, schema  # noqa: E402
-from kvtrace.recorder.sampling import PayloadSampler, SamplingSettings, _Job, encode_sample  # noqa: E402
+from kvtrace.recorder.sampling import PayloadSampler, SamplingSettings, _Job, encode_samples  # noqa: E402
 from kvtrace.recorder.staging import carrier_bits  # noqa: E402
 
 DTYPES = [
@@ -55,7 +55,7 @@ def test_worker_frames_equal_encode_payload(dtype, code, tokens) -> None:
     for name, v in _views(view).items():
         want = encode_payload(3, 5, 7, PayloadKind.VALUE, code, _numpy_bits(v), head_start=1,
                               head_stride=2, token_start=9, t_ns=123, level=1)
-        assert encode_sample(_job(v, code), level=1) == want, name
+        assert encode_samples([_job(v, code)], level=1) == [want], name
 
 
 def test_sampler_stores_the_frames_encode_payload_writes(tmp_path) -> None:
