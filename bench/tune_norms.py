@@ -7,8 +7,9 @@ sizes, warps, programs per SM and pipeline stages, against a device-to-device co
 torch.linalg.vector_norm measured in the same run. Two plan shapes:
 
   tile    one program per (BLOCK_T tokens, head): tiles_per_segment = 1, nothing to loop over
-  loop    a fixed grid of programs per head, each looping over its tiles with software
-          pipelining (num_stages) and writing one partial sum of norms
+  loop    a fixed grid of programs per head, each looping over its tiles (software-pipelined
+          when num_stages > 1) and writing one partial sum of norms; tiles of 4,096 to 16,384
+          elements
 Either way the head mean is summed inside the same launch, by the last program of each head (the
 tile shape has one segment per tile, so that program sums up to T / BLOCK_T partials).
 The best plans feed the heuristic in ``plan_launch``; bench/bench_kernels.py measures that.
@@ -61,8 +62,9 @@ def main() -> int:
                         rep=100, return_mode="median")
         print(f"{shape}: vector_norm {moved / t_vn / 1e6:.0f} GB/s")
         configs = [("tile", tile_plan(x, bt, w), 0) for bt, w in itertools.product((32, 64, 128, 256), (4, 8, 16))]
-        configs += [("loop", loop_plan(x, sms, bt, w, k, st), k) for bt, w, k, st in
-                    itertools.product((16, 32, 64), (4, 8), (2, 4, 8), (2, 3, 4))]
+        row_elems = 1 << max(D - 1, 0).bit_length()
+        configs += [("loop", loop_plan(x, sms, max(1, el // row_elems), w, k, st), k) for el, w, k, st in
+                    itertools.product((4096, 8192, 16384), (4, 8), (8, 16, 32), (1, 2, 3))]
         for kind, plan, per_sm in configs:
             bt, w, progs, stages = plan.block_t, plan.num_warps, per_sm * sms, plan.num_stages
 

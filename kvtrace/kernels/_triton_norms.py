@@ -1,11 +1,15 @@
 """Triton kernel for per-token L2 norms of a [B, H, T, D] tensor. Imported lazily (needs triton).
 
-Shape of the launch (bench/tune_norms.py measured the candidates on an H200):
+Shape of the launch (bench/tune_norms.py and bench/ab_norm_variants.py measured the candidates on
+an H200):
 
 * grid ``(segments, B * H)``: each program owns ``tiles_per_segment`` consecutive tiles of
-  ``BLOCK_T`` tokens of one head and loops over them with a software-pipelined ``tl.range``
-  (``num_stages`` tiles' loads in flight), so a fixed grid of a few programs per SM streams the
-  whole tensor instead of one short-lived program per tile;
+  ``BLOCK_T`` tokens of one head and loops over them, a fixed grid of 16 programs per SM streaming
+  the whole tensor instead of one short-lived program per tile. The loads are marked
+  ``evict_first``: every byte is read once, so L2 should not keep it;
+* one fp32 sum of squares per row. The max-scaled form (two reductions per row) runs only for a
+  tile holding a row whose sum overflowed or fell near fp32's normal range, i.e. never for
+  ordinary activations: the second reduction per row was what kept the kernel below copy speed;
 * each program also reduces its tokens' norms to one partial mean (their sum divided by ``T``).
   With one segment per head that partial *is* the mean and nothing else runs. With several, each
   program stores its partial and draws a ticket from a per-head atomic counter; the program that
@@ -30,18 +34,17 @@ from kvtrace.kernels._env import interpreting
 if TYPE_CHECKING:
     import torch
 
-# Launch heuristic (H200 sweep, bf16, D = 128): 8 KiB tiles (32 x 128) on 4 warps with 8 programs
-# per SM up to ~512 MiB of input; 16 KiB tiles (64 x 128) on 8 warps with 4 programs per SM above.
-# With 3 stages a program buffers 2 tiles in shared memory: 128 KiB per SM for either grid, within
-# the 228 KiB of an H100/H200 SM. Tiles are sized in bytes so fp32 inputs keep that footprint.
-_LARGE_INPUT_BYTES = 512 * 2**20
-_SMALL = (8192, 4, 8)  # (bytes per tile, num_warps, programs per SM)
-_LARGE = (16384, 8, 4)
-_NUM_STAGES = 3
-# Under the CPU interpreter every program runs in Python: tiny tiles and a pretend 1-SM device
-# keep tests fast while still producing several segments per head.
+# Launch heuristic (H200 sweeps, 2026-11-22): tiles of 8,192 elements (16 KiB in bf16/fp16, 32 KiB
+# in fp32), 128 bytes per thread (4 warps, or 8 for fp32), 16 programs per SM, no software pipelining:
+# with one sum per row a program's registers hold its tile and the many resident programs keep
+# enough loads in flight; the cp.async pipeline of the previous two-reduction kernel was slower.
+_TILE_ELEMENTS = 8192
+_PROGRAMS_PER_SM = 16
+_NUM_STAGES = 1
+# Under the CPU interpreter every program runs in Python: tiny tiles and 8 programs keep tests
+# fast while still producing several segments per head.
 _INTERP_BLOCK_T = 8
-_INTERP_SMS = 1
+_INTERP_PROGRAMS = 8
 # Partials the last program of a head loads per step when it sums them (any power of two works).
 _SEG_BLOCK = 128
 # triton.jit picks the interpreter when a kernel is decorated, i.e. at import: so does this module.
@@ -68,6 +71,7 @@ def _token_norms_kernel(
     # OUT: [B*H, T] token norms, [B*H] head means, then (segments > 1) [B*H, segments] partial
     # means; CNT: [>= B*H] int32 tickets, zero between launches. Grid (segments, B*H).
     # The last dim of X is unit-stride (the wrapper guarantees it): each row is one contiguous read.
+    # STAGES = 1 is a plain loop; more stages software-pipeline the loads (a tuning option).
     seg = tl.program_id(0)
     n_seg = tl.num_programs(0)
     pid_bh = tl.program_id(1)
@@ -84,13 +88,20 @@ def _token_norms_kernel(
         offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = offs_t < T
         ptrs = base + offs_t[:, None].to(tl.int64) * stride_t + offs_d[None, :]
-        x = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-        # Scale by the row's max |x| before squaring (as BLAS nrm2 does): bf16/fp32 values above
-        # ~1.8e19 would overflow fp32 when squared; scaled squares are <= 1.
-        amax = tl.max(tl.abs(x), axis=1)
-        inv = tl.where(amax > 0, 1.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-        xs = x * inv[:, None]
-        norm = amax * tl.sqrt(tl.sum(xs * xs, axis=1))
+        x = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        ss = tl.sum(x * x, axis=1)
+        norm = tl.sqrt(ss)
+        # A sum of squares at or above 2^126 may have overflowed (bf16/fp32 values above ~1e19);
+        # one below 2^-90 may have lost its small squares to fp32 underflow. Such rows (and zero
+        # rows) are redone scaled by their max |x| (norm = amax * sqrt(sum((x / amax)^2)), as
+        # BLAS nrm2 does; the scaled squares are <= 1), for the whole tile: one branch per tile.
+        redo = (ss >= 8.5070592e37) | (ss < 8.0779356e-28)
+        if tl.max(redo.to(tl.int32), axis=0) > 0:
+            amax = tl.max(tl.abs(x), axis=1)
+            inv = tl.where(amax > 0, 1.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+            xs = x * inv[:, None]
+            norm = tl.where(redo, amax * tl.sqrt(tl.sum(xs * xs, axis=1)), norm)
         tl.store(out_row + offs_t, norm, mask=row_ok)
         acc += tl.where(row_ok, norm, 0.0)
     partial = tl.sum(acc, axis=0) / T.to(tl.float32)
@@ -143,17 +154,15 @@ def plan_launch(
     """
     B, H, T, D = shape
     block_d = _pow2_at_least(D)
-    large = B * H * T * D * itemsize > _LARGE_INPUT_BYTES
-    tile_bytes, num_warps, per_sm = _LARGE if large else _SMALL
-    row_bytes = block_d * itemsize
+    num_warps = 4 if itemsize <= 2 else 8  # 128 bytes of the tile per thread either way
     if block_t is None:
-        block_t = max(1, tile_bytes // row_bytes)
+        block_t = max(1, _TILE_ELEMENTS // block_d)
     block_t = min(block_t, _pow2_at_least(T))
-    if block_t * row_bytes < tile_bytes:  # short sequences or a forced small tile: fewer warps
+    if block_t * block_d < _TILE_ELEMENTS:  # short sequences, wide rows or a forced small tile
         num_warps = 4
     tiles = _cdiv(T, block_t)
     if programs is None:
-        programs = per_sm * sms
+        programs = _PROGRAMS_PER_SM * sms
     segments = max(1, min(tiles, programs // (B * H)))
     tiles_per_segment = _cdiv(tiles, segments)
     segments = _cdiv(tiles, tiles_per_segment)  # no segment is left without a tile
@@ -163,7 +172,7 @@ def plan_launch(
 def default_plan(x: torch.Tensor) -> LaunchPlan:
     """The plan :func:`head_norms` uses for ``x`` (4-D, ``T > 0``) on its device."""
     if _INTERPRETED:
-        return plan_launch(tuple(x.shape), x.element_size(), _INTERP_SMS, block_t=_INTERP_BLOCK_T)
+        return plan_launch(tuple(x.shape), x.element_size(), 1, block_t=_INTERP_BLOCK_T, programs=_INTERP_PROGRAMS)
     return plan_launch(tuple(x.shape), x.element_size(), sm_count(x.get_device()))
 
 

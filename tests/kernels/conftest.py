@@ -1,8 +1,8 @@
 """Kernel tests: run the Triton kernels on CUDA when there is a GPU, else in Triton's CPU interpreter.
 
 TRITON_INTERPRET must be set before triton is imported (``triton.jit`` reads it when a kernel is
-decorated), so it is decided here, at conftest import time. An explicit TRITON_INTERPRET in the
-environment is respected. The interpreter runs on CPU tensors.
+decorated), so the root tests/conftest.py decides it, before any test module is collected. An
+explicit TRITON_INTERPRET in the environment is respected. The interpreter runs on CPU tensors.
 """
 
 from __future__ import annotations
@@ -11,19 +11,6 @@ import importlib.util
 import os
 
 import pytest
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-    except Exception:
-        return False
-    return torch.cuda.is_available()
-
-
-HAS_CUDA = _cuda()
-if "TRITON_INTERPRET" not in os.environ and not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -39,7 +26,9 @@ def tri_device() -> str:
         pytest.skip("triton is not installed: Triton-vs-reference tests need it (pip install kvtrace[gpu])")
     if INTERPRET:
         return "cpu"
-    if HAS_CUDA:
+    import torch
+
+    if torch.cuda.is_available():
         return "cuda"
     pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
 

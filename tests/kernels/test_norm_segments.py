@@ -92,25 +92,27 @@ def test_plan_covers_every_tile_once(b, h, t, d, itemsize, sms):
     tiles = -(-t // p.block_t)
     # the segments cover all tiles, and none is empty (each writes a meaningful partial)
     assert p.segments * p.tiles_per_segment >= tiles > (p.segments - 1) * p.tiles_per_segment
-    assert 1 <= p.segments <= max(1, 8 * sms // (b * h))
+    assert 1 <= p.segments <= max(1, 16 * sms // (b * h))
     assert p.block_d >= d and p.block_d & (p.block_d - 1) == 0
     assert p.block_t & (p.block_t - 1) == 0 and p.block_t <= max(1, 2 * t)
-    assert p.block_t * p.block_d * itemsize <= 16384 or p.block_t == 1  # at most 16 KiB per tile
+    assert p.block_t * p.block_d <= 8192 or p.block_t == 1  # at most 8,192 elements per tile
+    assert p.num_stages == 1
 
 
 def test_plan_heuristic_on_h200_shapes():
-    small = tn.plan_launch((1, 32, 32768, 128), 2, sms=132)  # 256 MiB
-    assert (small.block_t, small.num_warps, small.num_stages) == (32, 4, 3)
-    assert small.segments * 32 <= 8 * 132 and small.segments == 32
-    large = tn.plan_launch((1, 32, 131072, 128), 2, sms=132)  # 1 GiB
-    assert (large.block_t, large.num_warps) == (64, 8)
-    assert large.segments * 32 <= 4 * 132 and large.segments == 16
+    bf16 = tn.plan_launch((1, 32, 32768, 128), 2, sms=132)  # 256 MiB: 16 KiB tiles, 4 warps
+    assert (bf16.block_t, bf16.num_warps, bf16.num_stages) == (64, 4, 1)
+    assert bf16.segments * 32 <= 16 * 132 and (bf16.segments, bf16.tiles_per_segment) == (64, 8)
+    large = tn.plan_launch((1, 32, 131072, 128), 2, sms=132)  # 1 GiB: same tiles, longer loops
+    assert (large.block_t, large.num_warps, large.segments, large.tiles_per_segment) == (64, 4, 64, 32)
     wide = tn.plan_launch((1, 8, 4096, 512), 2, sms=132)
-    assert wide.block_t * wide.block_d == 4096  # 8 KiB tiles whatever D and the dtype
-    fp32 = tn.plan_launch((1, 32, 32768, 128), 4, sms=132)  # 512 MiB: still the small-input grid
-    assert (fp32.block_t, fp32.num_warps, fp32.segments) == (16, 4, 33)  # 2048 tiles: 32 segments of 63 + one of 32
+    assert wide.block_t * wide.block_d == 8192  # 8,192 elements whatever D
+    fp32 = tn.plan_launch((1, 32, 32768, 128), 4, sms=132)  # 32 KiB tiles on 8 warps
+    assert (fp32.block_t, fp32.num_warps, fp32.segments, fp32.tiles_per_segment) == (64, 8, 64, 8)
+    batched = tn.plan_launch((8, 8, 16384, 128), 2, sms=132)  # 64 heads share the 2,112 programs
+    assert (batched.segments, batched.tiles_per_segment) == (32, 8)
     short = tn.plan_launch((1, 8, 5, 128), 2, sms=132)  # one short tile per head
-    assert (short.block_t, short.segments, short.tiles_per_segment) == (8, 1, 1)
+    assert (short.block_t, short.segments, short.tiles_per_segment, short.num_warps) == (8, 1, 1, 4)
 
 
 def test_default_plan_under_interpreter_uses_segments(tri_device):

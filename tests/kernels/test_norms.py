@@ -89,6 +89,22 @@ def test_extreme_values_stay_finite_and_exact(tri_device, dtype, value, d):
         torch.testing.assert_close(tok, truth, rtol=RTOL, atol=0)
 
 
+@pytest.mark.parametrize("dtype,big,tiny", [(torch.bfloat16, 1e30, 1e-30), (torch.float32, 1e37, 1e-30),
+                                            (torch.float16, 65504.0, 6e-8)])
+def test_extreme_rows_next_to_ordinary_rows(tri_device, dtype, big, tiny):
+    # The kernel sums squares once per row and redoes only tiles holding a row whose sum
+    # overflowed or underflowed: ordinary rows sharing such a tile must come out unchanged.
+    x = torch.randn(1, 2, 24, 128)
+    x[0, 0, 2] *= big / float(x[0, 0, 2].abs().max())
+    x[0, 0, 5] *= tiny / float(x[0, 0, 5].abs().max())
+    x[0, 1, 9] = 0
+    x = x.to(dtype)
+    truth = _truth(x)
+    got = norms.head_norms(x.to(tri_device), backend="triton").token_norms.cpu().double()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, truth, rtol=RTOL, atol=0)
+
+
 def test_zero_rows_and_empty(tri_device):
     x = torch.zeros(1, 2, 4, 64)
     for res in (norms.head_norms_reference(x), norms.head_norms(x.to(tri_device), backend="triton")):

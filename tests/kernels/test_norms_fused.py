@@ -165,6 +165,9 @@ def test_ptx_orders_partials_before_the_ticket():
     assert len(atoms) == 1 and "atom.global.gpu.acq_rel.add" in lines[atoms[0]]
     store = max(i for i in range(atoms[0]) if "st.global" in lines[i])  # the partial
     assert any(ln.startswith("bar.sync") for ln in lines[store:atoms[0]])  # all threads' stores first
+    # the input is streamed in 16-byte vector loads that tell L1 and L2 not to keep the lines
+    reads = [ln for ln in lines[:atoms[0]] if "ld.global" in ln]
+    assert reads and all("evict_first" in ln and ".v4." in ln for ln in reads)
     after = lines[atoms[0]:]
     assert any("ld.global.cg" in ln for ln in after)  # partials read from L2, not a stale L1
     assert not any("ld.global" in ln and ".cg" not in ln for ln in after)
