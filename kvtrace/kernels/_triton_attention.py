@@ -12,8 +12,9 @@ few queries are sampled; the per-split states are merged in torch (a few floats 
 
 Pass 2 (``_mass_kernel``): one program per (key block, batch*KV head). It keeps its key tile in
 registers and loops over the query heads of its GQA group and the query blocks that can see it,
-summing p = exp((s - m) - ln Z) over rows (the saved LSE, kept as its two parts m and ln Z). No atomics: each key is owned by one program, so the result
-is deterministic.
+summing p = exp((s - m) - ln Z) over rows (the saved LSE, kept as its two parts m and ln Z). No
+atomics: each key is owned by one program, so the result is deterministic. Both passes round
+``dot * scale`` on its own (``_scaled``), so pass 2 recomputes the very scores pass 1 took the max of.
 
 Neither pass forms a T x T matrix: memory is O(rows).
 """
@@ -24,6 +25,7 @@ from functools import cache
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kvtrace.kernels._env import interpreting
 
@@ -31,6 +33,20 @@ from kvtrace.kernels._env import interpreting
 MAX_BLOCK_N = 128
 # The interpreter always runs 16 x 16 tiles (fast on CPU, and exercises the masking paths).
 INTERP_BLOCK = 16
+
+@triton.jit
+def _scaled(raw, scale, ROUNDED: tl.constexpr):
+    """``raw * scale`` rounded to fp32 on its own (``mul.rn``), never fused into a later add.
+
+    Both passes subtract the row max from scores they compute themselves. If the compiler fused
+    ``raw * scale - max`` into one FMA, the unrounded product would leave a score that is the max
+    a rounding error away from it: at |s| ~ 1e10 (fp16 inputs near 6e4) that is thousands of
+    nats, and exp() of it is 0 or inf. The interpreter (numpy) never fuses and has no libdevice.
+    """
+    if ROUNDED:
+        return libdevice.mul_rn(raw, scale)
+    else:
+        return raw * scale
 
 
 def split_unit() -> int:
@@ -44,7 +60,7 @@ def _stats_kernel(
     Hq, Tq, Tk, GROUP, D, scale, window, keys_per_split, n_splits,
     sqb, sqh, sqt, skb, skh, skt,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROUNDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -84,7 +100,7 @@ def _stats_kernel(
         kt = tl.load(kt_ptrs, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
         if DOT_F32:
             kt = kt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=PREC) * scale
+        s = _scaled(tl.dot(q, kt, input_precision=PREC), scale, ROUNDED)
         vis = m_valid[:, None] & n_valid[None, :]
         if CAUSAL:
             vis = vis & (offs_n[None, :] <= pos[:, None])
@@ -115,7 +131,7 @@ def _mass_kernel(
     Hq, Hkv, Tq, Tk, GROUP, D, scale, window, q_offset,
     sqb, sqh, sqt, skb, skh, skt,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, CONTIG: tl.constexpr,
-    DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    DOT_F32: tl.constexpr, PREC: tl.constexpr, ROUNDED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -159,7 +175,7 @@ def _mass_kernel(
                 q = q.to(tl.float32)
             shift = tl.load(SHIFT + row_base + offs_m, mask=m_valid, other=0.0)
             log_z = tl.load(LOGZ + row_base + offs_m, mask=m_valid, other=0.0)
-            s = tl.dot(q, kt, input_precision=PREC) * scale
+            s = _scaled(tl.dot(q, kt, input_precision=PREC), scale, ROUNDED)
             vis = m_valid[:, None] & n_valid[None, :]
             if CAUSAL:
                 vis = vis & (offs_n[None, :] <= pos[:, None])
@@ -228,7 +244,7 @@ def run_stats(q, k, pos, pm, pz, ps, *, group, scale, window, keys_per_split, n_
             keys_per_split, n_splits,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     flags = dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, DOT_F32=dot_f32, PREC=prec,
-                 BLOCK_D=block_d)
+                 ROUNDED=not interpreting(), BLOCK_D=block_d)
     if interpreting():
         grid = (triton.cdiv(Tq, INTERP_BLOCK), B * Hq, n_splits)
         _stats_kernel[grid](*args, **flags, BLOCK_M=INTERP_BLOCK, BLOCK_N=INTERP_BLOCK)
@@ -247,7 +263,7 @@ def run_mass(q, k, pos, shift, log_z, mass, *, group, scale, window, q_offset, c
             int(q_offset),
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     flags = dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, CONTIG=bool(contig),
-                 DOT_F32=dot_f32, PREC=prec, BLOCK_D=block_d)
+                 DOT_F32=dot_f32, PREC=prec, ROUNDED=not interpreting(), BLOCK_D=block_d)
     if interpreting():
         grid = (triton.cdiv(Tk, INTERP_BLOCK), B * Hkv)
         _mass_kernel[grid](*args, **flags, BLOCK_M=INTERP_BLOCK, BLOCK_N=INTERP_BLOCK)

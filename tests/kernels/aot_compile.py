@@ -66,7 +66,8 @@ def jobs(all_configs: bool, smoke: bool = False):
         for cfg in cfgs if all_configs else cfgs[:1]:
             opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             for causal, window in ((True, False), (True, True), (False, False)):
-                c = dict(CAUSAL=causal, HAS_WINDOW=window, DOT_F32=False, PREC=prec, BLOCK_D=d, **cfg.kwargs)
+                c = dict(CAUSAL=causal, HAS_WINDOW=window, DOT_F32=False, PREC=prec, ROUNDED=True, BLOCK_D=d,
+                         **cfg.kwargs)
                 tag = f"{dt} D={d} {cfg.kwargs} w{cfg.num_warps} causal={causal} window={window}"
                 yield f"stats {tag}", ta._stats_kernel, _stats_types(dt), c, opts
                 for contig in (True, False):

@@ -32,7 +32,7 @@ def _nvidia_backend() -> bool:
 @pytest.mark.skipif(not _nvidia_backend(), reason="triton with its NVIDIA backend (ptxas) is not installed")
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     res = subprocess.run([sys.executable, str(ROOT / "tests/kernels/aot_compile.py"), "--smoke", "--arch", "90"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]

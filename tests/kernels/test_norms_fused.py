@@ -157,7 +157,7 @@ _PTX_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not _nvidia_backend(), reason="triton with its NVIDIA backend (ptxas) is not installed")
 def test_ptx_orders_partials_before_the_ticket():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     res = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [ln.strip() for ln in res.stdout.splitlines()]
