@@ -10,7 +10,7 @@ an H200):
 * one fp32 sum of squares per row. The max-scaled form (two reductions per row) runs only for a
   tile holding a row whose sum overflowed or fell near fp32's normal range, i.e. never for
   ordinary activations: the second reduction per row was what kept the kernel below copy speed;
-* each program also reduces its tokens' norms to one partial mean (their sum divided by ``T``).
+* each program also reduces its tokens' norms to one partial mean (the sum of each norm / ``T``).
   With one segment per head that partial *is* the mean and nothing else runs. With several, each
   program stores its partial and draws a ticket from a per-head atomic counter; the program that
   draws the last ticket sums the head's partials in segment order (bitwise reproducible whatever
@@ -84,6 +84,9 @@ def _token_norms_kernel(
     first = seg * tiles_per_segment
     last = tl.minimum(first + tiles_per_segment, tl.cdiv(T, BLOCK_T))
     acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+    # Each norm is divided by T before it is summed: norms near the fp32 maximum (fp32 inputs of
+    # ~1e37) still give a finite mean.
+    inv_t = 1.0 / T.to(tl.float32)
     for tile in tl.range(first, last, num_stages=STAGES):
         offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = offs_t < T
@@ -103,8 +106,8 @@ def _token_norms_kernel(
             xs = x * inv[:, None]
             norm = tl.where(redo, amax * tl.sqrt(tl.sum(xs * xs, axis=1)), norm)
         tl.store(out_row + offs_t, norm, mask=row_ok)
-        acc += tl.where(row_ok, norm, 0.0)
-    partial = tl.sum(acc, axis=0) / T.to(tl.float32)
+        acc += tl.where(row_ok, norm * inv_t, 0.0)
+    partial = tl.sum(acc, axis=0)
     means = OUT + n_bh.to(tl.int64) * T
     if n_seg == 1:  # the partial is the mean: nothing to reduce
         tl.store(means + pid_bh, partial)

@@ -49,7 +49,10 @@ def head_norms_reference(x: torch.Tensor) -> HeadNorms:
     inv = torch.where(amax > 0, 1.0 / amax, torch.zeros_like(amax))
     scaled = xf * inv
     token = amax.squeeze(-1) * scaled.square().sum(dim=-1).sqrt()
-    return HeadNorms(token, token.mean(dim=-1))
+    T = token.shape[-1]
+    # Divided before summing, as the kernel does, so norms near the fp32 maximum give a finite mean.
+    mean = (token * (1.0 / T)).sum(dim=-1) if T else token.new_full(token.shape[:-1], float("nan"))
+    return HeadNorms(token, mean)
 
 
 def head_norms_triton(x: torch.Tensor) -> HeadNorms:
