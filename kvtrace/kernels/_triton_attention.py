@@ -34,6 +34,7 @@ MAX_BLOCK_N = 128
 # The interpreter always runs 16 x 16 tiles (fast on CPU, and exercises the masking paths).
 INTERP_BLOCK = 16
 
+
 @triton.jit
 def _scaled(raw, scale, ROUNDED: tl.constexpr):
     """``raw * scale`` rounded to fp32 on its own (``mul.rn``), never fused into a later add.
