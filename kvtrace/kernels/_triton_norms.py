@@ -61,6 +61,33 @@ class LaunchPlan(NamedTuple):
     num_stages: int
 
 
+@triton.jit
+def scaled_row_norms(x):
+    """L2 norm of each row of the fp32 tile ``x``, scaled by the row's max |x| as BLAS nrm2 does
+    (``amax * sqrt(sum((x / amax)^2))``; the scaled squares are <= 1): exact near fp32's largest
+    and smallest values, at the cost of two reductions per row."""
+    amax = tl.max(tl.abs(x), axis=1)
+    inv = tl.where(amax > 0, 1.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    xs = x * inv[:, None]
+    return amax * tl.sqrt(tl.sum(xs * xs, axis=1))
+
+
+@triton.jit
+def row_norms(x):
+    """L2 norm of each row of the fp32 tile ``x``: one sum of squares per row.
+
+    A sum at or above 2^126 may have overflowed (bf16/fp32 values above ~1e19); one below 2^-90
+    may have lost its small squares to fp32 underflow. Such rows (and zero rows) are redone with
+    :func:`scaled_row_norms`, decided once per tile: ordinary activations never take that branch.
+    """
+    ss = tl.sum(x * x, axis=1)
+    norm = tl.sqrt(ss)
+    redo = (ss >= 8.5070592e37) | (ss < 8.0779356e-28)
+    if tl.max(redo.to(tl.int32), axis=0) > 0:
+        norm = tl.where(redo, scaled_row_norms(x), norm)
+    return norm
+
+
 @triton.jit(do_not_specialize=["T", "tiles_per_segment"])
 def _token_norms_kernel(
     X, OUT, CNT,
@@ -94,18 +121,7 @@ def _token_norms_kernel(
         ptrs = base + offs_t[:, None].to(tl.int64) * stride_t + offs_d[None, :]
         x = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
-        ss = tl.sum(x * x, axis=1)
-        norm = tl.sqrt(ss)
-        # A sum of squares at or above 2^126 may have overflowed (bf16/fp32 values above ~1e19);
-        # one below 2^-90 may have lost its small squares to fp32 underflow. Such rows (and zero
-        # rows) are redone scaled by their max |x| (norm = amax * sqrt(sum((x / amax)^2)), as
-        # BLAS nrm2 does; the scaled squares are <= 1), for the whole tile: one branch per tile.
-        redo = (ss >= 8.5070592e37) | (ss < 8.0779356e-28)
-        if tl.max(redo.to(tl.int32), axis=0) > 0:
-            amax = tl.max(tl.abs(x), axis=1)
-            inv = tl.where(amax > 0, 1.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-            xs = x * inv[:, None]
-            norm = tl.where(redo, amax * tl.sqrt(tl.sum(xs * xs, axis=1)), norm)
+        norm = row_norms(x)
         tl.store(out_row + offs_t, norm, mask=row_ok)
         acc += tl.where(row_ok, norm * inv_t, 0.0)
     partial = tl.sum(acc, axis=0)
