@@ -13,7 +13,7 @@ import numpy as np
 
 FORMAT_NAME = "kvtrace"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 1
+FORMAT_MINOR = 2
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 # /meta payload_tokens (1.1): what one K/V/latent payload holds (spec §6.1)
 PAYLOAD_TOKENS = ("all", "new")

@@ -22,6 +22,7 @@ from typing import Any
 from kvtrace.format.schema import EventKind
 from kvtrace.format.writer import DeviceInfo, TraceWriter, monotonic_ns
 from kvtrace.recorder import allocator
+from kvtrace.recorder.limits import read_limits
 from kvtrace.recorder.nvml import Nvml
 
 MAX_RATE_HZ = 1000.0
@@ -186,8 +187,11 @@ class Telemetry:
     # ---- static facts -------------------------------------------------------------------------
 
     def sources(self) -> dict[str, dict]:
-        """{"nvml": {...}, "allocator": {...}, "process_rss": {...}}: available, reason, details."""
-        return {name: dict(entry) for name, entry in self._sources.items()}
+        """{"nvml": {...}, "allocator": {...}, "process_rss": {...}, "limits": {...}}: available,
+        reason, details. The limits (per-process memory fraction, rlimits) are read now."""
+        out = {name: dict(entry) for name, entry in self._sources.items()}
+        out["limits"] = read_limits(self.devices)
+        return out
 
     def device_infos(self) -> list[DeviceInfo]:
         if not self.devices:
