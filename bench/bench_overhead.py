@@ -1,41 +1,62 @@
-"""Recorder overhead on a GPU: paired, interleaved A/B runs of generate with and without kvtrace.
+"""What the recorder costs a generate call: paired A/B runs that can resolve 1%.
 
-    python bench/bench_overhead.py [--json results.json]       # ~7-8 minutes on one H100
+    python bench/bench_overhead.py --suite gpu --json out.json          # the matrix below, on a GPU
+    python bench/bench_overhead.py --suite mechanisms --json out.json   # one mechanism at a time
+    python bench/bench_overhead.py --suite anchors --json out.json      # memory history, profiler
+    python bench/bench_overhead.py --suite smoke --device cpu           # tiny, seconds (tests/)
 
-For each model geometry (random weights, bf16, on cuda:0) every round runs, in a shuffled order,
-generate() without anything attached (base) and with each variant:
+Method (issue 13):
 
-  recorder     kvtrace.record(model, ...) with its defaults (structure every 8th step + telemetry +
-               gc/empty_cache)
-  every1       the same with structure_every=1 (per-layer structure at every step)
-  sampling32   the defaults plus sampling every 32 steps (all layers' K/V contents to the host;
-               incremental, the default: each sample holds only the tokens added since the last)
-  sampling32all  the same with whole samples (tokens="all": every cached token at every sample)
-  telemetry1   the defaults with the telemetry thread at 1 Hz instead of 20 (a diagnostic: does the
-               background sampling thread cost the decode loop?)
-  nohooks      diagnostic: the recorder attached but its two step hooks not installed (what the
-               background threads, the open trace and the generate wrapper cost without any step work)
-  nothreads    diagnostic: the defaults without the telemetry thread and with the flusher idle
-               (60 s interval): what the step hooks cost without background threads
-  memhist      torch.cuda.memory._record_memory_history() (what a user can turn on today)
-  profiler     torch.profiler.profile(profile_memory=True) (idem; only its in-run time is counted)
+* **One process per job** (a model, a shape and a set of variants); memory history and the
+  profiler, which were seen to leave a process lastingly slower, run only in processes of their own
+  ("anchors"). The parent process never imports torch.
+* **Warm-up** of the base path and of every variant before any timed run.
+* **ABBA pairs:** each pair is one base run and one variant run; consecutive pairs swap the order
+  (base-variant, variant-base, ...), and the variants of a job take turns. A pair's ratio is
+  variant time / base time.
+* **Median and 95% bootstrap CI** of the pair ratios (percentile bootstrap of the median, 4,000
+  resamples, fixed seed), for three times: the **whole call** (``with kvtrace.record(model,
+  path): model.generate(...)``, recorder start and close included; for base, generate alone),
+  **generate** inside the block, and the **decode loop** (first to last token, per step, timed by a
+  no-op logits processor that every run carries).
+* **Shapes:** batch 1 with a 128-token prompt (launch-bound: the model's thread is the bottleneck,
+  so anything that takes the GIL or the CPU from it shows) and batch 16 with a 1,024-token prompt
+  (GPU-bound). Random weights from the presets' real configs, bf16.
+* **Before/after:** ``--before DIR`` runs every recorder job a second time with the kvtrace package
+  found in DIR (e.g. a ``git worktree`` of an older commit), in the same call, on the same machine.
 
-A ratio is variant time / base time of the same round; the table shows the median over rounds
-(and the range). Two times are measured per run: the whole generate() call ("total", including the
-recorder's per-request gc.collect/empty_cache) and the decode loop alone ("decode": first to last
-token, timed by a no-op logits processor present in every run). gpt-oss-20b is depth-shrunk
-(--gptoss-layers, default 6 of 24) to fit the time budget; its per-layer geometry is unchanged.
-HF generate varies by ~±12% from run to run: read the ranges, not only the medians.
+Variants (recorder options, or mechanism-isolation patches; see ``VARIANTS``):
+
+  recorder     kvtrace.record() defaults
+  sampling32   the defaults + K/V content sampling every 32 steps (incremental)
+  full_exit    the defaults + empty_cache=True (gc.collect and empty_cache after every request)
+  bare         the recorder opened and closed around generate with no step hooks, no telemetry
+               thread, the flusher at its 60 s maximum, no retention tracking: what opening,
+               closing and the per-request begin/finish work cost
+  m_hooks      bare + the two step hooks, structure read only at prefill and the last step
+  m_structure  bare + hooks + the per-layer structure every 8th step (no retention bookkeeping)
+  m_retention  m_structure + retention bookkeeping (weak references to every KV storage)
+  m_flusher    bare + the writer's flusher thread at its default 1 s interval
+  m_telemetry  bare + the telemetry thread (NVML + allocator stats + RSS) at its default rate
+  m_nvml       bare + the telemetry thread with NVML and RSS only
+  m_allocator  bare + the telemetry thread with allocator stats and RSS only
+  memhist      torch.cuda.memory._record_memory_history() (anchor; own process)
+  profiler     torch.profiler.profile(profile_memory=True) (anchor; own process)
+
+The serving recorder (continuous batching, tokens/s at 16 and 64 concurrent requests) does not
+exist yet: ``WORKLOADS`` has a "serving" entry that says so; when it exists, its run function goes
+there and every job, pair and statistic here applies to it unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,15 +64,82 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("recorder", "every1", "sampling32", "sampling32all", "telemetry1", "nohooks", "nothreads",
-            "memhist", "profiler")
-RECORDER_VARIANTS = {
-    "recorder": {}, "every1": {"structure_every": 1}, "sampling32": {"sampling": {"every_n_steps": 32}},
-    "sampling32all": {"sampling": {"every_n_steps": 32, "tokens": "all"}}, "telemetry1": {"telemetry_hz": 1.0},
-    "nohooks": {}, "nothreads": {"flush_interval_s": 60.0},
+# Recorder options per variant (all exist in older kvtrace versions too, so --before runs them).
+_BARE = {"structure_every": 10**9, "retention": False, "flush_interval_s": 60.0}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "recorder": {"options": {}},
+    "sampling32": {"options": {"sampling": {"every_n_steps": 32}}},
+    "full_exit": {"options": {"empty_cache": True}},
+    "bare": {"options": _BARE, "patch": ("nohooks", "notelemetry")},
+    "m_hooks": {"options": _BARE, "patch": ("notelemetry",)},
+    "m_structure": {"options": {**_BARE, "structure_every": 8}, "patch": ("notelemetry",)},
+    "m_retention": {"options": {**_BARE, "structure_every": 8, "retention": True}, "patch": ("notelemetry",)},
+    "m_flusher": {"options": {**_BARE, "flush_interval_s": 1.0}, "patch": ("nohooks", "notelemetry")},
+    "m_telemetry": {"options": _BARE, "patch": ("nohooks",)},
+    "m_nvml": {"options": {**_BARE, "allocator": False}, "patch": ("nohooks",)},
+    "m_allocator": {"options": {**_BARE, "nvml": False}, "patch": ("nohooks",)},
+    "memhist": {"anchor": True},
+    "profiler": {"anchor": True},
 }
-ALTERNATIVES = ("memhist", "profiler")
+MECHANISMS = ("bare", "m_hooks", "m_structure", "m_retention", "m_flusher", "m_telemetry", "m_nvml",
+              "m_allocator", "recorder", "full_exit")
 
+# Shapes: (name, batch, prompt tokens, new tokens).
+SHAPES = {"b1": (1, 128, 128), "b16": (16, 1024, 64), "tiny": (1, 16, 12)}
+GPU_MODELS = {"pythia-1.4b": None, "gpt-oss-20b": 6}  # preset -> layers kept (None: all)
+
+
+def _job(model: str, shape: str, variants: list[str], pairs: int, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "layers": GPU_MODELS.get(model), "shape": shape, "variants": variants,
+            "pairs": pairs, **extra}
+
+
+def suite_jobs(suite: str, pairs: int | None) -> list[dict[str, Any]]:
+    """The jobs of a named suite (each runs in its own process)."""
+    if suite == "gpu":
+        return [_job(m, s, ["recorder", "sampling32"], pairs or 12) for m in GPU_MODELS for s in ("b1", "b16")]
+    if suite == "mechanisms":
+        return [_job("pythia-1.4b", "b1", list(MECHANISMS), pairs or 8)]
+    if suite == "anchors":
+        return [_job("pythia-1.4b", "b1", [a], pairs or 3) for a in ("memhist", "profiler")]
+    if suite == "smoke":
+        return [_job("pythia-1.4b", "tiny", ["recorder", "m_hooks"], pairs or 2, tiny=True)]
+    raise ValueError(f"unknown suite {suite!r}")
+
+
+# ---- statistics (no numpy needed in the parent) -------------------------------------------------
+
+def bootstrap_median_ci(values: list[float], resamples: int = 4000, seed: int = 0,
+                        level: float = 0.95) -> tuple[float, float, float]:
+    """(median, low, high): percentile bootstrap CI of the median."""
+    if not values:
+        return (float("nan"),) * 3
+    rng = random.Random(seed)
+    n = len(values)
+    meds = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    lo = meds[int((1 - level) / 2 * resamples)]
+    hi = meds[min(int((1 + level) / 2 * resamples), resamples - 1)]
+    return statistics.median(values), lo, hi
+
+
+def summarize(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"pairs": len(pairs)}
+    for key in ("total", "generate", "decode"):
+        ratios = [p[f"{key}_ratio"] for p in pairs if p.get(f"{key}_ratio") is not None]
+        med, lo, hi = bootstrap_median_ci(ratios)
+        out[key] = {"median": med, "ci95": [lo, hi], "min": min(ratios, default=None),
+                    "max": max(ratios, default=None)}
+    for key in ("enter_s", "exit_s"):
+        vals = [p["variant"][key] for p in pairs if p["variant"].get(key) is not None]
+        out[f"{key}_median"] = statistics.median(vals) if vals else None
+    base = [p["base"]["total_s"] for p in pairs]
+    out["base_total_s_median"] = statistics.median(base) if base else None
+    exits = [p["variant"]["exit_s"] / p["base"]["total_s"] for p in pairs if p["variant"].get("exit_s") is not None]
+    out["exit_fraction_of_base_median"] = statistics.median(exits) if exits else None
+    return out
+
+
+# ---- the worker (one process per job) ------------------------------------------------------------
 
 class StepClock:
     """A logits processor that only timestamps: identical cost in every run."""
@@ -64,15 +152,17 @@ class StepClock:
         return scores
 
 
-def build(name: str, layers: int | None, args: argparse.Namespace) -> Any:
+def _build(job: dict[str, Any], device: str) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
     from kvtrace import presets
 
-    cfg = presets.preset_config(name, layers=layers, width_scale=args.width, vocab=args.vocab)
+    if job.get("tiny"):
+        return presets.preset_model(job["model"], device=device)
+    cfg = presets.preset_config(job["model"], layers=job.get("layers"))
     torch.manual_seed(0)
-    with torch.device(args.device):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.eval()
     gen = model.generation_config
@@ -83,60 +173,22 @@ def build(name: str, layers: int | None, args: argparse.Namespace) -> Any:
 
 
 @contextlib.contextmanager
-def attached(variant: str, model: Any, trace_dir: Path, tag: str) -> Iterator[dict]:
-    """Set up a variant around one generate call; yields a dict the caller may fill."""
-    import torch
-
-    import kvtrace
-
-    info: dict[str, Any] = {}
-    if variant == "base":
-        yield info
-    elif variant in RECORDER_VARIANTS:
-        path = trace_dir / f"{tag}.kvt.h5"
-        with _diagnostic_patch(variant), kvtrace.record(model, path, **RECORDER_VARIANTS[variant]) as rec:
-            yield info
-            # Direct cost: time inside the step hooks, read before close (gc/flush excluded).
-            info["hook_ns"] = rec.hook_time_ns
-            info["hook_calls"] = rec.hook_calls
-        info["recorder_errors"] = rec.recorder_errors
-        info["trace_bytes"] = path.stat().st_size
-        path.unlink()  # GiB-sized traces would fill the disk and the page cache across rounds
-    elif variant == "memhist":
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
-        try:
-            yield info
-        finally:
-            torch.cuda.memory._record_memory_history(enabled=None)
-    elif variant == "profiler":
-        from torch.profiler import ProfilerActivity, profile
-
-        t0 = None
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        with profile(activities=acts, profile_memory=True):
-            yield info
-            t0 = time.perf_counter()
-        info["profiler_teardown_s"] = time.perf_counter() - t0  # not counted in the ratio
-    else:
-        raise ValueError(variant)
-
-
-@contextlib.contextmanager
-def _diagnostic_patch(variant: str) -> Iterator[None]:
-    """The diagnostic variants switch one part of the recorder off by patching it for one run."""
+def _patched(names: tuple[str, ...]) -> Iterator[None]:
+    """Switch recorder parts off for one run (mechanism isolation): 'nohooks' leaves the step
+    hooks uninstalled, 'notelemetry' never starts the telemetry thread."""
     from kvtrace.recorder import hooks, telemetry
 
-    target = {"nohooks": (hooks.StepHooks, "install"), "nothreads": (telemetry.Telemetry, "start")}.get(variant)
-    if target is None:
-        yield
-        return
-    cls, name = target
-    original = getattr(cls, name)
-    setattr(cls, name, lambda self: None)
+    targets = {"nohooks": (hooks.StepHooks, "install"), "notelemetry": (telemetry.Telemetry, "start")}
+    saved = []
     try:
+        for name in names:
+            cls, attr = targets[name]
+            saved.append((cls, attr, cls.__dict__[attr]))
+            setattr(cls, attr, lambda self: None)
         yield
     finally:
-        setattr(cls, name, original)
+        for cls, attr, original in saved:
+            setattr(cls, attr, original)
 
 
 def _sync() -> None:
@@ -146,154 +198,253 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def one_run(model: Any, variant: str, ids: Any, new: int, trace_dir: Path, tag: str) -> dict[str, Any]:
+def run_generate(model: Any, variant: str, ids: Any, new: int, trace_dir: Path, tag: str) -> dict[str, Any]:
+    """One timed generate call under ``variant`` ("base" = nothing attached)."""
+    import torch
     from transformers import LogitsProcessorList
 
     clock = StepClock()
-    gc.collect()
-    _sync()
-    with attached(variant, model, trace_dir, tag) as info:
-        t0 = time.perf_counter_ns()
+    info: dict[str, Any] = {}
+    _sync()  # no gc.collect() here: each run meets the collector's state as a caller's would
+
+    def gen() -> None:
         model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                        logits_processor=LogitsProcessorList([clock]))
         _sync()
+
+    spec = VARIANTS.get(variant, {})
+    t0 = time.perf_counter_ns()
+    if variant == "base":
+        t1 = t0
+        gen()
+        t2 = t3 = time.perf_counter_ns()
+    elif variant == "memhist":
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
         t1 = time.perf_counter_ns()
-    decode = (clock.times[-1] - clock.times[0]) / max(len(clock.times) - 1, 1)
-    return {"variant": variant, "total_s": (t1 - t0) / 1e9, "decode_step_s": decode / 1e9, **info}
+        gen()
+        t2 = time.perf_counter_ns()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        t3 = time.perf_counter_ns()
+    elif variant == "profiler":
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=acts, profile_memory=True):
+            t1 = time.perf_counter_ns()
+            gen()
+            t2 = time.perf_counter_ns()
+        t3 = t2  # the profiler's teardown (trace assembly) is not counted
+    else:
+        import kvtrace
+
+        path = trace_dir / f"{tag}.kvt.h5"
+        with _patched(tuple(spec.get("patch", ()))):
+            rec = kvtrace.record(model, path, **spec["options"])
+            rec.__enter__()
+            t1 = time.perf_counter_ns()
+            gen()
+            t2 = time.perf_counter_ns()
+            rec.__exit__(None, None, None)
+            t3 = time.perf_counter_ns()
+        info = {"recorder_errors": rec.recorder_errors, "hook_s": rec.hook_time_ns / 1e9,
+                "trace_bytes": path.stat().st_size}
+        path.unlink()  # large traces would fill the disk and the page cache across pairs
+    steps = len(clock.times)
+    decode = (clock.times[-1] - clock.times[0]) / (steps - 1) / 1e9 if steps > 1 else None
+    out = {"total_s": (t3 - t0) / 1e9, "generate_s": (t2 - t1) / 1e9, "decode_step_s": decode, **info}
+    if variant != "base":
+        out["enter_s"] = (t1 - t0) / 1e9
+        out["exit_s"] = (t3 - t2) / 1e9
+    return out
 
 
-def bench_model(name: str, layers: int | None, args: argparse.Namespace, trace_dir: Path,
-                budget_s: float, log: Callable[[str], None]) -> dict[str, Any]:
+def _pair(base: dict[str, Any], var: dict[str, Any], order: str) -> dict[str, Any]:
+    def ratio(key: str) -> float | None:
+        b, v = base.get(key), var.get(key)
+        return v / b if b and v is not None else None
+
+    return {"order": order, "base": base, "variant": var, "total_ratio": ratio("total_s"),
+            "generate_ratio": ratio("generate_s"), "decode_ratio": ratio("decode_step_s")}
+
+
+def worker(job: dict[str, Any]) -> dict[str, Any]:
     import torch
+    import transformers
 
+    import kvtrace
+
+    device = job.get("device", "cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("bench_overhead: no CUDA device (use --device cpu for a smoke run)")
     t_start = time.monotonic()
-    model = build(name, layers, args)
+    batch, prompt, new = SHAPES[job["shape"]]
+    model = _build(job, device)
     vocab = int(model.config.vocab_size)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (1, args.prompt), generator=gen).to(args.device)
-    variants = [v for v in VARIANTS if v not in args.skip]
-    for v in ["base", *variants]:  # warm-up: kernels, allocator pools, profiler init
-        one_run(model, v, ids, 32, trace_dir, f"{name}-warm-{v}")
-    probe = min(args.new_tokens, 128)  # a short run, scaled: a full one costs a round's worth of time
-    base_est = one_run(model, "base", ids, probe, trace_dir, f"{name}-est")["total_s"] * args.new_tokens / probe
-    log(f"{name}: built + warm in {time.monotonic() - t_start:.0f} s; one {args.new_tokens}-token run "
-        f"~{base_est:.1f} s ({args.new_tokens / base_est:.1f} tokens/s)")
-    rng = random.Random(0)
-    rounds: list[list[dict[str, Any]]] = []
-    last_round_s = 0.0
-    while len(rounds) < args.rounds:
-        todo = ["base", *[v for v in variants if v not in ALTERNATIVES or len(rounds) < args.alt_rounds]]
-        # The first timed run is often slow (clocks, allocator growth): once a round has run,
-        # estimate the next one from it.
-        est = last_round_s * 1.1 if rounds else base_est * len(todo) * 1.5
-        if rounds and time.monotonic() - t_start + est > budget_s:
-            log(f"{name}: time budget reached after {len(rounds)} round(s)")
-            break
-        rng.shuffle(todo)
-        round_t0 = time.monotonic()
-        results = [one_run(model, v, ids, args.new_tokens, trace_dir, f"{name}-r{len(rounds)}-{v}") for v in todo]
-        rounds.append(results)
-        last_round_s = (time.monotonic() - round_t0) * len([v for v in todo if v not in ALTERNATIVES]) / len(todo)
-        log(f"{name}: round {len(rounds)}: " + ", ".join(f"{r['variant']} {r['total_s']:.2f}s" for r in results))
-    summary = {}
-    for v in variants:
-        tot, dec = [], []
-        for results in rounds:
-            by = {r["variant"]: r for r in results}
-            if v in by:
-                tot.append(by[v]["total_s"] / by["base"]["total_s"])
-                dec.append(by[v]["decode_step_s"] / by["base"]["decode_step_s"])
-        selfs = [by_run["hook_ns"] / max(by_run["hook_calls"] / 2, 1) / 1e9 / base_step
-                 for results in rounds
-                 for by_run, base_step in [({r["variant"]: r for r in results}.get(v, {}),
-                                            {r["variant"]: r for r in results}["base"]["decode_step_s"])]
-                 if "hook_ns" in by_run]
-        sizes = [r["trace_bytes"] for results in rounds for r in results if r["variant"] == v and "trace_bytes" in r]
-        if tot:
-            summary[v] = {"pairs": len(tot), "trace_mib_median": statistics.median(sizes) / 2**20 if sizes else None,
-                          "total_ratio_median": statistics.median(tot),
-                          "self_time_fraction_median": statistics.median(selfs) if selfs else None,
-                          "total_ratio_min": min(tot), "total_ratio_max": max(tot),
-                          "decode_ratio_median": statistics.median(dec),
-                          "decode_ratio_min": min(dec), "decode_ratio_max": max(dec)}
-    bases = [r["total_s"] for results in rounds for r in results if r["variant"] == "base"]
-    errors = sum(r.get("recorder_errors", 0) for results in rounds for r in results)
-    del model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return {"model": name, "layers": layers, "base_tokens_per_s": args.new_tokens / statistics.median(bases),
-            "rounds": rounds, "summary": summary, "recorder_errors": errors}
+    ids = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(0)).to(device)
+    variants = list(job["variants"])
+    log = job.get("log", True)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_dir = Path(tmp)
+        for v in ["base", "base", *variants]:  # warm-up: kernels, allocator pools, lazy imports
+            run_generate(model, v, ids, new, trace_dir, f"warm-{v}")
+        t_warm = time.monotonic() - t_start
+        budget = float(job.get("budget_s", 1e9))
+        results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+        i = 0
+        round_s = 0.0
+        while i < int(job["pairs"]):
+            if i >= int(job.get("min_pairs", 3)) and time.monotonic() - t_start + round_s > budget:
+                break
+            r0 = time.monotonic()
+            rot = variants[i % len(variants):] + variants[:i % len(variants)]
+            for v in rot:
+                # A = base; each variant's own pairs alternate AB, BA, AB, ... (ABBA)
+                order = "AB" if (len(results[v]) + variants.index(v)) % 2 == 0 else "BA"
+                runs = {}
+                for who in (("base", v) if order == "AB" else (v, "base")):
+                    runs[who] = run_generate(model, who, ids, new, trace_dir, f"p{i}-{v}")
+                results[v].append(_pair(runs["base"], runs[v], order))
+            round_s = time.monotonic() - r0
+            i += 1
+            if log:
+                print(f"[{job['model']} {job['shape']}] pair {i}: " + ", ".join(
+                    f"{v} {results[v][-1]['total_ratio']:.3f}" for v in variants), file=sys.stderr, flush=True)
+    name = torch.cuda.get_device_name(0) if device.startswith("cuda") else f"{device} (smoke test)"
+    return {**{k: v for k, v in job.items() if k != "log"}, "batch": batch, "prompt": prompt, "new_tokens": new,
+            "device_name": name, "torch": torch.__version__, "transformers": transformers.__version__,
+            "kvtrace_file": kvtrace.__file__, "warmup_s": t_warm, "wall_s": time.monotonic() - t_start,
+            "summary": {v: summarize(results[v]) for v in variants}, "pairs_raw": results}
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+
+SERVING_MISSING = ("bench_overhead: the serving recorder does not exist yet; this harness keeps a hook "
+                   "for it (tokens/s at 16 and 64 concurrent requests, same pairs and statistics)")
+
+
+def _serving_not_built(job: dict[str, Any]) -> dict[str, Any]:
+    raise SystemExit(SERVING_MISSING)
+
+
+WORKLOADS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"generate": worker,
+                                                                   "serving": _serving_not_built}
+
+
+# ---- the parent: one subprocess per job ----------------------------------------------------------
+
+def run_job(job: dict[str, Any], env_path: str | None) -> dict[str, Any]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    paths = [p for p in (env_path, root, env.get("PYTHONPATH")) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as fh:
+        out_path = fh.name
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job), "--worker-out", out_path],
+                              env=env, check=False)
+        if proc.returncode != 0:
+            return {**job, "error": f"worker exited with {proc.returncode}"}
+        return json.loads(Path(out_path).read_text(encoding="utf-8"))
+    finally:
+        os.unlink(out_path)
+
+
+def _fmt(s: dict[str, Any]) -> str:
+    if s["median"] is None or s["median"] != s["median"]:
+        return "-"
+    return f"{s['median']:.3f} [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]"
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    print("ratio = variant / base of the same ABBA pair: median [95% bootstrap CI]; open/close = median ms "
+          "of record()'s __enter__ / __exit__ (the per-request finish is inside 'generate')")
+    print(f"{'code':<7} {'model':<12} {'shape':<5} {'variant':<12} {'pairs':>5}  {'whole call':>24}  "
+          f"{'generate':>24}  {'decode/step':>24}  {'open/close ms':>13}  {'base s':>6}")
+    for r in results:
+        if "error" in r:
+            print(f"{r.get('code', 'after'):<7} {r['model']:<12} {r['shape']:<5} {','.join(r['variants']):<12} "
+                  f"error: {r['error']}")
+            continue
+        for v, s in r["summary"].items():
+            oc = (f"{s['enter_s_median'] * 1e3:.1f}/{s['exit_s_median'] * 1e3:.1f}"
+                  if s.get("enter_s_median") is not None else "-")
+            print(f"{r.get('code', 'after'):<7} {r['model']:<12} {r['shape']:<5} {v:<12} {s['pairs']:>5}  "
+                  f"{_fmt(s['total']):>24}  {_fmt(s['generate']):>24}  {_fmt(s['decode']):>24}  "
+                  f"{oc:>13}  {s['base_total_s_median']:6.2f}")
+    if results and "device_name" in results[0]:
+        print(f"device: {results[0]['device_name']}, torch {results[0]['torch']}, "
+              f"transformers {results[0]['transformers']}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="pythia-1.4b,gpt-oss-20b")
-    p.add_argument("--gptoss-layers", type=int, default=6, help="depth of gpt-oss presets (geometry kept)")
-    p.add_argument("--new-tokens", type=int, default=1024)
-    p.add_argument("--prompt", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=8, help="upper bound; the time budget usually decides")
-    p.add_argument("--alt-rounds", type=int, default=1, help="rounds that include memhist/profiler")
-    p.add_argument("--budget-s", type=float, default=420.0, help="wall-time budget for all models")
-    p.add_argument("--skip", default="", help="comma-separated variants to skip")
+    p.add_argument("--suite", default="gpu", help="gpu, mechanisms, anchors or smoke (comma-separated)")
+    p.add_argument("--models", default=None, help="restrict to these presets (comma-separated)")
+    p.add_argument("--shapes", default=None, help="restrict to these shapes (b1, b16)")
+    p.add_argument("--variants", default=None, help="override the variants of recorder jobs")
+    p.add_argument("--pairs", type=int, default=None, help="ABBA pairs per variant (suite default)")
+    p.add_argument("--budget-s", type=float, default=None, help="wall-time budget per job (>= 3 pairs)")
+    p.add_argument("--before", default=None, help="directory holding an older kvtrace package: recorder "
+                   "jobs run again with it ('before')")
+    p.add_argument("--before-variants", default="recorder", help="variants run with --before")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--workload", default="generate", choices=sorted(WORKLOADS))
     p.add_argument("--json", dest="json_path", default=None)
-    p.add_argument("--device", default="cuda", help="cpu only to smoke-test this script (with --width)")
-    p.add_argument("--width", type=float, default=None, help="width scale (smoke tests only)")
-    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (smoke tests only)")
-    p.add_argument("--pythia-layers", type=int, default=None, help="depth of pythia (default: all 24)")
+    p.add_argument("--quiet", action="store_true", help="no per-pair log lines")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.skip = {s for s in args.skip.split(",") if s}
 
-    import torch
+    if args.worker is not None:
+        job = json.loads(args.worker)
+        result = WORKLOADS[job.get("workload", "generate")](job)
+        Path(args.worker_out).write_text(json.dumps(result, default=str), encoding="utf-8")
+        return 0
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("bench_overhead needs a CUDA device", file=sys.stderr)
-        return 69
-    if not args.device.startswith("cuda"):
-        args.skip |= {"memhist"}  # a CUDA allocator feature
-    device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"{args.device} (smoke test)"
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
+    if args.workload == "serving":
+        print(SERVING_MISSING, file=sys.stderr)
+        return 69  # a needed component is absent (kvtrace/exitcodes.py)
+    jobs: list[dict[str, Any]] = []
+    for suite in args.suite.split(","):
+        jobs += suite_jobs(suite.strip(), args.pairs)
+    if args.models:
+        keep = set(args.models.split(","))
+        jobs = [j for j in jobs if j["model"] in keep]
+    if args.shapes:
+        keep = set(args.shapes.split(","))
+        jobs = [j for j in jobs if j["shape"] in keep or j.get("tiny")]
+    for j in jobs:
+        if args.variants and not any(VARIANTS[v].get("anchor") for v in j["variants"]):
+            j["variants"] = args.variants.split(",")
+        unknown = [v for v in j["variants"] if v not in VARIANTS]
+        if unknown:
+            print(f"bench_overhead: unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)
+            return 64
+        j.update(device=args.device, workload=args.workload, log=not args.quiet, code="after")
+        if args.budget_s:
+            j["budget_s"] = args.budget_s
+    if args.before:  # each job's 'before' twin runs right after it (same machine state)
+        befores = args.before_variants.split(",")
+        paired = []
+        for j in jobs:
+            paired.append(j)
+            kept = [v for v in j["variants"] if v in befores]
+            if kept:
+                paired.append({**j, "variants": kept, "code": "before"})
+        jobs = paired
     t0 = time.monotonic()
-    out = {"device": device, "torch": torch.__version__, "new_tokens": args.new_tokens, "prompt": args.prompt,
-           "dtype": "bfloat16", "models": []}
-    import transformers
-
-    out["transformers"] = transformers.__version__
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, name in enumerate(models):
-            remaining = args.budget_s - (time.monotonic() - t0)
-            share = remaining / (len(models) - i)
-            layers = args.gptoss_layers if name.startswith("gpt-oss") else args.pythia_layers
-            out["models"].append(bench_model(name, layers, args, Path(tmp), share, log))
-    out["wall_s"] = time.monotonic() - t0
-
-    print(f"\nkvtrace recorder overhead on {device} (torch {out['torch']}, transformers {out['transformers']}), "
-          f"bf16, {args.prompt}-token prompt + {args.new_tokens} new tokens, greedy")
-    print("ratio = time with variant / time without, same round; median [min-max] over pairs")
-    print("self = time inside the recorder's step hooks per step / base decode step (direct, noise-free)")
-    print("trace = median trace file size, MiB")
-    print(f"{'model':<22} {'variant':<13} {'pairs':>5}  {'total':>22}  {'decode/step':>22}  {'self':>7}  {'trace':>9}")
-    for m in out["models"]:
-        label = m["model"] + (f" ({m['layers']} layers)" if m["layers"] else "")
-        print(f"{label:<22} {'base':<13} {'':>5}  {m['base_tokens_per_s']:>15.1f} tok/s")
-        for v, s in m["summary"].items():
-            tot = f"{s['total_ratio_median']:.3f} [{s['total_ratio_min']:.3f}-{s['total_ratio_max']:.3f}]"
-            dec = f"{s['decode_ratio_median']:.3f} [{s['decode_ratio_min']:.3f}-{s['decode_ratio_max']:.3f}]"
-            own = s.get("self_time_fraction_median")
-            own_s = f"{own * 100:6.2f}%" if own is not None else "      -"
-            mib = s.get("trace_mib_median")
-            mib_s = f"{mib:9.1f}" if mib is not None else "        -"
-            print(f"{'':<22} {v:<13} {s['pairs']:>5}  {tot:>22}  {dec:>22}  {own_s}  {mib_s}")
-        if m["recorder_errors"]:
-            print(f"{'':<22} (recorder errors caught during the runs: {m['recorder_errors']})")
-    print(f"total wall time {out['wall_s']:.0f} s")
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(out, indent=2, default=str), encoding="utf-8")
-    return 0
+    results = []
+    for j in jobs:
+        path = args.before if j["code"] == "before" else None
+        r = run_job(j, path)
+        r["code"] = j["code"]
+        results.append(r)
+        if args.json_path:  # after every job: a call cut short keeps what it measured
+            Path(args.json_path).write_text(json.dumps({"jobs": results, "wall_s": time.monotonic() - t0},
+                                                       indent=1, default=str), encoding="utf-8")
+    print_table(results)
+    print(f"wall time {time.monotonic() - t0:.0f} s")
+    return 0 if all("error" not in r for r in results) else 1
 
 
 if __name__ == "__main__":
