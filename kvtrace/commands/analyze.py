@@ -1,4 +1,4 @@
-"""`kvtrace analyze TRACE... [--json FILE] [--fail-on SEVERITY] [--detector NAME...] [--gpu | --contents]`."""
+"""`kvtrace analyze TRACE... [--json] [--json-out FILE] [--fail-on SEVERITY] [--detector NAME...] [--gpu | --contents]`."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import click
 
 from kvtrace import exitcodes
 from kvtrace.analyzer.base import SEVERITY_NAMES
-from kvtrace.commands.common import CannotWrite, exit_code_for, guarded, json_dump
+from kvtrace.commands.common import exit_code_for, guarded
+from kvtrace.commands.outputs import check_json_out, json_options, write_json
 from kvtrace.format.errors import TraceError
 
 
 @click.command("analyze")
 @click.argument("traces", nargs=-1, type=click.Path(dir_okay=False))
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True),
-              help="Also write the report as JSON (spec/analysis-json.md) to FILE; '-' for stdout only.")
+@json_options
 @click.option("--fail-on", type=click.Choice(SEVERITY_NAMES, case_sensitive=False), default=None,
               help="Exit 3 when any finding reaches this severity (CI gating).")
 @click.option("--detector", "detectors", multiple=True, metavar="NAME",
@@ -28,7 +28,7 @@ from kvtrace.format.errors import TraceError
 @click.option("--contents", is_flag=True,
               help="Also analyse the sampled tensors, on the GPU when there is one, else on the CPU.")
 @guarded
-def analyze(traces: tuple[str, ...], json_path: str | None, fail_on: str | None,
+def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_on: str | None,
             detectors: tuple[str, ...], list_detectors: bool, quiet: bool, gpu: bool, contents: bool) -> None:
     """Replay traces through the detectors and report findings.
 
@@ -37,10 +37,12 @@ def analyze(traces: tuple[str, ...], json_path: str | None, fail_on: str | None,
     1 invalid trace, 2 unreadable / not a trace, 4 trace format newer than this kvtrace.
     Examples:
       kvtrace analyze run.kvt.h5
-      kvtrace analyze run.kvt.h5 --json report.json --fail-on high
+      kvtrace analyze run.kvt.h5 --json-out report.json --fail-on high
+      kvtrace analyze run.kvt.h5 --json | jq '.reports[0].findings'
       kvtrace analyze run.kvt.h5 --detector growth_curve --detector post_eos
       kvtrace analyze run.kvt.h5 --gpu     (needs torch; triton + CUDA for the GPU path)
-    Sizes are printed in binary units (KiB = 1024 bytes).
+    --json prints the report as JSON (spec/analysis-json.md) instead of the terminal view;
+    --json-out FILE also writes it to FILE. Sizes are printed in binary units (KiB = 1024 bytes).
     """
     from kvtrace.analyzer import analyze as run_analysis
     from kvtrace.analyzer import detector_names, document, get_detectors
@@ -52,13 +54,20 @@ def analyze(traces: tuple[str, ...], json_path: str | None, fail_on: str | None,
             det = get_detectors([name])[0]
             click.echo(f"{name:18s} {det.summary}")
         return
+    if as_json and "-" in traces:  # the old spelling `--json -` (stdout) still works
+        traces = tuple(t for t in traces if t != "-")
     if not traces:
         raise click.UsageError("give at least one TRACE")
+    for path in traces:  # `--json FILE` took a file before: never read (or write) it as a trace
+        if path.lower().endswith(".json"):
+            raise click.UsageError(f"{path}: analyze reads traces, not JSON; --json is a flag (JSON on "
+                                   f"stdout): write a file with --json-out {path}")
+    check_json_out(json_out, traces)
     try:
         get_detectors(detectors or None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    to_stdout_json = json_path == "-"
+    to_stdout_json = as_json
     console = console_for(sys.stderr if to_stdout_json else None)
     reports = []
     error_code = 0
@@ -79,16 +88,8 @@ def analyze(traces: tuple[str, ...], json_path: str | None, fail_on: str | None,
         reports.append(report)
         if not to_stdout_json:
             render(report, console, show_info=not quiet)
-    if json_path:
-        text = json_dump(document(reports))
-        if to_stdout_json:
-            click.echo(text)
-        else:
-            try:
-                with open(json_path, "w", encoding="utf-8") as fh:
-                    fh.write(text + "\n")
-            except OSError as exc:
-                raise CannotWrite(f"cannot write {json_path}: {exc.strerror}") from None
+    if as_json or json_out is not None:
+        write_json(document(reports), json_out, as_json=as_json)
     if error_code:
         sys.exit(error_code)
     if fail_on and any(r.reaches(Severity.parse(fail_on)) for r in reports):

@@ -7,7 +7,8 @@ from typing import Any
 
 import click
 
-from kvtrace.commands.common import guarded, json_dump
+from kvtrace.commands.common import guarded
+from kvtrace.commands.outputs import check_json_out, json_options, write_json
 
 # Element sizes of the cache and weight dtypes the planner understands.
 KV_DTYPES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
@@ -84,12 +85,12 @@ class _Tokens(click.ParamType):
               help="Encoder tokens held by cross-attention layers (encoder-decoder models).")
 @click.option("--mla-cache", type=click.Choice(["latent", "expanded"]), default="latent", show_default=True,
               help="How MLA layers are cached (transformers 5.x: latent).")
-@click.option("--json", "as_json", is_flag=True, help="Print only the plan as JSON.")
+@json_options
 @click.option("--quiet", "-q", is_flag=True, help="Print only FITS / DOES NOT FIT.")
 @guarded
 def calc(preset: str | None, config_path: str | None, trace_path: str | None, context: int, gpu_memory: int,
          tp: int, kv_dtype: str | None, weight_dtype: str, batch: int | None, reserve: float, cache_kind: str,
-         encoder_len: int | None, mla_cache: str, as_json: bool, quiet: bool) -> None:
+         encoder_len: int | None, mla_cache: str, as_json: bool, json_out: str | None, quiet: bool) -> None:
     """Plan capacity: exact KV bytes per token and per request (windows, MLA latents, KV
     sharing, fp8 KV), weight bytes, and for a context length, GPU memory and tensor-parallel
     degree: does it fit, the headroom, and the largest number of concurrent requests.
@@ -108,6 +109,7 @@ def calc(preset: str | None, config_path: str | None, trace_path: str | None, co
     sources = [s for s in (preset, config_path, trace_path) if s is not None]
     if len(sources) != 1:
         raise click.UsageError("give exactly one of --preset, --config, --trace")
+    check_json_out(json_out, [s for s in (config_path, trace_path) if s is not None])
     check = None
     if trace_path is not None:
         config, label, trace_kv_bytes, check = _from_trace(trace_path)
@@ -128,12 +130,13 @@ def calc(preset: str | None, config_path: str | None, trace_path: str | None, co
             cache_kind=cache_kind, encoder_len=encoder_len, mla_cache=mla_cache)  # type: ignore[arg-type]
     except ValueError as exc:
         raise click.UsageError(f"cannot plan this model: {exc}") from None
+    doc = plan.to_dict()
+    if check is not None:
+        doc["trace_check"] = check
+    write_json(doc, json_out, as_json=as_json)
     if as_json:
-        doc = plan.to_dict()
-        if check is not None:
-            doc["trace_check"] = check
-        click.echo(json_dump(doc))
-    elif quiet:
+        return
+    if quiet:
         click.echo("FITS" if plan.fits else "DOES NOT FIT")
     else:
         click.echo(planner.format_plan(plan))

@@ -39,6 +39,12 @@ def demo(out_dir: str, device: str) -> None:
     except OSError as exc:
         raise CannotWrite(f"cannot create {out}: {exc.strerror}") from None
     trace_path = out / "demo.kvt.h5"
+    if trace_path.exists() and not _written_by_demo(trace_path):
+        raise click.UsageError(f"{trace_path} exists and was not written by 'kvtrace demo': refusing to "
+                               "overwrite it; pick another directory with -o")
+    from kvtrace.commands.outputs import check_output
+
+    check_output(out / "report.html", option="-o", inputs=(trace_path,))
     try:
         from kvtrace.recorder.session import CannotWriteTrace, check_writable
     except ImportError as exc:
@@ -71,6 +77,18 @@ def demo(out_dir: str, device: str) -> None:
                + (f" ({rec.recorder_errors} recorder errors recorded)" if rec.recorder_errors else ""))
     show(trace_path)
     _after_recording(trace_path)
+
+
+def _written_by_demo(path: Path) -> bool:
+    """Whether ``path`` is a trace an earlier demo wrote (which a new demo may replace)."""
+    from kvtrace.format.errors import TraceError
+    from kvtrace.format.reader import Trace
+
+    try:
+        with Trace(path) as t:
+            return (t.meta.recorder_settings or {}).get("cli", {}).get("command") == "demo"
+    except (TraceError, OSError, AttributeError):
+        return False
 
 
 def show(trace_path: Path) -> None:

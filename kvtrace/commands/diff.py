@@ -1,19 +1,20 @@
-"""`kvtrace diff A B [--json]`: what changed between two traces (or saved analysis reports)."""
+"""`kvtrace diff A B [--json] [--json-out FILE]`: what changed between two traces (or saved analysis reports)."""
 
 from __future__ import annotations
 
 import click
 
-from kvtrace.commands.common import guarded, json_dump
+from kvtrace.commands.common import guarded
+from kvtrace.commands.outputs import check_json_out, json_options, write_json
 
 
 @click.command("diff")
 @click.argument("a", type=click.Path(dir_okay=False))
 @click.argument("b", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print the diff as JSON (spec/analysis-json.md).")
+@json_options
 @click.option("--all-layers", is_flag=True, help="List unchanged layers too.")
 @guarded
-def diff(a: str, b: str, as_json: bool, all_layers: bool) -> None:
+def diff(a: str, b: str, as_json: bool, json_out: str | None, all_layers: bool) -> None:
     """Compare two traces: per-request and per-layer KV deltas, peak and retained memory,
     fragmentation, findings that appeared, disappeared or changed severity.
 
@@ -23,14 +24,16 @@ def diff(a: str, b: str, as_json: bool, all_layers: bool) -> None:
     Examples:
       kvtrace diff before.kvt.h5 after.kvt.h5
       kvtrace diff baseline-report.json candidate.kvt.h5 --json
+      kvtrace diff before.kvt.h5 after.kvt.h5 --json-out diff.json
     Sizes are printed in binary units (KiB = 1024 bytes).
     """
     from kvtrace.analyzer.diff import diff as run_diff
     from kvtrace.analyzer.diff_terminal import render
     from kvtrace.analyzer.terminal import console_for
 
+    check_json_out(json_out, (a, b))
     result = run_diff(a, b)
+    write_json(result.to_dict(), json_out, as_json=as_json)
     if as_json:
-        click.echo(json_dump(result.to_dict()))
         return
     render(result, console_for(), all_layers=all_layers)

@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from kvtrace import exitcodes
-from kvtrace.commands.common import fail, guarded, json_dump
+from kvtrace.commands.common import fail, guarded
+from kvtrace.commands.outputs import check_json_out, check_output, check_output_dir, json_options, write_json
 
 
 @click.group("export")
@@ -23,7 +24,7 @@ def export() -> None:
 
 
 def _quiet_options(fn):
-    fn = click.option("--json", "as_json", is_flag=True, help="Print only a JSON summary.")(fn)
+    fn = json_options(fn)  # --json: print only a JSON summary; --json-out FILE: also write it there
     return click.option("--quiet", "-q", is_flag=True, help="Print nothing (errors still go to stderr).")(fn)
 
 
@@ -34,7 +35,7 @@ def _quiet_options(fn):
 @click.option("--no-analysis", is_flag=True, help="Do not run the analyser (no finding instants).")
 @_quiet_options
 @guarded
-def perfetto(trace: str, output: str, no_analysis: bool, quiet: bool, as_json: bool) -> None:
+def perfetto(trace: str, output: str, no_analysis: bool, quiet: bool, as_json: bool, json_out: str | None) -> None:
     """Write TRACE as Chrome trace-event JSON for ui.perfetto.dev or chrome://tracing.
 
     One process per device with a counter track (bytes) for every memory series: NVML used,
@@ -50,11 +51,12 @@ def perfetto(trace: str, output: str, no_analysis: bool, quiet: bool, as_json: b
     from kvtrace.export.perfetto import write_perfetto
     from kvtrace.report.progress import progress_bar
 
+    check_output(output, option="-o", inputs=(trace,), others=[("--json-out", json_out)])
+    check_json_out(json_out, (trace,))
     with progress_bar("perfetto", 3, enabled=not (quiet or as_json)) as steps:
         path, info = write_perfetto(trace, output, run_analyzer=not no_analysis, progress=steps)
-    if as_json:
-        click.echo(json_dump({"output": str(path), **info}))
-    elif not quiet:
+    write_json({"output": str(path), **info}, json_out, as_json=as_json)
+    if not (quiet or as_json):
         click.echo(f"wrote {path} ({info['events']} events); open it in https://ui.perfetto.dev")
         if info["findings"] is None:
             click.echo(f"  no finding instants: {info['note']}")
@@ -81,7 +83,7 @@ def perfetto(trace: str, output: str, no_analysis: bool, quiet: bool, as_json: b
 @guarded
 def zenodo(traces: tuple[str, ...], output: str, creators: tuple[str, ...], title: str | None,
            description: str | None, license_: str, keywords: tuple[str, ...], version: str,
-           related: tuple[str, ...], allow_content: bool, quiet: bool, as_json: bool) -> None:
+           related: tuple[str, ...], allow_content: bool, quiet: bool, as_json: bool, json_out: str | None) -> None:
     """Make an upload-ready Zenodo dataset bundle from TRACES: the traces under data/,
     .zenodo.json, CITATION.cff, a README data card (models, devices, software, requests, steps,
     data quality) and SHA256SUMS.
@@ -106,6 +108,10 @@ def zenodo(traces: tuple[str, ...], output: str, creators: tuple[str, ...], titl
         raise click.BadParameter(str(exc)) from None
     if not parsed_creators:
         raise click.UsageError("--creator is required (Zenodo needs at least one creator)")
+    check_output_dir(output, option="-o", inputs=traces)
+    check_json_out(json_out, traces)
+    if json_out is not None and Path(json_out).resolve().is_relative_to(Path(output).resolve()):
+        raise click.UsageError(f"--json-out {json_out} is inside the bundle directory {output}")
     if title is None:
         models = set()
         for p in traces:
@@ -124,14 +130,13 @@ def zenodo(traces: tuple[str, ...], output: str, creators: tuple[str, ...], titl
         except z.BundleError as exc:
             code = {"invalid": exitcodes.INVALID, "output": exitcodes.CANNOT_WRITE}.get(exc.kind, exitcodes.USAGE)
             fail(str(exc), code)
-    if as_json:
-        click.echo(json_dump({
-            "directory": str(bundle.directory),
-            "files": [str(p.relative_to(bundle.directory)) for p in bundle.files if p.is_file()],
-            "traces": [{"file": c.file, "sha256": c.sha256, "bytes": c.bytes,
-                        "problems": c.quality.problems} for c in bundle.traces],
-        }))
-    elif not quiet:
+    write_json({
+        "directory": str(bundle.directory),
+        "files": [str(p.relative_to(bundle.directory)) for p in bundle.files if p.is_file()],
+        "traces": [{"file": c.file, "sha256": c.sha256, "bytes": c.bytes,
+                    "problems": c.quality.problems} for c in bundle.traces],
+    }, json_out, as_json=as_json)
+    if not (quiet or as_json):
         click.echo(f"bundle written to {bundle.directory} ({len(bundle.traces)} traces)")
         for c in bundle.traces:
             flag = f"{len(c.quality.problems)} data-quality notes" if c.quality.problems else "clean"
@@ -145,7 +150,7 @@ def zenodo(traces: tuple[str, ...], output: str, creators: tuple[str, ...], titl
               help="Textfile to write (node_exporter textfile collector; name it *.prom).")
 @_quiet_options
 @guarded
-def prometheus_textfile(trace: str, output: str, quiet: bool, as_json: bool) -> None:
+def prometheus_textfile(trace: str, output: str, quiet: bool, as_json: bool, json_out: str | None) -> None:
     """Write the final state of a recorded TRACE as Prometheus metrics for node_exporter's
     textfile collector (batch jobs that cannot be scraped while they run).
 
@@ -159,9 +164,8 @@ def prometheus_textfile(trace: str, output: str, quiet: bool, as_json: bool) -> 
     from kvtrace.export.prometheus import exporter_from_trace
     from kvtrace.format.reader import Trace
 
-    out = Path(output)
-    if not out.parent.is_dir():
-        raise CannotWrite(f"{out.parent}: directory does not exist")
+    out = check_output(output, option="-o", inputs=(trace,), others=[("--json-out", json_out)])
+    check_json_out(json_out, (trace,))
     with Trace(trace) as t:
         exp = exporter_from_trace(t, out)
     try:
@@ -170,7 +174,6 @@ def prometheus_textfile(trace: str, output: str, quiet: bool, as_json: bool) -> 
         raise CannotWrite(f"{out}: cannot write ({exc.strerror})") from None
     text = exp.render()
     series = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
-    if as_json:
-        click.echo(json_dump({"output": str(out), "series": series}))
-    elif not quiet:
+    write_json({"output": str(out), "series": series}, json_out, as_json=as_json)
+    if not (quiet or as_json):
         click.echo(f"wrote {out} ({series} series)")

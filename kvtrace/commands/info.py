@@ -1,18 +1,19 @@
-"""`kvtrace info TRACE [--json]`."""
+"""`kvtrace info TRACE [--json] [--json-out FILE]`."""
 
 from __future__ import annotations
 
 import click
 
-from kvtrace.commands.common import guarded, json_dump
+from kvtrace.commands.common import guarded
+from kvtrace.commands.outputs import check_json_out, json_options, write_json
 from kvtrace.units import format_bytes
 
 
 @click.command("info")
 @click.argument("trace", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@json_options
 @guarded
-def info(trace: str, as_json: bool) -> None:
+def info(trace: str, as_json: bool, json_out: str | None) -> None:
     """Show what a trace holds: requests, steps, layers, sources, sizes.
 
     \b
@@ -23,10 +24,11 @@ def info(trace: str, as_json: bool) -> None:
     from kvtrace.format.reader import Trace
     from kvtrace.format.summary import summarize
 
+    check_json_out(json_out, (trace,))
     with Trace(trace) as t:
         summary = summarize(t)
+    write_json(summary, json_out, as_json=as_json)
     if as_json:
-        click.echo(json_dump(summary))
         return
     _print(summary)
 

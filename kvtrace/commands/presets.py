@@ -6,7 +6,8 @@ from typing import Any
 
 import click
 
-from kvtrace.commands.common import guarded, json_dump
+from kvtrace.commands.common import guarded
+from kvtrace.commands.outputs import check_json_out, json_options, write_json
 from kvtrace.units import format_bytes
 
 DTYPE_BYTES = 2  # bf16, what these models are served in
@@ -40,9 +41,9 @@ def preset_rows() -> list[dict[str, Any]]:
 
 
 @click.command("presets")
-@click.option("--json", "as_json", is_flag=True, help="Print the presets as JSON.")
+@json_options
 @guarded
-def presets(as_json: bool) -> None:
+def presets(as_json: bool, json_out: str | None) -> None:
     """List the built-in architecture presets (real KV geometry, random weights).
 
     \b
@@ -50,9 +51,10 @@ def presets(as_json: bool) -> None:
     KV bytes per token are for bf16, summed over layers, before any sliding window saturates;
     binary units (KiB = 1024 B).
     """
+    check_json_out(json_out, ())
     rows = preset_rows()
+    write_json(rows, json_out, as_json=as_json)
     if as_json:
-        click.echo(json_dump(rows))
         return
     click.echo(f"{'preset':<18} {'type':<13} {'layers':>6}  {'KV/token':>10}  {'vs MHA':>6}  layer kinds (kv heads x head dim, window)")
     for r in rows:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,11 @@ from kvtrace.units import format_bytes
 
 CACHE_IMPLEMENTATIONS = ("dynamic", "static", "offloaded", "offloaded_static", "quantized_fp8")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Random weights are materialised at once: a preset whose weights exceed this share of the memory
+# available now is refused (the rest is left for activations, the KV cache and the process itself).
+MEMORY_SHARE = 0.8
+# What the Hugging Face hub accepts as a repo id ("name" or "org/name"); anything else is a path.
+_HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
 
 
 class ByteTokenizer:
@@ -73,6 +80,110 @@ def resolve_dtype(dtype: str, device: str, *, preset: bool) -> Any:
     return getattr(torch, dtype)
 
 
+def model_config_dict(spec: str, *, layers: int | None = None, width: float | None = None,
+                      vocab: int | None = None) -> dict[str, Any] | None:
+    """The config of ``--model`` as a dict, read without torch (presets, local directories), or
+    None for a hub id (the loader looks in the local cache). A model that cannot exist is a usage
+    error here, before anything slow happens."""
+    if spec.startswith("preset:"):
+        from kvtrace import presets
+
+        try:
+            return presets.preset_config_dict(spec.split(":", 1)[1], layers=layers, width_scale=width, vocab=vocab)
+        except KeyError as exc:
+            raise click.BadParameter(str(exc).strip("'\""), param_hint="--model") from None
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--layers/--width/--vocab") from None
+    if layers is not None or width is not None or vocab is not None:
+        raise click.BadParameter("--layers/--width/--vocab/--tiny only apply to preset:NAME models")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        try:
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise click.BadParameter(f"{spec}: the directory holds no config.json (not a Transformers model)",
+                                     param_hint="--model") from None
+        except (OSError, ValueError) as exc:
+            raise click.BadParameter(f"{spec}/config.json is unreadable ({exc})", param_hint="--model") from None
+        if not isinstance(config, dict):
+            raise click.BadParameter(f"{spec}/config.json is not a JSON object", param_hint="--model")
+        return config
+    if path.exists():
+        raise click.BadParameter(f"{spec} is a file, not a model directory", param_hint="--model")
+    if not _HF_ID.fullmatch(spec) or ".." in spec:
+        raise click.BadParameter(f"{spec}: no such model directory", param_hint="--model")
+    return None
+
+
+def check_sample_selection(config: dict[str, Any], layers: list[int] | None, heads: list[int] | None) -> None:
+    """Sampled layers and heads must exist: a selection matching nothing would store no payloads
+    in a trace that says it holds tensor contents."""
+    if layers is None and heads is None:
+        return
+    from kvtrace import geometry
+
+    try:
+        geo = geometry.model_geometry(config).layers
+    except (ValueError, KeyError, TypeError):  # a model type geometry does not know: counts only
+        text = geometry.text_config(config)
+        n = text.get("num_hidden_layers")
+        kv = text.get("num_key_value_heads") or text.get("num_attention_heads")
+        if not isinstance(n, int) or not isinstance(kv, int):
+            return
+        geo = [geometry.LayerGeometry(i, "full", "full", kv, 0, 0) for i in range(n)]
+    if layers is not None:
+        bad = [i for i in layers if not 0 <= i < len(geo)]
+        if bad:
+            raise click.BadParameter(f"layer(s) {', '.join(map(str, bad))} out of range: the model has "
+                                     f"{len(geo)} layers (0..{len(geo) - 1})", param_hint="--sample-layers")
+    chosen = [g for g in geo if (layers is None or g.index in layers) and g.stores_kv]
+    if not chosen:
+        raise click.BadParameter("the selected layers reuse other layers' KV and own no cache to sample",
+                                 param_hint="--sample-layers")
+    if heads is not None:
+        per_head = [g for g in chosen if g.kind != "latent"]
+        if not per_head:
+            raise click.BadParameter("MLA layers cache one latent shared by every head: no head to select",
+                                     param_hint="--sample-heads")
+        most = max(g.num_kv_heads for g in per_head)
+        bad = [h for h in heads if not 0 <= h < most]
+        if bad:
+            raise click.BadParameter(f"KV head(s) {', '.join(map(str, bad))} out of range: the sampled layers "
+                                     f"have at most {most} KV heads (0..{most - 1})", param_hint="--sample-heads")
+
+
+class PresetTooLarge(Unavailable):
+    """A full-size preset's random weights would not fit in the memory available now."""
+
+
+def check_preset_memory(config: dict[str, Any], dtype_bytes: int, device: str, *, shrunk: bool,
+                        name: str) -> int:
+    """Weight bytes of the preset; warn when it is built at full size, refuse (exit 69) when the
+    weights exceed MEMORY_SHARE of the memory available now on ``device``."""
+    from kvtrace import geometry
+
+    need = geometry.weight_bytes(config, dtype_bytes)
+    if device.startswith("cuda"):
+        import torch
+
+        free = int(torch.cuda.mem_get_info(torch.device(device))[0])
+        where = f"free on {device}"
+    else:
+        import psutil
+
+        free = int(psutil.virtual_memory().available)
+        where = "of RAM available"
+    hint = (f"shrink it: --tiny, or --layers N --width F --vocab V (e.g. kvtrace record --model preset:{name} "
+            "--tiny ...); KV geometry per layer is kept")
+    if need > MEMORY_SHARE * free:
+        raise PresetTooLarge(f"preset {name} needs {format_bytes(need)} for its random weights "
+                             f"({dtype_bytes} B/parameter), {format_bytes(free)} {where}: {hint}")
+    if not shrunk:
+        click.echo(f"warning: preset {name} at full size: {format_bytes(need)} of random weights "
+                   f"({format_bytes(free)} {where}); {hint}", err=True)
+    return need
+
+
 def load_model(spec: str, *, device: str, dtype: str, layers: int | None, width: float | None,
                vocab: int | None, seed: int = 0) -> LoadedModel:
     """A model from ``preset:NAME`` (random weights), a local directory, or an HF id already on disk.
@@ -96,10 +207,14 @@ def load_model(spec: str, *, device: str, dtype: str, layers: int | None, width:
             raise click.BadParameter(str(exc).strip("'\""), param_hint="--model") from None
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--layers/--width/--vocab") from None
+        torch_dtype = resolve_dtype(dtype, device, preset=True)
+        check_preset_memory(presets.preset_config_dict(name, layers=layers, width_scale=width, vocab=vocab),
+                            torch_dtype.itemsize, device, shrunk=any(v is not None for v in (layers, width, vocab)),
+                            name=presets.get_preset(name).name)
         torch.manual_seed(seed)
         auto = transformers.AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else transformers.AutoModelForCausalLM
         with torch.device(device):
-            model = auto.from_config(cfg, dtype=resolve_dtype(dtype, device, preset=True))
+            model = auto.from_config(cfg, dtype=torch_dtype)
         model.eval()
         gen = model.generation_config
         if gen.pad_token_id is None:
@@ -236,6 +351,10 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
 @click.option("--width", type=click.FloatRange(min=0, min_open=True, max=1), default=None,
               help="Presets: scale hidden/MLP/expert widths (KV geometry kept).")
 @click.option("--vocab", type=click.IntRange(min=16), default=None, help="Presets: vocabulary size.")
+@click.option("--tiny", is_flag=True,
+              help="Presets: shrink to a few layers showing every layer kind, hidden ~256, vocab 512 "
+                   "(builds and runs on a CPU in seconds); --layers/--width/--vocab override it.")
+@click.option("--force", is_flag=True, help="Replace an existing -o file (never one of the inputs).")
 @click.option("--prometheus", "prometheus", default=None, metavar="HOST:PORT",
               help="Serve live metrics at http://HOST:PORT/metrics while recording (bind 127.0.0.1 "
                    "unless the scraper is on another host).")
@@ -252,20 +371,50 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
            telemetry_hz: float,
            no_nvml: bool,
            store_prompts: bool, no_empty_cache: bool, device: str, dtype: str, cache_implementation: str,
-           layers: int | None, width: float | None, vocab: int | None, prometheus: str | None,
-           prometheus_textfile: str | None, quiet: bool, output: str) -> None:
+           layers: int | None, width: float | None, vocab: int | None, tiny: bool, force: bool,
+           prometheus: str | None, prometheus_textfile: str | None, quiet: bool, output: str) -> None:
     """Record the KV cache of generate() on a model into a trace file.
 
     \b
     Examples:
       kvtrace record --model preset:gpt-oss-20b --layers 4 --width 0.1 --vocab 512 \\
           --prompt "hello" --max-new-tokens 256 --min-new-tokens 256 -o run.kvt.h5
+      kvtrace record --model preset:llama-3.1-8b --tiny --prompt hi --max-new-tokens 8 \\
+          --sample-every 4 --sample-heads 0,1 -o sampled.kvt.h5
       kvtrace record --model ./my-llama --prompts prompts.txt --max-new-tokens 512 -o run.kvt.h5
     Nothing is downloaded. Prompt text and tensor contents are stored only when asked.
+    Presets build random weights: at full size they warn with the memory needed and are refused
+    (exit 69) when it exceeds what is available; --tiny or --layers/--width/--vocab shrink them.
+    An existing -o file is refused (exit 64) unless --force.
     Sizes are printed in binary units (KiB = 1024 B).
     """
     prompts = read_prompts(prompt, prompts_file)
     layer_list, head_list = parse_int_list(sample_layers), parse_int_list(sample_heads)
+    from kvtrace.commands.outputs import check_output
+
+    check_output(output, option="-o", inputs=[prompts_file] if prompts_file else [], refuse_existing=True,
+                 force=force, others=[("--prometheus-textfile", prometheus_textfile)])
+    if prometheus_textfile is not None:
+        check_output(prometheus_textfile, option="--prometheus-textfile",
+                     inputs=[prompts_file] if prompts_file else [])
+    if (layer_list is not None or head_list is not None) and not (sample_every or sample_queries):
+        raise click.UsageError("--sample-layers/--sample-heads select what is sampled: add --sample-every N "
+                               "(or --sample-queries)")
+    if tiny:
+        if not model_spec.startswith("preset:"):
+            raise click.BadParameter("--tiny only applies to preset:NAME models")
+        from kvtrace import presets as _presets
+
+        try:
+            small = _presets.tiny_shrink_args(model_spec.split(":", 1)[1])
+        except KeyError as exc:
+            raise click.BadParameter(str(exc).strip("'\""), param_hint="--model") from None
+        layers = small["layers"] if layers is None else layers
+        width = small["width_scale"] if width is None else width
+        vocab = small["vocab"] if vocab is None else vocab
+    config = model_config_dict(model_spec, layers=layers, width=width, vocab=vocab)
+    if config is not None:
+        check_sample_selection(config, layer_list, head_list)
     if prometheus is not None:
         from kvtrace.export.prometheus import parse_address
 
@@ -289,6 +438,13 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
             check_textfile(prometheus_textfile)
     except CannotWriteOutput as exc:
         raise CannotWrite(str(exc)) from None
+    from kvtrace.recorder.sampling import SamplingSettings
+
+    try:  # the sampler's own rules (evenly spaced heads...), before the model loads
+        SamplingSettings(every_n_steps=sample_every, layers=layer_list, heads=head_list,
+                         max_tokens=sample_max_tokens)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--sample-layers/--sample-heads") from None
 
     def say(msg: str) -> None:
         if not quiet:
@@ -300,6 +456,8 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
     loaded = load_model(model_spec, device=device, dtype=dtype, layers=layers, width=width, vocab=vocab,
                         seed=seed)
     say(f"model   {loaded.model_id} ({loaded.model.config.model_type}): {loaded.note}")
+    if config is None:  # a hub id: its config is known now, before any generation
+        check_sample_selection(loaded.model.config.to_dict(), layer_list, head_list)
     sampling = None
     if sample_every or sample_queries:
         sampling = {"every_n_steps": sample_every, "layers": layer_list, "heads": head_list,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from kvtrace.commands.common import guarded, json_dump
+from kvtrace.commands.common import guarded
+from kvtrace.commands.outputs import check_json_out, check_output, check_output_dir, json_options, write_json
 
 
 @click.command("report")
@@ -15,10 +16,10 @@ from kvtrace.commands.common import guarded, json_dump
               help="Also write every figure into this directory as PNG and SVG.")
 @click.option("--no-analysis", is_flag=True, help="Do not run the analyser (no findings table).")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing (errors still go to stderr).")
-@click.option("--json", "as_json", is_flag=True, help="Print only a JSON summary of what was written.")
+@json_options
 @guarded
 def report(trace: str, output: str, figures_dir: str | None, no_analysis: bool, quiet: bool,
-           as_json: bool) -> None:
+           as_json: bool, json_out: str | None) -> None:
     """Write an HTML report of TRACE: memory timeline per device, per-layer KV footprint, growth
     against the analytical expectation, post-EOS memory per request, allocator state at the
     end of generation, the analyser's findings, and head-norm / entropy heatmaps when the
@@ -31,18 +32,23 @@ def report(trace: str, output: str, figures_dir: str | None, no_analysis: bool, 
       kvtrace report run.kvt.h5 -o report.html
       kvtrace report run.kvt.h5 -o report.html --figures figs/   # + PNG and SVG files
       kvtrace report run.kvt.h5 -o r.html --json | jq .figures
+    --json prints only a JSON summary of what was written; --json-out FILE also writes it to FILE.
+    No output may be TRACE or an existing trace.
     """
+    check_output(output, option="-o", inputs=(trace,), others=[("--json-out", json_out)])
+    if figures_dir is not None:
+        check_output_dir(figures_dir, option="--figures", inputs=(trace,))
+    check_json_out(json_out, (trace,))
     from kvtrace.report import STAGES, build_report
     from kvtrace.report.progress import progress_bar
 
     with progress_bar("report", len(STAGES), enabled=not (quiet or as_json)) as steps:
         result = build_report(trace, output, figures_dir, run_analyzer=not no_analysis, progress=steps)
-    if as_json:
-        click.echo(json_dump({
-            "report": str(result.html), "figures": [str(p) for p in result.figures],
-            "sections": result.sections, "absent": result.absent, "findings": result.findings,
-        }))
-    elif not quiet:
+    write_json({
+        "report": str(result.html), "figures": [str(p) for p in result.figures],
+        "sections": result.sections, "absent": result.absent, "findings": result.findings,
+    }, json_out, as_json=as_json)
+    if not (quiet or as_json):
         click.echo(f"report written to {result.html}")
         if result.figures:
             click.echo(f"{len(result.figures)} figure files written to {figures_dir}")

@@ -8,24 +8,32 @@ import click
 
 from kvtrace import exitcodes
 from kvtrace.commands.common import guarded
+from kvtrace.commands.outputs import check_json_out, json_options, write_json
 
 
 @click.command("validate")
 @click.argument("trace", type=click.Path(dir_okay=False))
 @click.option("--no-payloads", is_flag=True, help="Skip decoding every payload chunk (faster).")
+@json_options
 @guarded
-def validate(trace: str, no_payloads: bool) -> None:
+def validate(trace: str, no_payloads: bool, as_json: bool, json_out: str | None) -> None:
     """Check a trace against the format spec.
 
     \b
     Exit codes: 0 valid, 1 invalid (every problem is listed),
     2 not a kvtrace trace or unreadable, 4 format version newer than this kvtrace.
-    Example:
+    Examples:
       kvtrace validate run.kvt.h5
+      kvtrace validate run.kvt.h5 --json      # {"valid": ..., "problems": [...], ...}
     """
+    check_json_out(json_out, (trace,))
     from kvtrace.format.validate import validate as run_validation
 
     report = run_validation(trace, check_payloads=not no_payloads)
+    write_json({"trace": trace, "valid": report.valid, "format_version": report.version,
+                "problems": report.problems, "warnings": report.warnings}, json_out, as_json=as_json)
+    if as_json:
+        sys.exit(0 if report.valid else exitcodes.INVALID)
     for warning in report.warnings:
         click.echo(f"warning: {warning}", err=True)
     if report.valid:

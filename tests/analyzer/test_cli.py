@@ -52,7 +52,7 @@ def test_fail_on_gates_ci(traces):
 
 def test_json_report_schema(traces, tmp_path):
     out = tmp_path / "r.json"
-    p = run("analyze", str(traces["leak"]), str(traces["clean"]), "--json", str(out), "-q")
+    p = run("analyze", str(traces["leak"]), str(traces["clean"]), "--json-out", str(out), "-q")
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
     assert doc["schema"] == SCHEMA_NAME and doc["schema_version"] == SCHEMA_VERSION
@@ -77,10 +77,12 @@ def test_json_report_schema(traces, tmp_path):
 
 
 def test_json_to_stdout_and_detector_selection(traces):
-    p = run("analyze", str(traces["clean"]), "--json", "-", "--detector", "aliasing")
+    p = run("analyze", str(traces["clean"]), "--json", "--detector", "aliasing")
     assert p.returncode == 0
     doc = json.loads(p.stdout)
     assert [d["name"] for d in doc["reports"][0]["detectors"]] == ["aliasing"]
+    # the old spelling `--json -` still means stdout
+    assert json.loads(run("analyze", str(traces["clean"]), "--json", "-", "--detector", "aliasing").stdout) == doc
 
 
 def test_bad_arguments_and_inputs(traces, tmp_path):
@@ -106,7 +108,7 @@ def test_bad_arguments_and_inputs(traces, tmp_path):
     # A bad trace among good ones: the good ones are still reported, the exit code says what failed.
     p = run("analyze", str(traces["clean"]), str(junk))
     assert p.returncode == exitcodes.UNREADABLE and "tiny/clean" in p.stdout
-    p = run("analyze", str(traces["clean"]), "--json", str(tmp_path / "no" / "dir" / "r.json"))
+    p = run("analyze", str(traces["clean"]), "--json-out", str(tmp_path / "no" / "dir" / "r.json"))
     assert p.returncode == exitcodes.CANNOT_WRITE
 
 
@@ -121,7 +123,7 @@ def test_diff_traces_and_saved_reports(traces, tmp_path):
     assert p.returncode == 0, p.stderr
     assert "appeared in B" in p.stdout and "post_eos" in p.stdout and "binary units" in p.stdout
     saved = tmp_path / "base.json"
-    assert run("analyze", str(traces["leak"]), "--json", str(saved), "-q").returncode == 0
+    assert run("analyze", str(traces["leak"]), "--json-out", str(saved), "-q").returncode == 0
     p = run("diff", str(saved), str(traces["leak"]), "--json")
     d = json.loads(p.stdout)
     assert d["schema"] == "kvtrace-analysis-diff"

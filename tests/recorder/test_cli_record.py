@@ -51,11 +51,19 @@ def test_record_unwritable_output_exits_73_before_loading(tmp_path, capsys, monk
     code, _, err = run(["record", *TINY, "--prompt", "x", "--max-new-tokens", "2",
                         "-o", str(tmp_path / "no" / "such" / "dir.kvt.h5")], capsys)
     assert code == exitcodes.CANNOT_WRITE
-    assert err.startswith("kvtrace: cannot write trace") and err.count("\n") == 1
+    assert err.startswith("kvtrace: cannot write -o") and "does not exist" in err and err.count("\n") == 1
 
 
-def test_record_missing_model_exits_69(tmp_path, capsys):
+def test_record_missing_model_directory_is_a_usage_error(tmp_path, capsys):
     code, _, err = run(["record", "--model", str(tmp_path / "nothing"), "--prompt", "x",
+                        "--max-new-tokens", "2", "-o", str(tmp_path / "x.kvt.h5")], capsys)
+    assert code == exitcodes.USAGE
+    assert "no such model directory" in err and err.count("\n") == 1
+
+
+def test_record_uncached_hub_id_exits_69(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    code, _, err = run(["record", "--model", "nobody-here/no-such-model", "--prompt", "x",
                         "--max-new-tokens", "2", "-o", str(tmp_path / "x.kvt.h5")], capsys)
     assert code == exitcodes.UNAVAILABLE
     assert "never downloads" in err and err.count("\n") == 1

@@ -1,0 +1,117 @@
+"""Output paths of the CLI: one JSON convention and checks that no output clobbers an input.
+
+Convention (every command): ``--json`` is a flag that prints JSON to stdout; ``--json-out FILE``
+writes the same document to FILE. No option takes a FILE that could be mistaken for an input.
+
+Before any work, every output path is checked:
+
+* an output that is one of the command's inputs (same file: ``os.path.samefile``, so symlinks and
+  hard links count) is refused -> exit 64 (usage: the command line names one file twice);
+* an output that is an existing HDF5 file (a trace, or any HDF5 data) is refused -> exit 64;
+  ``record`` refuses any existing file unless ``--force`` (which still never replaces an input);
+* an output that cannot be created (directory missing, not writable, a directory) -> exit 73.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from kvtrace.commands.common import CannotWrite, json_dump
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def is_hdf5(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a regular file starting with the HDF5 signature (how traces start)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE
+    except OSError:
+        return False
+
+
+def _same(a: Path, b: str | os.PathLike[str]) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist: not the same file
+        return False
+
+
+def check_output(path: str | os.PathLike[str], *, option: str, inputs: Iterable[str | os.PathLike[str]] = (),
+                 others: Iterable[tuple[str, str | os.PathLike[str] | None]] = (),
+                 refuse_existing: bool = False, force: bool = False) -> Path:
+    """Refuse an output file that would clobber an input or an existing trace; fail early (73)
+    when it cannot be created. ``others``: (option, path) of the command's other outputs, which
+    must differ from this one. ``refuse_existing``: any existing file is refused unless ``force``."""
+    p = Path(path)
+    for inp in inputs:
+        if _same(p, inp):
+            raise click.UsageError(f"{option} {path} is also an input ({inp}): refusing to overwrite it")
+    for other_option, other in others:
+        if other is not None and other != "-" and (
+                _same(p, other) or os.path.abspath(p) == os.path.abspath(other)):
+            raise click.UsageError(f"{option} and {other_option} name the same file ({path})")
+    if p.is_dir():
+        raise CannotWrite(f"cannot write {option} {path}: it is a directory")
+    if p.exists() and not force:
+        if refuse_existing:
+            raise click.UsageError(f"{option} {path} already exists; pass --force to replace it")
+        if is_hdf5(p):
+            raise click.UsageError(f"{option} {path} is an existing trace (HDF5 file): refusing to overwrite it")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise CannotWrite(f"cannot write {option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise CannotWrite(f"cannot write {option} {path}: permission denied")
+    return p
+
+
+def check_json_out(json_out: str | None, inputs: Iterable[str | os.PathLike[str]],
+                   others: Iterable[tuple[str, str | os.PathLike[str] | None]] = ()) -> None:
+    """:func:`check_output` for ``--json-out`` when it is given."""
+    if json_out is not None:
+        check_output(json_out, option="--json-out", inputs=inputs, others=others)
+
+
+def check_output_dir(path: str | os.PathLike[str], *, option: str,
+                     inputs: Iterable[str | os.PathLike[str]] = ()) -> Path:
+    """An output directory must not be an input, nor a file (exit 64); inputs may live in it (the
+    files written there are checked one by one by :func:`check_output` where names are known)."""
+    p = Path(path)
+    for inp in inputs:
+        if _same(p, inp):
+            raise click.UsageError(f"{option} {path} is also an input: refusing to write into it")
+    if p.exists() and not p.is_dir():
+        what = "an existing trace (HDF5 file)" if is_hdf5(p) else "an existing file"
+        raise click.UsageError(f"{option} {path} is {what}, not a directory: refusing to overwrite it")
+    return p
+
+
+def json_options(fn: F) -> F:
+    """``--json`` (flag: print JSON to stdout) and ``--json-out FILE`` (write it to FILE)."""
+    fn = click.option("--json-out", "json_out", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+                      help="Also write the JSON document to FILE (never an input, never an existing trace).")(fn)
+    return click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")(fn)
+
+
+def write_json(doc: Any, json_out: str | None, *, as_json: bool) -> None:
+    """Print ``doc`` as JSON when ``as_json``; write it to ``json_out`` when given (checked before the
+    work by :func:`check_output`)."""
+    if not as_json and json_out is None:
+        return
+    text = json_dump(doc)
+    if as_json:
+        click.echo(text)
+    if json_out is not None:
+        try:
+            with open(json_out, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+        except OSError as exc:
+            raise CannotWrite(f"cannot write --json-out {json_out}: {exc.strerror}") from None
