@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> Any:
         click.echo("kvtrace: interrupted", err=True)
         sys.exit(exitcodes.INTERRUPTED)
     except click.exceptions.UsageError as exc:
-        hint = f" (see 'kvtrace {exc.ctx.info_name} --help')" if exc.ctx and exc.ctx.parent else ""
+        hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx and exc.ctx.parent else ""
         click.echo(f"kvtrace: {exc.format_message()}{hint}", err=True)
         sys.exit(exitcodes.USAGE)
     except click.exceptions.ClickException as exc:

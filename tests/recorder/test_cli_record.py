@@ -108,3 +108,74 @@ def test_demo_writes_and_summarises(tmp_path, capsys, monkeypatch):
     path = tmp_path / "d" / "demo.kvt.h5"
     assert f"trace written to {path}" in out and "sliding layers" in out and "full layers" in out
     assert validate(path).valid
+
+
+@pytest.fixture()
+def no_model_load(monkeypatch):
+    import kvtrace.commands.record as rec_cmd
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(rec_cmd, "load_model", never)
+
+
+@pytest.mark.parametrize("model, extra, message", [
+    ("preset:llama-3.1-8b", ["--sample-every", "2", "--sample-layers", "7"], "out of range: the model has 2 layers"),
+    ("preset:llama-3.1-8b", ["--sample-every", "2", "--sample-heads", "99"], "at most 8 KV heads"),
+    ("preset:llama-3.1-8b", ["--sample-heads", "0"], "add --sample-every"),
+    ("preset:gemma-4-e2b", ["--sample-every", "2", "--sample-layers", "8,9"], "own no cache"),
+    ("preset:deepseek-v2-lite", ["--sample-every", "2", "--sample-heads", "0"], "one latent"),
+    ("./nope", [], "no such model directory"),
+    ("preset:llama-3.1-8b", ["--sample-every", "2", "--sample-heads", "0,1,3"], "evenly spaced"),
+])
+def test_record_arguments_checked_before_the_model_loads(tmp_path, capsys, no_model_load, model, extra, message):
+    tiny = ["--tiny"] if model.startswith("preset:") else []
+    code, _, err = run(["record", "--model", model, *tiny, "--prompt", "x", "--max-new-tokens", "2", *extra,
+                        "-o", str(tmp_path / "x.kvt.h5")], capsys)
+    assert code == exitcodes.USAGE, err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "x.kvt.h5").exists()  # no trace claiming contents it does not hold
+
+
+def test_record_model_directory_without_config_is_a_usage_error(tmp_path, capsys, no_model_load):
+    (tmp_path / "empty-model").mkdir()
+    code, _, err = run(["record", "--model", str(tmp_path / "empty-model"), "--prompt", "x",
+                        "--max-new-tokens", "2", "-o", str(tmp_path / "x.kvt.h5")], capsys)
+    assert code == exitcodes.USAGE and "config.json" in err
+
+
+def test_record_sampled_heads_in_range_store_payloads(tmp_path, capsys):
+    """The control beside the refusals: a valid selection stores what the flags claim."""
+    out = tmp_path / "s.kvt.h5"
+    code, _, err = run(["record", "--model", "preset:llama-3.1-8b", "--tiny", "--prompt", "hi",
+                        "--max-new-tokens", "4", "--min-new-tokens", "4", "--sample-every", "2",
+                        "--sample-layers", "1", "--sample-heads", "0,2", "-o", str(out)], capsys)
+    assert code == 0, err
+    with Trace(out) as t:
+        assert t.meta.contains_tensor_payloads
+        index = t.table("payloads/index")
+        assert len(index) > 0 and set(index["layer"].tolist()) == {1}
+        assert set(index["head_start"].tolist()) == {0} and set(index["head_stride"].tolist()) == {2}
+
+
+def test_full_size_preset_refused_when_memory_is_short(monkeypatch, capsys):
+    """Weights are compared with available memory: 8B parameters x 4 B do not fit in 16 GiB, and
+    the refusal names the memory needed and how to shrink; 1 TiB available only warns."""
+    import types
+
+    import psutil
+
+    from kvtrace.commands.common import Unavailable
+    from kvtrace.commands.record import check_preset_memory
+
+    config = presets.preset_config_dict("llama-3.1-8b")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=16 << 30))
+    with pytest.raises(Unavailable, match=r"needs 29\.9 GiB .* 16\.0 GiB of RAM available: shrink it: --tiny"):
+        check_preset_memory(config, 4, "cpu", shrunk=False, name="llama-3.1-8b")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1 << 40))
+    need = check_preset_memory(config, 2, "cpu", shrunk=False, name="llama-3.1-8b")
+    assert need == 8_030_261_248 * 2  # Llama-3.1-8B's parameter count, bf16
+    assert "warning: preset llama-3.1-8b at full size: 15.0 GiB" in capsys.readouterr().err
+    check_preset_memory(config, 2, "cpu", shrunk=True, name="llama-3.1-8b")
+    assert capsys.readouterr().err == ""  # shrunk: no warning
