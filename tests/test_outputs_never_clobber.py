@@ -14,19 +14,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from cli_run import run_main as run
 
 from kvtrace import exitcodes
-from kvtrace.cli import main
 
 FIXTURE = Path(__file__).parent / "data" / "gpu_gemma3_tiny.kvt.h5"
-
-
-def run(argv: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-        raise SystemExit(0)
-    out = capsys.readouterr()
-    return int(info.value.code or 0), out.out, out.err
 
 
 def digest(path: Path) -> str:

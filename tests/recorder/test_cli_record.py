@@ -5,21 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_run import run_main as run
 
 from kvtrace import exitcodes, presets
-from kvtrace.cli import main
 from kvtrace.format.reader import Trace
 from kvtrace.format.validate import validate
 
 TINY = ["--model", "preset:llama-3.1-8b", "--layers", "2", "--width", "0.05", "--vocab", "512"]
-
-
-def run(argv: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-        raise SystemExit(0)
-    out = capsys.readouterr()
-    return int(info.value.code or 0), out.out, out.err
 
 
 def test_record_preset_writes_a_valid_trace(tmp_path, capsys):
