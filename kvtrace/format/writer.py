@@ -16,6 +16,7 @@ whose conversion to a numpy array is deferred to the flusher, off the model's th
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -49,6 +50,7 @@ def monotonic_ns() -> int:
     return time.monotonic_ns()
 
 
+@functools.cache  # reading package metadata costs ~2 ms a name; it cannot change in a process
 def _package_version(name: str) -> str:
     try:
         return metadata.version(name)
@@ -407,6 +409,11 @@ class TraceWriter:
             self._flushes += 1
             self._file["status"][0] = (0, monotonic_ns(), self._flushes)
             self._file.flush()
+
+    def flush_soon(self) -> None:
+        """Ask the flusher thread to flush now and return at once (the caller's thread writes
+        nothing): rows appended before this call reach the file within milliseconds."""
+        self._wake.set()
 
     def _flush_loop(self) -> None:
         while not self._stop.is_set():

@@ -4,7 +4,9 @@ During a request the tracker keeps, per storage identity, a weak reference to th
 (torch keeps a storage's Python object alive exactly as long as the storage itself, so the weak
 reference dies with the memory) and one to the last tensor seen on it (to ask the garbage collector
 who refers to it). It never holds a strong reference: recording cannot be the reason memory stays.
-After generate returns and gc.collect() ran, :meth:`RetentionTracker.finish` lists the survivors.
+After generate returns, :meth:`RetentionTracker.any_alive` says whether any storage survived (no
+collection needed to know that none did); if some did, the caller collects and
+:meth:`RetentionTracker.finish` lists the survivors.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ class RetentionTracker:
         """The storage map itself, for the per-step fast path (layouts.read_rows_fast) to fill in
         place: key -> (layer, weakref to the untyped storage, weakref to a tensor on it)."""
         return self._live
+
+    def any_alive(self) -> bool:
+        """Does any storage seen since :meth:`begin` still exist? Weak references only: no
+        collection, microseconds per storage. False means no collection could find any."""
+        return any(swr() is not None for _, swr, _ in self._live.values())
 
     def end_step(self) -> None:
         self._steps += 1

@@ -19,10 +19,18 @@ at request end from the Cache if something still holds it, else from its layers 
 weak-reference callback (CPython runs it before the Cache's attributes are cleared); if neither is
 possible a NOTE event says the last step's structure was not recorded.
 
-Retention: the memory readings after a request (AFTER_RETURN, AFTER_GC, AFTER_EMPTY_CACHE) are taken
-as generate returns, but which KV storages the request left alive (/retention) is decided later,
-when the caller has had the chance to drop generate's output: at the start of the next generate
-call on this recorder, or at close, after a gc.collect(). A NOTE event says which of the two.
+Retention: the AFTER_RETURN (and PEAK) readings are taken as generate returns; which KV storages the
+request left alive (/retention) is decided later, when the caller has had the chance to drop
+generate's output: at the start of the next generate call on this recorder, or at close. A NOTE
+event says which of the two.
+
+Per-request work is proportional to what it proves. A full ``gc.collect()`` costs ~0.25 s in a
+process that imported transformers (~0.5 M tracked objects), so the retention check first asks its
+weak references whether any KV storage of the request survived; only then does it collect (GC
+event, AFTER_GC reading) and check again, and only storage that survived the collection (a
+finding) is followed by ``torch.cuda.empty_cache()`` (EMPTY_CACHE event, AFTER_EMPTY_CACHE
+reading), so that NVML shows what is really held. ``empty_cache=True`` asks for the full
+measurement after every request instead (gc, then empty_cache, both readings, at return).
 """
 
 from __future__ import annotations
@@ -93,7 +101,11 @@ class RecordOptions:
     model_id: str | None = None  # defaults to config._name_or_path
     store_prompts: bool = False  # prompt text (or token ids without a tokenizer) in the trace
     tokenizer: Any = None  # decodes prompt ids when store_prompts is on
-    empty_cache: bool = True  # torch.cuda.empty_cache() after each request (after gc.collect())
+    # The full post-request measurement after every request, at return: gc.collect(), AFTER_GC,
+    # torch.cuda.empty_cache(), AFTER_EMPTY_CACHE. Off by default: the collection costs ~0.25 s in
+    # a transformers process and empty_cache makes the next request allocate its cache from the
+    # driver again. Off, both run only when the retention check finds KV storage still alive.
+    empty_cache: bool = False
     reset_peak: bool = True  # reset_peak_memory_stats() at request start, for the PEAK reading
     retention: bool = True  # weak-reference tracking of KV storages that outlive a request
     telemetry_hz: float = 20.0
@@ -530,15 +542,11 @@ class Recorder:
             w.append("readings", [
                 (t, rid, int(ReadingLabel.PEAK), d, int(torch.cuda.max_memory_allocated(d)),
                  int(torch.cuda.max_memory_reserved(d)), -1, -1, -1, -1, -1) for d in self.devices])
-        gc.collect()
-        self._event(EventKind.GC, rid)
-        self._readings(rid, ReadingLabel.AFTER_GC)
+        if self.options.empty_cache:  # the full measurement, asked for
+            self._collect(rid)
+            self._empty_cache(rid)
         if self.options.retention:  # the verdict waits until the caller could drop the output
             self._pending_retention = _PendingRetention(rid, req.last_cache)
-        if self.options.empty_cache and self.devices:
-            torch.cuda.empty_cache()
-            self._event(EventKind.EMPTY_CACHE, rid)
-            self._readings(rid, ReadingLabel.AFTER_EMPTY_CACHE)
         if self.sampler is not None:
             t = monotonic_ns()
             w.append("readings", [(t, rid, int(ReadingLabel.RECORDER_OWN), d,
@@ -553,8 +561,20 @@ class Recorder:
         end = monotonic_ns()
         w.update_request(rid, outcome=int(Outcome.OK), end_ns=end, new_tokens=new_tokens, eos_step=eos_step)
         self._event(EventKind.REQUEST_END, rid, value=int(Outcome.OK), t=end)
-        w.flush()
+        w.flush_soon()  # the flusher writes it within milliseconds, off the caller's thread
         return new_tokens
+
+    def _collect(self, rid: int) -> None:
+        """gc.collect() for request ``rid``, with its GC event and AFTER_GC reading."""
+        collected = gc.collect()
+        self._event(EventKind.GC, rid, value=int(collected))
+        self._readings(rid, ReadingLabel.AFTER_GC)
+
+    def _empty_cache(self, rid: int) -> None:
+        if self.devices:
+            torch.cuda.empty_cache()
+            self._event(EventKind.EMPTY_CACHE, rid)
+            self._readings(rid, ReadingLabel.AFTER_EMPTY_CACHE)
 
     def _check_retention(self, when: str) -> None:
         """The deferred retention verdict of the last finished request: after gc, which of its KV
@@ -563,8 +583,18 @@ class Recorder:
         if pending is None or self.writer is None or self.writer.closed:
             return
         try:
-            gc.collect()
-            survivors = self._retention.finish()
+            # Weak references first: a collection (~0.25 s) runs only when KV storage survived.
+            measured = self.options.empty_cache  # gc and empty_cache already ran at return
+            survivors = []
+            if self._retention.any_alive():
+                if measured:
+                    gc.collect()
+                else:
+                    self._collect(pending.request)
+                survivors = self._retention.finish()
+                if survivors and not measured:  # a finding: show what the driver still holds
+                    self._empty_cache(pending.request)
+            self._retention.begin()
             try:
                 held, chain = self._cache_holders(pending.cache)
             except Exception as exc:  # noqa: BLE001 - the rows go out without the holder chain
