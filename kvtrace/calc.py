@@ -12,6 +12,8 @@ The worksheet follows the usual serving breakdown (weights + fixed overhead + KV
   head (heads replicated ``tp / kv_heads`` times); an MLA latent (a single head) is replicated on
   every rank. Weights are divided evenly by ``tp`` (replicated norms are ignored).
 * ``reserve_fraction`` of each GPU is set aside for the CUDA context, allocator slack and activations.
+* Weights are counted in the checkpoint's own dtypes by default (:func:`checkpoint_weight_dtypes`):
+  gpt-oss stores its MoE experts in MXFP4 and the rest in bf16, DeepSeek-V3 its linear layers in fp8.
 
 All sizes are bytes; :func:`format_plan` prints binary units (KiB, MiB, GiB).
 """
@@ -32,6 +34,64 @@ from kvtrace import units as _units
 UTILIZATION_WARNING = 0.80
 UTILIZATION_CRITICAL = 0.90
 CONCURRENCY_WARNING = 0.80
+
+# Element sizes the planner understands (bytes). mxfp4: 4-bit values plus one 8-bit scale per block
+# of 32 (4.25 bits); int4/fp4 ignore their (group) scales.
+KV_DTYPE_BYTES: dict[str, int] = {
+    "fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
+    "fp8": 1, "float8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
+}
+WEIGHT_DTYPE_BYTES: dict[str, float] = {**KV_DTYPE_BYTES, "int4": 0.5, "fp4": 0.5, "mxfp4": 0.53125}
+# Parts of the parameter count a checkpoint may store in their own dtype; "default" is the rest
+# (embeddings, lm_head, norms, sinks), which quantised checkpoints keep in bf16.
+WEIGHT_PARTS = ("default", "attention", "mlp")
+
+
+def checkpoint_weight_dtypes(config: Mapping[str, Any], preset: str | None = None) -> dict[str, str]:
+    """The dtypes a checkpoint stores its weights in, by part (:data:`WEIGHT_PARTS`): the preset's
+    when ``preset`` names one, else read from ``config`` (``quantization_config`` of mxfp4 / fp8 /
+    4- or 8-bit methods, then ``dtype`` / ``torch_dtype``; bf16 when it says nothing)."""
+    if preset is not None:
+        from kvtrace import presets
+
+        return {"default": "bf16", **presets.get_preset(preset).weight_dtypes}
+    text = G.text_config(config)
+    quant = config.get("quantization_config") or text.get("quantization_config") or {}
+    if not isinstance(quant, Mapping):
+        quant = {}
+    method = str(quant.get("quant_method", "")).lower()
+    if method == "mxfp4":  # gpt-oss: experts only; attention, router, embeddings stay bf16
+        return {"default": "bf16", "mlp": "mxfp4"}
+    if method == "fp8":  # DeepSeek-V3 style block fp8 of every linear layer
+        return {"default": "bf16", "attention": "fp8", "mlp": "fp8"}
+    bits = quant.get("bits")
+    if bits in (4, 8):  # GPTQ / AWQ / bitsandbytes-style linear-layer quantisation
+        name = "int4" if bits == 4 else "int8"
+        return {"default": "bf16", "attention": name, "mlp": name}
+    dtype = str(G._get(config, "dtype", "torch_dtype") or G._get(text, "dtype", "torch_dtype")
+                or "bfloat16").removeprefix("torch.")
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+    return {"default": short if short in WEIGHT_DTYPE_BYTES else "bf16"}
+
+
+def describe_weight_dtypes(dtypes: Mapping[str, str]) -> str:
+    """``{"default": "bf16", "mlp": "mxfp4"}`` -> ``"mxfp4 MLP/experts, bf16 rest"``."""
+    default = dtypes.get("default", "bf16")
+    parts = [f"{dtypes[p]} {'MLP/experts' if p == 'mlp' else p}" for p in ("mlp", "attention")
+             if dtypes.get(p, default) != default]
+    return ", ".join([*parts, f"{default} rest"]) if parts else default
+
+
+def _weight_bytes(pc: G.ParamCount, dtypes: Mapping[str, str]) -> float:
+    unknown = set(dtypes) - set(WEIGHT_PARTS)
+    bad = [d for d in dtypes.values() if d not in WEIGHT_DTYPE_BYTES]
+    if unknown or bad:
+        raise ValueError(f"weight dtypes: unknown part(s) {sorted(unknown)} or dtype(s) {bad}")
+    default = WEIGHT_DTYPE_BYTES[dtypes.get("default", "bf16")]
+    size = {p: WEIGHT_DTYPE_BYTES[dtypes[p]] if p in dtypes else default for p in ("attention", "mlp")}
+    rest = pc.total - pc.attention - pc.mlp
+    return pc.attention * size["attention"] + pc.mlp * size["mlp"] + rest * default
+
 
 def format_bytes(n: float) -> str:
     """``n`` bytes in binary units (1 KiB = 1024 B), e.g. ``"1.50 GiB"``."""
@@ -74,7 +134,7 @@ class CapacityPlan:
     tp: int
     cache_kind: str
     kv_dtype_bytes: int
-    weight_dtype_bytes: float
+    weight_dtype_bytes: float  # average bytes per parameter
     gpu_memory_bytes: int
     reserve_fraction: float
     reserve_bytes: int
@@ -101,6 +161,7 @@ class CapacityPlan:
     concurrency_warning_at: int
     memory_utilization: float
     notes: tuple[str, ...] = field(default_factory=tuple)
+    weight_dtype: str = ""  # e.g. "mxfp4 MLP/experts, bf16 rest"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -127,7 +188,8 @@ def plan_capacity(
     gpu_memory_bytes: int,
     tp: int = 1,
     kv_dtype_bytes: int | None = None,
-    weight_dtype_bytes: float = 2,
+    weight_dtype_bytes: float | None = None,
+    weight_dtypes: Mapping[str, str] | None = None,
     batch: int | None = None,
     reserve_fraction: float = 0.1,
     cache_kind: str = "dynamic",
@@ -138,7 +200,9 @@ def plan_capacity(
 
     ``config_dict``: a config dict (``config.to_dict()`` / ``config.json`` content), a preset name or a
     ``config.json`` path. ``kv_dtype_bytes``: cache element size (None: 2, bf16/fp16; 1 for fp8).
-    ``weight_dtype_bytes`` may be fractional (0.5 for 4-bit). ``batch``: concurrent requests to check
+    ``weight_dtype_bytes``: one size for every weight, may be fractional (0.5 for 4-bit);
+    ``weight_dtypes``: dtype names by part (:data:`WEIGHT_PARTS`); neither: the checkpoint's own
+    (:func:`checkpoint_weight_dtypes`; a preset's when ``config_dict`` names one). ``batch``: concurrent requests to check
     (None: one; ``max_concurrent_requests`` is computed either way). ``cache_kind``: ``"dynamic"`` or
     ``"static"`` (preallocated to ``context_len``). ``encoder_len``: encoder tokens held by
     cross-attention layers of encoder-decoder models (None: ``context_len``).
@@ -153,7 +217,7 @@ def plan_capacity(
     if cache_kind not in ("dynamic", "static"):
         raise ValueError("cache_kind must be 'dynamic' or 'static'")
     kv_b = 2 if kv_dtype_bytes is None else int(kv_dtype_bytes)
-    if kv_b <= 0 or weight_dtype_bytes <= 0:
+    if kv_b <= 0 or (weight_dtype_bytes is not None and weight_dtype_bytes <= 0):
         raise ValueError("dtype sizes must be positive")
     n_req = 1 if batch is None else int(batch)
     if n_req < 1:
@@ -207,7 +271,14 @@ def plan_capacity(
     pc = G.param_count(cfg)
     if not pc.exact:
         notes.append("parameter count is a llama-like estimate for this model type.")
-    w_total = int(math.ceil(pc.total * weight_dtype_bytes))
+    if weight_dtype_bytes is not None:
+        w_exact, w_label = pc.total * weight_dtype_bytes, f"{weight_dtype_bytes:g} B"
+    else:
+        if weight_dtypes is None:
+            named = isinstance(config_dict, str) and not os.path.exists(config_dict)
+            weight_dtypes = checkpoint_weight_dtypes(cfg, label if named else None)
+        w_exact, w_label = _weight_bytes(pc, weight_dtypes), describe_weight_dtypes(weight_dtypes)
+    w_total = int(math.ceil(w_exact))
     w_rank = int(math.ceil(w_total / tp))
 
     reserve = int(gpu_memory_bytes * reserve_fraction)
@@ -232,7 +303,7 @@ def plan_capacity(
         tp=tp,
         cache_kind=cache_kind,
         kv_dtype_bytes=kv_b,
-        weight_dtype_bytes=weight_dtype_bytes,
+        weight_dtype_bytes=w_exact / pc.total if pc.total else 0.0,
         gpu_memory_bytes=int(gpu_memory_bytes),
         reserve_fraction=reserve_fraction,
         reserve_bytes=reserve,
@@ -257,6 +328,7 @@ def plan_capacity(
         concurrency_warning_at=int(math.floor(max_conc * CONCURRENCY_WARNING)),
         memory_utilization=util,
         notes=tuple(notes),
+        weight_dtype=w_label,
     )
 
 
@@ -270,8 +342,9 @@ def format_plan(plan: CapacityPlan) -> str:
         f"  layers            {plan.num_layers} ({kinds})",
         f"  context           {plan.context_len:,} tokens/request, {plan.cache_kind} cache, "
         f"KV {plan.kv_dtype_bytes} B/element, tp={plan.tp}",
-        f"  weights           {plan.param_count:,} params{'' if plan.param_count_exact else ' (estimate)'} x "
-        f"{plan.weight_dtype_bytes:g} B = {fb(plan.weight_bytes_total)}; {fb(plan.weight_bytes)}{per_gpu}",
+        f"  weights           {plan.param_count:,} params{'' if plan.param_count_exact else ' (estimate)'} in "
+        f"{plan.weight_dtype} ({plan.weight_dtype_bytes:.3g} B/param) = {fb(plan.weight_bytes_total)}; "
+        f"{fb(plan.weight_bytes)}{per_gpu}",
         "  KV per token      " + ", ".join(
             f"{k} {fb(v)}" for k, v in plan.kv_bytes_per_token_total.items() if k != "total")
         + f"; total {fb(plan.kv_bytes_per_token_total['total'])}"

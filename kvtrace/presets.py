@@ -49,6 +49,9 @@ class Preset:
     aliases: tuple[str, ...] = field(default=())
     # default depth when shrinking for tests: the shortest prefix showing every layer kind
     tiny_layers: int = 2
+    # how the released checkpoint stores its weights, by part ("default", "attention", "mlp"):
+    # what `kvtrace calc` counts unless told otherwise (kvtrace.calc.WEIGHT_DTYPE_BYTES names)
+    weight_dtypes: Mapping[str, str] = field(default_factory=lambda: {"default": "bf16"})
 
     def config_dict(self) -> dict[str, Any]:
         """``{"model_type": ..., **overrides}`` (a deep copy): what the geometry functions accept."""
@@ -69,7 +72,7 @@ _add(Preset(
          use_parallel_residual=True, attention_bias=True, tie_word_embeddings=False,
          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
          bos_token_id=0, eos_token_id=0),
-    "EleutherAI/pythia-1.4b config.json (rotary_pct 0.25)",
+    "EleutherAI/pythia-1.4b config.json (rotary_pct 0.25)", weight_dtypes={"default": "fp16"},
 ))
 _add(Preset(
     "llama-3.1-8b", "Meta Llama 3.1 8B: GQA 32 query / 8 KV heads x 128, 32 layers", "llama",
@@ -150,7 +153,7 @@ for _name, _layers, _experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 1
              rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                               "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
              pad_token_id=199999, eos_token_id=200002),
-        f"openai/{_name} config.json",
+        f"openai/{_name} config.json", weight_dtypes={"default": "bf16", "mlp": "mxfp4"},
     ))
 _add(Preset(
     "glm-4.5-air", "Zhipu GLM-4.5-Air: 96 query / 8 KV heads x 128, 46 layers (1 dense + 45 MoE, 128 experts)",
@@ -178,6 +181,7 @@ _add(Preset(
                           "original_max_position_embeddings": 4096},
          bos_token_id=0, eos_token_id=1),
     "deepseek-ai/DeepSeek-V3 config.json (MTP layer not instantiated by transformers)",
+    weight_dtypes={"default": "bf16", "attention": "fp8", "mlp": "fp8"},
 ))
 _add(Preset(
     "deepseek-v2-lite", "DeepSeek-V2-Lite: MLA (latent 512 + rope 64), 16 heads, no q LoRA, 27 layers "

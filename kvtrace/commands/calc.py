@@ -7,13 +7,10 @@ from typing import Any
 
 import click
 
+from kvtrace.calc import KV_DTYPE_BYTES as KV_DTYPES
+from kvtrace.calc import WEIGHT_DTYPE_BYTES as WEIGHT_DTYPES
 from kvtrace.commands.common import guarded
 from kvtrace.commands.outputs import check_json_out, json_options, write_json
-
-# Element sizes of the cache and weight dtypes the planner understands.
-KV_DTYPES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
-             "fp8": 1, "float8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
-WEIGHT_DTYPES = {**KV_DTYPES, "int4": 0.5, "fp4": 0.5, "mxfp4": 0.53125}  # mxfp4: 4 bits + 8-bit scale / 32
 
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
@@ -76,7 +73,9 @@ class _Tokens(click.ParamType):
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1), help="Tensor-parallel degree.")
 @click.option("--kv-dtype", type=click.Choice(sorted(KV_DTYPES)), default=None,
               help="Cache element type [default: bf16, or the trace's].")
-@click.option("--weight-dtype", type=click.Choice(sorted(WEIGHT_DTYPES)), default="bf16", show_default=True)
+@click.option("--weight-dtype", type=click.Choice(sorted(WEIGHT_DTYPES)), default=None,
+              help="One dtype for every weight [default: the checkpoint's own: a preset's (gpt-oss: MXFP4 "
+                   "experts, bf16 rest; deepseek-v3: fp8), or the config's quantization_config / dtype].")
 @click.option("--batch", default=None, type=click.IntRange(min=1), help="Concurrent requests to check [default: 1].")
 @click.option("--reserve", default=0.1, show_default=True, type=click.FloatRange(0, 1, max_open=True),
               help="Fraction of each GPU set aside for the CUDA context, allocator slack and activations.")
@@ -89,7 +88,7 @@ class _Tokens(click.ParamType):
 @click.option("--quiet", "-q", is_flag=True, help="Print only FITS / DOES NOT FIT.")
 @guarded
 def calc(preset: str | None, config_path: str | None, trace_path: str | None, context: int, gpu_memory: int,
-         tp: int, kv_dtype: str | None, weight_dtype: str, batch: int | None, reserve: float, cache_kind: str,
+         tp: int, kv_dtype: str | None, weight_dtype: str | None, batch: int | None, reserve: float, cache_kind: str,
          encoder_len: int | None, mla_cache: str, as_json: bool, json_out: str | None, quiet: bool) -> None:
     """Plan capacity: exact KV bytes per token and per request (windows, MLA latents, KV
     sharing, fp8 KV), weight bytes, and for a context length, GPU memory and tensor-parallel
@@ -111,9 +110,12 @@ def calc(preset: str | None, config_path: str | None, trace_path: str | None, co
         raise click.UsageError("give exactly one of --preset, --config, --trace")
     check_json_out(json_out, [s for s in (config_path, trace_path) if s is not None])
     check = None
+    preset_name = preset
     if trace_path is not None:
         config, label, trace_kv_bytes, check = _from_trace(trace_path)
         kv_bytes = KV_DTYPES[kv_dtype] if kv_dtype else trace_kv_bytes
+        if label.startswith("preset:"):  # random weights in the recording; plan for the checkpoint
+            preset_name = label.split(":", 1)[1]
     else:
         kv_bytes = KV_DTYPES[kv_dtype or "bf16"]
         source = preset if preset is not None else config_path
@@ -124,9 +126,11 @@ def calc(preset: str | None, config_path: str | None, trace_path: str | None, co
     if label and isinstance(config, dict):
         config = {**config, "_name_or_path": label}
     try:
+        dtypes = ({"default": weight_dtype} if weight_dtype else
+                  planner.checkpoint_weight_dtypes(config, _known_preset(preset_name)))
         plan = planner.plan_capacity(
             config, context_len=context, gpu_memory_bytes=gpu_memory, tp=tp, kv_dtype_bytes=kv_bytes,
-            weight_dtype_bytes=WEIGHT_DTYPES[weight_dtype], batch=batch, reserve_fraction=reserve,
+            weight_dtypes=dtypes, batch=batch, reserve_fraction=reserve,
             cache_kind=cache_kind, encoder_len=encoder_len, mla_cache=mla_cache)  # type: ignore[arg-type]
     except ValueError as exc:
         raise click.UsageError(f"cannot plan this model: {exc}") from None
@@ -142,6 +146,15 @@ def calc(preset: str | None, config_path: str | None, trace_path: str | None, co
         click.echo(planner.format_plan(plan))
         if check is not None:
             click.echo(_format_check(check))
+
+
+def _known_preset(name: str | None) -> str | None:
+    from kvtrace import presets
+
+    try:
+        return None if name is None else presets.get_preset(name).name
+    except KeyError:
+        return None
 
 
 def _from_trace(path: str) -> tuple[dict[str, Any], str, int, dict[str, Any]]:

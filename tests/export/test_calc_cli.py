@@ -50,7 +50,12 @@ def test_preset_json_equals_planner(capsys):
 
 
 def test_text_and_quiet(capsys, tmp_path):
+    # the help's own example: gpt-oss-120b's checkpoint keeps its experts in MXFP4 (60.7 GiB), so it fits;
+    # counted as bf16 it would not
     code, out, _ = run(capsys, "--preset", "gpt-oss-120b", "--context", "128k", "--gpu-memory", "80GiB")
+    assert code == 0 and "FITS" in out and "DOES NOT FIT" not in out and "mxfp4 MLP/experts" in out
+    code, out, _ = run(capsys, "--preset", "gpt-oss-120b", "--context", "128k", "--gpu-memory", "80GiB",
+                       "--weight-dtype", "bf16")
     assert code == 0 and "DOES NOT FIT" in out and "GiB" in out
     code, out, _ = run(capsys, "--preset", "gpt-oss-20b", "--context", "8k", "--gpu-memory", "80GiB",
                        "--weight-dtype", "mxfp4", "-q")
