@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvtrace.analyzer.base import Detector, Finding, ev, register
-from kvtrace.analyzer.detectors._common import CROSS, itemsize, layers_phrase, verb
+from kvtrace.analyzer.detectors._common import CROSS, itemsize, layers_phrase, quantized_opaque, verb
 from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.analyzer.stats import ramp
 from kvtrace.units import format_bytes
@@ -43,7 +43,8 @@ class CacheDensity(Detector):
             row = g.last_row()
             for li, layer in enumerate(g.layers):
                 kept = int(g["tokens_kept"][row, li])
-                if not g.present[row, li] or kept <= 0 or g["layer_type"][row, li] == CROSS:
+                if (not g.present[row, li] or kept <= 0 or g["layer_type"][row, li] == CROSS
+                        or quantized_opaque(g["layer_type"][row, li], g["k_dtype"][row, li])):
                     continue
                 k_item, v_item = itemsize(g["k_dtype"][row, li]), itemsize(g["v_dtype"][row, li])
                 batch = int(g["batch"][row, li]) if g["batch"][row, li] > 0 else max(req.batch_size, 1)

@@ -26,8 +26,26 @@ STATIC_WASTE = (0.3, 0.9)  # fraction of a static allocation never holding a tok
 # Process RSS moves in pages and with the C allocator's arenas: excess growth below 4 MiB scores
 # nothing, 16 MiB and more scores fully (only used on traces without allocator data).
 RSS_EXCESS = (4 * 1024**2, 16 * 1024**2)
-# RSS cannot tell live tensors from freed-but-kept heap: its evidence is at most "low".
-RSS_MAX_SCORE = 0.25  # below the 0.3 "medium" boundary
+# RSS growth that fits no duplication signature is information only (it cannot tell live tensors
+# from freed-but-kept heap): 3 of 9 clean CPU traces once scored low/medium on RSS alone.
+RSS_MAX_SCORE = 0.1
+# Duplication signatures (evidence "signature"): 2 = the excess over the cache grows as the sum of
+# earlier cache sizes, 1 = as a multiple of the cache's growth.
+SIG_MULTIPLE_OF_GROWTH, SIG_SUM_OF_EARLIER = 1, 2
+# Plausible fitted multiples: kept copies of K and V come in whole numbers of caches (1 = each
+# earlier version kept once). Outside these, the growth is not KV copies (e.g. a user's buffers
+# growing 5,000x the cache in the GPU fragmentation fixture).
+MULTIPLE_RANGE = {SIG_SUM_OF_EARLIER: (0.3, 8.0), SIG_MULTIPLE_OF_GROWTH: (0.5, 8.0)}
+# The fit must explain the excess: r^2 over the decode samples. RSS moves in pages and arenas, so
+# it needs more samples and a tighter fit than the exact allocator bytes.
+ALLOC_MIN_R2, RSS_MIN_R2 = 0.9, 0.95
+MIN_FIT_SAMPLES = 6
+# Allocator excess floor: one 512 B block of rounding per cached tensor, and at least 1 MiB.
+ALLOC_SLACK_PER_LAYER = 2 * 512
+ALLOC_EXCESS_MIN = 1 << 20
+# Score of a fitted signature: its excess over the peak KV (0.1x -> 1x: copies as large as the
+# cache itself double its cost: critical, and they grow without bound with the tokens).
+SIGNATURE_EXCESS = (0.1, 1.0)
 MIN_DECODE_STEPS = 4  # fewer decode steps than this say nothing about the shape of growth
 _STATIC = (int(schema.LayerType.STATIC), int(schema.LayerType.STATIC_SLIDING))
 
@@ -166,55 +184,94 @@ class GrowthCurve(Detector):
         )]
 
     def _device_growth(self, ctx: ReplayContext, req: RequestTimeline) -> list[Finding]:
-        """Memory grown over decode against the cache's own growth: copies that the cache
-        structure does not show (e.g. old tensors kept alive in a list) appear only here.
-        The allocator's allocated bytes when the trace has them, else the process RSS."""
-        s = req.steps
-        if s.size == 0:
+        """Memory grown over decode against the cache's own growth. Copies that the cache structure
+        does not show (old tensors kept alive in a list, a layer subclass that keeps each torch.cat
+        input) appear only here; they have a signature: the excess over the cache grows as the sum
+        of the earlier cache sizes (each step keeps the previous cache: quadratic in tokens) or as a
+        multiple of the cache's growth (each step keeps extra copies of its new tokens). A fitted
+        signature is named `duplication` with the fitted multiple; growth that fits neither is
+        `unexplained_memory_growth`. The allocator's allocated bytes when the trace has them (exact,
+        per step), else process RSS samples (which also move with the C allocator's free lists)."""
+        series = memory_series(ctx, req)
+        if series is None:
             return []
-        s = s[s["phase"] == int(schema.Phase.DECODE)]
-        if (s["allocated_bytes"] >= 0).sum() >= MIN_DECODE_STEPS:
-            s, column, source = s[s["allocated_bytes"] >= 0], "allocated_bytes", "Allocated memory"
-            # Allocator blocks are rounded to 512 B: one block per cached tensor of slack.
-            floor = (2 * 512 * max(1, req.kv.layers.size), 2 * 512 * max(1, req.kv.layers.size) + 1)
-            cap = 1.0
-        elif (s["rss_bytes"] >= 0).sum() >= MIN_DECODE_STEPS:
-            s, column, source = s[s["rss_bytes"] >= 0], "rss_bytes", "Process RSS"
-            floor = RSS_EXCESS
-            cap = RSS_MAX_SCORE
+        x, mem, column = series
+        kv_at, _ = _kv_interpolators(req)
+        if kv_at is None:
+            return []
+        kv = kv_at(x)
+        d_mem = float(mem[-1] - mem[0])
+        d_kv = float(kv[-1] - kv[0])
+        if d_mem <= 0 or x[-1] - x[0] < MIN_DECODE_STEPS:
+            return []
+        excess = (mem - mem[0]) - (kv - kv[0])
+        cum = _cumulative_kv(kv_at, x)  # bytes of every earlier cache version since the first sample
+        rss = column == "rss_bytes"
+        floor = RSS_EXCESS[1] if rss else max(ALLOC_EXCESS_MIN, ALLOC_SLACK_PER_LAYER * max(1, req.kv.layers.size))
+        wobble = RSS_EXCESS[0] if rss else floor  # how far a persistent excess may dip between samples
+        fits = []
+        for sig, basis in ((SIG_SUM_OF_EARLIER, cum), (SIG_MULTIPLE_OF_GROWTH, kv - kv[0])):
+            m, r2 = _fit_through_origin(basis, excess)
+            fits.append((r2, sig, m))
+        r2, sig, m = max(fits)
+        lo, hi = MULTIPLE_RANGE[sig]
+        final_excess = float(excess[-1])
+        span = int(round(x[-1] - x[0]))
+        peak_kv = max(float(kv.max()), 1.0)
+        source = "Process RSS" if rss else "Allocated memory"
+        min_r2 = RSS_MIN_R2 if rss else ALLOC_MIN_R2
+        if (x.size >= MIN_FIT_SAMPLES and r2 >= min_r2 and lo <= m <= hi and final_excess > floor
+                and _monotone(excess, wobble)):
+            score = ramp(final_excess / peak_kv, *SIGNATURE_EXCESS)
+            what = ("the sum of earlier cache sizes (each step keeps the previous cache: quadratic in tokens)"
+                    if sig == SIG_SUM_OF_EARLIER else "a multiple of the cache's own growth (extra copies of each new token)")
+            msg = (f"{source} grew {format_bytes(d_mem)} over {span:,} decode steps of request {req.request} while "
+                   f"the KV cache grew {format_bytes(max(d_kv, 0))}: the excess {format_bytes(final_excess)} grows as "
+                   f"{m:.2f}x {what} (r^2 {r2:.3f} over {x.size} samples), so copies of the cache are kept alive "
+                   f"outside the cache's own storages.")
+            return [self.finding(
+                "duplication", score, msg,
+                evidence={
+                    "signature": ev(sig, "count"),
+                    "fitted_multiple": ev(round(m, 4), "ratio"),
+                    "fit_r2": ev(round(r2, 4), "ratio"),
+                    "memory_growth_bytes": ev(int(d_mem), "bytes"),
+                    "kv_growth_bytes": ev(int(d_kv), "bytes"),
+                    "excess_bytes": ev(int(final_excess), "bytes"),
+                    "peak_kv_bytes": ev(int(peak_kv), "bytes"),
+                    "samples": ev(int(x.size), "count"),
+                },
+                requests=[req.request], steps=[int(round(x[0])), int(round(x[-1]))],
+            )]
+        ratio = d_mem / max(d_kv, 1.0)
+        if rss:
+            # RSS cannot tell live tensors from freed memory the C allocator keeps: without a fitted
+            # signature this is information, with what would decide it.
+            score = min(ramp(ratio, *DEVICE_GROWTH_RATIO), ramp(final_excess, *RSS_EXCESS), RSS_MAX_SCORE)
+            if score == 0:
+                return []
+            tail = ("; RSS also counts memory the C allocator keeps after frees, and this growth fits no duplication "
+                    "signature, so it is not evidence of a leak: the allocator bytes of a GPU trace, or a longer "
+                    "decode whose excess keeps growing with the tokens, would decide it.")
         else:
-            return []
-        if s.size < MIN_DECODE_STEPS:
-            return []
-        d_mem = int(s[column][-1]) - int(s[column][0])
-        d_kv = int(s["kv_bytes_unique"][-1]) - int(s["kv_bytes_unique"][0])
-        d_tokens = int(s["tokens_seen"][-1]) - int(s["tokens_seen"][0])
-        if d_mem <= 0 or d_tokens <= 0:
-            return []
-        excess = d_mem - max(d_kv, 0)
-        ratio = d_mem / max(d_kv, 1)
-        score = min(ramp(ratio, *DEVICE_GROWTH_RATIO), ramp(excess, *floor), cap)
-        if score == 0:
-            return []
-        span = int(s["step"][-1]) - int(s["step"][0])  # steps spanned (rows may be every N-th step)
-        msg = (f"{source} grew {format_bytes(d_mem)} over {span:,} decode steps of request "
-               f"{req.request} while the KV cache grew {format_bytes(max(d_kv, 0))} ({ratio:.1f}x): something "
-               f"besides the cache grows with every token (e.g. old cache copies kept alive)")
-        if column == "rss_bytes":
-            msg += ("; RSS also counts memory the C allocator keeps after frees, so this may be heap "
-                    "fragmentation rather than a leak (a GPU trace's allocator bytes tell them apart).")
-        else:
-            msg += "."
+            score = min(ramp(ratio, *DEVICE_GROWTH_RATIO), ramp(final_excess, floor, 2 * floor))
+            if score == 0:
+                return []
+            tail = ("; it fits neither duplication signature (sum of earlier cache sizes, multiple of the cache "
+                    f"growth; best r^2 {r2:.2f} at {m:.2g}x), so it is other memory growing during decode.")
+        msg = (f"{source} grew {format_bytes(d_mem)} over {span:,} decode steps of request {req.request} while the KV "
+               f"cache grew {format_bytes(max(d_kv, 0))} ({ratio:.1f}x){tail}")
         return [self.finding(
             "unexplained_memory_growth", score, msg,
             evidence={
-                "memory_growth_bytes": ev(d_mem, "bytes"),
-                "kv_growth_bytes": ev(d_kv, "bytes"),
-                "excess_bytes": ev(excess, "bytes"),
+                "memory_growth_bytes": ev(int(d_mem), "bytes"),
+                "kv_growth_bytes": ev(int(d_kv), "bytes"),
+                "excess_bytes": ev(int(final_excess), "bytes"),
                 "ratio": ev(round(ratio, 4), "ratio"),
-                "tokens": ev(d_tokens, "tokens"),
+                "best_fit_r2": ev(round(r2, 4), "ratio"),
+                "samples": ev(int(x.size), "count"),
             },
-            requests=[req.request], steps=[int(s["step"][0]), int(s["step"][-1])],
+            requests=[req.request], steps=[int(round(x[0])), int(round(x[-1]))],
         )]
 
     # ---- static preallocation -------------------------------------------------------------------
@@ -256,3 +313,85 @@ class GrowthCurve(Detector):
             },
             requests=[req.request], layers=layers,
         )]
+
+
+# ---- series helpers ---------------------------------------------------------------------------------
+
+def _kv_interpolators(req: RequestTimeline):  # noqa: ANN202 - two small closures
+    """(kv bytes at fractional step, tokens at fractional step) from the request's /steps rows."""
+    s = req.steps
+    if s.size < 2:
+        return None, None
+    steps = s["step"].astype(np.float64)
+    kv = s["kv_bytes_unique"].astype(np.float64)
+    tok = s["tokens_seen"].astype(np.float64)
+    return (lambda x: np.interp(x, steps, kv)), (lambda x: np.interp(x, steps, tok))
+
+
+def _cumulative_kv(kv_at, x: np.ndarray) -> np.ndarray:  # noqa: ANN001
+    """Sum over whole steps from x[0] to each x of the cache size one step earlier: the bytes of
+    every earlier cache version a step-by-step torch.cat would leave behind."""
+    s0 = int(np.floor(x[0]))
+    grid = np.arange(s0, int(np.ceil(x[-1])) + 2, dtype=np.float64)
+    per_step = kv_at(grid - 1)
+    cum = np.concatenate([[0.0], np.cumsum(per_step[1:])])
+    return np.interp(x, grid, cum) - np.interp(x[0], grid, cum)
+
+
+def _fit_through_origin(basis: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(m, r^2) of y = m * basis; r^2 against y's own mean (0 when y does not vary)."""
+    den = float(np.dot(basis, basis))
+    if den <= 0:
+        return 0.0, 0.0
+    m = float(np.dot(basis, y)) / den
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    if ss_tot <= 0:
+        return m, 0.0
+    return m, 1.0 - float(np.sum((y - m * basis) ** 2)) / ss_tot
+
+
+def _monotone(y: np.ndarray, tol: float) -> bool:
+    """Persistent: the series never falls more than `tol` below its running maximum."""
+    return bool(np.all(np.maximum.accumulate(y) - y <= tol))
+
+
+def memory_series(ctx: ReplayContext, req: RequestTimeline) -> tuple[np.ndarray, np.ndarray, str] | None:
+    """(fractional decode step, memory bytes, column) over the request's decode: the step-synchronous
+    allocator readings plus the allocator telemetry when the trace has them, else the process RSS
+    samples. Sample times map to steps through the decode_step events (every step has one)."""
+    ev_rows = req.events
+    dec = ev_rows[ev_rows["kind"] == int(schema.EventKind.DECODE_STEP)] if ev_rows.size else ev_rows
+    s = req.steps
+    if dec.size < MIN_DECODE_STEPS or s.size < 2:
+        return None
+    t_ev = dec["t_ns"].astype(np.float64)
+    st_ev = dec["value"].astype(np.float64)
+    order = np.argsort(t_ev, kind="stable")
+    t_ev, st_ev = t_ev[order], st_ev[order]
+    t0, t1 = t_ev[0], t_ev[-1]
+    alloc_steps = s[(s["allocated_bytes"] >= 0) & (s["step"] >= 1)]
+    if alloc_steps.size >= 2 or ctx.allocator.size:
+        xs = [alloc_steps["step"].astype(np.float64)]
+        ys = [alloc_steps["allocated_bytes"].astype(np.float64)]
+        a = ctx.window(ctx.allocator, int(t0), int(t1))
+        devices = {int(d) for d in a["device"]} if a.size else set()
+        # Step-synchronous readings are exact; telemetry samples may land mid-forward (activations),
+        # so they only fill in when the steps are too few. Several devices: the per-step sums only.
+        if alloc_steps.size < MIN_FIT_SAMPLES and a.size and len(devices) == 1:
+            a = a[a["allocated_bytes"] >= 0]
+            xs.append(np.interp(a["t_ns"].astype(np.float64), t_ev, st_ev))
+            ys.append(a["allocated_bytes"].astype(np.float64))
+        column = "allocated_bytes"
+    else:
+        p = ctx.window(ctx.process, int(t0), int(t1))
+        p = p[p["rss_bytes"] >= 0] if p.size else p
+        xs = [np.interp(p["t_ns"].astype(np.float64), t_ev, st_ev)] if p.size else []
+        ys = [p["rss_bytes"].astype(np.float64)] if p.size else []
+        column = "rss_bytes"
+    if not xs:
+        return None
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    if x.size < 2:
+        return None
+    order = np.argsort(x, kind="stable")
+    return x[order], y[order], column

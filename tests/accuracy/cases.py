@@ -1,0 +1,465 @@
+"""The labelled accuracy suite: clean controls and planted pathologies, recorded on the CPU by the
+real recorder from tiny random-weight models built from real configs (kvtrace.testing_models).
+
+Every plant is done the way the bug happens in user code or in a cache implementation, never by
+editing a trace. A case names its pathology, the detector that must name it and the finding
+kinds that count as naming it; a clean control names none. Shared by the tests
+(tests/accuracy/test_accuracy.py) and the table printer (bench/accuracy.py).
+
+Fresh-process cases (a single request in a process that never ran a forward, and the RLIMIT_AS
+memory cap) run in children forked from one helper process that imported torch and transformers
+and ran nothing: one interpreter start-up for all of them instead of one per case.
+
+    python tests/accuracy/cases.py fresh OUTDIR CASE...   # what the suite runs in that helper
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script from the checkout
+    sys.path.insert(0, str(ROOT))
+
+from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
+
+MiB = 1 << 20
+PROMPT, NEW = 6, 8
+LONG_PROMPT = 160  # tiny configs allow 256 positions; eager attention materialises 160 x 160 scores
+HOLD: list[Any] = []  # objects a planted case keeps alive until the test session ends
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    pathology: str | None  # None: a clean control
+    detector: str | None  # the detector that must name it
+    kinds: tuple[str, ...]  # finding kinds that count as naming it
+    mechanism: str
+    record: Callable[[Path], Any] = field(compare=False, repr=False)
+    fresh: bool = False  # recorded in a forked fresh process
+    arch: str = ""
+    scenario: str = ""
+
+
+# ---- recording helpers --------------------------------------------------------------------------
+
+def _generate(model: Any, prompt: int = PROMPT, new: int = NEW, batch: int = 1, **kw: Any) -> Any:
+    kw.setdefault("do_sample", False)
+    return model.generate(tiny_prompt(prompt, batch=batch), max_new_tokens=new, min_new_tokens=new, **kw)
+
+
+def _record(model: Any, path: Path, **opts: Any) -> Any:
+    import kvtrace
+
+    return kvtrace.record(model, path, **opts)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+# Architectures of the clean matrix: (name, tiny model, extra generate kwargs). Static and
+# quantized caches are cache implementations on a llama geometry.
+QUANT = {"cache_implementation": "quantized",
+         "cache_config": {"backend": "quanto", "nbits": 4, "residual_length": 4, "q_group_size": 16}}
+STATIC = {"cache_implementation": "static", "disable_compile": True}
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt_neox": ("gpt_neox", {}),  # MHA, cache passed as layer_past
+    "llama": ("llama", {}),  # GQA
+    "mistral": ("mistral", {}),  # sliding window on every layer
+    "qwen3": ("qwen3", {}),
+    "gemma3_text": ("gemma3_text", {}),  # hybrid sliding/full
+    "gemma4_shared": ("gemma4_text_shared", {}),  # KV-shared layers
+    "gpt_oss": ("gpt_oss", {}),  # hybrid + MoE
+    "deepseek_v3": ("deepseek_v3", {}),  # MLA latent cache
+    "glm4_moe": ("glm4_moe", {}),
+    "t5": ("t5", {}),  # encoder-decoder
+    "llama_static": ("llama", STATIC),  # static cache sized to the request
+    "llama_quantized": ("llama", QUANT),  # quanto 4-bit QuantizedCache
+}
+SCENARIOS = ("short", "long_eager", "batch4", "sampling", "multi", "fresh")
+
+
+def _has_quanto() -> bool:
+    try:
+        import optimum.quanto  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent or broken: the quantized control is skipped
+        return False
+    return True
+
+
+def record_clean(arch: str, scenario: str, path: Path) -> Path:
+    model_name, gen_kw = ARCHS[arch]
+    kw = dict(gen_kw)
+    opts: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    if scenario == "long_eager":
+        extra["attn_implementation"] = "eager"
+    model = tiny_model(model_name, **extra)
+    if scenario == "sampling":
+        from kvtrace.recorder.sampling import SamplingSettings
+
+        opts["sampling"] = SamplingSettings(every_n_steps=4)
+    with _quiet(), _record(model, path, **opts):
+        if scenario == "long_eager":
+            _generate(model, prompt=LONG_PROMPT, **kw)
+        elif scenario == "batch4":
+            _generate(model, batch=4, **kw)
+        elif scenario == "multi":
+            for prompt, new in ((PROMPT, NEW), (PROMPT + 3, NEW - 2), (PROMPT + 6, NEW + 2)):
+                _generate(model, prompt=prompt, new=new, **kw)
+        else:  # short, sampling, fresh
+            _generate(model, **kw)
+    return path
+
+
+# ---- planted: retention -------------------------------------------------------------------------
+
+def plant_kept_output(path: Path) -> Path:
+    """generate(return_dict_in_generate=True) and the caller keeps the output object."""
+    model = tiny_model("llama")
+    with _quiet(), _record(model, path):
+        out = _generate(model, return_dict_in_generate=True)
+        HOLD.append(out)
+        _generate(model, prompt=PROMPT + 2)
+    return path
+
+
+GLOBAL_CACHES: list[Any] = []
+
+
+def plant_global_list(path: Path) -> Path:
+    """User code appends every request's past_key_values to a module-level list (a "cache of
+    caches" that is never trimmed), on a hybrid sliding/full model."""
+    model = tiny_model("gemma3_text")
+    with _quiet(), _record(model, path):
+        for prompt in (PROMPT, PROMPT + 4):
+            out = _generate(model, prompt=prompt, return_dict_in_generate=True)
+            GLOBAL_CACHES.append(out.past_key_values)
+            del out
+    return path
+
+
+def plant_forward_hook(path: Path) -> Path:
+    """A debugging forward pre-hook that stashes the cache it sees in a list, on an MLA model."""
+    model = tiny_model("deepseek_v3")
+    seen: list[Any] = []
+    HOLD.append(seen)
+
+    def stash(module: Any, args: Any, kwargs: dict) -> None:
+        cache = kwargs.get("past_key_values")
+        if cache is not None and (not seen or seen[-1] is not cache):
+            seen.append(cache)
+
+    handle = model.register_forward_pre_hook(stash, with_kwargs=True)
+    try:
+        with _quiet(), _record(model, path):
+            _generate(model)
+            _generate(model, prompt=PROMPT + 3)
+    finally:
+        handle.remove()
+    return path
+
+
+# ---- planted: duplication -----------------------------------------------------------------------
+
+# 16 KV heads x 64 so that copies (quadratic in tokens) dwarf allocator and RSS noise.
+DUP_EXTRA = {"num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64}
+DUP_PROMPT, DUP_NEW = 32, 96
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, attr: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    original = getattr(owner, attr)
+    setattr(owner, attr, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, attr, original)
+
+
+def plant_arena(path: Path) -> Path:
+    """Inside the cache: each update appends the new full K/V to a growing buffer that keeps every
+    earlier version, and the cache's tensors are views into it."""
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    def make(update: Callable) -> Callable:
+        def arena_update(self: Any, key_states: Any, value_states: Any, *a: Any, **kw: Any) -> Any:
+            out = update(self, key_states, value_states, *a, **kw)
+            for name in ("keys", "values"):
+                cur = getattr(self, name)
+                old = self.__dict__.get(f"_arena_{name}")
+                flat = cur.reshape(-1)
+                arena = flat.clone() if old is None else torch.cat([old, flat])
+                self.__dict__[f"_arena_{name}"] = arena
+                setattr(self, name, arena[-flat.numel():].view(cur.shape))
+            return out
+        return arena_update
+
+    model = tiny_model("llama", **DUP_EXTRA)
+    with _quiet(), _patched(DynamicLayer, "update", make), _record(model, path):
+        _generate(model, prompt=DUP_PROMPT, new=DUP_NEW // 2)
+    return path
+
+
+def _cat_layer_class() -> type:
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    class KeepingCatLayer(DynamicLayer):
+        """The old torch.cat pattern, with the previous tensors kept "for later" in a list: the
+        cache looks normal, every earlier K/V version stays alive outside it."""
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            else:
+                self.__dict__.setdefault("history", []).append((self.keys, self.values))
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            return self.keys, self.values
+
+    return KeepingCatLayer
+
+
+def plant_cat_subclass(path: Path) -> Path:
+    """Outside the cache: a DynamicLayer subclass (the torch.cat pattern) keeps every earlier
+    K/V tensor in a list; the user passes a DynamicCache of those layers to generate."""
+    from transformers import DynamicCache
+
+    model = tiny_model("qwen3", **DUP_EXTRA)
+    with _quiet(), _record(model, path):
+        cache = DynamicCache()
+        cache.layer_class_to_replicate = _cat_layer_class()
+        _generate(model, prompt=DUP_PROMPT, new=DUP_NEW, past_key_values=cache)
+        del cache
+    return path
+
+
+# ---- planted: static over-allocation --------------------------------------------------------------
+
+def _stop_after(n_new: int, prompt: int) -> Any:
+    from transformers import StoppingCriteria
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids: Any, scores: Any, **kw: Any) -> Any:
+            import torch
+
+            done = input_ids.shape[-1] >= prompt + n_new
+            return torch.full((input_ids.shape[0],), done, dtype=torch.bool)
+
+    return StopAfter()
+
+
+def plant_static_max_new(path: Path) -> Path:
+    """cache_implementation="static" sized for max_new_tokens=256 by a request that stops after 10."""
+    model = tiny_model("llama")
+    with _quiet(), _record(model, path):
+        model.generate(tiny_prompt(PROMPT), max_new_tokens=256, do_sample=False, **STATIC,
+                       stopping_criteria=[_stop_after(10, PROMPT)])
+    return path
+
+
+def plant_static_user_cache(path: Path) -> Path:
+    """The user builds StaticCache(max_cache_len=200) for a 6 + 8 token request, on a hybrid model."""
+    from transformers import StaticCache
+
+    model = tiny_model("gemma3_text")
+    with _quiet(), _record(model, path):
+        cache = StaticCache(config=model.config, max_cache_len=200)
+        _generate(model, past_key_values=cache, disable_compile=True)
+        del cache
+    return path
+
+
+# ---- planted: missing sliding window --------------------------------------------------------------
+
+def plant_record_past(path: Path) -> Path:
+    """Layer 1 of a 4-layer sliding model left in "record past" mode (transformers' assisted-
+    decoding switch): it keeps every token."""
+    from transformers import DynamicCache
+
+    def make(init: Callable) -> Callable:
+        def init_then_break_layer_1(self: Any, *a: Any, **kw: Any) -> None:
+            init(self, *a, **kw)
+            if len(self.layers) > 1 and hasattr(self.layers[1], "activate_past_recording"):
+                self.layers[1].activate_past_recording()
+        return init_then_break_layer_1
+
+    model = tiny_model("mistral", num_hidden_layers=4)
+    with _quiet(), _patched(DynamicCache, "__init__", make), _record(model, path):
+        _generate(model, new=14)
+    return path
+
+
+def plant_configless_cache(path: Path) -> Path:
+    """The user passes DynamicCache() built without the config to a hybrid model: every layer is
+    a plain DynamicLayer, so the sliding layers never drop a token."""
+    from transformers import DynamicCache
+
+    model = tiny_model("gpt_oss")
+    with _quiet(), _record(model, path):
+        _generate(model, new=14, past_key_values=DynamicCache())
+    return path
+
+
+# ---- planted: out of memory -----------------------------------------------------------------------
+
+# 2^20 tokens: the first quadratic tensor (the causal mask, 1 TiB as bool; the eager scores 16 TiB)
+# is refused outright by any host, while everything before it stays below ~1 GiB. A smaller prompt
+# (2^17) would first build a 16 GiB bool mask that a CI host might actually try to fill.
+HUGE_PROMPT = 1 << 20
+
+
+def plant_oom_host(path: Path) -> Path:
+    """Real exhaustion: an eager prefill whose score matrices cannot exist on this host (the
+    allocation is refused at once under Linux's default overcommit heuristic; nothing is touched)."""
+    model = tiny_model("gpt_neox", attn_implementation="eager", max_position_embeddings=HUGE_PROMPT + 8)
+    with _quiet(), _record(model, path):
+        _generate(model)  # one good request first
+        try:
+            _generate(model, prompt=HUGE_PROMPT, new=2)
+        except (RuntimeError, MemoryError):
+            pass
+    return path
+
+
+CAP_HEADROOM = 768 * MiB  # address space left above what the process maps when the cap is set
+
+
+def plant_oom_rlimit(path: Path) -> Path:
+    """A memory cap: RLIMIT_AS set to what the process maps plus 768 MiB, then an eager prefill of
+    8,192 tokens (4 heads x 8,192^2 x fp32 = 1 GiB per score matrix).
+    Only in a forked child: the cap cannot be lifted again."""
+    import resource
+
+    model = tiny_model("llama", attn_implementation="eager", max_position_embeddings=16384)
+    with open("/proc/self/statm") as fh:
+        vm = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    cap = vm + CAP_HEADROOM
+    resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    with _quiet(), _record(model, path):
+        _generate(model)
+        try:
+            _generate(model, prompt=8192, new=2)
+        except (RuntimeError, MemoryError):
+            pass
+    return path
+
+
+# ---- the case list ------------------------------------------------------------------------------
+
+def clean_cases() -> list[Case]:
+    out = []
+    for arch in ARCHS:
+        if arch == "llama_quantized" and not _has_quanto():
+            continue
+        for sc in SCENARIOS:
+            out.append(Case(f"clean:{arch}:{sc}", None, None, (), f"{arch}, {sc}",
+                            lambda p, a=arch, s=sc: record_clean(a, s, p), fresh=sc == "fresh",
+                            arch=arch, scenario=sc))
+    return out
+
+
+RET, DUP = ("retained_after_request",), ("duplication",)
+PLANTED: list[Case] = [
+    Case("retention:kept_output", "retention", "post_eos", RET,
+         "llama; the caller keeps generate(return_dict_in_generate=True)'s output", plant_kept_output),
+    Case("retention:global_list", "retention", "post_eos", RET,
+         "gemma3 (hybrid); every past_key_values appended to a module-level list", plant_global_list),
+    Case("retention:forward_hook", "retention", "post_eos", RET,
+         "deepseek_v3 (MLA); a forward pre-hook stashes the cache it sees", plant_forward_hook),
+    Case("duplication:arena", "duplication", "growth_curve", DUP,
+         "llama 16x64; cache tensors are views into a buffer keeping every earlier version (inside the cache)",
+         plant_arena),
+    Case("duplication:cat_subclass", "duplication", "growth_curve", DUP,
+         "qwen3 16x64; a DynamicLayer subclass (torch.cat) keeps earlier K/V in a list (outside the cache)",
+         plant_cat_subclass),
+    Case("static:max_new_tokens", "static_over_allocation", "growth_curve", ("static_over_allocation",),
+         "llama; static cache for max_new_tokens=256, stops after 10", plant_static_max_new),
+    Case("static:user_cache", "static_over_allocation", "growth_curve", ("static_over_allocation",),
+         "gemma3 (hybrid); user-built StaticCache(max_cache_len=200) for 6 + 8 tokens", plant_static_user_cache),
+    Case("window:record_past", "missing_window", "growth_curve", ("window_not_applied",),
+         "mistral, 4 layers; layer 1 left in record-past mode", plant_record_past),
+    Case("window:configless_cache", "missing_window", "growth_curve", ("window_not_applied",),
+         "gpt_oss (hybrid); DynamicCache() built without the config", plant_configless_cache),
+    Case("oom:host_exhausted", "oom", "oom", ("oom_prefill", "oom_device_exhausted"),
+         "gpt_neox eager; a 1,048,576-token prompt whose causal mask alone needs 1 TiB", plant_oom_host),
+    Case("oom:rlimit_cap", "oom", "oom", ("oom_memory_cap",),
+         "llama eager; RLIMIT_AS = mapped + 768 MiB, then an 8,192-token prompt", plant_oom_rlimit, fresh=True),
+]
+
+
+def all_cases() -> list[Case]:
+    return clean_cases() + PLANTED
+
+
+def by_name() -> dict[str, Case]:
+    return {c.name: c for c in all_cases()}
+
+
+# ---- recording in a fresh process ---------------------------------------------------------------
+
+def record_fresh(outdir: Path, names: list[str], timeout: float = 600.0) -> dict[str, str]:
+    """Record the named fresh-process cases; {name: error} for those that failed."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "fresh", str(outdir), *names],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {n: f"helper failed (exit {proc.returncode}): {proc.stderr[-800:]}" for n in names}
+
+
+def trace_path(outdir: Path, name: str) -> Path:
+    return outdir / (name.replace(":", "__") + ".kvt.h5")
+
+
+def _fresh_main(outdir: Path, names: list[str]) -> int:
+    import torch  # noqa: F401 - imported once here, before forking; nothing runs in this process
+    import transformers  # noqa: F401
+
+    cases = by_name()
+    errors: dict[str, str] = {}
+    for name in names:
+        pid = os.fork()
+        if pid == 0:  # the child: a process that never ran a forward
+            code = 0
+            try:
+                import torch as t
+
+                t.set_num_threads(1)
+                cases[name].record(trace_path(outdir, name))
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent by exit code
+                sys.stderr.write(f"{name}: {type(exc).__name__}: {exc}\n")
+                code = 1
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            errors[name] = f"child exited with status {status}"
+    print(json.dumps(errors))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "fresh":
+        sys.exit(_fresh_main(Path(sys.argv[2]), sys.argv[3:]))
+    print(__doc__)
+    sys.exit(64)
