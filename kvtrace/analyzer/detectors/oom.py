@@ -1,6 +1,9 @@
-"""oom: for every out-of-memory event, what was allocated, reserved and fragmented at that
-instant, how much the failed allocation asked for, and the likely cause (fragmentation,
-KV growth, a prefill transient, or memory held outside the cache).
+"""oom: for every out-of-memory error, what was allocated, reserved and fragmented at that
+instant, how much the failed allocation asked for, which limit it hit (the device, the caching
+allocator's per-process cap from torch.cuda.set_per_process_memory_fraction, or the process's
+RLIMIT_AS / cgroup memory.max on a CPU) and the likely cause (fragmentation, KV growth, a prefill
+transient, or memory held outside the cache). CUDA OOMs come as oom events; a CPU allocator's
+failure ("can't allocate memory") is recorded as an exception and recognised by its message.
 """
 
 from __future__ import annotations
@@ -14,15 +17,33 @@ from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.format import schema
 from kvtrace.units import format_bytes
 
-_TRIED = re.compile(r"[Tt]ried to allocate\s+([0-9.]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB)")
-_SCALE = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
+_NUM = r"([0-9.]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|bytes)"
+_TRIED = re.compile(r"[Tt]ried to allocate\s+" + _NUM)
+_ALLOWED = re.compile(r"with\s+" + _NUM + r"\s+allowed")
+_CPU_OOM = re.compile(r"can't allocate memory|not enough memory|Cannot allocate memory|std::bad_alloc|MemoryError")
+_SCALE = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
           "KB": 1000, "MB": 1000**2, "GB": 1000**3}
+# A cap "binds" when it is below the device (or host) memory by more than rounding.
+CAP_BELOW_TOTAL = 0.99
+
+
+def _bytes(m: re.Match | None) -> int | None:
+    return int(float(m.group(1)) * _SCALE[m.group(2)]) if m else None
 
 
 def requested_bytes(text: str) -> int | None:
-    """The size torch's OOM message says it tried to allocate (torch prints binary units)."""
-    m = _TRIED.search(text or "")
-    return int(float(m.group(1)) * _SCALE[m.group(2)]) if m else None
+    """The size the failed allocation asked for: torch's CUDA message (binary units) or the CPU
+    allocator's ("you tried to allocate N bytes")."""
+    return _bytes(_TRIED.search(text or ""))
+
+
+def allowed_bytes(text: str) -> int | None:
+    """The per-process cap torch's CUDA OOM message states ("..., with 819.20 MiB allowed")."""
+    return _bytes(_ALLOWED.search(text or ""))
+
+
+def is_cpu_oom(text: str) -> bool:
+    return bool(_CPU_OOM.search(text or ""))
 
 
 @register
@@ -33,7 +54,16 @@ class Oom(Detector):
 
     def run(self, ctx: ReplayContext) -> list[Finding]:
         out: list[Finding] = []
-        oom_events = ctx.events[ctx.events["kind"] == int(schema.EventKind.OOM)] if ctx.events.size else ctx.events
+        events = ctx.events
+        if events.size:
+            oom_kind = events["kind"] == int(schema.EventKind.OOM)
+            exc = np.flatnonzero(events["kind"] == int(schema.EventKind.EXCEPTION))
+            for i in exc:  # a CPU allocator failure is an exception with a recognisable message
+                if is_cpu_oom(ctx.trace.text(int(events["text_off"][i]), int(events["text_len"][i]))):
+                    oom_kind[i] = True
+            oom_events = events[oom_kind]
+        else:
+            oom_events = events
         handled: set[int] = set()
         for e in oom_events:
             rid = int(e["request"])
@@ -62,7 +92,18 @@ class Oom(Detector):
                 step = int(before["step"][-1]) + 1
         prefill = req is not None and (step <= 0 or not (req.steps.size and (req.steps["step"] >= 1).any()))
         gap = reserved - alloc if reserved >= 0 and alloc >= 0 else -1
-        if want is not None and gap >= want:
+        limit, limit_name, cap = self._limit(ctx, device, text, total)
+        cap_hit = cap and want is not None and (
+            (alloc >= 0 and alloc + want > limit) or (reserved >= 0 and reserved + want > limit)
+            or device < 0)  # a CPU cap: the process's whole mapping counts, not only tensors
+        if cap_hit and total and want is not None and want > total:
+            cap_hit = False  # the request alone exceeds the device/host: the cap is not what stopped it
+        if cap_hit:
+            cause = (f"the {limit_name} ({format_bytes(limit)}) was hit, not the "
+                     f"{'device' if device >= 0 else 'host'}'s {format_bytes(total) if total else 'memory'}: "
+                     "raise or remove the cap, or shrink the request")
+            kind = "oom_memory_cap"
+        elif want is not None and gap >= want:
             cause = (f"fragmentation: {format_bytes(gap)} was reserved but unallocated, yet no free block of "
                      f"{format_bytes(want)} existed ({format_bytes(max(split, 0))} in split blocks)")
             kind = "oom_fragmentation"
@@ -76,12 +117,21 @@ class Oom(Detector):
             cause = (f"memory outside the KV cache (the cache held {format_bytes(kv)} of "
                      f"{format_bytes(max(alloc, 0))} allocated)")
             kind = "oom_other"
+        if not cap_hit and total and want is not None and want > total:
+            cause += (f"; the failed allocation alone ({format_bytes(want)}) is larger than the "
+                      f"{'device' if device >= 0 else 'host memory'} ({format_bytes(total)})")
         where = f"request {req.request}" if req is not None else "outside any request"
         at = f", step {step}" if step >= 0 else ""
         asked = f" asking for {format_bytes(want)}" if want is not None else ""
         held = (f"{format_bytes(alloc)} allocated, {format_bytes(reserved)} reserved, "
                 f"{format_bytes(max(split, 0))} in split blocks" if alloc >= 0 else "allocator state not recorded")
-        dev_total = f" of {format_bytes(total)}" if total else ""
+        if alloc >= 0:
+            dev_total = f" of {format_bytes(total)}" if total else ""
+        else:  # a CPU trace: no allocator statistics, only the host's size
+            held = "no allocator statistics on the CPU"
+            dev_total = f"; host memory {format_bytes(total)}" if total else ""
+        if cap and not cap_hit:
+            dev_total += f"; {limit_name} {format_bytes(limit)} not reached"
         msg = f"Out of memory in {where}{at}{asked} ({held}{dev_total}); likely cause: {cause}."
         evidence = {
             "allocated_bytes": ev(alloc if alloc >= 0 else None, "bytes"),
@@ -90,10 +140,40 @@ class Oom(Detector):
             "requested_bytes": ev(want, "bytes"),
             "kv_bytes": ev(kv, "bytes"),
             "device_memory_bytes": ev(total, "bytes"),
+            "limit_bytes": ev(limit if cap else total, "bytes"),
+            "cap_hit": ev(int(bool(cap_hit)), "count"),
         }
         return self.finding(kind, 1.0, msg, evidence=evidence,
                             requests=[req.request] if req is not None else [],
                             steps=[step] if step >= 0 else [], device=device)
+
+    @staticmethod
+    def _limit(ctx: ReplayContext, device: int, text: str, total: int | None) -> tuple[int, str, bool]:
+        """(bytes, name, binding) of the tightest cap below the device or host memory."""
+        limits = ctx.meta.sources.get("limits") if isinstance(ctx.meta.sources, dict) else None
+        limits = limits if isinstance(limits, dict) else {}
+        caps: list[tuple[int, str]] = []
+        if device >= 0:
+            allowed = allowed_bytes(text)
+            entry = (limits.get("devices") or {}).get(str(device)) or {}
+            frac = entry.get("per_process_memory_fraction")
+            if allowed is None and isinstance(entry.get("allowed_bytes"), int) and entry["allowed_bytes"] > 0:
+                allowed = int(entry["allowed_bytes"])
+            if allowed is not None:
+                what = f"fraction {frac:g}" if isinstance(frac, (int, float)) else "set_per_process_memory_fraction"
+                caps.append((allowed, f"per-process memory cap ({what})"))
+        else:
+            proc = limits.get("process") or {}
+            for key, name in (("rlimit_as_bytes", "process's RLIMIT_AS"), ("rlimit_data_bytes", "process's RLIMIT_DATA"),
+                              ("cgroup_memory_max_bytes", "cgroup's memory.max")):
+                v = proc.get(key)
+                if isinstance(v, int) and v > 0:
+                    caps.append((v, name))
+        caps = [c for c in caps if not total or c[0] < CAP_BELOW_TOTAL * total]
+        if not caps:
+            return (total or -1), "device memory" if device >= 0 else "host memory", False
+        b, name = min(caps)
+        return b, name, True
 
     @staticmethod
     def _state(ctx: ReplayContext, req: RequestTimeline | None, t: int, device: int) -> dict[str, int]:
