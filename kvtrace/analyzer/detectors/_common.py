@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from kvtrace import geometry as geo
 from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.format import schema
 
@@ -103,3 +104,29 @@ def plural(n: int, word: str) -> str:
 def verb(items: Iterable[int], singular: str, plural_form: str) -> str:
     """Agreement for messages about one or several layers."""
     return singular if len(set(items)) == 1 else plural_form
+
+
+def attention_heads(ctx: ReplayContext) -> int:
+    """Query heads of the model (0 when unknown)."""
+    if ctx.expectation.model is not None:
+        return int(ctx.expectation.model.num_attention_heads)
+    try:
+        return int(geo.text_config(ctx.meta.model_config).get("num_attention_heads") or 0)
+    except TypeError:
+        return 0
+
+
+def activation_itemsize(req: RequestTimeline) -> int:
+    """Element size of the request's cached K (the activations' dtype in practice)."""
+    g = req.kv
+    if g.empty:
+        return 0
+    codes = g["k_dtype"][g.present]
+    return itemsize(int(np.median(codes))) if codes.size else 0
+
+
+def eager_scores_bytes(ctx: ReplayContext, req: RequestTimeline) -> int:
+    """One layer's eager-attention score matrices over the prompt: batch x heads x S^2 x itemsize
+    (flash / SDPA kernels never materialise them); 0 when unknown."""
+    heads, item = attention_heads(ctx), activation_itemsize(req)
+    return max(req.batch_size, 1) * heads * req.prompt_tokens ** 2 * item if heads and item else 0
