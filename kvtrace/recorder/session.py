@@ -119,6 +119,7 @@ class RecordOptions:
     flush_interval_s: float = 1.0
     prometheus: str | None = None  # "HOST:PORT": serve live metrics at http://HOST:PORT/metrics
     prometheus_textfile: str | None = None  # node_exporter textfile, rewritten atomically
+    prometheus_linger_s: float = 30.0  # keep serving the final metrics after close (docs/exports.md)
     settings_extra: dict[str, Any] = field(default_factory=dict)  # e.g. the CLI's arguments
 
     def to_json(self) -> dict[str, Any]:
@@ -209,9 +210,10 @@ class Recorder:
         self.path = check_writable(path)
         self._prom_address: tuple[str, int] | None = None
         if self.options.prometheus is not None:
-            from kvtrace.export.prometheus import parse_address
+            from kvtrace.export.prometheus import check_linger, parse_address
 
             self._prom_address = parse_address(str(self.options.prometheus))  # ValueError if malformed
+            check_linger(self.options.prometheus_linger_s)
         if self.options.prometheus_textfile is not None:
             check_textfile(self.options.prometheus_textfile)
         self.exporter: Any = None  # kvtrace.export.prometheus.PrometheusExporter while open
@@ -273,6 +275,7 @@ class Recorder:
         try:
             if self.exporter is not None:
                 self.exporter.set_info(meta["model_id"], meta["model_type"])
+                self.exporter.set_rss_source(self.telemetry.latest_rss)
                 self.telemetry.listeners.append(self._on_telemetry)
             self.telemetry.attach(self.writer)
             self.telemetry.start()
@@ -336,7 +339,8 @@ class Recorder:
         from kvtrace.export.prometheus import PrometheusExporter
 
         host, port = self._prom_address if self._prom_address is not None else (None, None)
-        exporter = PrometheusExporter(host, port, textfile=opts.prometheus_textfile)
+        exporter = PrometheusExporter(host, port, textfile=opts.prometheus_textfile,
+                                      linger_s=opts.prometheus_linger_s)
         try:
             return exporter.start()
         except OSError as exc:

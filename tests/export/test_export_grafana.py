@@ -53,3 +53,16 @@ def test_dashboard_structure():
             if all("bytes" in t["expr"] and "/" not in t["expr"] for t in p["targets"]):
                 assert unit == "bytes", p["title"]  # Grafana's "bytes" unit is binary (IEC)
     assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "instance", "device"}
+
+
+def test_age_panel_outlives_the_recorder():
+    """The "seconds since last update" stat reads the stamp over a range: an instant query of a
+    target that went away returns nothing (Prometheus marks its series stale), which blanked the
+    panel right when the age matters. tests/export/test_prometheus_server.py runs this expression
+    on a real Prometheus after the recorder stopped."""
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])
+             if "kvtrace_last_update_timestamp_seconds" in t["expr"]]
+    assert len(exprs) == 1
+    assert re.fullmatch(r"time\(\) - max\(last_over_time\(kvtrace_last_update_timestamp_seconds\{[^}]*\}\[\w+\]\)\)",
+                        exprs[0]), exprs[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -14,7 +15,16 @@ from click.testing import CliRunner
 from synth_trace import PER_TOKEN, stored, write_synthetic_trace
 
 from kvtrace.cli import cli
-from kvtrace.export.prometheus import METRICS, PrometheusExporter, exporter_from_trace, parse_address
+from kvtrace.export.prometheus import (
+    METRICS,
+    OUTCOMES,
+    RSS,
+    STAMP,
+    PrometheusExporter,
+    check_linger,
+    exporter_from_trace,
+    parse_address,
+)
 from kvtrace.format import Outcome, Trace
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(\\.|[^"\\])*",?)*\})? '
@@ -67,14 +77,24 @@ def test_names_follow_conventions():
 
 
 def test_http_endpoint_over_loopback():
-    exp = PrometheusExporter("127.0.0.1", 0).start()
+    exp = PrometheusExporter("127.0.0.1", 0, linger_s=0).start()
     try:
         assert exp.port and exp.url == f"http://127.0.0.1:{exp.port}/metrics"
         first = parse(scrape(exp.url))
-        # nothing measured yet: no memory or KV gauges invented
-        assert not any(k[0].startswith(("kvtrace_gpu", "kvtrace_kv", "kvtrace_allocator")) for k in first)
-        assert not any(k[0] == "kvtrace_requests_total" for k in first)
-        assert first[("kvtrace_dropped_samples_total", ())] == 0
+        # nothing measured yet: no memory, KV-per-layer or RSS gauges invented
+        assert not any(k[0].startswith(("kvtrace_gpu", "kvtrace_kv_cache_bytes", "kvtrace_allocator",
+                                        "kvtrace_process")) for k in first)
+        # every counter with known label values is there at 0 from the first scrape, so that
+        # increase()/rate() see the first event of each outcome; idle gauges at their idle value
+        assert {dict(k[1])["outcome"]: v for k, v in first.items() if k[0] == "kvtrace_requests_total"} == \
+            dict.fromkeys(OUTCOMES, 0)
+        assert {dict(k[1])["phase"]: v for k, v in first.items() if k[0] == "kvtrace_steps_total"} == \
+            {"prefill": 0, "decode": 0}
+        for name in ("kvtrace_dropped_samples_total", "kvtrace_recorder_errors_total",
+                     "kvtrace_generated_tokens_total", "kvtrace_requests_in_flight", "kvtrace_kv_cache_tokens"):
+            assert first[(name, ())] == 0, name
+        assert abs(first[(STAMP, ())] - time.time()) < 60
+        assert not any(k[0].endswith("_created") for k in first)  # no per-series creation times
         exp.set_info(model='org/"quoted"\nname', model_type="llama")
         exp.on_request_start(0)
         exp.on_step("prefill", tokens_seen=7)
@@ -103,6 +123,17 @@ def test_http_endpoint_over_loopback():
         exp.on_dropped_samples(3)
         exp.on_recorder_error()
         end = parse(scrape(exp.url))
+        # no request in flight: the request-scoped gauges are back at 0 (their series stay)
+        assert end[("kvtrace_kv_cache_bytes", (("layer", "0"), ("layer_type", "sliding")))] == 0
+        assert end[("kvtrace_kv_cache_bytes", (("layer", "1"), ("layer_type", "full")))] == 0
+        assert end[("kvtrace_kv_cache_tokens", ())] == 0
+        assert end[("kvtrace_gpu_memory_used_bytes", (("device", "0"),))] == 10 * 1024**3  # not request-scoped
+        exp.on_kv(0, "sliding", 999)  # a late read of a finished request's cache: the idle state stands
+        exp.on_step("decode", tokens_seen=99)
+        late = parse(scrape(exp.url))
+        assert late[("kvtrace_kv_cache_bytes", (("layer", "0"), ("layer_type", "sliding")))] == 0
+        assert late[("kvtrace_kv_cache_tokens", ())] == 0
+        assert late[("kvtrace_steps_total", (("phase", "decode"),))] == 1
         assert end[("kvtrace_requests_total", (("outcome", "ok"),))] == 1
         assert end[("kvtrace_requests_total", (("outcome", "oom"),))] == 1
         assert end[("kvtrace_requests_in_flight", ())] == 0
@@ -120,7 +151,8 @@ def test_http_endpoint_over_loopback():
 
 
 def test_scrapes_consistent_under_concurrent_updates():
-    exp = PrometheusExporter("127.0.0.1", 0).start()
+    exp = PrometheusExporter("127.0.0.1", 0, linger_s=0).start()
+    exp.on_request_start(0)
     stop = threading.Event()
 
     def writer() -> None:
@@ -145,15 +177,20 @@ def test_scrapes_consistent_under_concurrent_updates():
 def test_textfile_mode(tmp_path):
     path = tmp_path / "kvtrace.prom"
     exp = PrometheusExporter(None, None, textfile=path)
+    exp.set_rss_source(lambda: 5 << 20)
     exp.on_request_start(0)
     exp.on_kv(3, "full", 1000)
     exp.on_request_end("ok", new_tokens=5)  # request end always writes the file
     samples = parse(path.read_text())
-    assert samples[("kvtrace_kv_cache_bytes", (("layer", "3"), ("layer_type", "full")))] == 1000
+    assert samples[("kvtrace_kv_cache_bytes", (("layer", "3"), ("layer_type", "full")))] == 0  # idle
     assert samples[("kvtrace_requests_total", (("outcome", "ok"),))] == 1
+    assert samples[(RSS, ())] == 5 << 20
+    exp.on_request_start(1)
     exp.on_kv(3, "full", 2000)
-    exp.close()  # close writes the final state
-    assert parse(path.read_text())[("kvtrace_kv_cache_bytes", (("layer", "3"), ("layer_type", "full")))] == 2000
+    exp.close()  # close writes the final state (here: closed with a request still in flight)
+    final = parse(path.read_text())
+    assert final[("kvtrace_kv_cache_bytes", (("layer", "3"), ("layer_type", "full")))] == 2000
+    assert final[("kvtrace_requests_in_flight", ())] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["kvtrace.prom"]  # no temp files left behind
 
 
@@ -164,9 +201,11 @@ def test_replay_of_a_trace(tmp_path):
         nvml = t.nvml()
     exp.write_textfile()
     s = parse((tmp_path / "out.prom").read_text())
-    for layer in range(4):
+    for layer in range(4):  # every request finished: each layer's series is there, at its idle 0
         name = "sliding" if layer % 2 == 0 else "full"
-        assert s[("kvtrace_kv_cache_bytes", (("layer", str(layer)), ("layer_type", name)))] == stored(layer, 19, 1) * PER_TOKEN
+        assert s[("kvtrace_kv_cache_bytes", (("layer", str(layer)), ("layer_type", name)))] == 0
+    assert s[("kvtrace_requests_in_flight", ())] == 0 and s[("kvtrace_kv_cache_tokens", ())] == 0
+    assert s[("kvtrace_requests_total", (("outcome", "oom"),))] == 0  # exported at 0, as live
     assert s[("kvtrace_requests_total", (("outcome", "ok"),))] == 2
     assert s[("kvtrace_generated_tokens_total", ())] == 24
     assert s[("kvtrace_steps_total", (("phase", "decode"),))] == 22
@@ -189,3 +228,169 @@ def test_parse_address():
             parse_address(bad)
     with pytest.raises(ValueError):
         PrometheusExporter(None, None)
+
+
+class _LastRequestRunning:
+    """A trace seen as if the recorder had stopped during its last request (outcome RUNNING)."""
+
+    def __init__(self, trace: Trace) -> None:
+        self._trace = trace
+
+    def __getattr__(self, name: str):
+        return getattr(self._trace, name)
+
+    def requests(self):
+        rows = self._trace.requests().copy()
+        rows["outcome"][-1] = int(Outcome.RUNNING)
+        return rows
+
+
+def test_replay_of_a_trace_that_ended_mid_request(tmp_path):
+    path = write_synthetic_trace(tmp_path / "t.kvt.h5", requests=2)
+    with Trace(path) as t:
+        s = parse(exporter_from_trace(_LastRequestRunning(t), tmp_path / "out.prom").render())
+        last_seen = int(t.steps()["tokens_seen"][-1])
+    assert s[("kvtrace_requests_in_flight", ())] == 1
+    assert s[("kvtrace_requests_total", (("outcome", "ok"),))] == 1
+    for layer in range(4):  # the request in flight holds its last recorded step's KV
+        name = "sliding" if layer % 2 == 0 else "full"
+        assert s[("kvtrace_kv_cache_bytes", (("layer", str(layer)), ("layer_type", name)))] == \
+            stored(layer, 19, 1) * PER_TOKEN > 0
+    assert s[("kvtrace_kv_cache_tokens", ())] == last_seen > 0
+
+
+def _refused(url: str, within_s: float) -> bool:
+    """True once connecting to `url` is refused (polled, the server stops from another thread)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+        except OSError:  # refused, or reset by a server stopping mid-answer
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_final_state_lingers_until_the_scraper_has_it():
+    exp = PrometheusExporter("127.0.0.1", 0, linger_s=30).start()
+    url = exp.url
+    rss = [7 << 20]
+    exp.set_rss_source(lambda: rss[0])  # read at scrape time while recording
+    exp.on_request_start(0)
+    exp.on_kv(0, "full", 4096)
+    during = parse(scrape(url))  # this client is now a known scraper
+    assert during[("kvtrace_kv_cache_bytes", (("layer", "0"), ("layer_type", "full")))] == 4096
+    exp.on_request_end("ok", new_tokens=3)
+    t0 = time.monotonic()
+    exp.close()
+    assert time.monotonic() - t0 < 1  # close never blocks the caller
+    assert exp.serving
+    rss[0] = 1  # after close RSS is frozen at the reading taken at close
+    final = parse(scrape(url))
+    assert final[("kvtrace_requests_in_flight", ())] == 0
+    assert final[("kvtrace_requests_total", (("outcome", "ok"),))] == 1
+    assert final[("kvtrace_kv_cache_bytes", (("layer", "0"), ("layer_type", "full")))] == 0
+    assert final[(RSS, ())] == 7 << 20
+    assert final[(STAMP, ())] >= during[(STAMP, ())]
+    # the only scraper has the final state: the endpoint stops well before the 30 s linger
+    assert _refused(url, within_s=5)
+    assert not exp.serving
+
+
+def test_linger_without_scrapers_ends_at_its_deadline():
+    exp = PrometheusExporter("127.0.0.1", 0, linger_s=0.6).start()
+    url = exp.url
+    exp.close()
+    time.sleep(0.2)
+    assert exp.serving  # nobody scraped yet: still up for a first scrape
+    assert _refused(url, within_s=5)  # ...but only for the linger; this probe's own scrape ends it too
+
+
+def test_linger_zero_stops_at_close():
+    exp = PrometheusExporter("127.0.0.1", 0, linger_s=0).start()
+    url = exp.url
+    scrape(url)
+    exp.close()
+    assert not exp.serving
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url, timeout=2)
+
+
+def test_next_recording_takes_over_a_lingering_endpoint():
+    first = PrometheusExporter("127.0.0.1", 0, linger_s=30).start()
+    port = first.port
+    scrape(first.url)
+    first.close()
+    assert first.serving
+    second = PrometheusExporter("127.0.0.1", port, linger_s=0).start()  # same address: no "in use"
+    try:
+        assert not first.serving and second.port == port
+        assert parse(scrape(second.url))[("kvtrace_requests_total", (("outcome", "ok"),))] == 0
+    finally:
+        second.close()
+
+
+def test_linger_value_is_checked():
+    assert check_linger(0) == 0 and check_linger("2.5") == 2.5
+    for bad in (-1, float("nan"), float("inf"), "soon", None, True):
+        with pytest.raises(ValueError, match="linger"):
+            check_linger(bad)
+    with pytest.raises(ValueError, match="linger"):
+        PrometheusExporter("127.0.0.1", 0, linger_s=-1)
+
+
+EXIT_SCRIPT = """
+import atexit, sys, threading, time, urllib.request
+from kvtrace.export.prometheus import PrometheusExporter
+atexit.register(lambda: print("exit", time.monotonic(), flush=True))  # runs after the exporter's wait
+exp = PrometheusExporter("127.0.0.1", 0, linger_s=20).start()
+url = exp.url
+if sys.argv[1] == "watched":
+    urllib.request.urlopen(url).read()  # a scraper that the exit will wait for
+    def late_scrape():
+        time.sleep(1.0)
+        urllib.request.urlopen(url).read()
+    threading.Thread(target=late_scrape, daemon=True).start()
+exp.close()
+print("closed", time.monotonic(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["watched", "unwatched"])
+def test_process_exit_waits_only_for_a_known_scraper(mode):
+    """At interpreter exit: a scraper seen during recording gets the final state before the process
+    ends (here its next scrape, 1 s later); a process nobody scraped exits at once."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, mode], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    marks = dict(line.split() for line in res.stdout.splitlines())
+    waited = float(marks["exit"]) - float(marks["closed"])
+    if mode == "watched":
+        assert 0.9 < waited < 10, waited
+        assert "until scraped" in res.stderr
+    else:
+        assert waited < 0.5, waited
+        assert res.stderr == ""
+
+
+def test_promtool_accepts_the_exposition(tmp_path):
+    """promtool (Prometheus' own linter, Debian package 'prometheus') on a busy exposition."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package 'prometheus'; .ci/run installs it best effort)")
+    exp = PrometheusExporter(None, None, textfile=tmp_path / "k.prom")
+    exp.set_rss_source(lambda: 1 << 20)
+    exp.on_request_start(0)
+    exp.on_step("prefill", tokens_seen=5)
+    exp.on_kv(0, "sliding", 10)
+    exp.on_memory(0, 1, total_bytes=2, reserved_bytes=3, allocated_bytes=4, inactive_split_bytes=5,
+                  num_alloc_retries=6, num_ooms=0)
+    exp.on_request_end("oom")
+    res = subprocess.run([promtool, "check", "metrics"], input=exp.render(), capture_output=True, text=True,
+                         timeout=30)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -98,6 +99,20 @@ def test_scrape_while_recording(tmp_path):
     assert after[("kvtrace_generated_tokens_total", ())] == NEW
     if not cuda:  # no NVML on this machine: the endpoint must not invent GPU numbers
         assert not any(k[0].startswith("kvtrace_gpu_memory") for k in after)
-    # the endpoint is gone once the recording closes
-    with pytest.raises(OSError):
-        scrape(port)
+    # after the recording closes the endpoint lingers (default 30 s) with the final state, idle...
+    final = scrape(port)
+    assert {dict(k[1])["layer"]: v for k, v in final.items() if k[0] == "kvtrace_kv_cache_bytes"} == \
+        dict.fromkeys(kv_mid, 0)
+    assert final[("kvtrace_kv_cache_tokens", ())] == 0 and final[("kvtrace_requests_in_flight", ())] == 0
+    assert final[("kvtrace_generated_tokens_total", ())] == NEW
+    assert final[("kvtrace_last_update_timestamp_seconds", ())] >= after[("kvtrace_last_update_timestamp_seconds", ())]
+    # ...until its only scraper (this test) has fetched that state: then it stops, well before 30 s
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            scrape(port)
+        except OSError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the endpoint still serves 5 s after its only scraper fetched the final state")

@@ -82,9 +82,10 @@ def test_cli_textfile_mirrors_the_trace(tmp_path, capsys):
     assert got[("kvtrace_steps_total", (("phase", "prefill"),))] == 2
     decode_events = int((t_events["kind"] == int(EventKind.DECODE_STEP)).sum())
     assert got[("kvtrace_steps_total", (("phase", "decode"),))] == decode_events == 4  # 2 per request
-    assert got[("kvtrace_kv_cache_tokens", ())] == int(steps["tokens_seen"][-1])
+    # no request in flight at exit: the request gauges are idle, with a series for every layer
+    assert got[("kvtrace_kv_cache_tokens", ())] == 0 < int(steps["tokens_seen"][-1])
     live_kv = {dict(k[1])["layer"]: v for k, v in got.items() if k[0] == "kvtrace_kv_cache_bytes"}
-    assert live_kv == kv and len(kv) == n_layers and all(v > 0 for v in kv.values())
+    assert live_kv == dict.fromkeys(kv, 0) and len(kv) == n_layers and all(v > 0 for v in kv.values())
     assert {dict(k[1])["layer_type"] for k in got if k[0] == "kvtrace_kv_cache_bytes"} == {"full"}
     assert got[("kvtrace_recorder_errors_total", ())] == 0
     info = [dict(k[1]) for k in got if k[0] == "kvtrace_info"]
@@ -133,7 +134,7 @@ def test_cli_port_in_use_exits_69_without_a_trace(tmp_path, capsys):
 
 def test_endpoint_on_any_free_port_and_closed_at_exit(tmp_path):
     m = model("llama")
-    with kvtrace.record(m, tmp_path / "h.kvt.h5", prometheus="127.0.0.1:0") as rec:
+    with kvtrace.record(m, tmp_path / "h.kvt.h5", prometheus="127.0.0.1:0", prometheus_linger_s=0) as rec:
         url = rec.exporter.url
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url) and not url.endswith(":0/metrics")
         generate(m, new=3)
