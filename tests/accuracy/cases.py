@@ -242,7 +242,8 @@ def plant_cat_subclass(path: Path) -> Path:
     from transformers import DynamicCache
 
     model = tiny_model("qwen3", **DUP_EXTRA)
-    with _quiet(), _record(model, path):
+    # 100 Hz RSS samples (the default 20 Hz sees ~6 samples of this 0.3 s decode on a fast CPU)
+    with _quiet(), _record(model, path, telemetry_hz=100.0):
         cache = DynamicCache()
         cache.layer_class_to_replicate = _cat_layer_class()
         _generate(model, prompt=DUP_PROMPT, new=DUP_NEW, past_key_values=cache)

@@ -93,7 +93,9 @@ def record_duplication(path: Path, *, planted: bool = True, mode: str = "arena")
         return arena_update
 
     model = tiny_model("llama", **DUP_EXTRA)
-    with _patched(DynamicLayer, "update", make), kvtrace.record(model, path):
+    # 100 Hz RSS samples: a fast CPU decodes the 48 steps in ~0.2 s, too few 20 Hz samples to fit
+    hz = 100.0 if mode == "list" else 20.0
+    with _patched(DynamicLayer, "update", make), kvtrace.record(model, path, telemetry_hz=hz):
         _generate(model, prompt=DUP_PROMPT, new=DUP_NEW)
     return path
 

@@ -111,17 +111,24 @@ def test_fragmentation_split_vs_releasable(tmp_path):
     (f,) = findings(frag, "fragmentation")
     assert f.score >= 0.5 and f.kind == "split_fragmentation"
     assert f.evidence["max_inactive_split_bytes"].value == 31 * 40 * MiB
-    assert f.evidence["split_trend_bytes_per_s"].value > 0 and "growing" in f.message
+    assert f.evidence["split_trend_bytes_per_s"].value > 0 and "grew by" in f.message
     assert f.device == 0
 
 
 def test_prefill_spike(tmp_path):
     cfg = {**LLAMA_LIKE, "num_attention_heads": 32, "num_key_value_heads": 8}
+    # An ordinary long eager prefill on an 80 GiB device: named, with its cause, but information.
     r = kvtrace.analyze(build(tmp_path / "s.kvt.h5", cfg, [Req(4096, 8, peak_extra=6 * GiB)], gpu=True))
     (f,) = findings(r, "prefill_spike")
-    assert f.score == 1.0 and f.kind == "eager_attention_spike"
+    assert f.score <= 0.1 and f.kind == "eager_attention_spike" and "eager attention" in f.message
     assert f.evidence["eager_scores_per_layer_bytes"].value == 32 * 4096 * 4096 * 2
-    clean = kvtrace.analyze(build(tmp_path / "c.kvt.h5", cfg, [Req(4096, 8, peak_extra=16 * MiB)], gpu=True))
+    # The same spike on a 9 GiB device peaks at 89% of its memory: critical (the next prompt fails).
+    near = kvtrace.analyze(build(tmp_path / "n.kvt.h5", cfg, [Req(4096, 8, peak_extra=6 * GiB)], gpu=True,
+                                 total_memory=9 * GiB))
+    (f,) = findings(near, "prefill_spike")
+    assert f.score >= 0.8 and f.evidence["peak_share_of_limit"].value >= 0.85, f.message
+    clean = kvtrace.analyze(build(tmp_path / "c.kvt.h5", cfg, [Req(4096, 8, peak_extra=16 * MiB)], gpu=True,
+                                  total_memory=9 * GiB))
     assert clean.score("prefill_spike") == 0
 
 

@@ -24,7 +24,15 @@ def _manifest() -> dict:
     return json.loads(MANIFEST.read_text())
 
 
-CASES = sorted(_manifest().items())
+# Labels revised by issue 12 (severity contract, docs/detectors.md), with the reason:
+RELABEL = {
+    # copies kept outside the cache now have a signature (the sum of earlier cache sizes)
+    "gpu_duplication": {"kind": "duplication"},
+    # a 4,096-token eager prefill peaking at 5.4 GiB of an 80 GiB H100 is ordinary: information
+    # with its cause named, not a fault (planted spikes near a limit: tests/data/accuracy)
+    "gpu_prefill_eager": {"detector": None, "kind": None, "only": "prefill_spike", "info_kind": "eager_attention_spike"},
+}
+CASES = sorted((name, {**info, **RELABEL.get(name, {})}) for name, info in _manifest().items())
 needs_fixtures = pytest.mark.skipif(
     not CASES, reason="GPU fixtures not recorded yet: run `python tests/data/make_gpu_fixtures.py tests/data/gpu` "
                       "on a CUDA machine and commit tests/data/gpu")
@@ -52,6 +60,8 @@ def test_gpu_case(name, info):
                                                               for f in r.findings]
     elif info.get("only"):
         assert r.score(info["only"]) <= 0.1, [f.message for f in r.result(info["only"]).findings]
+        if info.get("info_kind"):
+            assert info["info_kind"] in {f.kind for f in r.result(info["only"]).findings}
     else:  # the clean control: nothing above info anywhere
         high = [(f.detector, f.score, f.message) for f in r.findings if f.score > 0.1]
         assert not high, high

@@ -143,10 +143,12 @@ def test_planted_details(recorded):
     assert w.layers == [1] and "window 8" in w.message
 
 
-def test_copies_outside_the_cache_on_cpu_are_low_at_most(recorded):
+def test_copies_outside_the_cache_on_cpu_have_the_duplication_signature(recorded):
     """Old copies kept in a list are invisible to the cache structure; on a CPU trace only process
-    RSS shows them, and RSS cannot tell them from heap fragmentation: reported, but as "low"."""
+    RSS shows them. RSS alone is no proof (heap slack), but an excess that grows exactly as the
+    sum of earlier cache sizes is: named duplication with the fitted multiple (~1 copy per step)."""
     r = recorded("duplication_list")
-    (f,) = [f for f in r.result("growth_curve").findings if f.kind == "unexplained_memory_growth"]
-    assert 0.1 < f.score <= 0.3 and f.severity.name == "LOW" and "heap fragmentation" in f.message
-    assert not [x for x in r.result("growth_curve").findings if x.kind == "duplication"]
+    (f,) = [f for f in r.result("growth_curve").findings if f.kind == "duplication"]
+    assert f.score >= 0.5 and f.evidence["signature"].value == 2
+    assert 0.7 <= f.evidence["fitted_multiple"].value <= 1.5 and f.evidence["fit_r2"].value >= 0.95
+    assert "sum of earlier cache sizes" in f.message and "Process RSS" in f.message

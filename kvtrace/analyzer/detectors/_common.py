@@ -130,3 +130,24 @@ def eager_scores_bytes(ctx: ReplayContext, req: RequestTimeline) -> int:
     (flash / SDPA kernels never materialise them); 0 when unknown."""
     heads, item = attention_heads(ctx), activation_itemsize(req)
     return max(req.batch_size, 1) * heads * req.prompt_tokens ** 2 * item if heads and item else 0
+
+
+def device_cap(ctx: ReplayContext, dev: int) -> int | None:
+    """The caching allocator's per-process cap on `dev` recorded in /meta limits, when it binds
+    (below 99% of the device); None otherwise."""
+    total = ctx.device_total(dev) or 0
+    limits = ctx.meta.sources.get("limits") if isinstance(ctx.meta.sources, dict) else None
+    entry = ((limits or {}).get("devices") or {}).get(str(dev)) if isinstance(limits, dict) else None
+    allowed = entry.get("allowed_bytes") if isinstance(entry, dict) else None
+    if isinstance(allowed, int) and 0 < allowed < 0.99 * total:
+        return allowed
+    return None
+
+
+def allowed_memory(ctx: ReplayContext, dev: int) -> tuple[int, str]:
+    """(bytes, name) of the memory the process may use on `dev`: the per-process cap when one
+    binds, else the device (0 when unknown)."""
+    cap = device_cap(ctx, dev)
+    if cap is not None:
+        return cap, "per-process memory cap"
+    return ctx.device_total(dev) or 0, "device memory"

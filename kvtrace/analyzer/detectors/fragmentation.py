@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvtrace.analyzer.base import Detector, Finding, ev, register
-from kvtrace.analyzer.detectors._common import eager_scores_bytes
+from kvtrace.analyzer.detectors._common import allowed_memory, eager_scores_bytes
 from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.analyzer.stats import linear_fit, ramp
 from kvtrace.format import schema
@@ -94,7 +94,7 @@ class Fragmentation(Detector):
         si = int(np.argmax(split))
         peak_share = float(split[si] / s["res"][si]) if s["res"][si] > 0 else 0.0
         t0 = int(ctx.requests[0].start_ns) if ctx.requests else int(s["t"][0])
-        limit, limit_name = self._limit(ctx, dev)
+        limit, limit_name = allowed_memory(ctx, dev)
         periodic = s["retries"] >= 0
         # -- persistence: the split level through steady decode (second half of each request's
         # decode) and after each request; -- trend: its growth through decode.
@@ -182,17 +182,6 @@ class Fragmentation(Detector):
             },
             requests=[req.request] if req is not None else [],
         )
-
-    @staticmethod
-    def _limit(ctx: ReplayContext, dev: int) -> tuple[int, str]:
-        """Memory the process may use on `dev`: the per-process cap when one binds, else the device."""
-        total = ctx.device_total(dev) or 0
-        limits = ctx.meta.sources.get("limits") if isinstance(ctx.meta.sources, dict) else None
-        entry = ((limits or {}).get("devices") or {}).get(str(dev)) if isinstance(limits, dict) else None
-        allowed = entry.get("allowed_bytes") if isinstance(entry, dict) else None
-        if isinstance(allowed, int) and 0 < allowed < 0.99 * total:
-            return allowed, "per-process memory cap"
-        return total, "device memory"
 
     @staticmethod
     def _transient_cause(ctx: ReplayContext, t: int, peak: int) -> str:

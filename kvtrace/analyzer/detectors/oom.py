@@ -13,6 +13,7 @@ import re
 import numpy as np
 
 from kvtrace.analyzer.base import Detector, Finding, ev, register
+from kvtrace.analyzer.detectors._common import device_cap
 from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.format import schema
 from kvtrace.units import format_bytes
@@ -157,8 +158,8 @@ class Oom(Detector):
             allowed = allowed_bytes(text)
             entry = (limits.get("devices") or {}).get(str(device)) or {}
             frac = entry.get("per_process_memory_fraction")
-            if allowed is None and isinstance(entry.get("allowed_bytes"), int) and entry["allowed_bytes"] > 0:
-                allowed = int(entry["allowed_bytes"])
+            if allowed is None:
+                allowed = device_cap(ctx, device)
             if allowed is not None:
                 what = f"fraction {frac:g}" if isinstance(frac, (int, float)) else "set_per_process_memory_fraction"
                 caps.append((allowed, f"per-process memory cap ({what})"))

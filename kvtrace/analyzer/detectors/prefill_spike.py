@@ -1,22 +1,29 @@
 """prefill_spike: the allocator's peak over a request against the memory resident after each
 forward (weights + KV + whatever persists). The difference is transient working memory; when it
-is large and matches the S x S score matrices of eager attention over the prompt, the prompt's
-prefill is the cause (flash / SDPA kernels never materialise them).
+matches the S x S score matrices of eager attention over the prompt, the prompt's prefill is the
+cause (flash / SDPA kernels never materialise them).
+
+Severity follows the contract: a transient costs nothing once released, so it is scored on how
+close it took the process to the memory it may use (the per-process cap when one binds, else the
+device): an ordinary long eager prefill far from the limit is information with its cause named;
+a prefill that peaks within 10% of the limit is critical (the next longer prompt is an OOM).
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from kvtrace import geometry as geo
 from kvtrace.analyzer.base import Detector, Finding, ev, register
-from kvtrace.analyzer.detectors._common import itemsize
+from kvtrace.analyzer.detectors._common import allowed_memory, eager_scores_bytes
 from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.analyzer.stats import ramp
 from kvtrace.format import schema
 from kvtrace.units import format_bytes
 
-SPIKE_RAMP = (0.5, 2.0)  # transient / resident -> score
+# peak / allowed memory -> score: at half the limit a prefill spike starts to matter, at 90% the
+# next longer prompt fails. Clean control: a 3,840-token eager prefill of the gpt-oss-120b geometry
+# and a 4,096-token one of an 8-layer 2048-wide model peak at a few % of an 80 GiB H100.
+HEADROOM_RAMP = (0.5, 0.9)
+# transient / resident: below 0.25 the peak is resident memory (weights, KV), capacity's business.
+SPIKE_GATE = (0.25, 0.5)
 EAGER_MATCH = 0.5  # transient >= this x one layer's S x S scores: consistent with eager attention
 
 
@@ -41,30 +48,33 @@ class PrefillSpike(Detector):
         if transient <= 0 or resident <= 0:
             return None
         ratio = transient / resident
-        score = ramp(ratio, *SPIKE_RAMP)
+        limit, limit_name = allowed_memory(ctx, int(peak_row["device"]))
+        near = peak / limit if limit > 0 else 0.0
+        score = min(ramp(near, *HEADROOM_RAMP), ramp(ratio, *SPIKE_GATE))
         prompt = req.prompt_tokens
-        heads = self._heads(ctx)
-        item = self._act_itemsize(req)
-        batch = max(req.batch_size, 1)
-        eager_one_layer = batch * heads * prompt * prompt * item if heads and item else 0
+        eager_one_layer = eager_scores_bytes(ctx, req)
         kv_after_prefill = int(req.steps["kv_bytes_unique"][0]) if req.steps.size else 0
         phase = self._phase_of_peak(ctx, req, peak)
         if eager_one_layer and transient >= EAGER_MATCH * eager_one_layer:
-            cause = (f"consistent with eager attention materialising {heads}x{prompt:,}x{prompt:,} score "
-                     f"matrices ({format_bytes(eager_one_layer)} per layer); use SDPA/flash attention or "
-                     f"chunked prefill")
+            cause = (f"consistent with eager attention materialising the prompt's {prompt:,}x{prompt:,} score "
+                     f"matrices ({format_bytes(eager_one_layer)} per layer); SDPA/flash attention or chunked "
+                     f"prefill would not")
             kind = "eager_attention_spike"
         else:
             cause = "larger than the attention score matrices would be, so it is other working memory"
             kind = "transient_spike"
-        if score == 0:
+        headroom = (f"{near:.0%} of the {format_bytes(limit)} {limit_name}" if limit > 0
+                    else "an unknown share of the device")
+        if ratio < SPIKE_GATE[0]:
             msg = (f"Request {req.request}: peak {format_bytes(peak)} is {format_bytes(transient)} above the "
                    f"{format_bytes(resident)} resident after each forward ({ratio:.0%}); no prefill spike.")
             kind = "no_spike"
         else:
-            msg = (f"Request {req.request} peaked at {format_bytes(peak)}, {format_bytes(transient)} "
+            verdict = ("a longer prompt would not fit" if score >= 0.8 else
+                       "it was released again and left headroom" if score <= 0.1 else "headroom is getting thin")
+            msg = (f"Request {req.request} peaked at {format_bytes(peak)} ({headroom}), {format_bytes(transient)} "
                    f"({ratio:.1f}x) above the {format_bytes(resident)} resident{phase} with a {prompt:,}-token "
-                   f"prompt: {cause}.")
+                   f"prompt: {cause}; {verdict}.")
         return self.finding(
             kind, score, msg,
             evidence={
@@ -75,27 +85,12 @@ class PrefillSpike(Detector):
                 "kv_after_prefill_bytes": ev(kv_after_prefill, "bytes"),
                 "eager_scores_per_layer_bytes": ev(eager_one_layer, "bytes"),
                 "prompt_tokens": ev(prompt, "tokens"),
+                "limit_bytes": ev(limit, "bytes"),
+                "peak_share_of_limit": ev(round(near, 4), "ratio"),
             },
             requests=[req.request], steps=[0],
             device=int(peak_row["device"]),
         )
-
-    @staticmethod
-    def _heads(ctx: ReplayContext) -> int:
-        if ctx.expectation.model is not None:
-            return int(ctx.expectation.model.num_attention_heads)
-        try:
-            return int(geo.text_config(ctx.meta.model_config).get("num_attention_heads") or 0)
-        except TypeError:
-            return 0
-
-    @staticmethod
-    def _act_itemsize(req: RequestTimeline) -> int:
-        g = req.kv
-        if g.empty:
-            return 0
-        codes = g["k_dtype"][g.present]
-        return itemsize(int(np.median(codes))) if codes.size else 0
 
     @staticmethod
     def _phase_of_peak(ctx: ReplayContext, req: RequestTimeline, peak: int) -> str:
@@ -109,3 +104,4 @@ class PrefillSpike(Detector):
         if inside.size and int(inside["allocated_bytes"].max()) >= 0.9 * peak:
             return " during prefill"
         return ""
+
