@@ -364,6 +364,10 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
 @click.option("--prometheus-textfile", default=None, type=click.Path(dir_okay=False), metavar="FILE",
               help="Write the metrics to FILE for node_exporter's textfile collector "
                    "(atomic rewrite, at most once a second, at each request end and at exit).")
+@click.option("--prometheus-linger", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              metavar="SECONDS",
+              help="After recording, keep serving the final metrics until every scraper seen has fetched "
+                   "them, at most this long (0: stop at once).")
 @click.option("--quiet", "-q", is_flag=True, help="Print only errors.")
 @click.option("-o", "--output", required=True, type=click.Path(), metavar="TRACE", help="Trace file to write.")
 @guarded
@@ -375,7 +379,8 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
            no_nvml: bool,
            store_prompts: bool, empty_cache: bool, device: str, dtype: str, cache_implementation: str,
            layers: int | None, width: float | None, vocab: int | None, tiny: bool, force: bool,
-           prometheus: str | None, prometheus_textfile: str | None, quiet: bool, output: str) -> None:
+           prometheus: str | None, prometheus_textfile: str | None, prometheus_linger: float, quiet: bool,
+           output: str) -> None:
     """Record the KV cache of generate() on a model into a trace file.
 
     \b
@@ -418,6 +423,13 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
     config = model_config_dict(model_spec, layers=layers, width=width, vocab=vocab)
     if config is not None:
         check_sample_selection(config, layer_list, head_list)
+    if prometheus is not None or prometheus_textfile is not None:
+        from kvtrace.export.prometheus import require_client
+
+        try:
+            require_client()
+        except ImportError as exc:
+            raise Unavailable(str(exc)) from None
     if prometheus is not None:
         from kvtrace.export.prometheus import parse_address
 
@@ -479,6 +491,7 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
                              telemetry_hz=telemetry_hz, nvml=not no_nvml, sampling=sampling,
                              structure_every=structure_every,
                              prometheus=prometheus, prometheus_textfile=prometheus_textfile,
+                             prometheus_linger_s=prometheus_linger,
                              settings_extra=settings)
         with rec:
             if rec.exporter is not None and rec.exporter.url:

@@ -5,6 +5,7 @@ is installed (an independent implementation of the format), else with a strict l
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import time
 import urllib.error
@@ -394,3 +395,44 @@ def test_promtool_accepts_the_exposition(tmp_path):
     res = subprocess.run([promtool, "check", "metrics"], input=exp.render(), capture_output=True, text=True,
                          timeout=30)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_missing_client_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    """Without prometheus_client: the API raises ImportError naming the install; the CLI exits 69
+    with one line, before any model is loaded; a bad --prometheus-linger is a usage error (64)."""
+    from kvtrace import exitcodes
+    from kvtrace.cli import main
+
+    def run(argv: list[str]) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        return int(info.value.code or 0), capsys.readouterr().err
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import raises ImportError
+    with pytest.raises(ImportError, match=r"kvtrace\[record\]"):
+        PrometheusExporter(None, None, textfile=tmp_path / "k.prom")
+    args = ["record", "--model", "preset:llama-3.1-8b", "--tiny", "--prompt", "x", "--max-new-tokens", "2",
+            "-o", str(tmp_path / "x.kvt.h5")]
+    code, err = run([*args, "--prometheus-textfile", str(tmp_path / "k.prom")])
+    assert code == exitcodes.UNAVAILABLE, err
+    assert "prometheus_client" in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "x.kvt.h5").exists()
+    monkeypatch.delitem(sys.modules, "prometheus_client")
+    code, err = run([*args, "--prometheus", "127.0.0.1:0", "--prometheus-linger", "-1"])
+    assert code == exitcodes.USAGE and "--prometheus-linger" in err
+
+
+def test_cli_linger_reaches_the_recording(tmp_path, capsys):
+    """`kvtrace record --prometheus-linger S` is the recording's linger (stored with its settings)."""
+    pytest.importorskip("torch")
+    from kvtrace.cli import main
+
+    out = tmp_path / "r.kvt.h5"
+    with pytest.raises(SystemExit) as info:
+        main(["record", "--model", "preset:llama-3.1-8b", "--layers", "1", "--width", "0.05", "--vocab", "64",
+              "--prompt", "x", "--max-new-tokens", "2", "--prometheus", "127.0.0.1:0",
+              "--prometheus-linger", "0.25", "-q", "-o", str(out)])
+        raise SystemExit(0)  # main() returns on success
+    assert info.value.code in (0, None), capsys.readouterr().err
+    with Trace(out) as t:
+        assert t.meta.recorder_settings["prometheus_linger_s"] == 0.25
