@@ -241,6 +241,7 @@ class PrometheusExporter:
         self._steps = {p: self._metrics["kvtrace_steps_total"].labels(p) for p in PHASES}
         self._kv: dict[tuple[int, str], Any] = {}  # (layer, layer_type) -> gauge child
         self._mirrored: dict[tuple[str, str], int] = {}  # (counter, device) -> torch's last value
+        self._by_device: dict[tuple[str, str], Any] = {}  # (metric, device) -> child
         self._lock = threading.Lock()
         self._in_flight = 0
         self._last_textfile = 0.0
@@ -490,18 +491,25 @@ class PrometheusExporter:
         with self._lock:
             for name, value in pairs:
                 if value is not None and value >= 0:
-                    self._metrics[name].labels(label).set(int(value))
+                    self._device_child(name, label).set(int(value))
             # torch's counters are cumulative per process: mirror them, never step backwards
             for name, value in (("kvtrace_alloc_retries_total", num_alloc_retries),
                                 ("kvtrace_allocator_ooms_total", num_ooms)):
                 if value is not None and value >= 0:
-                    child = self._metrics[name].labels(label)  # exists at 0 from its first reading
+                    child = self._device_child(name, label)  # exists at 0 from its first reading
                     last = self._mirrored.get((name, label), 0)
                     if value > last:
                         child.inc(int(value) - last)
                         self._mirrored[(name, label)] = int(value)
             self._touch()
         self._maybe_textfile()
+
+    def _device_child(self, name: str, device: str) -> Any:
+        # labels() validates and builds its key on every call (~1 us): keep the children
+        child = self._by_device.get((name, device))
+        if child is None:
+            child = self._by_device[(name, device)] = self._metrics[name].labels(device)
+        return child
 
     def on_request_start(self, request: int | None = None) -> None:
         with self._lock:
