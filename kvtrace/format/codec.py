@@ -5,7 +5,8 @@ its GIL-held stretches short: the shuffle is one numpy copy into a preallocated 
 releases the GIL for plain copies, while older numpy's `tobytes` of a transposed view copied
 element by element holding it), padding touches only the last chunk, and python-zstandard
 compresses with the GIL released. Decoding never trusts the frame: the declared content size
-must equal the chunk size before any buffer is allocated, which stops decompression bombs.
+must equal the chunk size before any buffer is allocated, which stops decompression bombs, and
+the chunk must hold exactly that one frame.
 """
 
 from __future__ import annotations
@@ -119,6 +120,31 @@ def encode_chunks(
 
 def decode_chunk(filter_mask: int, stored: bytes, chunk_bytes: int, itemsize: int) -> bytes:
     """Undo the pipeline for one stored chunk, honouring filter_mask. Returns raw chunk bytes."""
+    data = _decompressed(filter_mask, stored, chunk_bytes)
+    if not filter_mask & SHUFFLE_SKIPPED:
+        data = unshuffle_bytes(data, itemsize)
+    return data
+
+
+def decode_chunk_into(out: np.ndarray, filter_mask: int, stored: bytes, itemsize: int) -> None:
+    """:func:`decode_chunk` into ``out`` (uint8, exactly one chunk): the unshuffle writes straight
+    into the caller's array, so a payload costs its own size plus one chunk, not three copies."""
+    data = np.frombuffer(_decompressed(filter_mask, stored, out.size), dtype=np.uint8)
+    if filter_mask & SHUFFLE_SKIPPED or itemsize == 1:
+        out[:] = data
+    else:
+        out.reshape(-1, itemsize)[:] = data.reshape(itemsize, -1).T
+
+
+def check_chunk(filter_mask: int, stored: bytes, chunk_bytes: int) -> None:
+    """Decode one chunk and drop the result: what validation needs (bounded memory, no unshuffle)."""
+    _decompressed(filter_mask, stored, chunk_bytes)
+
+
+def _decompressed(filter_mask: int, stored: bytes, chunk_bytes: int) -> bytes:
+    """The chunk's shuffled bytes. The frame is never trusted: its declared content size must equal
+    the chunk size before anything is allocated (decompression bombs), it must be exactly one frame
+    (spec §6: trailing bytes or a second frame are refused, not ignored) and complete."""
     data = stored
     if not filter_mask & ZSTD_SKIPPED:
         try:
@@ -131,12 +157,18 @@ def decode_chunk(filter_mask: int, stored: bytes, chunk_bytes: int, itemsize: in
             raise CorruptChunk(
                 f"zstd frame claims {params.content_size} bytes, chunk holds {chunk_bytes}; refused"
             )
+        # A decompression object stops at the end of the first frame and keeps what follows in
+        # unused_data; libzstd sizes its output from the checked content size and fails rather
+        # than write past it.
+        dobj = zstandard.ZstdDecompressor().decompressobj()
         try:
-            data = zstandard.ZstdDecompressor().decompress(stored, max_output_size=chunk_bytes)
+            data = dobj.decompress(stored)
         except zstandard.ZstdError as exc:
             raise CorruptChunk(f"zstd frame does not decode ({exc})") from None
+        if not dobj.eof:
+            raise CorruptChunk("zstd frame is truncated")
+        if dobj.unused_data:
+            raise CorruptChunk(f"{len(dobj.unused_data)} bytes after the zstd frame (one frame per chunk); refused")
     if len(data) != chunk_bytes:
         raise CorruptChunk(f"chunk decodes to {len(data)} bytes, expected {chunk_bytes}")
-    if not filter_mask & SHUFFLE_SKIPPED:
-        data = unshuffle_bytes(data, itemsize)
     return data

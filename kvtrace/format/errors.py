@@ -1,4 +1,12 @@
-"""Errors raised on bad trace files; each maps to one documented CLI exit code."""
+"""Errors raised on bad trace files; each maps to one documented CLI exit code.
+
+The rule (README "Exit codes", spec §9.1): a file that cannot be identified as a kvtrace trace
+(missing, a directory, not HDF5, HDF5 that does not open, no kvtrace marker) is
+:class:`NotATrace` (exit 2); a newer major version is :class:`UnsupportedVersion` (exit 4); a file
+that carries the kvtrace marker and a readable version but breaks the spec anywhere else, including
+objects HDF5 cannot read and chunks that do not decode, is :class:`InvalidTrace` (exit 1). Every
+command raises the same class for the same file, because they all read through one reader.
+"""
 
 from __future__ import annotations
 
@@ -19,12 +27,16 @@ class InvalidTrace(TraceError):
     """Structurally a trace but breaking the spec (missing dataset, wrong dtype, ...)."""
 
 
-class CorruptChunk(TraceError):
+class CorruptChunk(InvalidTrace):
     """A payload chunk that does not decode, or claims an impossible size."""
 
 
-class CorruptTrace(TraceError):
-    """HDF5 structures that fail to read: truncated or damaged file."""
+class CorruptTrace(InvalidTrace):
+    """HDF5 objects of an identified trace that fail to read: damaged or truncated inside."""
+
+
+class LimitExceeded(InvalidTrace):
+    """The file asks for more decoding than a reader allows for its size (spec §9)."""
 
 
 # What h5py raises on damaged files (RuntimeError for broken heaps, OSError for I/O).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -16,20 +17,44 @@ import h5py
 import numpy as np
 
 from kvtrace.format import schema
-from kvtrace.format.codec import decode_chunk
+from kvtrace.format.codec import decode_chunk_into
 from kvtrace.format.errors import (
     H5_READ_ERRORS,
     CorruptChunk,
     CorruptTrace,
     InvalidTrace,
+    LimitExceeded,
     NotATrace,
     TraceError,
     UnsupportedVersion,
 )
 from kvtrace.format.numeric import to_float32
+from kvtrace.units import format_bytes
 
 MAX_JSON_ATTR_BYTES = 64 * 1024 * 1024
 MAX_PAYLOAD_BYTES = 8 * 1024**3  # one payload decoded into memory; larger is refused
+# Decoding allowed for one operation (a table read; all payloads of the index together), relative
+# to the file: real sampled K/V/Q decode to 1.3x their stored bytes (tests/data, bf16 after
+# shuffle + zstd) and tables to about 1x the file, so 64x leaves ample room for zero-heavy data
+# while a 1 MiB file can no longer ask for 2 GiB. The floor keeps small test traces unaffected.
+DECODE_RATIO = 64
+DECODE_FLOOR_BYTES = 256 * 1024**2
+# The writer cuts strings at 1 MiB (spec §5); a longer text reference is damage, not data.
+MAX_TEXT_BYTES = 1 << 20
+# zstd's worst case for one 256 KiB chunk (ZSTD_COMPRESSBOUND) plus room; a larger stored chunk
+# is refused before it is read into memory.
+MAX_STORED_CHUNK_BYTES = schema.PAYLOAD_CHUNK_BYTES + schema.PAYLOAD_CHUNK_BYTES // 128 + 4096
+
+# Enumerated columns per table: the reader refuses rows with codes it does not know (spec §2).
+ENUM_COLUMNS: dict[str, tuple[tuple[str, type], ...]] = {
+    "requests": (("outcome", schema.Outcome),),
+    "layers": (("layer_type", schema.LayerType),),
+    "kv": (("layer_type", schema.LayerType), ("k_dtype", schema.CacheDType), ("v_dtype", schema.CacheDType)),
+    "steps": (("phase", schema.Phase),),
+    "events": (("kind", schema.EventKind),),
+    "readings": (("label", schema.ReadingLabel),),
+    "payloads/index": (("kind", schema.PayloadKind), ("dtype", schema.CacheDType)),
+}
 
 
 @dataclass(frozen=True)
@@ -129,19 +154,30 @@ def _open_h5(path: Path) -> tuple[h5py.File, bool]:
 
 
 class Trace:
-    """An open trace. Use as a context manager or call close()."""
+    """An open trace. Use as a context manager or call close().
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    Opening checks the structure every reader relies on (``/meta``, every table with its fields,
+    ``/text``, ``/status``, the payload carriers) and raises :class:`InvalidTrace` naming the first
+    problem, so no command works on a file that breaks the spec there. ``check=False`` skips that
+    (``kvtrace validate`` lists every problem itself)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, check: bool = True) -> None:
         self.path = Path(path)
         self._file, self._flags_clean = _open_h5(self.path)
         try:
             self._check_identity()
+            self.file_bytes = self.path.stat().st_size
+            if check:
+                problems, _ = structure_problems(self)
+                if problems:
+                    more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+                    raise InvalidTrace(f"{self.path}: {problems[0]}{more}; 'kvtrace validate' lists them")
         except TraceError:
             self._file.close()
             raise
         except H5_READ_ERRORS as exc:
             self._file.close()
-            raise NotATrace(f"{self.path}: unreadable HDF5 structure ({exc})") from None
+            raise InvalidTrace(f"{self.path}: unreadable HDF5 structure ({exc})") from None
         except BaseException:
             self._file.close()
             raise
@@ -164,6 +200,19 @@ class Trace:
             )
         if self.major < 1:
             raise UnsupportedVersion(f"{self.path}: trace format {self.version} is not supported")
+
+    @property
+    def decode_limit(self) -> int:
+        """Bytes one operation may decode from this file (DECODE_RATIO x its size, at least the floor)."""
+        return max(DECODE_FLOOR_BYTES, DECODE_RATIO * self.file_bytes)
+
+    def _refuse_over_limit(self, what: str, nbytes: int) -> None:
+        if nbytes > self.decode_limit:
+            raise LimitExceeded(
+                f"{self.path}: {what} decode(s) to {format_bytes(nbytes)} from a {format_bytes(self.file_bytes)} "
+                f"file, over the reader's limit of {format_bytes(self.decode_limit)} "
+                f"({DECODE_RATIO}x the file, at least {format_bytes(DECODE_FLOOR_BYTES)}); refused"
+            )
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -243,20 +292,31 @@ class Trace:
     def nrows(self, table: str) -> int:
         return int(self._dataset(table).shape[0]) if self.has(table) else 0
 
-    def table(self, name: str, rows: slice | None = None) -> np.ndarray:
+    def table(self, name: str, rows: slice | None = None, *, check_codes: bool = True) -> np.ndarray:
         """Read a table (or a slice of rows) as a structured array, known fields only.
 
         Fields a newer minor version added are dropped; the array has this reader's dtype
-        where the file has every field, else the file's fields that this reader knows.
+        where the file has every field, else the file's fields that this reader knows. Enumerated
+        columns holding codes this reader does not know raise InvalidTrace (``check_codes``).
         """
         ds = self._dataset(name)
+        selection = rows if rows is not None else slice(None)
+        if ds.ndim == 1:
+            self._refuse_over_limit(f"/{name}", len(range(*selection.indices(ds.shape[0]))) * ds.dtype.itemsize)
         try:
-            data = ds[rows if rows is not None else slice(None)]
+            data = ds[selection]
         except H5_READ_ERRORS as exc:
             raise CorruptTrace(f"{self.path}: /{name} unreadable, corrupt or truncated ({exc})") from None
         expected = schema.TABLES[name][0] if name in schema.TABLES else None
         if expected is None or data.dtype.names is None:
             return data
+        for column, enum_type in ENUM_COLUMNS.get(name, ()) if check_codes else ():
+            if column in data.dtype.names:
+                bad = unknown_codes(data[column], enum_type)
+                if bad:
+                    newer = (f"; written by format {self.version}, newer than this kvtrace "
+                             f"({schema.FORMAT_VERSION})") if self.minor > schema.FORMAT_MINOR else ""
+                    raise InvalidTrace(f"{self.path}: /{name} {column} has unknown codes {bad}{newer}")
         keep = [n for n in expected.names if n in data.dtype.names]
         if len(keep) == len(data.dtype.names) == len(expected.names):
             return data
@@ -315,6 +375,9 @@ class Trace:
         """A string from the text heap ('' for length 0)."""
         if length == 0:
             return ""
+        if length > MAX_TEXT_BYTES:
+            raise InvalidTrace(f"{self.path}: text reference of {length} bytes (strings are at most "
+                               f"{MAX_TEXT_BYTES} bytes)")
         ds = self._dataset("text")
         end = int(offset) + int(length)
         if end > ds.shape[0]:
@@ -327,28 +390,32 @@ class Trace:
         return self.table("payloads/index")
 
     def payload(self, index_row: int | np.void) -> Payload:
+        self._payload_index_checked  # noqa: B018 - the whole-index limits, once per trace
         row = self._payload_row(int(index_row)) if isinstance(index_row, (int, np.integer)) else index_row
-        try:
-            itemsize = int(row["itemsize"])
-            dtype = schema.CacheDType(int(row["dtype"]))
-            kind = schema.PayloadKind(int(row["kind"]))
-        except ValueError as exc:
-            raise InvalidTrace(f"{self.path}: payload index row has unknown code ({exc})") from None
-        if itemsize not in schema.PAYLOAD_ITEMSIZES or schema.DTYPE_ITEMSIZE[dtype] != itemsize:
-            raise InvalidTrace(f"{self.path}: payload itemsize {itemsize} does not fit {dtype.name}")
-        ndim = int(row["ndim"])
-        shape = tuple(int(s) for s in row["shape"][:ndim])
+        problem = payload_row_problem(row)
+        if problem:
+            raise InvalidTrace(f"{self.path}: {problem}")
+        itemsize = int(row["itemsize"])
+        dtype = schema.CacheDType(int(row["dtype"]))
+        kind = schema.PayloadKind(int(row["kind"]))
+        shape = tuple(int(s) for s in row["shape"][: int(row["ndim"])])
         n = int(row["n_elements"])
-        if any(s < 0 for s in shape) or int(np.prod(shape, dtype=np.int64)) != n:
-            raise InvalidTrace(f"{self.path}: payload shape {shape} does not hold {n} elements")
-        if n * itemsize > MAX_PAYLOAD_BYTES:
-            raise InvalidTrace(f"{self.path}: payload of {n * itemsize} bytes exceeds the reader limit")
         data = self._read_carrier(itemsize, int(row["first_chunk"]), int(row["n_chunks"]), n)
         return Payload(
             int(row["request"]), int(row["step"]), int(row["layer"]), kind, dtype, shape,
             int(row["head_start"]), int(row["head_stride"]), int(row["token_start"]),
             int(row["t_ns"]), data,
         )
+
+    @cached_property
+    def _payload_index_checked(self) -> bool:
+        """Whole-index rules, checked before the first payload is decoded: the payloads together
+        decode within the reader's limit, and no two payloads share a chunk (so decoding every
+        payload decodes each stored chunk at most once: work is bounded by what the file stores)."""
+        problems = payload_index_problems(self.payload_index(), self)
+        if problems:
+            raise problems[0]
+        return True
 
     def _payload_row(self, i: int) -> np.void:
         """One index row, read alone: callers looping over payloads by number must not re-read
@@ -376,17 +443,160 @@ class Trace:
         if filters != [schema.FILTER_SHUFFLE, schema.FILTER_ZSTD]:
             raise InvalidTrace(f"{self.path}: {ds.name} filter pipeline {filters} is not [2, 32015]")
         chunk_bytes = chunk * itemsize
-        out = bytearray()
+        out = np.empty(n_chunks * chunk_bytes, dtype=np.uint8)
+        for i, (mask, stored) in enumerate(self.stored_chunks(itemsize, first_chunk, n_chunks)):
+            try:
+                decode_chunk_into(out[i * chunk_bytes : (i + 1) * chunk_bytes], mask, stored, itemsize)
+            except CorruptChunk as exc:
+                raise CorruptChunk(f"{self.path}: chunk {first_chunk + i} of {ds.name}: {exc}") from None
+        return out[: n * itemsize].view(schema.payload_carrier(itemsize))
+
+    def stored_chunks(self, itemsize: int, first_chunk: int, n_chunks: int) -> Iterator[tuple[int, bytes]]:
+        """(filter_mask, stored bytes) of consecutive chunks of a carrier, one at a time; a chunk that
+        was never written or whose stored size no zstd frame of one chunk can have is refused before
+        it is read into memory."""
+        ds = self._dataset(schema.payload_dataset_name(itemsize))
+        chunk = schema.payload_chunk_elements(itemsize)
         for c in range(first_chunk, first_chunk + n_chunks):
             try:
-                mask, stored = ds.id.read_direct_chunk((c * chunk,))
-            except (OSError, KeyError, ValueError) as exc:
+                info = ds.id.get_chunk_info_by_coord((c * chunk,))
+                if info.byte_offset is None or info.size == 0:
+                    raise CorruptChunk(f"{self.path}: chunk {c} of {ds.name} was never written")
+                if info.size > MAX_STORED_CHUNK_BYTES:
+                    raise CorruptChunk(f"{self.path}: chunk {c} of {ds.name} stores {info.size} bytes, "
+                                       f"more than one compressed chunk can; refused")
+                yield ds.id.read_direct_chunk((c * chunk,))
+            except (OSError, KeyError, ValueError, RuntimeError) as exc:
                 raise CorruptChunk(f"{self.path}: chunk {c} of {ds.name} unreadable ({exc})") from None
-            try:
-                out += decode_chunk(mask, stored, chunk_bytes, itemsize)
-            except CorruptChunk as exc:
-                raise CorruptChunk(f"{self.path}: chunk {c} of {ds.name}: {exc}") from None
-        return np.frombuffer(bytes(out[: n * itemsize]), dtype=schema.payload_carrier(itemsize)).copy()
+
+
+def unknown_codes(column: np.ndarray, enum_type: type) -> list[int]:
+    """Codes in ``column`` that ``enum_type`` does not define (at most 8, sorted)."""
+    allowed = np.array([int(v) for v in enum_type])
+    bad = np.unique(column[~np.isin(column, allowed)])
+    return [int(b) for b in bad[:8]]
+
+
+def payload_row_problem(row: np.void) -> str | None:
+    """What makes one index row unreadable, or None (see :func:`payload_row_problems`)."""
+    block = np.asarray(row).reshape(1)
+    return payload_row_problems(block).get(0)
+
+
+def payload_row_problems(rows: np.ndarray) -> dict[int, str]:
+    """Row number -> what makes that index row unreadable (itemsize, codes, shape, chunk count),
+    for a block of rows at once (a hostile index may hold millions)."""
+    problems: dict[int, str] = {}
+
+    def flag(mask: np.ndarray, message: Callable[[int], str]) -> None:
+        for i in np.flatnonzero(mask):
+            problems.setdefault(int(i), message(int(i)))
+
+    itemsize = rows["itemsize"].astype(np.int64)
+    ndim = rows["ndim"].astype(np.int64)
+    n = rows["n_elements"].astype(np.uint64)
+    flag(~np.isin(itemsize, schema.PAYLOAD_ITEMSIZES),
+         lambda i: f"payload itemsize {itemsize[i]} is not one of {schema.PAYLOAD_ITEMSIZES}")
+    dtype_size = {int(d): size for d, size in schema.DTYPE_ITEMSIZE.items()}
+    for column, enum_type in ENUM_COLUMNS["payloads/index"]:
+        codes = rows[column].astype(np.int64)
+        flag(~np.isin(codes, [int(v) for v in enum_type]),
+             lambda i, c=codes, col=column: f"payload index {col} has unknown code {c[i]}")
+    fits = np.array([dtype_size.get(int(d), 0) for d in rows["dtype"]], dtype=np.int64) == itemsize
+    flag(~fits, lambda i: f"payload itemsize {itemsize[i]} does not fit dtype code {int(rows['dtype'][i])}")
+    flag((ndim < 0) | (ndim > schema.PAYLOAD_MAX_NDIM),
+         lambda i: f"payload ndim {ndim[i]} is not in [0, {schema.PAYLOAD_MAX_NDIM}]")
+    used = np.arange(schema.PAYLOAD_MAX_NDIM)[None, :] < ndim[:, None]
+    shape = rows["shape"].astype(np.int64)
+    product = np.prod(np.where(used, shape, 1).astype(np.float64), axis=1)
+    flag(np.any(used & (shape < 0), axis=1) | (product != n.astype(np.float64)),
+         lambda i: f"payload shape {tuple(int(x) for x in shape[i][: max(0, ndim[i])])} "
+                   f"does not hold {n[i]} elements")
+    decoded = n.astype(np.float64) * itemsize
+    flag(decoded > MAX_PAYLOAD_BYTES,
+         lambda i: f"payload of {int(decoded[i])} bytes exceeds the reader limit of {MAX_PAYLOAD_BYTES}")
+    per_chunk = np.where(np.isin(itemsize, schema.PAYLOAD_ITEMSIZES), schema.PAYLOAD_CHUNK_BYTES // np.maximum(itemsize, 1), 1)
+    needed = np.maximum(1, -(-n.astype(np.float64) // per_chunk))
+    flag(rows["n_chunks"].astype(np.float64) != needed,
+         lambda i: f"payload of {n[i]} elements claims {int(rows['n_chunks'][i])} chunks of "
+                   f"{per_chunk[i]} (it occupies {int(needed[i])})")
+    return problems
+
+
+def payload_index_problems(index: np.ndarray, trace: Trace) -> list[InvalidTrace]:
+    """Rules over the whole index: total decoded size within the reader's limit, no shared chunks."""
+    if index.size == 0:
+        return []
+    problems: list[InvalidTrace] = []
+    declared = int(np.sum(index["n_elements"].astype(np.float64) * index["itemsize"]))
+    try:
+        trace._refuse_over_limit(f"{index.size} payloads", declared)
+    except LimitExceeded as exc:
+        problems.append(exc)
+    for itemsize in np.unique(index["itemsize"]):
+        rows = index[index["itemsize"] == itemsize]
+        first = rows["first_chunk"].astype(np.uint64)
+        order = np.argsort(first, kind="stable")
+        ends = first[order] + rows["n_chunks"][order].astype(np.uint64)
+        if np.any(first[order][1:] < ends[:-1]):
+            problems.append(InvalidTrace(f"{trace.path}: payloads share chunks of "
+                                         f"/{schema.payload_dataset_name(int(itemsize))}"))
+    return problems
+
+
+def structure_problems(trace: Trace) -> tuple[list[str], set[str]]:
+    """What every reader needs (spec §7 without row contents): /meta, the tables with their fields,
+    /text, /status and the payload carriers. Returns (problems, tables present and well-typed)."""
+    problems: list[str] = []
+    try:
+        meta = trace.meta
+        if meta.payload_tokens not in schema.PAYLOAD_TOKENS and trace.minor >= schema.FORMAT_MINOR:
+            problems.append(f"/meta payload_tokens {meta.payload_tokens!r} is not one of "
+                            f"{', '.join(schema.PAYLOAD_TOKENS)}")
+    except TraceError as exc:
+        problems.append(str(exc).split(": ", 1)[-1])
+    present: set[str] = set()
+    for name, (dtype, required) in schema.TABLES.items():
+        try:
+            obj = trace._file.get(name)
+        except H5_READ_ERRORS as exc:
+            problems.append(f"/{name} unreadable ({exc})")
+            continue
+        if obj is None:
+            if required:
+                problems.append(f"missing required dataset /{name}")
+            continue
+        if not isinstance(obj, h5py.Dataset) or obj.ndim != 1 or obj.dtype.names is None:
+            problems.append(f"/{name} is not a 1-D table")
+            continue
+        bad = [n for n in dtype.names if n not in obj.dtype.names or obj.dtype[n] != dtype[n]]
+        if bad and trace.minor >= schema.FORMAT_MINOR:
+            problems.append(f"/{name} lacks or mistypes fields: {', '.join(bad)}")
+            continue
+        present.add(name)
+    try:
+        text = trace._file.get("text")
+        if not isinstance(text, h5py.Dataset) or text.dtype != np.uint8 or text.ndim != 1:
+            problems.append("missing or mistyped dataset /text (1-D uint8)")
+        status = trace._file.get("status")
+        if not isinstance(status, h5py.Dataset) or status.shape != (1,) or status.dtype != schema.STATUS:
+            problems.append("missing or mistyped dataset /status (one row)")
+        for itemsize in schema.PAYLOAD_ITEMSIZES:
+            name = schema.payload_dataset_name(itemsize)
+            ds = trace._file.get(name)
+            if not isinstance(ds, h5py.Dataset):
+                problems.append(f"missing payload dataset /{name}")
+                continue
+            chunk = schema.payload_chunk_elements(itemsize)
+            if ds.dtype != schema.payload_carrier(itemsize) or ds.chunks != (chunk,) or ds.ndim != 1:
+                problems.append(f"/{name} must be {schema.payload_carrier(itemsize)} chunked ({chunk},)")
+                continue
+            filters = trace.payload_filters(itemsize)
+            if filters != [schema.FILTER_SHUFFLE, schema.FILTER_ZSTD]:
+                problems.append(f"/{name} filter pipeline {filters} is not [2, 32015]")
+    except H5_READ_ERRORS as exc:
+        problems.append(f"unreadable HDF5 structure ({exc})")
+    return problems, present
 
 
 def open_trace(path: str | os.PathLike[str]) -> Trace:

@@ -1,16 +1,30 @@
-"""Check a trace against the spec and list every problem found (not just the first)."""
+"""Check a trace against the spec and list every problem found (not just the first).
+
+Validation works in bounded memory whatever the file declares: tables are read in blocks of rows,
+payload chunks are decoded one at a time and dropped, and anything over the reader's decode limit
+is reported instead of read (spec §9).
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import h5py
 import numpy as np
 
 from kvtrace.format import schema
-from kvtrace.format.errors import H5_READ_ERRORS, CorruptChunk, InvalidTrace, TraceError
-from kvtrace.format.reader import Trace
+from kvtrace.format.codec import check_chunk
+from kvtrace.format.errors import H5_READ_ERRORS, CorruptChunk, TraceError
+from kvtrace.format.reader import (
+    ENUM_COLUMNS,
+    MAX_TEXT_BYTES,
+    Trace,
+    payload_index_problems,
+    payload_row_problems,
+    structure_problems,
+    unknown_codes,
+)
 
 TEXT_REFS = {
     "requests": [("prompt_text_off", "prompt_text_len"), ("gen_args_off", "gen_args_len"),
@@ -19,18 +33,8 @@ TEXT_REFS = {
     "events": [("text_off", "text_len")],
     "retention": [("referrers_off", "referrers_len")],
 }
-ENUM_FIELDS = {
-    ("requests", "outcome"): schema.Outcome,
-    ("layers", "layer_type"): schema.LayerType,
-    ("kv", "layer_type"): schema.LayerType,
-    ("kv", "k_dtype"): schema.CacheDType,
-    ("kv", "v_dtype"): schema.CacheDType,
-    ("steps", "phase"): schema.Phase,
-    ("events", "kind"): schema.EventKind,
-    ("readings", "label"): schema.ReadingLabel,
-    ("payloads/index", "kind"): schema.PayloadKind,
-    ("payloads/index", "dtype"): schema.CacheDType,
-}
+ROW_BLOCK = 1 << 16  # rows per read: a few MiB for the widest table
+MAX_LISTED = 8  # payload problems listed one by one; the rest are counted
 
 
 @dataclass
@@ -48,171 +52,190 @@ class ValidationReport:
 def validate(path: str | os.PathLike[str], *, check_payloads: bool = True) -> ValidationReport:
     """Raises NotATrace / UnsupportedVersion for files that cannot be read as traces at all."""
     report = ValidationReport(str(path))
-    with Trace(path) as trace:
+    with Trace(path, check=False) as trace:
         report.version = trace.version
-        checks = [_check_meta, _check_tables, _check_status]
-        present: set[str] = set()
-        for check in checks:
-            try:
-                result = check(trace, report)
-            except (TraceError, *H5_READ_ERRORS) as exc:
-                report.problems.append(f"unreadable structure in {check.__name__[7:]} ({exc})")
-                continue
-            if check is _check_tables:
-                present = result
+        problems, present = structure_problems(trace)
+        report.problems.extend(problems)
+        _guard(_check_status, trace, report)
         if present:
             _guard(_check_rows, trace, report, present)
+        _guard(_check_privacy, trace, report, present)
         if check_payloads and "payloads/index" in present:
             _guard(_check_payloads, trace, report)
     return report
 
 
-def _guard(check, trace: Trace, report: ValidationReport, *args) -> None:
+def _guard(check: Callable[..., None], trace: Trace, report: ValidationReport, *args: object) -> None:
     try:
         check(trace, report, *args)
     except (TraceError, *H5_READ_ERRORS) as exc:
-        report.problems.append(f"unreadable structure in {check.__name__[7:]} ({exc})")
+        report.problems.append(f"unreadable structure in {check.__name__[7:]} ({_short(exc)})")
 
 
-def _check_meta(trace: Trace, report: ValidationReport) -> None:
-    try:
-        meta = trace.meta
-    except InvalidTrace as exc:
-        report.problems.append(str(exc).split(": ", 1)[-1])
-        return
-    except H5_READ_ERRORS as exc:
-        report.problems.append(f"/meta unreadable ({exc})")
-        return
-    if meta.payload_tokens not in schema.PAYLOAD_TOKENS and trace.minor >= schema.FORMAT_MINOR:
-        report.problems.append(f"/meta payload_tokens {meta.payload_tokens!r} is not one of "
-                               f"{', '.join(schema.PAYLOAD_TOKENS)}")
-
-
-def _check_tables(trace: Trace, report: ValidationReport) -> set[str]:
-    present: set[str] = set()
-    for name, (dtype, required) in schema.TABLES.items():
-        try:
-            obj = trace._file.get(name)
-        except H5_READ_ERRORS as exc:
-            report.problems.append(f"/{name} unreadable ({exc})")
-            continue
-        if obj is None:
-            if required:
-                report.problems.append(f"missing required dataset /{name}")
-            continue
-        if not isinstance(obj, h5py.Dataset) or obj.ndim != 1 or obj.dtype.names is None:
-            report.problems.append(f"/{name} is not a 1-D table")
-            continue
-        bad = [
-            n for n in dtype.names
-            if n not in obj.dtype.names or obj.dtype[n] != dtype[n]
-        ]
-        if bad and trace.minor >= schema.FORMAT_MINOR:
-            report.problems.append(f"/{name} lacks or mistypes fields: {', '.join(bad)}")
-            continue
-        present.add(name)
-    text = trace._file.get("text")
-    if not isinstance(text, h5py.Dataset) or text.dtype != np.uint8 or text.ndim != 1:
-        report.problems.append("missing or mistyped dataset /text (1-D uint8)")
-    for itemsize in schema.PAYLOAD_ITEMSIZES:
-        name = schema.payload_dataset_name(itemsize)
-        ds = trace._file.get(name)
-        if not isinstance(ds, h5py.Dataset):
-            report.problems.append(f"missing payload dataset /{name}")
-            continue
-        chunk = schema.payload_chunk_elements(itemsize)
-        if ds.dtype != schema.payload_carrier(itemsize) or ds.chunks != (chunk,):
-            report.problems.append(f"/{name} must be {schema.payload_carrier(itemsize)} chunked ({chunk},)")
-        try:
-            filters = trace.payload_filters(itemsize)
-        except (InvalidTrace, OSError) as exc:
-            report.problems.append(f"/{name} filter pipeline unreadable ({exc})")
-            continue
-        if filters != [schema.FILTER_SHUFFLE, schema.FILTER_ZSTD]:
-            report.problems.append(f"/{name} filter pipeline {filters} is not [2, 32015]")
-    return present
+def _short(exc: BaseException) -> str:
+    """The message without the leading path (the CLI prefixes every line with it)."""
+    return str(exc).split(": ", 1)[-1] if isinstance(exc, TraceError) else str(exc)
 
 
 def _check_status(trace: Trace, report: ValidationReport) -> None:
-    try:
-        status = trace.status
-    except (OSError, ValueError, KeyError) as exc:
-        report.problems.append(f"/status unreadable ({exc})")
-        return
-    if status is None:
-        report.problems.append("missing required dataset /status")
-    elif not trace.complete:
+    if "status" not in trace._file:
+        return  # structure_problems reported it
+    if not trace.complete:
+        from kvtrace.format.summary import stopped  # /stop, spec §8.1
+
+        stop = stopped(trace)
         report.warnings.append(
+            f"incomplete: the writer stopped early after a storage failure ({stop['reason']}): "
+            "it holds everything up to its last flush" if stop else
             "writer did not close the trace (killed, crashed, or still recording): "
             "it holds everything up to its last flush"
         )
 
 
-def _read(trace: Trace, name: str, report: ValidationReport) -> np.ndarray | None:
-    try:
-        return trace.table(name)
-    except (OSError, ValueError, KeyError, TraceError) as exc:
-        report.problems.append(f"/{name} rows unreadable ({exc})")
-        return None
+def _blocks(trace: Trace, name: str) -> Iterator[np.ndarray]:
+    """A table in blocks of rows. The whole table must fit the decode limit (a table that declares
+    more rows than its file could hold is refused with LimitExceeded, not read)."""
+    ds = trace._file[name]
+    n = int(ds.shape[0])
+    trace._refuse_over_limit(f"/{name}", n * ds.dtype.itemsize)
+    for start in range(0, n, ROW_BLOCK):
+        yield trace.table(name, rows=slice(start, min(n, start + ROW_BLOCK)), check_codes=False)
 
 
 def _check_rows(trace: Trace, report: ValidationReport, present: set[str]) -> None:
-    tables = {name: _read(trace, name, report) for name in present}
-    text_len = trace._file["text"].shape[0] if "text" in trace._file else 0
-    for (table, column), enum_type in ENUM_FIELDS.items():
-        rows = tables.get(table)
-        if rows is None or rows.size == 0:
+    text_len = int(trace._file["text"].shape[0]) if "text" in trace._file else 0
+    request_ids = np.empty(0, dtype=np.uint32)
+    referenced: dict[str, np.ndarray] = {}
+    running = 0
+    for name in schema.TABLES:
+        if name not in present:
             continue
-        allowed = np.array([int(v) for v in enum_type])
-        bad = np.unique(rows[column][~np.isin(rows[column], allowed)])
-        if bad.size:
-            report.problems.append(f"/{table} {column} has unknown codes {bad.tolist()[:8]}")
-    for table, refs in TEXT_REFS.items():
-        rows = tables.get(table)
-        if rows is None or rows.size == 0:
-            continue
-        for off, length in refs:
-            end = rows[off].astype(np.uint64) + rows[length].astype(np.uint64)
-            if np.any(end > text_len):
-                report.problems.append(f"/{table} {off} points past the end of /text")
-    requests = tables.get("requests")
-    if requests is not None:
-        ids = requests["request"]
-        if np.unique(ids).size != ids.size:
+        seen: set[str] = set()
+        try:
+            for rows in _blocks(trace, name):
+                _check_block(name, rows, text_len, seen)
+                if name == "requests":
+                    request_ids = np.concatenate([request_ids, rows["request"]])
+                    running += int(np.sum(rows["outcome"] == schema.Outcome.RUNNING))
+                if name in ("kv", "steps", "payloads/index") and rows.size:
+                    referenced[name] = np.union1d(referenced.get(name, request_ids[:0]), rows["request"])
+        except TraceError as exc:
+            seen.add(_short(exc))
+        except H5_READ_ERRORS as exc:
+            seen.add(f"/{name} rows unreadable ({exc})")
+        report.problems.extend(sorted(seen))
+    if "requests" in present:
+        if np.unique(request_ids).size != request_ids.size:
             report.problems.append("/requests has duplicate request ids")
-        running = int(np.sum(requests["outcome"] == schema.Outcome.RUNNING))
         if running and trace.complete:
             report.problems.append(f"{running} request(s) still RUNNING in a closed trace")
         elif running:
             report.warnings.append(f"{running} request(s) were in progress when the writer stopped")
-        for table in ("kv", "steps", "payloads/index"):
-            rows = tables.get(table)
-            if rows is not None and rows.size:
-                orphans = np.setdiff1d(np.unique(rows["request"]), ids)
-                if orphans.size:
-                    report.problems.append(f"/{table} names requests absent from /requests: {orphans.tolist()[:8]}")
-    kv = tables.get("kv")
-    if kv is not None and kv.size:
-        if np.any(kv["tokens_kept"] > kv["tokens_seen"]):
-            report.problems.append("/kv has rows keeping more tokens than seen")
-        if np.any(kv["bytes_valid"] > kv["bytes_allocated"]):
-            report.problems.append("/kv has rows with more valid than allocated bytes")
+        for table, ids in referenced.items():
+            orphans = np.setdiff1d(ids, request_ids)
+            if orphans.size:
+                report.problems.append(f"/{table} names requests absent from /requests: {orphans.tolist()[:8]}")
     for table in ("telemetry/nvml", "telemetry/allocator", "telemetry/process"):
-        rows = tables.get(table)
-        if rows is not None and rows.size > 1 and np.any(np.diff(rows["t_ns"].astype(np.int64)) < 0):
+        if table in present and _goes_backwards(trace, table):
             report.warnings.append(f"/{table} timestamps go backwards (multi-device interleave?)")
 
 
-def _check_payloads(trace: Trace, report: ValidationReport) -> None:
+def _check_block(name: str, rows: np.ndarray, text_len: int, seen: set[str]) -> None:
+    """Row rules of one block; each distinct problem is reported once per table."""
+    for column, enum_type in ENUM_COLUMNS.get(name, ()):
+        if name != "payloads/index" and rows.size:
+            bad = unknown_codes(rows[column], enum_type)
+            if bad:
+                seen.add(f"/{name} {column} has unknown codes {bad}")
+    for off, length in TEXT_REFS.get(name, ()):
+        if rows.size and np.any(rows[length] > 0):
+            ends = rows[off].astype(np.uint64) + rows[length].astype(np.uint64)
+            if np.any(ends > text_len) or np.any(ends < rows[off].astype(np.uint64)):
+                seen.add(f"/{name} {off} points past the end of /text")
+            if np.any(rows[length] > MAX_TEXT_BYTES):
+                seen.add(f"/{name} {length} exceeds the {MAX_TEXT_BYTES}-byte string limit")
+    if name == "kv" and rows.size:
+        if np.any(rows["tokens_kept"] > rows["tokens_seen"]):
+            seen.add("/kv has rows keeping more tokens than seen")
+        if np.any(rows["bytes_valid"] > rows["bytes_allocated"]):
+            seen.add("/kv has rows with more valid than allocated bytes")
+    if name == "payloads/index" and rows.size:
+        problems = payload_row_problems(rows)
+        seen.update(sorted(set(problems.values()))[:MAX_LISTED])
+
+
+def _goes_backwards(trace: Trace, table: str) -> bool:
+    last = None
+    for rows in _blocks(trace, table):
+        t = rows["t_ns"].astype(np.int64)
+        if t.size and ((last is not None and t[0] < last) or np.any(np.diff(t) < 0)):
+            return True
+        if t.size:
+            last = t[-1]
+    return False
+
+
+def _check_privacy(trace: Trace, report: ValidationReport, present: set[str]) -> None:
+    """The /meta privacy flags must not deny what the file holds (spec §3): tools that gate on them
+    (export zenodo, info, report) decide from the contents, and validate reports a flag that lies."""
     try:
-        index = trace.payload_index()
-    except (OSError, TraceError) as exc:
-        report.problems.append(f"/payloads/index unreadable ({exc})")
-        return
-    for i in range(index.shape[0]):
+        meta = trace.meta
+    except TraceError:
+        return  # structure_problems reported it
+    held = stored_contents(trace, present)
+    if held["tensor_payloads"] and not meta.contains_tensor_payloads:
+        report.problems.append(f"/meta contains_tensor_payloads is false but the trace holds "
+                               f"{held['tensor_payloads']}")
+    if held["prompt_text"] and not meta.contains_prompt_text:
+        report.problems.append(f"/meta contains_prompt_text is false but the trace holds "
+                               f"{held['prompt_text']}")
+
+
+def stored_contents(trace: Trace, present: set[str] | None = None) -> dict[str, str]:
+    """What privacy-relevant content the file actually holds, in words ('' when none): payload index
+    rows or stored payload chunks, and request rows that reference prompt text. Reads only the
+    prompt-length column of /requests and dataset storage sizes."""
+    present = set(schema.TABLES) if present is None else present
+    out = {"tensor_payloads": "", "prompt_text": ""}
+    rows = trace.nrows("payloads/index") if "payloads/index" in present else 0
+    stored = sum(int(trace._file[schema.payload_dataset_name(i)].id.get_storage_size())
+                 for i in schema.PAYLOAD_ITEMSIZES if schema.payload_dataset_name(i) in trace._file)
+    if rows or stored:
+        out["tensor_payloads"] = f"{rows} payload index row(s) and {stored} stored payload bytes"
+    if "requests" in present:
+        n = trace.nrows("requests")
+        trace._refuse_over_limit("/requests", n * 4)
+        lengths = trace._file["requests"].fields("prompt_text_len")[:] if n else np.empty(0)
+        with_text = int(np.count_nonzero(lengths))
+        if with_text:
+            out["prompt_text"] = f"prompt text for {with_text} request(s)"
+    return out
+
+
+def _check_payloads(trace: Trace, report: ValidationReport) -> None:
+    """Decode every chunk of every payload once, one chunk in memory at a time."""
+    index = trace.payload_index()
+    whole = payload_index_problems(index, trace)
+    report.problems.extend(_short(exc) for exc in whole)
+    if whole:
+        return  # over the limit, or chunks decoded more than once: decoding is what the rules refuse
+    skip = payload_row_problems(index)  # listed by the row check
+    bad = 0
+    for i, row in enumerate(index):
+        if i in skip:
+            continue
+        itemsize = int(row["itemsize"])
+        chunk_bytes = schema.PAYLOAD_CHUNK_BYTES
         try:
-            trace.payload(index[i])
-        except CorruptChunk as exc:
-            report.problems.append(f"payload {i}: {str(exc).split(': ', 1)[-1]}")
+            if int(row["first_chunk"] + row["n_chunks"]) * schema.payload_chunk_elements(itemsize) > \
+                    trace._file[schema.payload_dataset_name(itemsize)].shape[0]:
+                raise CorruptChunk(f"{trace.path}: chunks [{int(row['first_chunk'])}, "
+                                   f"+{int(row['n_chunks'])}) out of range")
+            for mask, stored in trace.stored_chunks(itemsize, int(row["first_chunk"]), int(row["n_chunks"])):
+                check_chunk(mask, stored, chunk_bytes)
         except (TraceError, *H5_READ_ERRORS) as exc:
-            report.problems.append(f"payload {i}: {str(exc).split(': ', 1)[-1]}")
+            bad += 1
+            if bad <= MAX_LISTED:
+                report.problems.append(f"payload {i}: {_short(exc)}")
+    if bad > MAX_LISTED:
+        report.problems.append(f"... and {bad - MAX_LISTED} more payload(s) that do not decode")

@@ -35,7 +35,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, code: int) -> str:
 
 def payload_trace(path: Path) -> None:
     rng = np.random.default_rng(1)
-    with TraceWriter(path, {"model_id": "m"}) as w:
+    with TraceWriter(path, {"model_id": "m", "contains_tensor_payloads": True}) as w:
         w.write_payload(encode_payload(0, 0, 0, PayloadKind.KEY, CacheDType.BFLOAT16,
                                        rng.integers(0, 1 << 16, (1, 2, 40, 64), dtype=np.uint16)))
 

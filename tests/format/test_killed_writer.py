@@ -21,7 +21,7 @@ WRITER = textwrap.dedent(
     import numpy as np
     from kvtrace.format import TraceWriter, CacheDType, PayloadKind, encode_payload
     path, mode = sys.argv[1], sys.argv[2]
-    w = TraceWriter(path, {"model_id": "killed"}, flush_interval_s=0.25)
+    w = TraceWriter(path, {"model_id": "killed", "contains_tensor_payloads": True}, flush_interval_s=0.25)
     row = [0] * 15
     row[2], row[5], row[8] = 1, -1, b"0" * 64
     w.begin_request(tuple(row))

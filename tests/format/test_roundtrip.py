@@ -41,7 +41,7 @@ def test_every_table_round_trips(tmp_path_factory, data):
                 w.append(table, row.item())
     with Trace(path) as t:
         for table, arr in written.items():
-            got = t.table(table)
+            got = t.table(table, check_codes=False)  # raw bits, random codes included
             assert got.dtype == arr.dtype
             assert got.tobytes() == arr.tobytes(), table
         dev = t.devices()
