@@ -55,10 +55,11 @@ def cli() -> None:
 
     \b
     Start here:
-      kvtrace demo                      record a small hybrid model, analyse, report
-      kvtrace info TRACE                what a trace holds
-      kvtrace validate TRACE            check a trace against the format spec
-    Sizes are printed in binary units (KiB = 1024 bytes, MiB, GiB).
+      kvtrace demo                  # record a small hybrid model, analyse, report
+      kvtrace info TRACE            # what a trace holds
+      kvtrace validate TRACE        # check a trace against the format spec
+    JSON: --json prints it on stdout, --json-out FILE writes it; no command writes onto its
+    inputs or onto an existing trace. Sizes are printed in binary units (KiB = 1024 bytes).
     """
 
 

@@ -40,7 +40,7 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
       kvtrace analyze run.kvt.h5 --json-out report.json --fail-on high
       kvtrace analyze run.kvt.h5 --json | jq '.reports[0].findings'
       kvtrace analyze run.kvt.h5 --detector growth_curve --detector post_eos
-      kvtrace analyze run.kvt.h5 --gpu     (needs torch; triton + CUDA for the GPU path)
+      kvtrace analyze run.kvt.h5 --gpu     # needs torch; Triton + CUDA for the GPU path
     --json prints the report as JSON (spec/analysis-json.md) instead of the terminal view;
     --json-out FILE also writes it to FILE. Sizes are printed in binary units (KiB = 1024 bytes).
     """

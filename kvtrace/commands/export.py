@@ -160,14 +160,17 @@ def prometheus_textfile(trace: str, output: str, quiet: bool, as_json: bool, jso
     Examples:
       kvtrace export prometheus-textfile run.kvt.h5 -o /var/lib/node_exporter/textfile/kvtrace.prom
     """
-    from kvtrace.commands.common import CannotWrite
+    from kvtrace.commands.common import CannotWrite, Unavailable
     from kvtrace.export.prometheus import exporter_from_trace
     from kvtrace.format.reader import Trace
 
     out = check_output(output, option="-o", inputs=(trace,), others=[("--json-out", json_out)])
     check_json_out(json_out, (trace,))
     with Trace(trace) as t:
-        exp = exporter_from_trace(t, out)
+        try:
+            exp = exporter_from_trace(t, out)
+        except ImportError as exc:  # prometheus_client is in the record extra, not the base install
+            raise Unavailable(str(exc)) from None
     try:
         exp.write_textfile()
     except OSError as exc:

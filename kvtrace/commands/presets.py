@@ -47,7 +47,8 @@ def presets(as_json: bool, json_out: str | None) -> None:
     """List the built-in architecture presets (real KV geometry, random weights).
 
     \b
-    Use one with:  kvtrace record --model preset:NAME [--layers N --width F --vocab V] ...
+    Use one with --model preset:NAME; --tiny (or --layers N --width F --vocab V) shrinks it:
+      kvtrace record --model preset:gemma-3-4b --tiny --prompt hi --max-new-tokens 8 -o run.kvt.h5
     KV bytes per token are for bf16, summed over layers, before any sliding window saturates;
     binary units (KiB = 1024 B).
     """

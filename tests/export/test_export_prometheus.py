@@ -417,6 +417,9 @@ def test_missing_client_is_a_clear_error(tmp_path, monkeypatch, capsys):
     assert code == exitcodes.UNAVAILABLE, err
     assert "prometheus_client" in err and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "x.kvt.h5").exists()
+    trace = write_synthetic_trace(tmp_path / "t.kvt.h5", requests=1)
+    code, err = run(["export", "prometheus-textfile", str(trace), "-o", str(tmp_path / "t.prom")])
+    assert code == exitcodes.UNAVAILABLE and "prometheus_client" in err and err.count("\n") == 1, err
     monkeypatch.delitem(sys.modules, "prometheus_client")
     code, err = run([*args, "--prometheus", "127.0.0.1:0", "--prometheus-linger", "-1"])
     assert code == exitcodes.USAGE and "--prometheus-linger" in err
