@@ -385,11 +385,13 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
 
     \b
     Examples:
-      kvtrace record --model preset:gpt-oss-20b --layers 4 --width 0.1 --vocab 512 \\
-          --prompt "hello" --max-new-tokens 256 --min-new-tokens 256 -o run.kvt.h5
+      kvtrace record --model preset:gpt-oss-20b --tiny --prompt "hello" \\
+          --max-new-tokens 128 --min-new-tokens 128 -o run.kvt.h5
+      kvtrace record --model preset:gpt-oss-20b --layers 4 --width 0.05 --vocab 512 \\
+          --prompt "hello" --max-new-tokens 16 -o small.kvt.h5
       kvtrace record --model preset:llama-3.1-8b --tiny --prompt hi --max-new-tokens 8 \\
           --sample-every 4 --sample-heads 0,1 -o sampled.kvt.h5
-      kvtrace record --model ./my-llama --prompts prompts.txt --max-new-tokens 512 -o run.kvt.h5
+      kvtrace record --model ./my-llama --prompts prompts.txt --max-new-tokens 64 -o run.kvt.h5
     Nothing is downloaded. Prompt text and tensor contents are stored only when asked.
     Presets build random weights: at full size they warn with the memory needed and are refused
     (exit 69) when it exceeds what is available; --tiny or --layers/--width/--vocab shrink them.
