@@ -329,8 +329,10 @@ class PrometheusExporter:
 
     @property
     def url(self) -> str | None:
-        if self._server is None:
-            return None
+        """The endpoint's address while it serves (recording and linger), else None."""
+        return self._address() if self._server is not None else None
+
+    def _address(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/metrics"
 
@@ -407,8 +409,8 @@ class PrometheusExporter:
             waiting = self._final and bool(self._clients) and not self._all_final()
         if not waiting or self._served_down.is_set():
             return
-        print(f"kvtrace: serving the final metrics at http://{self.host}:{self.port}/metrics until "
-              f"scraped (at most {self.linger_s:g} s; Ctrl-C skips)", file=sys.stderr)
+        print(f"kvtrace: serving the final metrics at {self._address()} until scraped "
+              f"(at most {self.linger_s:g} s; Ctrl-C skips)", file=sys.stderr)
         try:
             self._served_down.wait(self.linger_s)
         except KeyboardInterrupt:
