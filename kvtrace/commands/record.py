@@ -82,9 +82,10 @@ def resolve_dtype(dtype: str, device: str, *, preset: bool) -> Any:
 
 def model_config_dict(spec: str, *, layers: int | None = None, width: float | None = None,
                       vocab: int | None = None) -> dict[str, Any] | None:
-    """The config of ``--model`` as a dict, read without torch (presets, local directories), or
-    None for a hub id (the loader looks in the local cache). A model that cannot exist is a usage
-    error here, before anything slow happens."""
+    """The config of ``--model`` as a dict, read without torch (presets, local directories, hub ids
+    in the local cache). A model directory that does not exist is a usage error (64) and a hub id
+    that is not cached is unavailable (69), both before anything slow happens. None: the config
+    could not be read here (the loader decides)."""
     if spec.startswith("preset:"):
         from kvtrace import presets
 
@@ -98,21 +99,33 @@ def model_config_dict(spec: str, *, layers: int | None = None, width: float | No
         raise click.BadParameter("--layers/--width/--vocab/--tiny only apply to preset:NAME models")
     path = Path(spec).expanduser()
     if path.is_dir():
-        try:
-            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        except FileNotFoundError:
+        if not (path / "config.json").is_file():
             raise click.BadParameter(f"{spec}: the directory holds no config.json (not a Transformers model)",
-                                     param_hint="--model") from None
-        except (OSError, ValueError) as exc:
-            raise click.BadParameter(f"{spec}/config.json is unreadable ({exc})", param_hint="--model") from None
-        if not isinstance(config, dict):
-            raise click.BadParameter(f"{spec}/config.json is not a JSON object", param_hint="--model")
-        return config
+                                     param_hint="--model")
+        return _read_config(path / "config.json")
     if path.exists():
         raise click.BadParameter(f"{spec} is a file, not a model directory", param_hint="--model")
     if not _HF_ID.fullmatch(spec) or ".." in spec:
         raise click.BadParameter(f"{spec}: no such model directory", param_hint="--model")
-    return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None  # the loader says what is missing
+    cached = try_to_load_from_cache(spec, "config.json")
+    if not isinstance(cached, str):  # None or the "known absent" sentinel: never fetched
+        raise Unavailable(f"model {spec!r} is not in the Hugging Face cache; kvtrace never downloads: give a local "
+                          "directory, an id already in the cache, or preset:NAME (see 'kvtrace presets')")
+    return _read_config(Path(cached))
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(f"{path} is unreadable ({exc})", param_hint="--model") from None
+    if not isinstance(config, dict):
+        raise click.BadParameter(f"{path} is not a JSON object", param_hint="--model")
+    return config
 
 
 def check_sample_selection(config: dict[str, Any], layers: list[int] | None, heads: list[int] | None) -> None:

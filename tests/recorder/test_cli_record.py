@@ -171,3 +171,25 @@ def test_full_size_preset_refused_when_memory_is_short(monkeypatch, capsys):
     assert "warning: preset llama-3.1-8b at full size: 15.0 GiB" in capsys.readouterr().err
     check_preset_memory(config, 2, "cpu", shrunk=True, name="llama-3.1-8b")
     assert capsys.readouterr().err == ""  # shrunk: no warning
+
+
+def test_record_cached_hub_id_config_is_checked_before_loading(tmp_path):
+    """A hub id is looked up in the local cache without torch: its config.json bounds the sample
+    selection at once (a fake cache holding only a config; the model itself is never built)."""
+    import os
+    import subprocess
+    import sys
+
+    snap = tmp_path / "hub" / "models--someone--tiny-llama" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(presets.preset_config_dict("llama-3.1-8b", layers=3)))
+    (tmp_path / "hub" / "models--someone--tiny-llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--tiny-llama" / "refs" / "main").write_text("abc123")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    argv = [sys.executable, "-m", "kvtrace.cli", "record", "--model", "someone/tiny-llama", "--prompt", "x",
+            "--max-new-tokens", "2", "--sample-every", "1", "-o", str(tmp_path / "x.kvt.h5")]
+    p = subprocess.run([*argv, "--sample-layers", "3"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == exitcodes.USAGE and "the model has 3 layers" in p.stderr, p.stderr
+    p = subprocess.run([*argv[:5], "someone/not-cached", *argv[6:]], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == exitcodes.UNAVAILABLE and "not in the Hugging Face cache" in p.stderr
