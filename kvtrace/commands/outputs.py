@@ -46,11 +46,13 @@ def _same(a: Path, b: str | os.PathLike[str]) -> bool:
 
 def check_output(path: str | os.PathLike[str], *, option: str, inputs: Iterable[str | os.PathLike[str]] = (),
                  others: Iterable[tuple[str, str | os.PathLike[str] | None]] = (),
-                 refuse_existing: bool = False, force: bool = False) -> Path:
+                 refuse_existing: bool = False, force: bool = False, what: str | None = None) -> Path:
     """Refuse an output file that would clobber an input or an existing trace; fail early (73)
     when it cannot be created. ``others``: (option, path) of the command's other outputs, which
-    must differ from this one. ``refuse_existing``: any existing file is refused unless ``force``."""
+    must differ from this one. ``refuse_existing``: any existing file is refused unless ``force``.
+    ``what``: how the 73 messages name the output (default: the option and the path)."""
     p = Path(path)
+    what = what or f"{option} {path}"
     for inp in inputs:
         if _same(p, inp):
             raise click.UsageError(f"{option} {path} is also an input ({inp}): refusing to overwrite it")
@@ -59,7 +61,7 @@ def check_output(path: str | os.PathLike[str], *, option: str, inputs: Iterable[
                 _same(p, other) or os.path.abspath(p) == os.path.abspath(other)):
             raise click.UsageError(f"{option} and {other_option} name the same file ({path})")
     if p.is_dir():
-        raise CannotWrite(f"cannot write {option} {path}: it is a directory")
+        raise CannotWrite(f"cannot write {what}: it is a directory")
     if p.exists() and not force:
         if refuse_existing:
             raise click.UsageError(f"{option} {path} already exists; pass --force to replace it")
@@ -67,9 +69,9 @@ def check_output(path: str | os.PathLike[str], *, option: str, inputs: Iterable[
             raise click.UsageError(f"{option} {path} is an existing trace (HDF5 file): refusing to overwrite it")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
-        raise CannotWrite(f"cannot write {option} {path}: directory {parent} does not exist")
+        raise CannotWrite(f"cannot write {what}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise CannotWrite(f"cannot write {option} {path}: permission denied")
+        raise CannotWrite(f"cannot write {what}: permission denied")
     return p
 
 

@@ -418,7 +418,7 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
     check_output(output, option="-o", inputs=[prompts_file] if prompts_file else [], refuse_existing=True,
                  force=force, others=[("--prometheus-textfile", prometheus_textfile)])
     if prometheus_textfile is not None:
-        check_output(prometheus_textfile, option="--prometheus-textfile",
+        check_output(prometheus_textfile, option="--prometheus-textfile", what=f"Prometheus textfile {prometheus_textfile}",
                      inputs=[prompts_file] if prompts_file else [])
     if (layer_list is not None or head_list is not None) and not (sample_every or sample_queries):
         raise click.UsageError("--sample-layers/--sample-heads select what is sampled: add --sample-every N "
