@@ -9,5 +9,6 @@ USAGE = 64  # bad command-line arguments (EX_USAGE)
 UNAVAILABLE = 69  # a needed component is absent: torch, a GPU, triton (EX_UNAVAILABLE)
 INTERNAL = 70  # a bug in kvtrace (EX_SOFTWARE); rerun with KVTRACE_DEBUG=1 for a traceback
 CANNOT_WRITE = 73  # output path not writable (EX_CANTCREAT)
+IO_ERROR = 74  # record: generation finished but the trace stopped early on a storage failure (EX_IOERR)
 REFUSED = 77  # privacy: traces hold prompt text or tensor contents; pass --allow-content (EX_NOPERM)
 INTERRUPTED = 130  # Ctrl-C

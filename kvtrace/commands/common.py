@@ -24,6 +24,10 @@ class CannotWrite(Exception):
     """An output path cannot be created."""
 
 
+class TraceIncomplete(Exception):
+    """Recording finished but the trace could not be fully written (disk full, EFBIG, EIO)."""
+
+
 def fail(message: str, code: int) -> None:
     click.echo(f"kvtrace: {message}", err=True)
     sys.exit(code)
@@ -40,6 +44,8 @@ def exit_code_for(exc: BaseException) -> int:
         return exitcodes.UNAVAILABLE
     if isinstance(exc, CannotWrite):
         return exitcodes.CANNOT_WRITE
+    if isinstance(exc, TraceIncomplete):
+        return exitcodes.IO_ERROR
     return exitcodes.INTERNAL
 
 
@@ -54,7 +60,7 @@ def guarded(fn: F) -> F:
             raise
         except KeyboardInterrupt:
             fail("interrupted", exitcodes.INTERRUPTED)
-        except (TraceError, Unavailable, CannotWrite) as exc:
+        except (TraceError, Unavailable, CannotWrite, TraceIncomplete) as exc:
             fail(str(exc), exit_code_for(exc))
         except Exception as exc:  # noqa: BLE001 - last resort: one line, not a traceback
             if os.environ.get("KVTRACE_DEBUG"):

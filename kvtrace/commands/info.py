@@ -35,6 +35,8 @@ def info(trace: str, as_json: bool, json_out: str | None) -> None:
 
 def _print(s: dict) -> None:
     state = "complete" if s["complete"] else "INCOMPLETE (writer did not close it)"
+    if s.get("stopped"):
+        state = f"INCOMPLETE (writer stopped early: {s['stopped']['reason']})"
     click.echo(f"{s['path']}  format {s['format_version']}  {state}  {format_bytes(s['file_bytes'])}")
     click.echo(f"model      {s['model']['id']} ({s['model']['type']})")
     sw = s["software"]

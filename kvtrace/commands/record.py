@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from kvtrace.commands.common import CannotWrite, Unavailable, guarded
+from kvtrace.commands.common import CannotWrite, TraceIncomplete, Unavailable, guarded
 from kvtrace.units import format_bytes
 
 CACHE_IMPLEMENTATIONS = ("dynamic", "static", "offloaded", "offloaded_static", "quantized_fp8")
@@ -519,6 +519,9 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
         raise CannotWrite(str(exc)) from None
     except CannotServeMetrics as exc:
         raise Unavailable(str(exc)) from None
+    if rec.storage_failure is not None:  # generation finished; the trace could not be fully written
+        raise TraceIncomplete(f"{output}: trace incomplete, writing stopped early "
+                              f"({rec.storage_failure.describe()}); it holds everything up to its last flush")
     if rec.recorder_errors:
         say(f"warning: {rec.recorder_errors} recorder error(s) were caught and recorded (RECORDER_ERROR events)")
     if not quiet:

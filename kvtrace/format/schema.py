@@ -321,6 +321,8 @@ DEVICES = np.dtype(
 )
 
 STATUS = np.dtype([("closed_ns", "<u8"), ("last_flush_ns", "<u8"), ("flushes", "<u8")])
+# /stop (1.2): why the writer stopped before closing, stamped in place after a storage failure.
+STOP = np.dtype([("stopped_ns", "<u8"), ("errno", "<i8"), ("reason", "S128")])
 
 # name -> (dtype, required). Required tables exist in every valid trace (maybe empty).
 TABLES: dict[str, tuple[np.dtype, bool]] = {

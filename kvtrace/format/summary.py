@@ -10,6 +10,22 @@ from kvtrace.format import schema
 from kvtrace.format.reader import Trace
 
 
+def stopped(trace: Trace) -> dict[str, Any] | None:
+    """Why the writer stopped early (spec §4.14, §8.1): {"errno", "reason", "stopped_ns"}, or
+    None when it did not (or the trace predates /stop, or /stop is unreadable)."""
+    try:
+        ds = trace._file.get("stop")
+        if ds is None or ds.shape != (1,) or ds.dtype != schema.STOP:
+            return None
+        row = ds[0]
+    except (OSError, ValueError, KeyError, RuntimeError):
+        return None
+    if int(row["stopped_ns"]) == 0:
+        return None
+    return {"errno": int(row["errno"]), "reason": bytes(row["reason"]).decode("utf-8", errors="replace"),
+            "stopped_ns": int(row["stopped_ns"])}
+
+
 def summarize(trace: Trace) -> dict[str, Any]:
     meta = trace.meta
     requests = trace.requests()
@@ -35,6 +51,7 @@ def summarize(trace: Trace) -> dict[str, Any]:
         "path": str(trace.path),
         "format_version": trace.version,
         "complete": trace.complete,
+        "stopped": stopped(trace),
         "file_bytes": trace.path.stat().st_size,
         "model": {"id": meta.model_id, "type": meta.model_type},
         "software": {

@@ -12,21 +12,32 @@ takes only `_buf_lock` (held for a list operation), never the HDF5 lock that pay
 flushes hold for milliseconds. A flush swaps the buffers out under `_buf_lock`, then converts and
 writes them under the HDF5 lock. Rows may be buffered as tuples or as :class:`RowBlock` objects
 whose conversion to a numpy array is deferred to the flusher, off the model's thread.
+
+Storage faults (disk full, EFBIG past RLIMIT_FSIZE, EIO, the file deleted or its directory
+removed) never reach HDF5 as errors: the file goes through :class:`~kvtrace.format.storage.GuardedFile`
+(h5py's ``fileobj`` driver), which on the first failure stops sending anything to the disk. The
+writer then enters its failed state: every later append, flush and payload is a cheap no-op,
+:attr:`TraceWriter.failure` says why, and ``close()`` closes HDF5 against the in-memory overlay
+and stamps ``/stop`` in place. The file keeps everything up to its last completed flush (spec §8).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import errno
 import functools
 import json
 import os
 import platform
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import h5py
 import numpy as np
@@ -34,6 +45,7 @@ import numpy as np
 from kvtrace._version import __version__
 from kvtrace.format import schema
 from kvtrace.format.codec import encode_chunks
+from kvtrace.format.storage import GuardedFile, StorageFault, fault_from, open_raw
 
 LIBVER = ("v110", "v110")  # superblock v3: needed by SWMR, opens in HDF5 >= 1.10
 TABLE_CHUNK_ROWS = 1024
@@ -123,7 +135,11 @@ def encode_payload(
 
 
 class TraceWriter:
-    """Writes one trace file. Thread-safe; all HDF5 calls happen under one lock."""
+    """Writes one trace file. Thread-safe; all HDF5 calls happen under one lock.
+
+    ``on_failure`` is called once, from whichever thread met the first storage fault, after the
+    writer stopped writing; it must not raise. ``raw`` replaces the file opened at ``path`` (an
+    unbuffered binary file object; tests inject faults with it)."""
 
     def __init__(
         self,
@@ -134,6 +150,8 @@ class TraceWriter:
         flush_interval_s: float = 1.0,
         max_buffer_rows: int = 8192,
         payload_level: int = 3,
+        on_failure: Callable[[StorageFault], None] | None = None,
+        raw: BinaryIO | None = None,
     ) -> None:
         if not 0 < flush_interval_s <= 60:
             raise ValueError("flush_interval_s must be in (0, 60]")
@@ -155,17 +173,35 @@ class TraceWriter:
         self._payload_extent = {s: 0 for s in schema.PAYLOAD_ITEMSIZES}  # chunks the extent spans
         self._payload_ds: dict[int, h5py.Dataset] = {}
         self._last_yield_ns = 0
-        self._file = h5py.File(self.path, "w", libver=LIBVER)
+        self._stop_offset: int | None = None
+        self.failure: StorageFault | None = None  # set once, on the first storage fault
+        self._on_failure = on_failure
+        self._io = GuardedFile(open_raw(self.path) if raw is None else raw)
+        try:
+            self._file = h5py.File(self._io, "w", libver=LIBVER)
+        except BaseException:
+            self._io.close_raw()
+            raise
         try:
             self._create_layout(meta or {}, list(devices))
             self._file.swmr_mode = True
+            self._file.flush()
         except BaseException:
-            self._file.close()
+            self._close_file()
             raise
+        if self._io.fault is not None:  # the empty layout did not fit: fail now, nothing recorded yet
+            fault = self._io.fault
+            self._close_file()
+            if raw is None:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()  # what we created holds nothing a reader could use
+            raise OSError(fault.errno or errno.EIO, f"cannot write trace {self.path}: {fault.describe()}")
+        self._stop_offset = self._file["stop"].id.get_offset()  # contiguous: fixed address
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by append() when a buffer passes max_buffer_rows
         self._flusher = threading.Thread(target=self._flush_loop, name="kvtrace-flush", daemon=True)
         self._flusher.start()
+        _OPEN_WRITERS.add(self)
 
     # ---- layout -----------------------------------------------------------------------------
 
@@ -197,6 +233,8 @@ class TraceWriter:
             )
         status = f.create_dataset("status", shape=(1,), dtype=schema.STATUS)
         status[0] = (0, 0, 0)
+        stop = f.create_dataset("stop", shape=(1,), dtype=schema.STOP)  # contiguous, allocated now
+        stop[0] = (0, 0, b"")
         if devices:
             rows = [
                 (d.index, d.name.encode()[:64], d.total_memory_bytes, d.uuid.encode()[:64])
@@ -238,6 +276,8 @@ class TraceWriter:
     def append(self, table: str, row: tuple | Sequence[tuple] | RowBlock) -> None:
         """Buffer one row (a tuple in the table's field order), a list of rows, or a
         :class:`RowBlock` (converted later, by the flusher)."""
+        if self.failure is not None:
+            return
         with self._buf_lock:
             self._check_open()
             buf = self._buffers[table]
@@ -248,7 +288,7 @@ class TraceWriter:
             pending = len(buf)
         if pending >= self.max_buffer_rows:
             if pending >= 4 * self.max_buffer_rows:  # the flusher is not keeping up: write here
-                with self._lock:
+                with self._lock, self._writing():
                     self._drain_buffers(tables=(table,))
             else:
                 self._wake.set()
@@ -258,7 +298,7 @@ class TraceWriter:
         data = text.encode("utf-8", errors="replace")
         if len(data) > TEXT_MAX_BYTES:
             data = data[: TEXT_MAX_BYTES - 16] + b"...[truncated]"
-        if not data:
+        if not data or self.failure is not None:
             return (0, 0)
         with self._buf_lock:
             self._check_open()
@@ -271,6 +311,8 @@ class TraceWriter:
         """Append a request row now (outcome RUNNING) so a crash still leaves it visible."""
         with self._lock, self._buf_lock:
             self._check_open()
+            if self.failure is not None:
+                return
             request_id = int(row[0])
             self._request_rows[request_id] = (
                 self._rows_written["requests"] + len(self._buffers["requests"])
@@ -281,6 +323,8 @@ class TraceWriter:
         """Rewrite fields of a request row (outcome, end_ns, new_tokens, ...)."""
         with self._lock, self._buf_lock:
             self._check_open()
+            if self.failure is not None:
+                return
             index = self._request_rows[request_id]
             names = schema.REQUESTS.names
             written = self._rows_written["requests"]
@@ -291,25 +335,34 @@ class TraceWriter:
                     row[names.index(k)] = v
                 buf[index - written] = tuple(row)
             else:
-                ds = self._file["requests"]
-                current = ds[index]
-                for k, v in fields.items():
-                    current[k] = v
-                ds[index] = current
+                with self._writing():
+                    ds = self._file["requests"]
+                    current = ds[index]
+                    for k, v in fields.items():
+                        current[k] = v
+                    ds[index] = current
 
-    def write_payload(self, payload: EncodedPayload) -> None:
-        """Store pre-encoded chunks with write_direct_chunk and index them."""
+    def write_payload(self, payload: EncodedPayload) -> bool:
+        """Store pre-encoded chunks with write_direct_chunk and index them. False (nothing
+        stored) once the writer has stopped on a storage fault."""
         with self._lock:
             self._check_open()
+            if self.failure is not None:
+                return False
             itemsize = payload.itemsize
             ds = self._payload_ds[itemsize]
             chunk = schema.payload_chunk_elements(itemsize)
             first = self._payload_chunks[itemsize]
             n = len(payload.frames)
-            self._reserve_chunks(itemsize, first + n)
-            for i, frame in enumerate(payload.frames):
-                ds.id.write_direct_chunk(((first + i) * chunk,), frame, filter_mask=0)
-                self._maybe_yield_gil()
+            with self._writing():
+                self._reserve_chunks(itemsize, first + n)
+                for i, frame in enumerate(payload.frames):
+                    ds.id.write_direct_chunk(((first + i) * chunk,), frame, filter_mask=0)
+                    if self._io.fault is not None:
+                        break
+                    self._maybe_yield_gil()
+            if self.failure is not None:
+                return False
             self._payload_chunks[itemsize] = first + n
             shape = list(payload.shape) + [0] * (schema.PAYLOAD_MAX_NDIM - len(payload.shape))
             row = (
@@ -320,6 +373,7 @@ class TraceWriter:
             )
             with self._buf_lock:
                 self._buffers["payloads/index"].append(row)
+            return True
 
     def _maybe_yield_gil(self) -> None:
         """Let a thread waiting for the GIL (the model's) in about every 0.5 ms of chunk writes:
@@ -371,6 +425,8 @@ class TraceWriter:
                 table = next(iter(taken))
                 self._write_rows(table, taken[table])
                 del taken[table]
+                if self._io.fault is not None:
+                    return  # the failed state drops what is left
                 _yield_gil()  # between tables, let the model's thread run
         except BaseException:
             # Not written: put it back in front of anything buffered since, for the next flush.
@@ -403,12 +459,44 @@ class TraceWriter:
     def flush(self) -> None:
         """Write every buffered row and make it visible to readers (and to crash recovery)."""
         with self._lock:
-            if self._closed:
+            if self._closed or self.failure is not None:
                 return
-            self._drain_buffers()
-            self._flushes += 1
-            self._file["status"][0] = (0, monotonic_ns(), self._flushes)
-            self._file.flush()
+            with self._writing():
+                self._io.check_linked()
+                if self._io.fault is None:
+                    self._drain_buffers()
+                if self._io.fault is None:
+                    self._flushes += 1
+                    self._file["status"][0] = (0, monotonic_ns(), self._flushes)
+                    self._file.flush()
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Around HDF5 writes (caller holds ``_lock``): a storage fault met inside, or any error
+        HDF5 raises, puts the writer in its failed state and is not raised. After an error
+        HDF5's caches are in an unknown state, so nothing more goes to the disk either way."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - the recorder never harms the user's run
+            if self._io.fault is None:
+                self._io.fail(fault_from(exc, "hdf5"))
+        if self._io.fault is not None and self.failure is None:
+            self._enter_failed(self._io.fault)
+
+    def _enter_failed(self, fault: StorageFault) -> None:
+        """Stop for good: drop what is buffered, stop the flusher, tell the owner once."""
+        self.failure = fault
+        with self._buf_lock:
+            for buf in self._buffers.values():
+                buf.clear()
+            self._text_buffer.clear()
+        self._stop.set()
+        self._wake.set()
+        if self._on_failure is not None:
+            try:
+                self._on_failure(fault)
+            except Exception:  # noqa: BLE001, S110 - a callback must not undo the failed state
+                pass
 
     def flush_soon(self) -> None:
         """Ask the flusher thread to flush now and return at once (the caller's thread writes
@@ -423,12 +511,13 @@ class TraceWriter:
                 return  # close() does the final flush
             try:
                 self.flush()
-            except Exception:  # noqa: BLE001 - a failed flush must not kill the host process
-                # The next flush or close retries; the error surfaces there.
-                pass
+            except Exception:  # noqa: BLE001, S110 - a failed flush must not kill the host process
+                pass  # flush() turns write errors into the failed state; nothing else is expected
 
     def close(self) -> None:
-        """Flush, mark the trace complete, close. Safe to call twice."""
+        """Flush, mark the trace complete, close. Safe to call twice. After a storage fault the
+        trace is not marked complete: ``/stop`` says why it stopped (where the disk still takes
+        that in-place write) and it holds everything up to its last completed flush."""
         self._stop.set()
         self._wake.set()
         if self._flusher.is_alive() and threading.current_thread() is not self._flusher:
@@ -436,16 +525,56 @@ class TraceWriter:
         with self._lock:
             if self._closed:
                 return
-            self._trim_payload_extents()
-            self.flush()
-            self._file["status"][0] = (monotonic_ns(), monotonic_ns(), self._flushes)
-            self._file.flush()
-            self._file.close()
+            if self.failure is None:
+                with self._writing():
+                    self._trim_payload_extents()
+                self.flush()
+                if self.failure is None:
+                    with self._writing():
+                        self._file["status"][0] = (monotonic_ns(), monotonic_ns(), self._flushes)
+                        self._file.flush()
             self._closed = True
+            self._close_file()
+            if self._io.fault is not None and self.failure is None:  # HDF5's own close failed
+                self._enter_failed(self._io.fault)
+
+    def _close_file(self) -> None:
+        """Close HDF5, stamp /stop after a fault, close the file under it. After a fault HDF5's
+        last writes go to the overlay, never to the disk."""
+        try:
+            self._file.close()
+        except Exception as exc:  # noqa: BLE001 - close is best effort once writing failed
+            self._io.fail(fault_from(exc, "hdf5"))
+        fault = self._io.fault
+        if fault is not None and self._stop_offset is not None:
+            # In place: these bytes already exist, so a full disk still takes them; a failing
+            # device may not, and then the trace is simply incomplete.
+            reason = fault.describe().encode("utf-8", errors="replace")[:128]
+            row = np.array([(monotonic_ns(), fault.errno, reason)], dtype=schema.STOP)
+            self._io.raw_write(int(self._stop_offset), row.tobytes())
+        self._io.close_raw()
+
+    def _close_at_exit(self) -> None:
+        """A writer still open at interpreter exit: flush and close it (not marked complete).
+        HDF5 would otherwise close it from its own exit handler, calling the fileobj driver
+        back into an interpreter that is gone (a segfault)."""
+        self._stop.set()
+        self._wake.set()
+        with self._lock:
+            if self._closed:
+                return
+            self.flush()
+            self._closed = True
+            self._close_file()
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def failed(self) -> bool:
+        """True once a storage fault stopped the writer (see :attr:`failure`)."""
+        return self.failure is not None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -456,6 +585,18 @@ class TraceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_OPEN_WRITERS: weakref.WeakSet[TraceWriter] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_writers() -> None:
+    for writer in list(_OPEN_WRITERS):
+        try:
+            writer._close_at_exit()
+        except Exception:  # noqa: BLE001, S110 - exiting anyway; the file keeps its last flush
+            pass
 
 
 class RowBlock:

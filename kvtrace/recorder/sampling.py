@@ -141,6 +141,10 @@ def encode_samples(jobs: list[_Job], level: int) -> list[EncodedPayload]:
     ]
 
 
+class _WriterStopped(Exception):
+    """The writer stopped on a storage fault: the queued samples are discarded."""
+
+
 class PayloadSampler:
     """Selects, copies and (in background threads) writes sampled tensors."""
 
@@ -185,7 +189,7 @@ class PayloadSampler:
     def wants(self, step: int, *, is_prefill: bool, is_last: bool) -> bool:
         """Sample at this step? Prefill end, the last step and every N-th decode step."""
         s = self.settings
-        if not s.enabled or self._closed:
+        if not s.enabled or self._closed or self.writer.failed:  # nothing can be stored any more
             return False
         if is_prefill:
             return s.at_prefill_end
@@ -230,7 +234,7 @@ class PayloadSampler:
         the memory before the copy is done.
         """
         kind = PayloadKind(kind)
-        if self._closed or not self.wants_layer(layer) or not self.wants_kind(kind):
+        if self._closed or self.writer.failed or not self.wants_layer(layer) or not self.wants_kind(kind):
             return False
         dtype = cache_dtype(tensor.dtype)
         if dtype is None or tensor.device.type == "meta" or tensor.dim() > PAYLOAD_MAX_NDIM:
@@ -384,12 +388,16 @@ class PayloadSampler:
             try:
                 for event in {id(j.event): j.event for j in jobs if j.event is not None}.values():
                     event.synchronize()  # this worker waits, the generating thread never does
+                if self.writer.failed:  # stopped on a storage fault: skip the encoding too
+                    raise _WriterStopped
                 for payload in encode_samples(jobs, self.settings.level):
                     try:
-                        self.writer.write_payload(payload)
-                        written += 1
+                        if self.writer.write_payload(payload) is not False:  # False: writer stopped
+                            written += 1
                     except Exception as exc:  # noqa: BLE001 - counted; the trace records it at close
                         error = f"write: {type(exc).__name__}: {exc}"
+            except _WriterStopped:
+                error = "write: the trace writer stopped on a storage failure"
             except Exception as exc:  # noqa: BLE001 - the copy or the encoding failed
                 error = f"write: {type(exc).__name__}: {exc}"
             failed = len(jobs) - written
@@ -443,6 +451,8 @@ class PayloadSampler:
         for worker in self._workers:
             worker.join()
         self._stats = self.stats()
+        if self.writer.failed:
+            return self._stats  # nothing more can be stored; the counts stay in the stats
         try:
             self._record_close()
         except RuntimeError:  # writer already closed: the counts stay in the returned stats

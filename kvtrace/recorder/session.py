@@ -41,6 +41,7 @@ import hashlib
 import json
 import os
 import secrets
+import sys
 import types
 import weakref
 from collections import Counter
@@ -51,6 +52,7 @@ from typing import Any
 import torch
 
 from kvtrace.format.schema import EventKind, LayerType, Outcome, PayloadKind, Phase, ReadingLabel
+from kvtrace.format.storage import StorageFault, hold_sigxfsz, release_sigxfsz
 from kvtrace.format.writer import TraceWriter, monotonic_ns
 from kvtrace.recorder import hooks as _hooks
 from kvtrace.recorder.accounting import account
@@ -239,6 +241,7 @@ class Recorder:
         self._generate_patch: tuple[bool, Any] | None = None
         self._attn_before = _attn_snapshot(model)
         self.devices: list[int] = []
+        self._sigxfsz_held = False
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -265,10 +268,14 @@ class Recorder:
         except BaseException:
             self.telemetry.close()
             raise
+        # A write past RLIMIT_FSIZE must fail (EFBIG, handled by the writer), not kill the process.
+        self._sigxfsz_held = hold_sigxfsz()
         try:
             self.writer = TraceWriter(self.path, meta, self.telemetry.device_infos(),
-                                      flush_interval_s=opts.flush_interval_s)
+                                      flush_interval_s=opts.flush_interval_s,
+                                      on_failure=self._on_storage_failure)
         except OSError as exc:
+            self._release_sigxfsz()
             self.telemetry.close()
             self._close_exporter()
             raise CannotWriteTrace(f"cannot write trace to {self.path}: {exc}") from exc
@@ -329,6 +336,28 @@ class Recorder:
         self._close_exporter()
         if self.writer is not None:
             self.writer.close()
+        self._release_sigxfsz()
+
+    def _release_sigxfsz(self) -> None:
+        if self._sigxfsz_held:
+            self._sigxfsz_held = False
+            release_sigxfsz()
+
+    @property
+    def storage_failure(self) -> StorageFault | None:
+        """Why the trace stopped being written (disk full, EFBIG, EIO, file deleted), or None.
+        The trace then holds everything up to its last flush and is not marked complete."""
+        return self.writer.failure if self.writer is not None else None
+
+    def _on_storage_failure(self, fault: StorageFault) -> None:
+        """Called once, by the writer, from whichever thread met the fault: one warning line."""
+        try:
+            sys.stderr.write(f"kvtrace: warning: stopped writing trace {self.path}: {fault.describe()}; "
+                             "generation continues unrecorded, the trace keeps everything up to its "
+                             "last flush\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001, S110 - stderr closed or broken: nothing else to tell
+            pass
 
     # ---- live metrics ---------------------------------------------------------------------------
 
