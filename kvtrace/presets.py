@@ -325,6 +325,43 @@ def tiny_shrink_args(name: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
+# memory: random weights are materialised at once
+
+# A build is refused when its weights exceed this share of the memory available now; the rest is
+# left for activations, the KV cache and the process itself.
+MEMORY_SHARE = 0.8
+
+
+class PresetTooLarge(MemoryError):
+    """A preset's random weights would not fit in the memory available now."""
+
+
+def available_memory(device: str | Any) -> tuple[int, str]:
+    """(bytes available now, where): free memory of a CUDA device, else available RAM (psutil)."""
+    dev = str(device)
+    if dev.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(dev))[0]), f"free on {dev}"
+    import psutil
+
+    return int(psutil.virtual_memory().available), "of RAM available"
+
+
+def check_fits(config: Mapping[str, Any], dtype_bytes: float, device: str | Any, *, name: str) -> tuple[int, int, str]:
+    """(weight bytes, bytes available, where) of building ``config`` on ``device``; raises
+    :class:`PresetTooLarge` when the weights exceed ``MEMORY_SHARE`` of what is available."""
+    from kvtrace.units import format_bytes
+
+    need = _geometry.weight_bytes(config, dtype_bytes)
+    free, where = available_memory(device)
+    if need > MEMORY_SHARE * free:
+        raise PresetTooLarge(f"preset {name} needs {format_bytes(need)} for its random weights "
+                             f"({dtype_bytes:g} B/parameter), {format_bytes(free)} {where}")
+    return need, free, where
+
+
+# --------------------------------------------------------------------------------------------
 # transformers builders (lazy imports)
 
 
@@ -352,7 +389,7 @@ def preset_model(
 
     ``shrink=True`` applies :func:`tiny_shrink_args` (``layers`` overrides its depth) so the model
     builds and generates on a CPU in seconds; ``shrink=False`` builds the real size (``layers`` may
-    still cut depth): mind the memory.
+    still cut depth), refused with :class:`PresetTooLarge` when it would not fit (:func:`check_fits`).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -360,10 +397,12 @@ def preset_model(
     kw: dict[str, Any] = tiny_shrink_args(name) if shrink else {}
     if layers is not None:
         kw["layers"] = layers
+    dtype = dtype or torch.float32
+    check_fits(preset_config_dict(name, **kw), dtype.itemsize, device, name=get_preset(name).name)
     cfg = preset_config(name, **kw)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.eval()
     if model.generation_config.pad_token_id is None:
         eos = model.generation_config.eos_token_id

@@ -17,9 +17,6 @@ from kvtrace.units import format_bytes
 
 CACHE_IMPLEMENTATIONS = ("dynamic", "static", "offloaded", "offloaded_static", "quantized_fp8")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# Random weights are materialised at once: a preset whose weights exceed this share of the memory
-# available now is refused (the rest is left for activations, the KV cache and the process itself).
-MEMORY_SHARE = 0.8
 # What the Hugging Face hub accepts as a repo id ("name" or "org/name"); anything else is a path.
 _HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
 
@@ -165,32 +162,18 @@ def check_sample_selection(config: dict[str, Any], layers: list[int] | None, hea
                                      f"have at most {most} KV heads (0..{most - 1})", param_hint="--sample-heads")
 
 
-class PresetTooLarge(Unavailable):
-    """A full-size preset's random weights would not fit in the memory available now."""
-
-
 def check_preset_memory(config: dict[str, Any], dtype_bytes: int, device: str, *, shrunk: bool,
                         name: str) -> int:
     """Weight bytes of the preset; warn when it is built at full size, refuse (exit 69) when the
-    weights exceed MEMORY_SHARE of the memory available now on ``device``."""
-    from kvtrace import geometry
+    weights exceed presets.MEMORY_SHARE of the memory available now on ``device``."""
+    from kvtrace import presets
 
-    need = geometry.weight_bytes(config, dtype_bytes)
-    if device.startswith("cuda"):
-        import torch
-
-        free = int(torch.cuda.mem_get_info(torch.device(device))[0])
-        where = f"free on {device}"
-    else:
-        import psutil
-
-        free = int(psutil.virtual_memory().available)
-        where = "of RAM available"
     hint = (f"shrink it: --tiny, or --layers N --width F --vocab V (e.g. kvtrace record --model preset:{name} "
             "--tiny ...); KV geometry per layer is kept")
-    if need > MEMORY_SHARE * free:
-        raise PresetTooLarge(f"preset {name} needs {format_bytes(need)} for its random weights "
-                             f"({dtype_bytes} B/parameter), {format_bytes(free)} {where}: {hint}")
+    try:
+        need, free, where = presets.check_fits(config, dtype_bytes, device, name=name)
+    except presets.PresetTooLarge as exc:
+        raise Unavailable(f"{exc}: {hint}") from None
     if not shrunk:
         click.echo(f"warning: preset {name} at full size: {format_bytes(need)} of random weights "
                    f"({format_bytes(free)} {where}); {hint}", err=True)

@@ -193,3 +193,15 @@ def test_record_cached_hub_id_config_is_checked_before_loading(tmp_path):
     p = subprocess.run([*argv[:5], "someone/not-cached", *argv[6:]], capture_output=True, text=True, env=env,
                        timeout=120)
     assert p.returncode == exitcodes.UNAVAILABLE and "not in the Hugging Face cache" in p.stderr
+
+
+def test_preset_model_full_size_refused_before_building(monkeypatch):
+    """The Python API refuses too: 8B float32 weights against 8 GiB available, before any tensor."""
+    import types
+
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=8 << 30))
+    with pytest.raises(presets.PresetTooLarge, match=r"needs 29\.9 GiB"):
+        presets.preset_model("llama-3.1-8b", shrink=False)
+    assert presets.preset_model("llama-3.1-8b").config.num_hidden_layers == 2  # shrunk: fits
