@@ -40,6 +40,10 @@ Variants (recorder options, or mechanism-isolation patches; see ``VARIANTS``):
   m_telemetry  bare + the telemetry thread (NVML + allocator stats + RSS) at its default rate
   m_nvml       bare + the telemetry thread with NVML and RSS only
   m_allocator  bare + the telemetry thread with allocator stats and RSS only
+  m_*_xN       amplified: a mechanism run N times as often as its default (telemetry at 500 Hz
+               instead of 20, the flusher every 50 ms instead of 1 s, the structure every step
+               instead of every 8th): its cost at the default rate is (ratio - 1) / N, resolvable
+               where the plain variant's cost is below the run-to-run noise
   memhist      torch.cuda.memory._record_memory_history() (anchor; own process)
   profiler     torch.profiler.profile(profile_memory=True) (anchor; own process)
 
@@ -78,14 +82,26 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "m_telemetry": {"options": _BARE, "patch": ("nohooks",)},
     "m_nvml": {"options": {**_BARE, "allocator": False}, "patch": ("nohooks",)},
     "m_allocator": {"options": {**_BARE, "nvml": False}, "patch": ("nohooks",)},
+    # Amplified: the same mechanism run N times as often, so that its cost rises above the
+    # run-to-run noise; its cost at the default rate is (ratio - 1) / N (see "amplify").
+    "m_nvml_x25": {"options": {**_BARE, "allocator": False, "telemetry_hz": 500.0}, "patch": ("nohooks",),
+                   "amplify": 25},
+    "m_allocator_x25": {"options": {**_BARE, "nvml": False, "telemetry_hz": 500.0}, "patch": ("nohooks",),
+                        "amplify": 25},
+    "m_flusher_x20": {"options": {**_BARE, "flush_interval_s": 0.05}, "patch": ("nohooks", "notelemetry"),
+                      "amplify": 20},
+    "m_structure_x8": {"options": {**_BARE, "structure_every": 1}, "patch": ("notelemetry",), "amplify": 8},
+    "m_retention_x8": {"options": {**_BARE, "structure_every": 1, "retention": True}, "patch": ("notelemetry",),
+                       "amplify": 8},
     "memhist": {"anchor": True},
     "profiler": {"anchor": True},
 }
 MECHANISMS = ("bare", "m_hooks", "m_structure", "m_retention", "m_flusher", "m_telemetry", "m_nvml",
               "m_allocator", "recorder", "full_exit")
+AMPLIFIED = ("bare", "m_nvml_x25", "m_allocator_x25", "m_flusher_x20", "m_structure_x8", "m_retention_x8")
 
 # Shapes: (name, batch, prompt tokens, new tokens).
-SHAPES = {"b1": (1, 128, 128), "b16": (16, 1024, 64), "tiny": (1, 16, 12)}
+SHAPES = {"b1": (1, 128, 128), "b16": (16, 1024, 64), "b1s": (1, 128, 64), "tiny": (1, 16, 12)}
 GPU_MODELS = {"pythia-1.4b": None, "gpt-oss-20b": 6}  # preset -> layers kept (None: all)
 
 
@@ -100,6 +116,8 @@ def suite_jobs(suite: str, pairs: int | None) -> list[dict[str, Any]]:
         return [_job(m, s, ["recorder", "sampling32"], pairs or 12) for m in GPU_MODELS for s in ("b1", "b16")]
     if suite == "mechanisms":
         return [_job("pythia-1.4b", "b1", list(MECHANISMS), pairs or 8)]
+    if suite == "amplified":
+        return [_job("pythia-1.4b", "b1s", list(AMPLIFIED), pairs or 5)]
     if suite == "anchors":
         return [_job("pythia-1.4b", "b1", [a], pairs or 3) for a in ("memhist", "profiler")]
     if suite == "smoke":
@@ -122,7 +140,7 @@ def bootstrap_median_ci(values: list[float], resamples: int = 4000, seed: int = 
     return statistics.median(values), lo, hi
 
 
-def summarize(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(pairs: list[dict[str, Any]], variant: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"pairs": len(pairs)}
     for key in ("total", "generate", "decode"):
         ratios = [p[f"{key}_ratio"] for p in pairs if p.get(f"{key}_ratio") is not None]
@@ -132,6 +150,20 @@ def summarize(pairs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("enter_s", "exit_s"):
         vals = [p["variant"][key] for p in pairs if p["variant"].get(key) is not None]
         out[f"{key}_median"] = statistics.median(vals) if vals else None
+    for key in ("hook_s", "threads_cpu_s"):  # direct costs, as fractions of the base call
+        vals = [p["variant"][key] / p["base"]["total_s"] for p in pairs if p["variant"].get(key) is not None]
+        out[f"{key[:-2]}_fraction_median"] = statistics.median(vals) if vals else None
+    outside = [(p["variant"]["outside_decode_s"], p["base"]["outside_decode_s"]) for p in pairs
+               if "outside_decode_s" in p["variant"] and "outside_decode_s" in p["base"]]
+    # per-request work (begin + finish) = the variant's generate-outside-decode minus base's
+    out["request_work_s_median"] = (statistics.median([v for v, _ in outside])
+                                    - statistics.median([b for _, b in outside])) if outside else None
+    amplify = VARIANTS.get(variant, {}).get("amplify") if variant else None
+    if amplify:
+        med = out["decode"]["median"]
+        out["amplify"] = amplify
+        out["per_default_rate"] = {k: [(x - 1) / amplify for x in [out[k]["median"], *out[k]["ci95"]]]
+                                   for k in ("total", "decode")} if med is not None else None
     base = [p["base"]["total_s"] for p in pairs]
     out["base_total_s_median"] = statistics.median(base) if base else None
     exits = [p["variant"]["exit_s"] / p["base"]["total_s"] for p in pairs if p["variant"].get("exit_s") is not None]
@@ -191,6 +223,32 @@ def _patched(names: tuple[str, ...]) -> Iterator[None]:
             setattr(cls, attr, original)
 
 
+def kvtrace_thread_cpu_s() -> float | None:
+    """CPU seconds used so far by this process's live kvtrace-* threads (telemetry, flusher,
+    payload workers): what they can have taken from the model's thread through the GIL, read
+    without A/B noise. schedstat (ns) where the kernel has it, else stat (clock ticks)."""
+    import threading
+
+    total, found = 0.0, False
+    tick = os.sysconf("SC_CLK_TCK")
+    for thread in threading.enumerate():  # names live in Python: CPython < 3.14 does not give them to the OS
+        if not thread.name.startswith("kvtrace-") or thread.native_id is None:
+            continue
+        base = f"/proc/self/task/{thread.native_id}"
+        found = True
+        try:
+            try:
+                with open(f"{base}/schedstat", encoding="utf-8") as fh:
+                    total += int(fh.read().split()[0]) / 1e9
+            except OSError:
+                with open(f"{base}/stat", encoding="utf-8") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, IndexError, ValueError):
+            continue
+    return total if found else 0.0
+
+
 def _sync() -> None:
     import torch
 
@@ -244,14 +302,17 @@ def run_generate(model: Any, variant: str, ids: Any, new: int, trace_dir: Path, 
             t1 = time.perf_counter_ns()
             gen()
             t2 = time.perf_counter_ns()
+            threads_s = kvtrace_thread_cpu_s()  # before close: the threads end there
             rec.__exit__(None, None, None)
             t3 = time.perf_counter_ns()
         info = {"recorder_errors": rec.recorder_errors, "hook_s": rec.hook_time_ns / 1e9,
-                "trace_bytes": path.stat().st_size}
+                "threads_cpu_s": threads_s, "trace_bytes": path.stat().st_size}
         path.unlink()  # large traces would fill the disk and the page cache across pairs
     steps = len(clock.times)
     decode = (clock.times[-1] - clock.times[0]) / (steps - 1) / 1e9 if steps > 1 else None
     out = {"total_s": (t3 - t0) / 1e9, "generate_s": (t2 - t1) / 1e9, "decode_step_s": decode, **info}
+    if decode is not None:  # generate outside the decode loop: prefill + per-request begin/finish work
+        out["outside_decode_s"] = out["generate_s"] - decode * (steps - 1)
     if variant != "base":
         out["enter_s"] = (t1 - t0) / 1e9
         out["exit_s"] = (t3 - t2) / 1e9
@@ -313,7 +374,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in job.items() if k != "log"}, "batch": batch, "prompt": prompt, "new_tokens": new,
             "device_name": name, "torch": torch.__version__, "transformers": transformers.__version__,
             "kvtrace_file": kvtrace.__file__, "warmup_s": t_warm, "wall_s": time.monotonic() - t_start,
-            "summary": {v: summarize(results[v]) for v in variants}, "pairs_raw": results}
+            "summary": {v: summarize(results[v], v) for v in variants}, "pairs_raw": results}
 
 
 # ---- workloads ---------------------------------------------------------------------------------
@@ -355,11 +416,18 @@ def _fmt(s: dict[str, Any]) -> str:
     return f"{s['median']:.3f} [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]"
 
 
+def _pct(x: float | None) -> str:
+    return f"{x * 100:.2f}%" if x is not None else "-"
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
     print("ratio = variant / base of the same ABBA pair: median [95% bootstrap CI]; open/close = median ms "
           "of record()'s __enter__ / __exit__ (the per-request finish is inside 'generate')")
-    print(f"{'code':<7} {'model':<12} {'shape':<5} {'variant':<12} {'pairs':>5}  {'whole call':>24}  "
-          f"{'generate':>24}  {'decode/step':>24}  {'open/close ms':>13}  {'base s':>6}")
+    print("req ms = per-request begin/finish work (generate outside its decode loop, minus base's); hooks / "
+          "threads = CPU time in the step hooks / in kvtrace's threads, as a fraction of the base call")
+    print(f"{'code':<7} {'model':<12} {'shape':<5} {'variant':<15} {'pairs':>5}  {'whole call':>24}  "
+          f"{'generate':>24}  {'decode/step':>24}  {'open/close ms':>13}  {'req ms':>6}  {'hooks':>6}  "
+          f"{'threads':>7}  {'base s':>6}")
     for r in results:
         if "error" in r:
             print(f"{r.get('code', 'after'):<7} {r['model']:<12} {r['shape']:<5} {','.join(r['variants']):<12} "
@@ -368,9 +436,16 @@ def print_table(results: list[dict[str, Any]]) -> None:
         for v, s in r["summary"].items():
             oc = (f"{s['enter_s_median'] * 1e3:.1f}/{s['exit_s_median'] * 1e3:.1f}"
                   if s.get("enter_s_median") is not None else "-")
-            print(f"{r.get('code', 'after'):<7} {r['model']:<12} {r['shape']:<5} {v:<12} {s['pairs']:>5}  "
+            req = s.get("request_work_s_median")
+            print(f"{r.get('code', 'after'):<7} {r['model']:<12} {r['shape']:<5} {v:<15} {s['pairs']:>5}  "
                   f"{_fmt(s['total']):>24}  {_fmt(s['generate']):>24}  {_fmt(s['decode']):>24}  "
-                  f"{oc:>13}  {s['base_total_s_median']:6.2f}")
+                  f"{oc:>13}  {(f'{req * 1e3:.1f}' if req is not None else '-'):>6}  "
+                  f"{_pct(s.get('hook_fraction_median')):>6}  {_pct(s.get('threads_cpu_fraction_median')):>7}  "
+                  f"{s['base_total_s_median']:6.2f}")
+            if s.get("per_default_rate"):
+                d = s["per_default_rate"]["decode"]
+                print(f"{'':<7} {'':<12} {'':<5} {'':<15} {'':>5}  amplified x{s['amplify']}: at the default rate "
+                      f"decode/step +{d[0] * 100:.2f}% [{d[1] * 100:.2f}, {d[2] * 100:.2f}]")
     if results and "device_name" in results[0]:
         print(f"device: {results[0]['device_name']}, torch {results[0]['torch']}, "
               f"transformers {results[0]['transformers']}")

@@ -73,9 +73,19 @@ def total_ram_bytes() -> int:
         return -1
 
 
+_NVML: Nvml | None = None
+_NVML_LOCK = threading.Lock()
+
+
 def _open_nvml() -> Nvml:
-    """Indirection so tests can substitute an NVML session; the real one lives in nvml.py."""
-    return Nvml()
+    """The process's NVML session (tests substitute their own here). Opened by the first recorder
+    and kept: nvmlInit + nvmlShutdown cost milliseconds per recording session, on the caller's
+    thread (issue 13), and NVML counts its users itself. A failed open is retried next time."""
+    global _NVML
+    with _NVML_LOCK:
+        if _NVML is None or not _NVML.available:
+            _NVML = Nvml()
+        return _NVML
 
 
 # listener(device, nvml memory or None, allocator reading or None), on the sampler thread
@@ -145,6 +155,7 @@ class Telemetry:
             return
         nvml = _open_nvml()
         self._nvml = nvml  # kept even when no device matches: it still knows the driver version
+        self._reported["nvml"] = nvml.errors  # the session is shared: count only this one's errors
         if not nvml.available:
             entry["reason"] = nvml.reason
             return
@@ -302,10 +313,8 @@ class Telemetry:
                 pass
 
     def close(self) -> None:
-        """stop() and release NVML."""
+        """stop(). The NVML session stays open for the next recorder (see _open_nvml)."""
         self.stop()
-        if self._nvml is not None:
-            self._nvml.shutdown()
 
     def _run(self) -> None:
         period = 1.0 / self.rate_hz
