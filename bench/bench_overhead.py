@@ -119,7 +119,7 @@ def suite_jobs(suite: str, pairs: int | None) -> list[dict[str, Any]]:
     if suite == "amplified":
         return [_job("pythia-1.4b", "b1s", list(AMPLIFIED), pairs or 5)]
     if suite == "anchors":
-        return [_job("pythia-1.4b", "b1", [a], pairs or 3) for a in ("memhist", "profiler")]
+        return [_job("pythia-1.4b", "b1s", [a], pairs or 3) for a in ("memhist", "profiler")]
     if suite == "smoke":
         return [_job("pythia-1.4b", "tiny", ["recorder", "m_hooks"], pairs or 2, tiny=True)]
     raise ValueError(f"unknown suite {suite!r}")
