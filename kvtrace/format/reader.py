@@ -32,6 +32,7 @@ from kvtrace.format.numeric import to_float32
 from kvtrace.units import format_bytes
 
 MAX_JSON_ATTR_BYTES = 64 * 1024 * 1024
+MAX_LISTED = 8  # distinct problems of one kind listed; the rest are counted
 MAX_PAYLOAD_BYTES = 8 * 1024**3  # one payload decoded into memory; larger is refused
 # Decoding allowed for one operation (a table read; all payloads of the index together), relative
 # to the file: real sampled K/V/Q decode to 1.3x their stored bytes (tests/data, bf16 after
@@ -209,7 +210,7 @@ class Trace:
     def _refuse_over_limit(self, what: str, nbytes: int) -> None:
         if nbytes > self.decode_limit:
             raise LimitExceeded(
-                f"{self.path}: {what} decode(s) to {format_bytes(nbytes)} from a {format_bytes(self.file_bytes)} "
+                f"{self.path}: {what} would decode to {format_bytes(nbytes)} from a {format_bytes(self.file_bytes)} "
                 f"file, over the reader's limit of {format_bytes(self.decode_limit)} "
                 f"({DECODE_RATIO}x the file, at least {format_bytes(DECODE_FLOOR_BYTES)}); refused"
             )
@@ -497,12 +498,14 @@ def payload_row_problems(rows: np.ndarray) -> dict[int, str]:
     n = rows["n_elements"].astype(np.uint64)
     flag(~np.isin(itemsize, schema.PAYLOAD_ITEMSIZES),
          lambda i: f"payload itemsize {itemsize[i]} is not one of {schema.PAYLOAD_ITEMSIZES}")
-    dtype_size = {int(d): size for d, size in schema.DTYPE_ITEMSIZE.items()}
+    dtype_size = np.zeros(256, dtype=np.int64)  # dtype is uint8: a lookup table covers every code
+    for d, size in schema.DTYPE_ITEMSIZE.items():
+        dtype_size[int(d)] = size
     for column, enum_type in ENUM_COLUMNS["payloads/index"]:
         codes = rows[column].astype(np.int64)
         flag(~np.isin(codes, [int(v) for v in enum_type]),
              lambda i, c=codes, col=column: f"payload index {col} has unknown code {c[i]}")
-    fits = np.array([dtype_size.get(int(d), 0) for d in rows["dtype"]], dtype=np.int64) == itemsize
+    fits = dtype_size[rows["dtype"].astype(np.uint8)] == itemsize
     flag(~fits, lambda i: f"payload itemsize {itemsize[i]} does not fit dtype code {int(rows['dtype'][i])}")
     flag((ndim < 0) | (ndim > schema.PAYLOAD_MAX_NDIM),
          lambda i: f"payload ndim {ndim[i]} is not in [0, {schema.PAYLOAD_MAX_NDIM}]")
@@ -573,7 +576,22 @@ def structure_problems(trace: Trace) -> tuple[list[str], set[str]]:
         if bad and trace.minor >= schema.FORMAT_MINOR:
             problems.append(f"/{name} lacks or mistypes fields: {', '.join(bad)}")
             continue
+        try:
+            trace._refuse_over_limit(f"/{name} ({obj.shape[0]} rows)", obj.shape[0] * obj.dtype.itemsize)
+        except LimitExceeded as exc:
+            problems.append(str(exc).split(": ", 1)[-1])
+            continue
         present.add(name)
+    if "payloads/index" in present:
+        try:
+            index = trace.table("payloads/index", check_codes=False)
+            row_problems = sorted(set(payload_row_problems(index).values()))
+            problems.extend(row_problems[:MAX_LISTED])
+            if len(row_problems) > MAX_LISTED:
+                problems.append(f"... and {len(row_problems) - MAX_LISTED} more kinds of bad payload index rows")
+            problems.extend(str(exc).split(": ", 1)[-1] for exc in payload_index_problems(index, trace))
+        except TraceError as exc:
+            problems.append(str(exc).split(": ", 1)[-1])
     try:
         text = trace._file.get("text")
         if not isinstance(text, h5py.Dataset) or text.dtype != np.uint8 or text.ndim != 1:

@@ -18,6 +18,7 @@ from kvtrace.format.codec import check_chunk
 from kvtrace.format.errors import H5_READ_ERRORS, CorruptChunk, TraceError
 from kvtrace.format.reader import (
     ENUM_COLUMNS,
+    MAX_LISTED,
     MAX_TEXT_BYTES,
     Trace,
     payload_index_problems,
@@ -34,7 +35,6 @@ TEXT_REFS = {
     "retention": [("referrers_off", "referrers_len")],
 }
 ROW_BLOCK = 1 << 16  # rows per read: a few MiB for the widest table
-MAX_LISTED = 8  # payload problems listed one by one; the rest are counted
 
 
 @dataclass
@@ -159,9 +159,6 @@ def _check_block(name: str, rows: np.ndarray, text_len: int, seen: set[str]) -> 
             seen.add("/kv has rows keeping more tokens than seen")
         if np.any(rows["bytes_valid"] > rows["bytes_allocated"]):
             seen.add("/kv has rows with more valid than allocated bytes")
-    if name == "payloads/index" and rows.size:
-        problems = payload_row_problems(rows)
-        seen.update(sorted(set(problems.values()))[:MAX_LISTED])
 
 
 def _goes_backwards(trace: Trace, table: str) -> bool:
@@ -214,12 +211,10 @@ def stored_contents(trace: Trace, present: set[str] | None = None) -> dict[str, 
 
 def _check_payloads(trace: Trace, report: ValidationReport) -> None:
     """Decode every chunk of every payload once, one chunk in memory at a time."""
-    index = trace.payload_index()
-    whole = payload_index_problems(index, trace)
-    report.problems.extend(_short(exc) for exc in whole)
-    if whole:
-        return  # over the limit, or chunks decoded more than once: decoding is what the rules refuse
-    skip = payload_row_problems(index)  # listed by the row check
+    index = trace.table("payloads/index", check_codes=False)
+    if payload_index_problems(index, trace):
+        return  # listed by structure_problems; over the limit or shared chunks: decoding is refused
+    skip = payload_row_problems(index)  # listed by structure_problems
     bad = 0
     for i, row in enumerate(index):
         if i in skip:
