@@ -43,14 +43,16 @@ class StorageFault:
         return errno.errorcode.get(self.errno, f"errno {self.errno}") if self.errno else "error"
 
     def describe(self) -> str:
+        if not self.errno:  # not an OS error: HDF5 or the writer itself failed
+            return f"{self.strerror} during {self.operation}"
         where = f" at offset {self.offset}" if self.operation in ("write", "read") and self.offset >= 0 else ""
         return f"{self.errno_name} ({self.strerror}) on {self.operation}{where}"
 
 
 def fault_from(exc: BaseException, operation: str, offset: int = -1) -> StorageFault:
     code = getattr(exc, "errno", None) or 0
-    text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-    return StorageFault(int(code), str(text), operation, offset)
+    text = getattr(exc, "strerror", None) if code else f"{type(exc).__name__}: {exc}"
+    return StorageFault(int(code), str(text or exc), operation, offset)
 
 
 class GuardedFile:

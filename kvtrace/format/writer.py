@@ -321,26 +321,30 @@ class TraceWriter:
 
     def update_request(self, request_id: int, **fields: Any) -> None:
         """Rewrite fields of a request row (outcome, end_ns, new_tokens, ...)."""
-        with self._lock, self._buf_lock:
-            self._check_open()
-            if self.failure is not None:
-                return
-            index = self._request_rows[request_id]
-            names = schema.REQUESTS.names
-            written = self._rows_written["requests"]
-            if index >= written:
-                buf = self._buffers["requests"]
-                row = list(buf[index - written])
-                for k, v in fields.items():
-                    row[names.index(k)] = v
-                buf[index - written] = tuple(row)
-            else:
-                with self._writing():
-                    ds = self._file["requests"]
-                    current = ds[index]
+        unknown = set(fields) - set(schema.REQUESTS.names)
+        if unknown:
+            raise ValueError(f"/requests has no field(s) {', '.join(sorted(unknown))}")
+        with self._lock:  # _rows_written only changes under _lock: the index stays valid
+            with self._buf_lock:
+                self._check_open()
+                if self.failure is not None:
+                    return
+                index = self._request_rows[request_id]
+                names = schema.REQUESTS.names
+                written = self._rows_written["requests"]
+                if index >= written:
+                    buf = self._buffers["requests"]
+                    row = list(buf[index - written])
                     for k, v in fields.items():
-                        current[k] = v
-                    ds[index] = current
+                        row[names.index(k)] = v
+                    buf[index - written] = tuple(row)
+                    return
+            with self._writing():  # outside _buf_lock: entering the failed state takes it
+                ds = self._file["requests"]
+                current = ds[index]
+                for k, v in fields.items():
+                    current[k] = v
+                ds[index] = current
 
     def write_payload(self, payload: EncodedPayload) -> bool:
         """Store pre-encoded chunks with write_direct_chunk and index them. False (nothing

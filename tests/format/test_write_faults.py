@@ -193,6 +193,37 @@ def test_fault_during_close_keeps_last_flush(tmp_path):
         assert stopped(t)["errno"] == errno.ENOSPC
 
 
+def test_fault_after_rewriting_a_flushed_request_row(tmp_path):
+    """update_request rewrites a row already in the file (through HDF5's chunk cache); when the
+    device fails before that reaches the disk, the file keeps the row as flushed."""
+    path = tmp_path / "u.kvt.h5"
+    raw = FailingFile(path, 1 << 40, "device", errno.EIO)
+    faults: list = []
+    w = TraceWriter(path, {"model_id": "update"}, flush_interval_s=60, raw=raw, on_failure=faults.append)
+    row = [0] * 15
+    row[2], row[5], row[8] = 1, -1, b"0" * 64
+    w.begin_request(tuple(row))
+    w.flush()
+    raw.limit = raw.written  # the next write fails
+    w.update_request(0, outcome=1)
+    with pytest.raises(ValueError, match="nope"):  # a caller's mistake is raised, not a fault
+        w.update_request(0, nope=1)
+    w.close()
+    assert [f.errno for f in faults] == [errno.EIO]
+    with _check(path, 0) as t:
+        assert t.requests()["outcome"].tolist() == [0]  # running: the rewrite never reached the disk
+
+
+def test_an_error_inside_hdf5_is_not_called_a_storage_error(tmp_path):
+    faults: list = []
+    w = TraceWriter(tmp_path / "e.kvt.h5", {"model_id": "bad"}, flush_interval_s=60, on_failure=faults.append)
+    w.append("telemetry/process", ("not a number", 0))  # fails converting at the flush
+    w.flush()
+    w.close()
+    assert len(faults) == 1 and faults[0].errno == 0
+    assert faults[0].describe().startswith("ValueError") and "during hdf5" in faults[0].describe()
+
+
 def test_deleted_file_stops_at_next_flush(tmp_path):
     path = tmp_path / "d.kvt.h5"
     faults = []
