@@ -62,6 +62,8 @@ REFUSED = [
     (["export", "zenodo", "{a}", "-o", "{b}", "--creator", "Doe, Jane"], "b"),
     (["calc", "--trace", "{a}", "--context", "4096", "--gpu-memory", "80GiB", "--json-out", "{a}"], "a"),
     (["presets", "--json-out", "{b}"], "b"),
+    (["record", "--model", "preset:llama-3.1-8b", "--tiny", "--prompt", "x", "--max-new-tokens", "2",
+      "-o", "{dir}"], "a"),  # a directory as the trace file: 64 like click's own path checks
 ]
 
 

@@ -9,7 +9,8 @@ Before any work, every output path is checked:
   hard links count) is refused -> exit 64 (usage: the command line names one file twice);
 * an output that is an existing HDF5 file (a trace, or any HDF5 data) is refused -> exit 64;
   ``record`` refuses any existing file unless ``--force`` (which still never replaces an input);
-* an output that cannot be created (directory missing, not writable, a directory) -> exit 73.
+* an output file that names a directory -> exit 64 (as click's own path checks);
+* an output that cannot be created (directory missing, not writable) -> exit 73.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def check_output(path: str | os.PathLike[str], *, option: str, inputs: Iterable[
         if other is not None and other != "-" and (
                 _same(p, other) or os.path.abspath(p) == os.path.abspath(other)):
             raise click.UsageError(f"{option} and {other_option} name the same file ({path})")
-    if p.is_dir():
-        raise CannotWrite(f"cannot write {what}: it is a directory")
+    if p.is_dir():  # as click's own dir_okay=False check: a usage error
+        raise click.UsageError(f"{option} {path} is a directory, not a file")
     if p.exists() and not force:
         if refuse_existing:
             raise click.UsageError(f"{option} {path} already exists; pass --force to replace it")
