@@ -142,7 +142,7 @@ def bootstrap_median_ci(values: list[float], resamples: int = 4000, seed: int = 
 
 def summarize(pairs: list[dict[str, Any]], variant: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"pairs": len(pairs)}
-    for key in ("total", "generate", "decode"):
+    for key in ("total", "generate", "decode", "median_step", "main_cpu"):
         ratios = [p[f"{key}_ratio"] for p in pairs if p.get(f"{key}_ratio") is not None]
         med, lo, hi = bootstrap_median_ci(ratios)
         out[key] = {"median": med, "ci95": [lo, hi], "min": min(ratios, default=None),
@@ -265,10 +265,14 @@ def run_generate(model: Any, variant: str, ids: Any, new: int, trace_dir: Path, 
     info: dict[str, Any] = {}
     _sync()  # no gc.collect() here: each run meets the collector's state as a caller's would
 
+    cpu: list[int] = []
+
     def gen() -> None:
+        c0 = time.thread_time_ns()
         model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                        logits_processor=LogitsProcessorList([clock]))
         _sync()
+        cpu.append(time.thread_time_ns() - c0)  # the model's thread's own CPU time (not GIL waits)
 
     spec = VARIANTS.get(variant, {})
     t0 = time.perf_counter_ns()
@@ -310,7 +314,11 @@ def run_generate(model: Any, variant: str, ids: Any, new: int, trace_dir: Path, 
         path.unlink()  # large traces would fill the disk and the page cache across pairs
     steps = len(clock.times)
     decode = (clock.times[-1] - clock.times[0]) / (steps - 1) / 1e9 if steps > 1 else None
-    out = {"total_s": (t3 - t0) / 1e9, "generate_s": (t2 - t1) / 1e9, "decode_step_s": decode, **info}
+    gaps = sorted(b - a for a, b in zip(clock.times, clock.times[1:], strict=False))
+    out = {"total_s": (t3 - t0) / 1e9, "generate_s": (t2 - t1) / 1e9, "decode_step_s": decode,
+           # the median step is robust to a few stalled steps; the mean is what the caller pays
+           "decode_median_step_s": statistics.median(gaps) / 1e9 if gaps else None,
+           "main_cpu_s": cpu[0] / 1e9 if cpu else None, **info}
     if decode is not None:  # generate outside the decode loop: prefill + per-request begin/finish work
         out["outside_decode_s"] = out["generate_s"] - decode * (steps - 1)
     if variant != "base":
@@ -325,7 +333,8 @@ def _pair(base: dict[str, Any], var: dict[str, Any], order: str) -> dict[str, An
         return v / b if b and v is not None else None
 
     return {"order": order, "base": base, "variant": var, "total_ratio": ratio("total_s"),
-            "generate_ratio": ratio("generate_s"), "decode_ratio": ratio("decode_step_s")}
+            "generate_ratio": ratio("generate_s"), "decode_ratio": ratio("decode_step_s"),
+            "median_step_ratio": ratio("decode_median_step_s"), "main_cpu_ratio": ratio("main_cpu_s")}
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
@@ -442,6 +451,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
                   f"{oc:>13}  {(f'{req * 1e3:.1f}' if req is not None else '-'):>6}  "
                   f"{_pct(s.get('hook_fraction_median')):>6}  {_pct(s.get('threads_cpu_fraction_median')):>7}  "
                   f"{s['base_total_s_median']:6.2f}")
+            if s.get("median_step", {}).get("median") is not None:
+                print(f"{'':<7} {'':<12} {'':<5} {'':<15} {'':>5}  median step {_fmt(s['median_step'])}, "
+                      f"model thread CPU {_fmt(s['main_cpu'])}")
             if s.get("per_default_rate"):
                 d = s["per_default_rate"]["decode"]
                 print(f"{'':<7} {'':<12} {'':<5} {'':<15} {'':>5}  amplified x{s['amplify']}: at the default rate "
