@@ -248,7 +248,10 @@ class ReplayContext:
     def has_allocator(self) -> bool:
         if self.allocator.size:
             return True
-        return any(int(r["allocated_bytes"]) >= 0 for t in self.requests for r in t.readings.values())
+        # RECORDER_OWN rows carry the recorder's own bytes (0 on a CPU): not an allocator reading
+        own = int(schema.ReadingLabel.RECORDER_OWN)
+        return any(int(r["allocated_bytes"]) >= 0 and int(r["device"]) >= 0 and int(r["label"]) != own
+                   for t in self.requests for r in t.readings.values())
 
     def has_nvml(self) -> bool:
         if self.nvml.size:

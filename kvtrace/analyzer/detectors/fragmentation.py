@@ -197,10 +197,11 @@ class Fragmentation(Detector):
         if not (in_prefill or first_decode):
             return ""
         eager = eager_scores_bytes(ctx, req)
-        what = ("consistent with eager attention's S x S score matrices, "
-                f"{format_bytes(eager)} per layer" if eager and peak >= EAGER_MATCH * eager
-                else "attention and activations")
-        return f", left by the {req.prompt_tokens:,}-token prefill ({what} carved and freed large blocks),"
+        if eager and peak >= EAGER_MATCH * eager:
+            what = f"whose eager attention materialised S x S score matrices of {format_bytes(eager)} per layer"
+        else:
+            what = "whose attention and activations carved and freed large blocks"
+        return f", left by the {req.prompt_tokens:,}-token prefill ({what}),"
 
     @staticmethod
     def _when(ctx: ReplayContext, t: int, t0: int) -> str:

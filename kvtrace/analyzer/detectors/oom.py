@@ -100,7 +100,7 @@ class Oom(Detector):
         if cap_hit and total and want is not None and want > total:
             cap_hit = False  # the request alone exceeds the device/host: the cap is not what stopped it
         if cap_hit:
-            cause = (f"the {limit_name} ({format_bytes(limit)}) was hit, not the "
+            cause = (f"the {limit_name} of {format_bytes(limit)} was hit, not the "
                      f"{'device' if device >= 0 else 'host'}'s {format_bytes(total) if total else 'memory'}: "
                      "raise or remove the cap, or shrink the request")
             kind = "oom_memory_cap"
@@ -162,7 +162,7 @@ class Oom(Detector):
                 allowed = device_cap(ctx, device)
             if allowed is not None:
                 what = f"fraction {frac:g}" if isinstance(frac, (int, float)) else "set_per_process_memory_fraction"
-                caps.append((allowed, f"per-process memory cap ({what})"))
+                caps.append((allowed, f"per-process memory cap ({what})"))  # "... cap (fraction 0.05) of 4.0 GiB"
         else:
             proc = limits.get("process") or {}
             for key, name in (("rlimit_as_bytes", "process's RLIMIT_AS"), ("rlimit_data_bytes", "process's RLIMIT_DATA"),
