@@ -180,6 +180,10 @@ class PayloadSampler:
         for worker in self._workers:
             worker.start()
 
+    def _writer_stopped(self) -> bool:
+        """The writer stopped on a storage fault: nothing can be stored any more."""
+        return bool(getattr(self.writer, "failed", False))
+
     # ---- what to sample --------------------------------------------------------------------
 
     @property
@@ -189,7 +193,7 @@ class PayloadSampler:
     def wants(self, step: int, *, is_prefill: bool, is_last: bool) -> bool:
         """Sample at this step? Prefill end, the last step and every N-th decode step."""
         s = self.settings
-        if not s.enabled or self._closed or self.writer.failed:  # nothing can be stored any more
+        if not s.enabled or self._closed or self._writer_stopped():  # nothing can be stored any more
             return False
         if is_prefill:
             return s.at_prefill_end
@@ -234,7 +238,7 @@ class PayloadSampler:
         the memory before the copy is done.
         """
         kind = PayloadKind(kind)
-        if self._closed or self.writer.failed or not self.wants_layer(layer) or not self.wants_kind(kind):
+        if self._closed or self._writer_stopped() or not self.wants_layer(layer) or not self.wants_kind(kind):
             return False
         dtype = cache_dtype(tensor.dtype)
         if dtype is None or tensor.device.type == "meta" or tensor.dim() > PAYLOAD_MAX_NDIM:
@@ -388,7 +392,7 @@ class PayloadSampler:
             try:
                 for event in {id(j.event): j.event for j in jobs if j.event is not None}.values():
                     event.synchronize()  # this worker waits, the generating thread never does
-                if self.writer.failed:  # stopped on a storage fault: skip the encoding too
+                if self._writer_stopped():  # stopped on a storage fault: skip the encoding too
                     raise _WriterStopped
                 for payload in encode_samples(jobs, self.settings.level):
                     try:
@@ -451,7 +455,7 @@ class PayloadSampler:
         for worker in self._workers:
             worker.join()
         self._stats = self.stats()
-        if self.writer.failed:
+        if self._writer_stopped():
             return self._stats  # nothing more can be stored; the counts stay in the stats
         try:
             self._record_close()
