@@ -36,6 +36,7 @@ def preset_rows() -> list[dict[str, Any]]:
                           for k, h, kd, vd, w in shapes],
             "kv_bytes_per_token_bf16": geometry.bytes_per_token(geo, DTYPE_BYTES)["total"],
             "mha_equivalent_bytes_per_token_bf16": geometry.mha_equivalent_bytes_per_token(geo, DTYPE_BYTES),
+            "checkpoint_weight_dtypes": {"default": "bf16", **p.weight_dtypes},  # what `kvtrace calc` counts
         })
     return rows
 

@@ -87,6 +87,8 @@ def test_presets_json_lists_every_preset_with_geometry(capsys):
     # gpt-oss-20b: 8 KV heads x 64, bf16 -> 2 x 8 x 64 x 2 B = 2 KiB per layer per token, 24 layers
     assert by["gpt-oss-20b"]["kv_bytes_per_token_bf16"] == 24 * 2048
     assert by["gpt-oss-20b"]["layer_kinds"] == {"sliding": 12, "full": 12}
+    assert by["gpt-oss-20b"]["checkpoint_weight_dtypes"] == {"default": "bf16", "mlp": "mxfp4"}
+    assert by["llama-3.1-8b"]["checkpoint_weight_dtypes"] == {"default": "bf16"}
     code, out, _ = run(["presets"], capsys)
     assert "pythia-1.4b" in out and "KiB" in out
 
