@@ -8,7 +8,8 @@ and false-positive table (clean controls x detector).
 
 CPU cases are tests/accuracy/cases.py (recorded here, tiny random-weight models); GPU cases are
 the traces under tests/data/accuracy (recorded on an H100 by
-tests/accuracy/make_gpu_accuracy_fixtures.py). A planted case is a hit when its own detector
+tests/accuracy/make_gpu_accuracy_fixtures.py) and the analyser suite's earlier H100 fixtures in
+tests/data/gpu. A planted case is a hit when its own detector
 reports one of its kinds with score >= 0.5; a clean control is a false positive for every
 detector with a finding of severity low or above (score > 0.1). docs/accuracy.md keeps the output.
 """
@@ -44,19 +45,24 @@ class Row:
     scores: dict[str, float] = field(default_factory=dict)  # detector -> max score
     own: float = 0.0  # max score of the expected detector over the expected kinds
     top: str = ""  # the strongest finding, "detector/kind score"
+    only: str | None = None  # a twin: clean for this detector only (its planted sibling's)
 
     @property
     def hit(self) -> bool:
         return self.own >= HIT
 
+    def judged(self, detector: str) -> bool:
+        """Whether this clean row counts for `detector` (a twin counts for its own detector only)."""
+        return not self.pathology and detector in self.scores and self.only in (None, detector)
+
     def false_positives(self) -> dict[str, float]:
-        return {d: s for d, s in self.scores.items() if s > LOW}
+        return {d: s for d, s in self.scores.items() if self.judged(d) and s > LOW}
 
 
 def analyse(name: str, where: str, path: Path, pathology: str | None, detector: str | None,
-            kinds: list[str]) -> Row:
+            kinds: list[str], only: str | None = None) -> Row:
     r = kvtrace.analyze(path)
-    row = Row(name, where, pathology, detector, list(kinds))
+    row = Row(name, where, pathology, detector, list(kinds), only=only)
     for res in r.results:
         if res.status == "ran":
             row.scores[res.name] = round(res.score, 3)
@@ -92,14 +98,35 @@ def cpu_rows(traces: Path | None) -> list[Row]:
     return rows
 
 
+# The analyser suite's earlier H100 fixtures (tests/data/gpu), labelled in this suite's terms: the
+# same relabels as tests/analyzer/test_gpu_fixtures.py (an ordinary 4,096-token eager prefill on an
+# 80 GiB device is a clean control; copies kept outside the cache are duplication).
+OLD_GPU_DIR = ROOT / "tests" / "data" / "gpu"
+OLD_LABELS = {
+    "gpu_clean": (None, None, []),
+    "gpu_duplication": ("duplication", "growth_curve", ["duplication"]),
+    "gpu_fragmentation": ("fragmentation", "fragmentation", ["split_fragmentation"]),
+    "gpu_kept_cache": ("retention", "post_eos", ["retained_after_request"]),
+    "gpu_oom": ("oom", "oom", ["oom_prefill"]),
+    "gpu_prefill_eager": (None, None, []),
+    "gpu_prefill_sdpa": (None, None, []),
+}
+
+
 def gpu_rows() -> list[Row]:
+    rows = []
+    old = OLD_GPU_DIR / "manifest.json"
+    if old.exists():
+        for name, info in sorted(json.loads(old.read_text()).items()):
+            if name in OLD_LABELS:
+                pathology, det, kinds = OLD_LABELS[name]
+                rows.append(analyse(f"data/gpu/{name}", "gpu", OLD_GPU_DIR / info["file"], pathology, det, kinds))
     manifest = GPU_DIR / "manifest.json"
     if not manifest.exists():
-        return []
-    rows = []
+        return rows
     for name, info in sorted(json.loads(manifest.read_text()).items()):
         rows.append(analyse(name, "gpu", GPU_DIR / info["file"], info.get("pathology"), info.get("detector"),
-                            info.get("kinds") or []))
+                            info.get("kinds") or [], info.get("only")))
     return rows
 
 
@@ -107,7 +134,7 @@ def render(rows: list[Row]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=160)
+    console = Console(width=230)
     dets = [d for d in detector_names() if any(d in r.scores for r in rows)]
 
     def cell(score: float | None, expected: bool = False) -> str:
@@ -120,9 +147,9 @@ def render(rows: list[Row]) -> None:
 
     planted = [r for r in rows if r.pathology]
     t = Table(title="Confusion matrix: planted pathology (rows) x detector (max score; bold = its own detector)")
-    t.add_column("case")
+    t.add_column("case", no_wrap=True)
     t.add_column("cpu/gpu")
-    t.add_column("pathology")
+    t.add_column("pathology", no_wrap=True)
     for d in dets:
         t.add_column(d.replace("_", " "), justify="right")
     t.add_column("own >= 0.5")
@@ -139,7 +166,7 @@ def render(rows: list[Row]) -> None:
     fp.add_column("max score on clean", justify="right")
     fp.add_column("where")
     for d in dets:
-        ran = [r for r in clean if d in r.scores]
+        ran = [r for r in clean if r.judged(d)]
         bad = [r for r in ran if r.scores[d] > LOW]
         worst = max((r.scores[d] for r in ran), default=0.0)
         fp.add_row(d, str(len(ran)), str(len(bad)), f"{worst:.2f}", ", ".join(r.name for r in bad[:4]) or "-")
@@ -156,7 +183,9 @@ def render(rows: list[Row]) -> None:
                   f"{min(r.own for r in rs):.2f}", ", ".join(r.name.split(":")[-1] for r in rs))
     console.print(s)
     n_fp = sum(bool(r.false_positives()) for r in clean)
-    console.print(f"{len(clean)} clean controls, {n_fp} with any finding above info; "
+    twins = sum(r.only is not None for r in clean)
+    console.print(f"{len(clean)} clean controls ({twins} of them twins judged on their own detector only), "
+                  f"{n_fp} with any finding above info; "
                   f"{len(planted)} planted cases, {sum(r.hit for r in planted)} named by their own detector "
                   f"with score >= {HIT}.")
 

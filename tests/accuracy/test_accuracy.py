@@ -100,3 +100,17 @@ def test_oom_causes_name_the_limit(analysed):
     assert [f.kind for f in cap] == ["oom_memory_cap"] and "RLIMIT_AS" in cap[0].message
     host = analysed("oom:host_exhausted").result("oom").findings
     assert len(host) == 1 and "host memory" in host[0].message
+
+
+def test_cli_fail_on_low_passes_clean_runs_and_fails_planted(analysed):
+    """`kvtrace analyze --fail-on low` is the CI gate users wire up: 0 on clean runs, 3 on a fault."""
+    import subprocess
+    import sys
+
+    clean = [analysed(n).trace["path"] for n in ("clean:llama:fresh", "clean:gemma3_text:multi", "clean:deepseek_v3:sampling")]
+    planted = analysed("retention:kept_output").trace["path"]
+    cmd = [sys.executable, "-m", "kvtrace.cli", "analyze", "--fail-on", "low", "-q"]
+    ok = subprocess.run([*cmd, *map(str, clean)], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    bad = subprocess.run([*cmd, str(planted)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 3, bad.stdout[-2000:] + bad.stderr[-2000:]
