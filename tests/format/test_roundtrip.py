@@ -39,7 +39,7 @@ def test_every_table_round_trips(tmp_path_factory, data):
             written[table] = arr
             for row in arr:
                 w.append(table, row.item())
-    with Trace(path) as t:
+    with Trace(path, check=False) as t:  # random rows break the spec's row rules: raw bits only
         for table, arr in written.items():
             got = t.table(table, check_codes=False)  # raw bits, random codes included
             assert got.dtype == arr.dtype
