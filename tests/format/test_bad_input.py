@@ -130,8 +130,8 @@ def test_decompression_bomb_refused_before_allocating(tmp_path, monkeypatch):
     assert "refused" in err
     # And in-process: the decompressor is never called for a frame with the wrong size.
     called = []
-    monkeypatch.setattr(zstandard.ZstdDecompressor, "decompress",
-                        lambda *a, **k: called.append(1))
+    for method in ("decompress", "decompressobj"):
+        monkeypatch.setattr(zstandard.ZstdDecompressor, method, lambda *a, **k: called.append(1))
     with pytest.raises(CorruptChunk, match="claims 67108864 bytes"):
         decode_chunk(0, bomb, schema.PAYLOAD_CHUNK_BYTES, 2)
     assert not called
