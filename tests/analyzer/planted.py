@@ -72,7 +72,7 @@ def _patched(owner: Any, attr: str, make: Callable[[Any], Any]) -> Iterator[None
 
 # Duplication: 16 KV heads x 64 dims so the kept copies (quadratic in tokens) dwarf RSS noise.
 DUP_EXTRA = {"num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64}
-DUP_PROMPT, DUP_NEW = 32, 48
+DUP_PROMPT, DUP_NEW = 32, 96  # 96 steps: >= 6 RSS samples at 100 Hz even at ~1 ms per step
 
 
 def record_duplication(path: Path, *, planted: bool = True, mode: str = "arena") -> Path:
