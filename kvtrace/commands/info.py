@@ -67,4 +67,6 @@ def _print(s: dict) -> None:
                f"{format_bytes(s['payloads']['stored_bytes'])} stored (compressed)")
     click.echo(f"privacy    prompt text {'STORED' if s['contains_prompt_text'] else 'not stored'}, "
                f"tensor contents {'STORED' if s['contains_tensor_payloads'] else 'not stored'}")
+    for line in s.get("privacy_mismatches", ()):  # decided from the contents; the flag is wrong
+        click.echo(f"warning: {line} (the trace is invalid: see 'kvtrace validate')", err=True)
     click.echo("(sizes in binary units: KiB = 1024 B)")

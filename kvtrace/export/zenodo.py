@@ -8,14 +8,21 @@ DIR/
   SHA256SUMS              `sha256sum -c SHA256SUMS` checks every other file
 
 Traces holding prompt text or tensor contents are refused unless the caller allows content:
-an archive is public and permanent, so the user has to say so explicitly. Traces that fail
-validation are refused outright.
+an archive is public and permanent, so the user has to say so explicitly. What a trace holds is
+read from its contents (payload rows and chunks, stored prompt text), never taken from its /meta
+flags. Traces that fail validation are refused outright.
+
+Every string that comes from a trace (model ids, device names, software versions, reasons) or from
+the command line is plain text, escaped for the file it lands in: HTML for the .zenodo.json
+description (Zenodo renders it as HTML), YAML double-quoted scalars for CITATION.cff, Markdown for
+README.md.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import html
 import json
 import os
 import re
@@ -144,12 +151,12 @@ def content_problems(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
     out = []
     for p in paths:
         with Trace(p) as t:
+            held = t.stored_contents()
             what = []
-            if t.meta.contains_prompt_text:
-                what.append("prompt text (meta.contains_prompt_text)")
-            if t.meta.contains_tensor_payloads:
-                what.append(f"tensor contents ({t.nrows('payloads/index')} sampled tensors, "
-                            "meta.contains_tensor_payloads)")
+            if held["prompt_text"] or t.meta.contains_prompt_text:
+                what.append(f"prompt text ({held['prompt_text'] or 'meta.contains_prompt_text'})")
+            if held["tensor_payloads"] or t.meta.contains_tensor_payloads:
+                what.append(f"tensor contents ({held['tensor_payloads'] or 'meta.contains_tensor_payloads'})")
             if what:
                 out.append(f"{p}: holds {' and '.join(what)}")
     return out
@@ -276,8 +283,8 @@ def zenodo_metadata(options: BundleOptions, cards: Sequence[TraceCard], descript
                                    *sorted({c.summary["model"]["type"] for c in cards})]))
     meta: dict[str, Any] = {
         "upload_type": "dataset",
-        "title": options.title,
-        "description": description,
+        "title": _one_line(options.title),
+        "description": html_text(description),
         "creators": creators,
         "access_right": "open",
         "license": options.license,
@@ -292,8 +299,43 @@ def zenodo_metadata(options: BundleOptions, cards: Sequence[TraceCard], descript
     return meta
 
 
+def _one_line(s: str) -> str:
+    """Control characters (newlines included) become spaces: titles and table cells are one line."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+", " ", s).strip()
+
+
+def html_text(s: str) -> str:
+    """Plain text as an HTML fragment: markup escaped, line breaks kept as <br>."""
+    lines = [html.escape(_one_line(line)) for line in s.splitlines()]
+    return "<br>\n".join(lines)
+
+
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")
+
+
+def md_text(s: str, *, line_start: bool = False) -> str:
+    """Plain text as inline Markdown: one line; HTML and the characters that start emphasis, code,
+    links or table cells escaped; at the start of a line, a block marker (#, >, -, +, =, "1. ")
+    neutralised too."""
+    text = _MD_SPECIAL.sub(r"\\\1", html.escape(_one_line(s), quote=False))
+    if line_start and re.match(r"(#|&gt;|[-+=]|\d+[.)](\s|$))", text):
+        text = "\\" + text
+    return text
+
+
 def _yaml_str(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)  # a JSON string is a valid YAML double-quoted scalar
+    """A YAML double-quoted scalar: backslash, quote and every non-printable character escaped
+    (JSON's escaping leaves C1 controls and U+2028/2029 raw, which YAML does not allow)."""
+    out = []
+    for ch in s:
+        code = ord(ch)
+        if ch in "\"\\":
+            out.append("\\" + ch)
+        elif code < 0x20 or 0x7F <= code <= 0x9F or ch in "\u2028\u2029\ufeff" or 0xD800 <= code <= 0xDFFF:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 def citation_cff(options: BundleOptions, description: str, date: str) -> str:
@@ -340,13 +382,13 @@ def data_card(options: BundleOptions, cards: Sequence[TraceCard], description: s
         for k, v in c.summary["software"].items():
             software.setdefault(k, set()).add(str(v))
     lines = [
-        f"# {options.title}",
+        f"# {md_text(options.title)}",
         "",
-        description,
+        *(md_text(line, line_start=True) for line in description.splitlines()),
         "",
         f"- Version: {options.version}, published {date}",
         f"- License: {LICENSES[options.license]}",
-        f"- Creators: {'; '.join(c.name for c in options.creators)}",
+        f"- Creators: {md_text('; '.join(c.name for c in options.creators))}",
         f"- Produced by kvtrace {__version__} (HDF5 trace format; read with `kvtrace info FILE`, "
         "`kvtrace report FILE`, or any HDF5 reader with the zstd filter for sampled contents)",
         "- Sizes are binary units: 1 KiB = 1024 bytes, 1 MiB = 2^20, 1 GiB = 2^30.",
@@ -354,9 +396,9 @@ def data_card(options: BundleOptions, cards: Sequence[TraceCard], description: s
         "## Contents",
         "",
         f"- {len(cards)} traces, {n_req} requests, {n_steps} recorded steps",
-        f"- Models: {', '.join(_models(cards))}",
-        f"- Devices: {', '.join(_devices(cards)) or 'none recorded'}",
-        *(f"- {k}: {', '.join(sorted(v))}" for k, v in sorted(software.items())),
+        f"- Models: {md_text(', '.join(_models(cards)))}",
+        f"- Devices: {md_text(', '.join(_devices(cards))) or 'none recorded'}",
+        *(f"- {k}: {md_text(', '.join(sorted(v)))}" for k, v in sorted(software.items())),
         "",
         "| file | bytes | model | requests (outcomes) | steps | new tokens | layers | prompt text | tensor contents |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -366,7 +408,7 @@ def data_card(options: BundleOptions, cards: Sequence[TraceCard], description: s
         outcomes = ", ".join(f"{n} {k}" for k, n in sorted(s["requests"]["outcomes"].items())) or "none"
         layers = ", ".join(f"{n} {k}" for k, n in sorted(s["layers"]["types"].items())) or "none"
         lines.append(
-            f"| `{c.file}` | {format_bytes(c.bytes)} | {s['model']['id']} | {s['requests']['count']} ({outcomes}) "
+            f"| `{c.file}` | {format_bytes(c.bytes)} | {md_text(s['model']['id'])} | {s['requests']['count']} ({outcomes}) "
             f"| {c.steps} | {s['requests']['new_tokens']} | {s['layers']['count']} ({layers}) "
             f"| {'yes' if s['contains_prompt_text'] else 'no'} | "
             f"{'yes (' + str(s['payloads']['count']) + ' tensors)' if s['contains_tensor_payloads'] else 'no'} |")
@@ -385,14 +427,14 @@ def data_card(options: BundleOptions, cards: Sequence[TraceCard], description: s
         not_ok = {k: v for k, v in q.requests_by_outcome.items() if k != "ok"}
         lines.append(
             f"| `{c.file}` | {'yes' if q.complete else 'NO'} | {q.dropped_samples} | "
-            f"{', '.join(sorted(q.unavailable_sources)) or 'none'} | {q.recorder_errors} | {q.clock_gaps} | "
+            f"{md_text(', '.join(sorted(q.unavailable_sources))) or 'none'} | {q.recorder_errors} | {q.clock_gaps} | "
             f"{', '.join(f'{n} {k}' for k, n in sorted(not_ok.items())) or 'none'} |")
     lines.append("")
     for c in cards:
         details = c.quality.problems + [f"validation warning: {w}" for w in c.validation_warnings]
         if details:
             lines.append(f"`{c.file}`:")
-            lines += [f"- {p}" for p in details]
+            lines += [f"- {md_text(p)}" for p in details]
             lines.append("")
     if all(not c.quality.problems and not c.validation_warnings for c in cards):
         lines += ["No data-quality problems were found in any trace.", ""]

@@ -385,6 +385,41 @@ class Trace:
             raise InvalidTrace(f"{self.path}: text reference [{offset}, {end}) past end of /text")
         return ds[int(offset) : end].tobytes().decode("utf-8", errors="replace")
 
+    def stored_contents(self) -> dict[str, str]:
+        """Privacy-relevant content the file actually holds, in words ('' when none), whatever
+        /meta claims: payload index rows or stored payload chunks, and requests that reference
+        prompt text. Reads storage sizes and one column of /requests."""
+        out = {"tensor_payloads": "", "prompt_text": ""}
+        rows = self.nrows("payloads/index")
+        stored = 0
+        for itemsize in schema.PAYLOAD_ITEMSIZES:
+            ds = self._file.get(schema.payload_dataset_name(itemsize))
+            if isinstance(ds, h5py.Dataset):
+                stored += int(ds.id.get_storage_size())
+        if rows or stored:
+            out["tensor_payloads"] = f"{rows} sampled tensors, {format_bytes(stored)} of payload chunks"
+        n = self.nrows("requests")
+        if n:
+            self._refuse_over_limit("/requests", n * self._dataset("requests").dtype.itemsize)
+            try:
+                lengths = self._dataset("requests").fields("prompt_text_len")[:]
+            except H5_READ_ERRORS as exc:
+                raise CorruptTrace(f"{self.path}: /requests unreadable ({exc})") from None
+            with_text = int(np.count_nonzero(lengths))
+            if with_text:
+                out["prompt_text"] = f"prompt text of {with_text} request(s)"
+        return out
+
+    def privacy_mismatches(self) -> list[str]:
+        """Where a /meta privacy flag denies content the file holds (spec §3): one line each."""
+        held = self.stored_contents()
+        out = []
+        if held["tensor_payloads"] and not self.meta.contains_tensor_payloads:
+            out.append(f"/meta contains_tensor_payloads is false but the trace holds {held['tensor_payloads']}")
+        if held["prompt_text"] and not self.meta.contains_prompt_text:
+            out.append(f"/meta contains_prompt_text is false but the trace holds {held['prompt_text']}")
+        return out
+
     # ---- payloads -------------------------------------------------------------------------------
 
     def payload_index(self) -> np.ndarray:

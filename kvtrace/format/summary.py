@@ -1,4 +1,5 @@
-"""What a trace holds, cheaply: counts from dataset shapes, a few small tables read."""
+"""What a trace holds, cheaply: counts from dataset shapes, a few small tables read. Privacy
+answers come from the contents (payload rows and chunks, stored prompt text), not from /meta flags."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def stopped(trace: Trace) -> dict[str, Any] | None:
 
 def summarize(trace: Trace) -> dict[str, Any]:
     meta = trace.meta
+    held = trace.stored_contents()
     requests = trace.requests()
     outcomes: dict[str, int] = {}
     for code in requests["outcome"]:
@@ -40,7 +42,7 @@ def summarize(trace: Trace) -> dict[str, Any]:
         layer_types[name] = layer_types.get(name, 0) + 1
     payload_bytes = 0
     for itemsize in schema.PAYLOAD_ITEMSIZES:
-        ds = trace._file[schema.payload_dataset_name(itemsize)]
+        ds = trace._dataset(schema.payload_dataset_name(itemsize))
         payload_bytes += int(ds.id.get_storage_size())
     devices = [
         {"index": int(d["device"]), "name": d["name"].decode(errors="replace"),
@@ -61,8 +63,12 @@ def summarize(trace: Trace) -> dict[str, Any]:
         },
         "devices": devices,
         "sources": meta.sources,
-        "contains_prompt_text": meta.contains_prompt_text,
-        "contains_tensor_payloads": meta.contains_tensor_payloads,
+        # From the contents: a flag that says "not stored" is not believed over the data (spec §3).
+        "contains_prompt_text": meta.contains_prompt_text or bool(held["prompt_text"]),
+        "contains_tensor_payloads": meta.contains_tensor_payloads or bool(held["tensor_payloads"]),
+        "privacy_flags": {"contains_prompt_text": meta.contains_prompt_text,
+                          "contains_tensor_payloads": meta.contains_tensor_payloads},
+        "privacy_mismatches": trace.privacy_mismatches(),
         "requests": {"count": int(requests.shape[0]), "outcomes": outcomes,
                      "new_tokens": int(np.sum(requests["new_tokens"], dtype=np.int64))},
         "layers": {"count": int(layers.shape[0]), "types": layer_types},

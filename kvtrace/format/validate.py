@@ -59,7 +59,7 @@ def validate(path: str | os.PathLike[str], *, check_payloads: bool = True) -> Va
         _guard(_check_status, trace, report)
         if present:
             _guard(_check_rows, trace, report, present)
-        _guard(_check_privacy, trace, report, present)
+        _guard(_check_privacy, trace, report)
         if check_payloads and "payloads/index" in present:
             _guard(_check_payloads, trace, report)
     return report
@@ -172,41 +172,11 @@ def _goes_backwards(trace: Trace, table: str) -> bool:
     return False
 
 
-def _check_privacy(trace: Trace, report: ValidationReport, present: set[str]) -> None:
+def _check_privacy(trace: Trace, report: ValidationReport) -> None:
     """The /meta privacy flags must not deny what the file holds (spec §3): tools that gate on them
     (export zenodo, info, report) decide from the contents, and validate reports a flag that lies."""
-    try:
-        meta = trace.meta
-    except TraceError:
-        return  # structure_problems reported it
-    held = stored_contents(trace, present)
-    if held["tensor_payloads"] and not meta.contains_tensor_payloads:
-        report.problems.append(f"/meta contains_tensor_payloads is false but the trace holds "
-                               f"{held['tensor_payloads']}")
-    if held["prompt_text"] and not meta.contains_prompt_text:
-        report.problems.append(f"/meta contains_prompt_text is false but the trace holds "
-                               f"{held['prompt_text']}")
-
-
-def stored_contents(trace: Trace, present: set[str] | None = None) -> dict[str, str]:
-    """What privacy-relevant content the file actually holds, in words ('' when none): payload index
-    rows or stored payload chunks, and request rows that reference prompt text. Reads only the
-    prompt-length column of /requests and dataset storage sizes."""
-    present = set(schema.TABLES) if present is None else present
-    out = {"tensor_payloads": "", "prompt_text": ""}
-    rows = trace.nrows("payloads/index") if "payloads/index" in present else 0
-    stored = sum(int(trace._file[schema.payload_dataset_name(i)].id.get_storage_size())
-                 for i in schema.PAYLOAD_ITEMSIZES if schema.payload_dataset_name(i) in trace._file)
-    if rows or stored:
-        out["tensor_payloads"] = f"{rows} payload index row(s) and {stored} stored payload bytes"
-    if "requests" in present:
-        n = trace.nrows("requests")
-        trace._refuse_over_limit("/requests", n * 4)
-        lengths = trace._file["requests"].fields("prompt_text_len")[:] if n else np.empty(0)
-        with_text = int(np.count_nonzero(lengths))
-        if with_text:
-            out["prompt_text"] = f"prompt text for {with_text} request(s)"
-    return out
+    if "meta" in trace._file and "requests" in trace._file:
+        report.problems.extend(trace.privacy_mismatches())
 
 
 def _check_payloads(trace: Trace, report: ValidationReport) -> None:

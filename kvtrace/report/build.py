@@ -93,7 +93,8 @@ class _Builder:
                                   for d in summary["devices"]) or "none recorded"),
             ("software", ", ".join(f"{k} {v}" for k, v in summary["software"].items())),
             ("privacy", f"prompt text {'stored' if summary['contains_prompt_text'] else 'not stored'}, "
-                        f"tensor contents {'stored' if summary['contains_tensor_payloads'] else 'not stored'}"),
+                        f"tensor contents {'stored' if summary['contains_tensor_payloads'] else 'not stored'}"
+                        + "".join(f"; {m}" for m in summary.get("privacy_mismatches", ()))),
         ]
         s.body.append(html.fields(rows))
         s.body.append(html.para("Sizes are binary units: 1 KiB = 1024 bytes, 1 MiB = 2^20, 1 GiB = 2^30."))
@@ -223,7 +224,7 @@ class _Builder:
 
     def heatmaps(self) -> None:
         s = self.section("heatmaps", "Sampled contents: head norms and attention entropy")
-        if not self.trace.meta.contains_tensor_payloads or self.trace.nrows("payloads/index") == 0:
+        if self.trace.nrows("payloads/index") == 0:  # the contents decide, not the /meta flag
             self.none(s, "this trace holds no sampled tensor contents (record with payload sampling to get them)")
             return
         maps = contents.head_norm_heatmaps(self.trace)

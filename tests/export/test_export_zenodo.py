@@ -164,3 +164,65 @@ def test_creator_and_related_parsing():
     with pytest.raises(ValueError):
         z.Creator.parse(";x")
     assert z.Related.parse("isDerivedFrom:https://example.org/x").identifier == "https://example.org/x"
+
+
+HOSTILE_ID = 'evil</td><script>alert("x")</script>\n# Injected heading\n| a | b |\u2028[link](http://x) *'
+
+
+def _lying(path):
+    """Flags set to False on a trace that holds prompt text and sampled tensors."""
+    import h5py
+
+    with h5py.File(path, "a") as f:
+        f["meta"].attrs["contains_prompt_text"] = False
+        f["meta"].attrs["contains_tensor_payloads"] = False
+    return path
+
+
+def test_privacy_is_decided_from_contents_not_flags(tmp_path, run, capsys):
+    liar = _lying(write_synthetic_trace(tmp_path / "liar.kvt.h5", payloads=True, prompt_text=True))
+    res = run(str(liar), "-o", str(tmp_path / "b"), "--creator", CREATOR)
+    assert res.exit_code == exitcodes.REFUSED, res.output
+    assert "liar.kvt.h5: holds prompt text (prompt text of 2 request(s))" in res.output
+    assert "tensor contents (20 sampled tensors" in res.output
+    assert not (tmp_path / "b").exists()
+    # Allowing content does not launder the lie: the trace is invalid and is not archived.
+    res = run(str(liar), "-o", str(tmp_path / "b"), "--creator", CREATOR, "--allow-content")
+    assert res.exit_code == exitcodes.INVALID and "contains_tensor_payloads is false" in res.output
+    # info and validate say what is there; the control (honest flags) is valid.
+    for args, code in ((["validate", str(liar)], exitcodes.INVALID), (["info", "--json", str(liar)], 0)):
+        try:
+            main(args)
+            got = 0
+        except SystemExit as exc:
+            got = int(exc.code or 0)
+        assert got == code
+    out = capsys.readouterr()
+    summary = json.loads(out.out[out.out.index("{"):])
+    assert summary["contains_prompt_text"] and summary["contains_tensor_payloads"]
+    assert summary["privacy_flags"] == {"contains_prompt_text": False, "contains_tensor_payloads": False}
+    assert len(summary["privacy_mismatches"]) == 2 and "contains_prompt_text is false" in out.err
+    honest = write_synthetic_trace(tmp_path / "honest.kvt.h5", payloads=True, prompt_text=True)
+    from kvtrace.format.validate import validate
+
+    assert validate(honest).valid and not validate(liar).valid
+
+
+def test_hostile_model_id_is_escaped_in_every_bundle_file(tmp_path, run):
+    trace = write_synthetic_trace(tmp_path / "evil.kvt.h5", model_id=HOSTILE_ID)
+    out = tmp_path / "b"
+    res = run(str(trace), "-o", str(out), "--creator", CREATOR, "-q")  # title and description from the trace
+    assert res.exit_code == 0, res.output
+    card = (out / "README.md").read_text()
+    assert "<script>" not in card and "</td>" not in card
+    assert not any(line.startswith(("# Injected", "| a |")) for line in card.splitlines())
+    assert card.count("\n# ") == 0 and card.startswith("# KV-cache traces of evil&lt;/td&gt;")
+    assert "\\[link\\](http://x) \\*" in card  # no live link or emphasis
+    meta = json.loads((out / ".zenodo.json").read_text())
+    assert "<script>" not in meta["description"] and "&lt;script&gt;" in meta["description"]
+    assert "\n" not in meta["title"] and "\u2028" not in meta["title"]
+    yaml = pytest.importorskip("yaml")
+    cff_text = (out / "CITATION.cff").read_text()
+    assert "\u2028" not in cff_text
+    cff = yaml.safe_load(cff_text)  # parses, and the model id comes back exactly
+    assert HOSTILE_ID in cff["abstract"]
