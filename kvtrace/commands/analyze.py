@@ -14,7 +14,7 @@ from kvtrace.format.errors import TraceError
 
 
 @click.command("analyze")
-@click.argument("traces", nargs=-1, type=click.Path(dir_okay=False))
+@click.argument("traces", nargs=-1, type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
 @json_options
 @click.option("--fail-on", type=click.Choice(SEVERITY_NAMES, case_sensitive=False), default=None,
               help="Exit 3 when any finding reaches this severity (CI gating).")

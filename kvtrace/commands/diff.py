@@ -9,8 +9,8 @@ from kvtrace.commands.outputs import check_json_out, json_options, write_json
 
 
 @click.command("diff")
-@click.argument("a", type=click.Path(dir_okay=False))
-@click.argument("b", type=click.Path(dir_okay=False))
+@click.argument("a", type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
+@click.argument("b", type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
 @json_options
 @click.option("--all-layers", is_flag=True, help="List unchanged layers too.")
 @guarded

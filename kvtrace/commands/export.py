@@ -29,7 +29,7 @@ def _quiet_options(fn):
 
 
 @export.command("perfetto")
-@click.argument("trace", type=click.Path(dir_okay=False))
+@click.argument("trace", type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="trace.json", show_default=True,
               help="Chrome trace-event JSON file to write.")
 @click.option("--no-analysis", is_flag=True, help="Do not run the analyser (no finding instants).")
@@ -63,7 +63,7 @@ def perfetto(trace: str, output: str, no_analysis: bool, quiet: bool, as_json: b
 
 
 @export.command("zenodo")
-@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("traces", nargs=-1, required=True, type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
               help="Bundle directory to create (must not exist, or be empty).")
 @click.option("--creator", "creators", multiple=True,
@@ -145,7 +145,7 @@ def zenodo(traces: tuple[str, ...], output: str, creators: tuple[str, ...], titl
 
 
 @export.command("prometheus-textfile")
-@click.argument("trace", type=click.Path(dir_okay=False))
+@click.argument("trace", type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Textfile to write (node_exporter textfile collector; name it *.prom).")
 @_quiet_options

@@ -10,7 +10,7 @@ from kvtrace.units import format_bytes
 
 
 @click.command("info")
-@click.argument("trace", type=click.Path(dir_okay=False))
+@click.argument("trace", type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
 @json_options
 @guarded
 def info(trace: str, as_json: bool, json_out: str | None) -> None:

@@ -9,7 +9,7 @@ from kvtrace.commands.outputs import check_json_out, check_output, check_output_
 
 
 @click.command("report")
-@click.argument("trace", type=click.Path(dir_okay=False))
+@click.argument("trace", type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default="report.html",
               show_default=True, help="HTML file to write (self-contained: figures embedded).")
 @click.option("--figures", "figures_dir", type=click.Path(file_okay=False), default=None,

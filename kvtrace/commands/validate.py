@@ -12,7 +12,7 @@ from kvtrace.commands.outputs import check_json_out, json_options, write_json
 
 
 @click.command("validate")
-@click.argument("trace", type=click.Path(dir_okay=False))
+@click.argument("trace", type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
 @click.option("--no-payloads", is_flag=True, help="Skip decoding every payload chunk (faster).")
 @json_options
 @guarded
