@@ -550,7 +550,7 @@ class TraceWriter:
         except Exception as exc:  # noqa: BLE001 - close is best effort once writing failed
             self._io.fail(fault_from(exc, "hdf5"))
         fault = self._io.fault
-        if fault is not None and self._stop_offset is not None:
+        if fault is not None and self._stop_offset is not None and fault.operation != _FORKED:
             # In place: these bytes already exist, so a full disk still takes them; a failing
             # device may not, and then the trace is simply incomplete.
             reason = fault.describe().encode("utf-8", errors="replace")[:128]
@@ -594,6 +594,9 @@ class TraceWriter:
 _OPEN_WRITERS: weakref.WeakSet[TraceWriter] = weakref.WeakSet()
 
 
+_FORKED = "fork"
+
+
 @atexit.register
 def _close_open_writers() -> None:
     for writer in list(_OPEN_WRITERS):
@@ -601,6 +604,23 @@ def _close_open_writers() -> None:
             writer._close_at_exit()
         except Exception:  # noqa: BLE001, S110 - exiting anyway; the file keeps its last flush
             pass
+
+
+def _detach_in_child() -> None:
+    """A forked child inherits open writers (and their file); it must never write to the parent's
+    trace. Each one is put in the failed state without a callback or /stop stamp, so whatever
+    the child does, including its exit-time close, goes to the overlay. Fresh locks: another
+    thread of the parent may have held them at the fork."""
+    for writer in list(_OPEN_WRITERS):
+        writer._lock = threading.RLock()
+        writer._buf_lock = threading.Lock()
+        fault = StorageFault(0, "inherited by a forked child process", _FORKED, -1)
+        writer._io.fail(fault)
+        writer.failure = fault
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_detach_in_child)
 
 
 class RowBlock:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import errno
 import io
+import os
 import signal
+import sys
 
 import numpy as np
 import pytest
@@ -239,6 +241,40 @@ def test_deleted_file_stops_at_next_flush(tmp_path):
     assert w.write_payload(PAYLOADS[0][1]) is False
     w.close()
     assert not path.exists()
+
+
+FORK_CHILD = """
+import os, sys
+from kvtrace.format import TraceWriter
+w = TraceWriter(sys.argv[1], {"model_id": "fork"}, flush_interval_s=60)
+w.append("telemetry/process", [(i, i * 7) for i in range(10)])
+w.flush()
+pid = os.fork()
+if pid == 0:  # the child appends, flushes and exits normally (its atexit runs): all dropped
+    w.append("telemetry/process", [(i, -1) for i in range(10, 50)])
+    w.flush()
+    sys.exit(0 if w.failed else 2)
+_, status = os.waitpid(pid, 0)
+w.append("telemetry/process", [(i, i * 7) for i in range(10, 20)])
+w.close()
+print("child", os.waitstatus_to_exitcode(status), "parent failure", w.failure)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_forked_child_never_writes_to_the_parents_trace(tmp_path):
+    import subprocess
+
+    path = tmp_path / "fork.kvt.h5"
+    proc = subprocess.run([sys.executable, "-c", FORK_CHILD, str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "child 0 parent failure None" in proc.stdout  # the child exited cleanly, detached
+    assert "Traceback" not in proc.stderr
+    with Trace(path) as t:
+        assert t.complete
+        rows = t.process()
+        assert np.array_equal(rows["t_ns"], np.arange(20)) and np.array_equal(rows["rss_bytes"], np.arange(20) * 7)
 
 
 def test_unfaulted_writes_reach_the_disk_unchanged(tmp_path):
