@@ -35,7 +35,9 @@ def render(report: AnalysisReport, console: Console, *, show_info: bool = True) 
     state = "complete" if t["complete"] else "INCOMPLETE (writer did not close it)"
     console.print(Text(f"kvtrace analysis of {t['path']}", style="bold"))
     devices = "; ".join(
-        f"{d['label']} {d['name']}" + (f" ({format_bytes(d['total_memory_bytes'])})" if d["total_memory_bytes"] > 0 else "")
+        # A CPU's recorded name is "cpu": print "cpu", not "cpu cpu".
+        (d["label"] if d["name"].strip().lower() in ("", d["label"]) else f"{d['label']} {d['name']}")
+        + (f" ({format_bytes(d['total_memory_bytes'])})" if d["total_memory_bytes"] > 0 else "")
         for d in report.devices
     ) or "unknown"
     console.print(f"model   {report.model['id']} ({report.model['type']})")

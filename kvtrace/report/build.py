@@ -15,7 +15,7 @@ from kvtrace._version import __version__
 from kvtrace.commands.common import CannotWrite
 from kvtrace.format.reader import Trace
 from kvtrace.format.summary import summarize
-from kvtrace.report import contents, data, figures, findings, html, quality
+from kvtrace.report import contents, data, figures, findings, fixes, html, quality
 from kvtrace.units import format_bytes
 
 # Stages reported to the progress callback, in order.
@@ -23,6 +23,7 @@ STAGES = ("overview", "memory-timeline", "layer-footprint", "growth-curves", "po
           "allocator-state", "findings", "heatmaps", "data-quality", "write")
 
 Progress = Callable[[str], None]
+MAX_HEATMAP_REQUESTS = 8  # heatmaps of the last 8 sampled requests: bounds the page's size
 
 
 @dataclass
@@ -40,6 +41,11 @@ def _span(name: str, values: list[int], limit: int = 6) -> str:
         return ""
     shown = ", ".join(str(v) for v in values[:limit]) + (f" (+{len(values) - limit})" if len(values) > limit else "")
     return f"{name}{'s' if len(values) > 1 else ''} {shown}"
+
+
+def _code(fix: str | None) -> str:
+    """A fix as copy-paste code, or a dash when none is known."""
+    return "-" if fix is None else f"<code>{escape(fix)}</code>"
 
 
 def _fmt(n: int | None) -> str:
@@ -89,7 +95,8 @@ class _Builder:
                          f"{summary['requests']['new_tokens']} new tokens"),
             ("layers", f"{summary['layers']['count']} "
                        f"({', '.join(f'{n} {k}' for k, n in sorted(summary['layers']['types'].items())) or 'none'})"),
-            ("devices", "; ".join(f"{d['index']}: {d['name']} ({_fmt(d['total_memory_bytes'] if d['total_memory_bytes'] >= 0 else None)})"
+            ("devices", "; ".join(f"{data.device_text(d['index'], d['name'])} "
+                                  f"({_fmt(d['total_memory_bytes'] if d['total_memory_bytes'] >= 0 else None)})"
                                   for d in summary["devices"]) or "none recorded"),
             ("software", ", ".join(f"{k} {v}" for k, v in summary["software"].items())),
             ("privacy", f"prompt text {'stored' if summary['contains_prompt_text'] else 'not stored'}, "
@@ -168,15 +175,32 @@ class _Builder:
         if fig is None:
             self.none(s, "the trace has no labelled readings (baseline, after gc, after empty_cache)")
             return
+        drawn, missing = figures.post_eos_bars(mems)
         self.add_figure(s, "post_eos", fig,
-                        "Baseline before the request, peak KV during it, and what stays above the baseline "
-                        "after gc.collect() then torch.cuda.empty_cache() (allocator and NVML views).")
-        rows = [(m.request, m.device, _fmt(m.baseline_allocated), _fmt(m.peak_allocated), _fmt(m.peak_kv),
-                 _fmt(m.after_return_allocated), _fmt(m.after_gc_allocated), _fmt(m.after_empty_cache_allocated),
-                 _fmt(m.residual_allocated), _fmt(m.residual_nvml)) for m in mems]
-        s.body.append(html.table(
-            ["request", "device", "baseline", "peak allocated", "peak KV", "after return", "after gc",
-             "after empty_cache", "residual (allocator)", "residual (NVML)"], rows, tuple(range(2, 10))))
+                        f"Drawn: {', '.join(drawn)}. Residual = what stays above the request's own baseline "
+                        "after gc.collect() then torch.cuda.empty_cache(); process RSS also counts memory the C "
+                        "allocator keeps after frees, so an RSS residual is a hint, not proof of retention.")
+        if missing:
+            self.absent_bars(s, missing)
+        cols = [("baseline", lambda m: m.baseline_allocated), ("peak allocated", lambda m: m.peak_allocated),
+                ("peak KV", lambda m: m.peak_kv), ("after return", lambda m: m.after_return_allocated),
+                ("after gc", lambda m: m.after_gc_allocated),
+                ("after empty_cache", lambda m: m.after_empty_cache_allocated),
+                ("residual (allocator)", lambda m: m.residual_allocated),
+                ("residual (NVML)", lambda m: m.residual_nvml), ("baseline RSS", lambda m: m.baseline_rss),
+                ("RSS after", lambda m: m.after_rss), ("residual (RSS)", lambda m: m.residual_rss)]
+        cols = [(name, get) for name, get in cols if any(get(m) is not None for m in mems)]  # no all-n/a column
+        rows = [(m.request, data.device_text(m.device) if m.device >= -1 else "-",  # -2: no readings
+                 *(_fmt(get(m)) for _, get in cols)) for m in mems]
+        s.body.append(html.table(["request", "device", *(name for name, _ in cols)], rows,
+                                 tuple(range(2, 2 + len(cols)))))
+
+    def absent_bars(self, s: html.Section, missing: list[str]) -> None:
+        """Name what the post-EOS chart could not draw, and why (the sources the trace lacks)."""
+        why = [f"{name} ({info.get('reason') or 'not recorded'})" for name, info in sorted(self.trace.meta.sources.items())
+               if name in ("allocator", "nvml", "process_rss") and isinstance(info, dict) and not info.get("available")]
+        s.body.append(html.absent(f"{'; '.join(missing)}. Absent sources: {'; '.join(why)}." if why else
+                                  f"{'; '.join(missing)}: the trace has no labelled readings for them."))
 
     def allocator_state(self, mems: list[data.RequestMemory]) -> None:
         s = self.section("allocator-state", "Allocator state at end of generation")
@@ -213,33 +237,65 @@ class _Builder:
                     escape(r.detector) + (f"<br><small>{escape(r.kind)}</small>" if r.kind else ""),
                     "" if r.score is None else f"{r.score:.2f}", escape(where), escape(r.message),
                     escape(r.evidence_text()),
+                    _code(fixes.fix_for(r.detector, r.kind)) if fixes.is_actionable(r) else "",
                 ])
-            s.body.append(html.raw_table(["severity", "detector", "score", "where", "message", "evidence"],
-                                         cells))
+            s.body.append(html.raw_table(["severity", "detector", "score", "where", "message", "evidence",
+                                          "fix"], cells))
         not_run = [st for st in statuses if st.status != "ran"]
         if not_run:
             s.body.append(html.table(["detector", "status", "why"], [(st.name, st.status, st.reason)
                                                                    for st in not_run]))
-        s.body.append(html.para(note))
+        if note:
+            s.body.append(html.para(note))
+
+    def verdict(self, rows: list[findings.FindingRow] | None, note: str,
+                statuses: list[findings.DetectorStatus]) -> None:
+        """The first section: healthy, or the findings at medium and above with their fixes."""
+        s = html.Section("verdict", "Verdict")
+        self.sections.insert(0, s)
+        v = fixes.verdict(rows, sum(st.status == "ran" for st in statuses), len(statuses), note)
+        cls = {True: "ok", False: "sev-high", None: "absent"}[v.healthy]
+        s.body.append(f'<p class="verdict {cls}" data-verdict="'
+                      f'{ {True: "healthy", False: "attention", None: "none"}[v.healthy] }">{escape(v.headline)}</p>')
+        if v.findings:
+            s.body.append(html.raw_table(["severity", "finding", "fix"], [[
+                f'<span class="sev-{escape(r.severity)}">{escape(r.severity)}</span>',
+                f"<b>{escape(r.detector)}</b> {escape(r.kind)}<br>{escape(r.message)}",
+                _code(fixes.fix_for(r.detector, r.kind)),
+            ] for r in v.findings]))
 
     def heatmaps(self) -> None:
         s = self.section("heatmaps", "Sampled contents: head norms and attention entropy")
         if self.trace.nrows("payloads/index") == 0:  # the contents decide, not the /meta flag
             self.none(s, "this trace holds no sampled tensor contents (record with payload sampling to get them)")
             return
-        maps = contents.head_norm_heatmaps(self.trace)
-        for hm in maps:
-            self.add_figure(s, f"heatmap_{hm.title.split()[0]}_norms", figures.heatmap(hm),
-                            f"{hm.title}: {hm.note}.")
-        if not maps:
+        requests = contents.sampled_requests(self.trace)
+        shown = requests[-MAX_HEATMAP_REQUESTS:]
+        per_request = {r: contents.head_norm_heatmaps(self.trace, r) for r in shown}
+        contents.shared_scale([hm for maps in per_request.values() for hm in maps])
+        entropies = {r: contents.entropy_heatmap(self.trace, request=r) for r in shown}
+        first: dict[int, str] = {}
+        for r in shown:
+            for hm in per_request[r]:
+                name = f"heatmap_{hm.title.split()[0]}_norms_r{r}"
+                first.setdefault(r, name)
+                self.add_figure(s, name, figures.heatmap(hm), f"{hm.title}, request {r}: {hm.note}; {hm.scale_note}.")
+            ent = entropies[r]
+            if ent is not None:
+                name = f"heatmap_attention_entropy_r{r}"
+                first.setdefault(r, name)
+                self.add_figure(s, name, figures.heatmap(ent), f"{ent.title}, request {r}: {ent.note}; no mask "
+                                f"or attention sinks applied; {ent.scale_note}.")
+        if first:  # the selection: a link to each request's pictures (the page runs no scripts)
+            links = " · ".join(f'<a href="#fig-{escape(name)}">request {r}</a>' for r, name in first.items())
+            more = (f" (the last {len(shown)} of {len(requests)} requests with samples)"
+                    if len(shown) < len(requests) else "")
+            s.lead.append(f'<p class="select">Jump to: {links}{escape(more)}</p>')
+        if not any(per_request.values()):
             s.body.append(html.absent("no sampled keys or values in a shape the report reads ([B, H, T, D])"))
-        ent = contents.entropy_heatmap(self.trace)
-        if ent is None:
+        if not any(e is not None for e in entropies.values()):
             s.body.append(html.absent("attention entropy needs sampled queries with the keys of the same "
                                       "layer and step; this trace has none"))
-        else:
-            self.add_figure(s, "heatmap_attention_entropy", figures.heatmap(ent),
-                            f"{ent.title}: {ent.note}; no mask or attention sinks applied.")
 
     def data_quality(self) -> None:
         s = self.section("data-quality", "Data quality")
@@ -310,13 +366,16 @@ def build_report(
         b.progress("allocator-state")
         b.allocator_state(mems)
         b.progress("findings")
-        note = "findings of kvtrace.analyze"
+        note = ""
         if analysis is None and run_analyzer:
             analysis, note = findings.run_analysis(trace_path)
+            note = "" if analysis is not None else note  # the table is the analyser's; no caption
         elif analysis is None:
             note = "analysis skipped (--no-analysis)"
         rows = None if analysis is None else findings.flatten(analysis)
-        b.findings(rows, note, [] if analysis is None else findings.detector_statuses(analysis))
+        statuses = [] if analysis is None else findings.detector_statuses(analysis)
+        b.findings(rows, note, statuses)
+        b.verdict(rows, note, statuses)
         b.progress("heatmaps")
         b.heatmaps()
         b.progress("data-quality")

@@ -30,6 +30,11 @@ class Heatmap:
     unit: str
     request: int
     note: str
+    # Fixed colour scale (None: from the data). Entropy is always [0, 1]; head norms share one
+    # 0-based scale across requests so that two requests' pictures compare.
+    vmin: float | None = None
+    vmax: float | None = None
+    scale_note: str = ""
 
 
 def _as_bhtd(p_shape: tuple[int, ...]) -> tuple[int, int, int, int] | None:
@@ -62,13 +67,36 @@ def _pick_request(index: np.ndarray) -> int | None:
     return int(ids[best[-1]])
 
 
+def sampled_requests(trace: Trace) -> list[int]:
+    """Requests with sampled keys, values or latents, in id order (the heatmaps' selection)."""
+    index = trace.payload_index()
+    kinds = [int(k) for k in (schema.PayloadKind.KEY, schema.PayloadKind.VALUE, schema.PayloadKind.LATENT)]
+    return sorted({int(r) for r in index["request"][np.isin(index["kind"], kinds)]})
+
+
+def shared_scale(maps: list[Heatmap]) -> None:
+    """Give heatmaps of one quantity one colour scale from 0 to their common maximum."""
+    by_title: dict[str, list[Heatmap]] = {}
+    for hm in maps:
+        by_title.setdefault(hm.title, []).append(hm)
+    for group in by_title.values():
+        if group[0].vmax is not None:  # already fixed (entropy)
+            continue
+        top = max((float(np.nanmax(h.values)) for h in group if np.isfinite(h.values).any()), default=1.0)
+        for h in group:
+            h.vmin, h.vmax = 0.0, top if top > 0 else 1.0
+            h.scale_note = (f"colour scale 0 to {h.vmax:.3g}, the largest {h.unit} of "
+                            f"{'the ' + str(len(group)) + ' requests shown' if len(group) > 1 else 'this request'}")
+
+
 def _head_ids(row: np.void, n: int) -> list[int]:
     return [int(row["head_start"]) + i * max(1, int(row["head_stride"])) for i in range(n)]
 
 
-def head_norm_heatmaps(trace: Trace) -> list[Heatmap]:
+def head_norm_heatmaps(trace: Trace, request: int | None = None) -> list[Heatmap]:
+    """Key/value/latent head norms of `request` (default: the one with the most sampled keys)."""
     index = trace.payload_index()
-    request = _pick_request(index)
+    request = _pick_request(index) if request is None else request
     if request is None:
         return []
     out = []
@@ -93,10 +121,12 @@ def head_norm_heatmaps(trace: Trace) -> list[Heatmap]:
     return out
 
 
-def entropy_heatmap(trace: Trace, num_attention_heads: int | None = None) -> Heatmap | None:
-    """Normalised attention entropy per (layer, query head); None without sampled queries."""
+def entropy_heatmap(trace: Trace, num_attention_heads: int | None = None, request: int | None = None
+                    ) -> Heatmap | None:
+    """Normalised attention entropy per (layer, query head) of `request` (default: the one with
+    the most sampled keys); None without sampled queries."""
     index = trace.payload_index()
-    request = _pick_request(index)
+    request = _pick_request(index) if request is None else request
     if request is None:
         return None
     queries = _latest(index, request, schema.PayloadKind.QUERY)
@@ -135,8 +165,12 @@ def entropy_heatmap(trace: Trace, num_attention_heads: int | None = None) -> Hea
             cells[(layer, qh)] = float(ent.mean() / np.log(ks[2]))
     if not cells:
         return None
-    return _grid(cells, "attention entropy per query head (normalised)", "entropy / log(keys)",
-                 request, "sampled queries against sampled keys, same layer and step")
+    hm = _grid(cells, "attention entropy per query head (normalised)", "entropy / log(keys)",
+               request, "sampled queries against sampled keys, same layer and step")
+    # Fixed [0, 1]: auto-ranging 0.993-0.999 would paint near-uniform attention as varied.
+    hm.vmin, hm.vmax = 0.0, 1.0
+    hm.scale_note = "colour scale fixed to [0, 1]: 0 = one key takes all attention, 1 = uniform over the keys"
+    return hm
 
 
 def _row_at(index: np.ndarray, request: int, step: int, layer: int, kind: schema.PayloadKind

@@ -74,12 +74,18 @@ def time_zero_ns(trace: Trace) -> int:
     return min(candidates)
 
 
+def device_text(device: int, name: str = "") -> str:
+    """'cuda:0 NVIDIA H100 80GB HBM3', 'cpu' (not 'cpu cpu' nor '-1: cpu': -1 is the format's CPU)."""
+    where = "cpu" if device < 0 else f"cuda:{device}"
+    name = name.strip()
+    return where if name.lower() in ("", where) else f"{where} {name}"
+
+
 def device_label(trace: Trace, device: int) -> str:
     for row in trace.devices():
         if int(row["device"]) == device:
-            name = row["name"].decode(errors="replace")
-            return f"{'cpu' if device < 0 else f'cuda:{device}'} {name}".strip()
-    return "cpu" if device < 0 else f"cuda:{device}"
+            return device_text(device, row["name"].decode(errors="replace"))
+    return device_text(device)
 
 
 def _valid(values: np.ndarray) -> np.ndarray:
@@ -112,6 +118,10 @@ def memory_timelines(trace: Trace) -> list[DeviceTimeline]:
         add(int(dev), "allocator_allocated", rows["t_ns"], rows["allocated_bytes"], "telemetry/allocator")
         add(int(dev), "allocator_inactive_split", rows["t_ns"], rows["inactive_split_bytes"],
             "telemetry/allocator")
+    # Process RSS is host memory, so it belongs to the CPU timeline (device -1): on a CPU trace
+    # it is the only device-level memory signal there is.
+    proc = trace.process()
+    add(-1, "process_rss", proc["t_ns"], proc["rss_bytes"], "telemetry/process")
     for dev, (t, v) in kv_totals_by_device(trace).items():
         add(dev, "kv_bytes", t, v, "kv")
     return [by_device[d] for d in sorted(by_device)]
@@ -327,6 +337,16 @@ class RequestMemory:
     end_reserved: int | None  # at generate return
     end_allocated: int | None
     end_inactive_split: int | None
+    baseline_rss: int | None = None  # process RSS (host memory) before the request
+    after_rss: int | None = None  # the latest of after empty_cache / after gc / after return
+
+    @property
+    def residual_rss(self) -> int | None:
+        """Host RSS above the pre-request baseline once the request is over. RSS also counts
+        memory the C allocator keeps after frees: a hint, never proof of retention."""
+        if self.after_rss is None or self.baseline_rss is None:
+            return None
+        return self.after_rss - self.baseline_rss
 
     @property
     def residual_allocated(self) -> int | None:
@@ -377,6 +397,9 @@ def request_memory(trace: Trace) -> list[RequestMemory]:
                 return _opt(int(hit[-1][col])) if hit.size else None
 
             end = _end_state(rd, alloc, dev, ends.get(r, 0))
+            after_rss = next((v for v in (get(label, "rss_bytes") for label in (
+                schema.ReadingLabel.AFTER_EMPTY_CACHE, schema.ReadingLabel.AFTER_GC,
+                schema.ReadingLabel.AFTER_RETURN)) if v is not None), None)
             out.append(RequestMemory(
                 r, dev,
                 get(schema.ReadingLabel.BASELINE, "allocated_bytes"),
@@ -386,7 +409,7 @@ def request_memory(trace: Trace) -> list[RequestMemory]:
                 get(schema.ReadingLabel.AFTER_EMPTY_CACHE, "allocated_bytes"),
                 get(schema.ReadingLabel.BASELINE, "nvml_used_bytes"),
                 get(schema.ReadingLabel.AFTER_EMPTY_CACHE, "nvml_used_bytes"),
-                peak_kv, *end,
+                peak_kv, *end, get(schema.ReadingLabel.BASELINE, "rss_bytes"), after_rss,
             ))
     return [m for m in out if m.device != -2 or m.peak_kv is not None]
 

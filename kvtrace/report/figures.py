@@ -8,7 +8,7 @@ None when there is nothing to draw. Byte axes are scaled to one binary unit chos
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,6 +37,7 @@ SERIES_STYLE = {
     "allocator_allocated": ("allocator allocated", "#2ca02c", "-"),
     "allocator_inactive_split": ("allocator inactive split", "#9467bd", ":"),
     "kv_bytes": ("KV cache (unique bytes)", "#d62728", "-"),
+    "process_rss": ("process RSS (host memory)", "#8c564b", "-"),
 }
 MARKER_STYLE = {
     "prefill_start": "#bcbd22",
@@ -123,8 +124,9 @@ def memory_timeline(tl: DeviceTimeline, markers: Sequence[Marker], t0_ns: int) -
                        alpha=0.7, ls="--", label=None if m.kind in seen else m.kind)
             seen.add(m.kind)
         ax.set_ylabel(f"memory ({unit})")
+        ax.set_ylim(bottom=0)  # a zero-based axis: a 2% wiggle must not look like a doubling
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper left", fontsize=7, ncol=3)
+        ax.legend(loc="best", fontsize=7, ncol=3)  # the zero-based axis puts a flat line at the top
     axes[0, 0].set_title(f"Memory timeline: {tl.label}")
     axes[-1, 0].set_xlabel("time since trace start (s)")
     fig.tight_layout()
@@ -168,6 +170,7 @@ def growth(gc: GrowthCurves) -> Figure:
             ax1.plot(gc.tokens_seen, gc.expected[name] / scale, "--", color=colour, lw=1,
                      alpha=0.8, label=f"{name} expected")
     ax1.set_xlabel("tokens seen")
+    ax1.set_ylim(bottom=0)
     ax1.set_ylabel(f"valid KV bytes ({unit})")
     ax1.set_title(f"Growth by layer type, request {gc.request}")
     ax1.grid(alpha=0.3)
@@ -177,6 +180,7 @@ def growth(gc: GrowthCurves) -> Figure:
     for r, (tokens, valid) in sorted(gc.all_requests.items())[:20]:
         ax2.plot(tokens, valid / scale2, lw=1, label=f"request {r}")
     ax2.set_xlabel("tokens seen")
+    ax2.set_ylim(bottom=0)
     ax2.set_ylabel(f"valid KV bytes ({unit2})")
     ax2.set_title("Total KV growth, every request")
     ax2.grid(alpha=0.3)
@@ -197,17 +201,29 @@ def _grouped_bars(ax, labels: list[str], groups: dict[str, list[float | None]], 
     ax.axhline(0, color="black", lw=0.6)
 
 
+# The post-EOS bars, in drawing order: (legend, value of one request). A bar none of the requests
+# has is not drawn and the report names it as absent.
+POST_EOS_BARS: tuple[tuple[str, Callable[[RequestMemory], int | None]], ...] = (
+    ("baseline (allocated)", lambda m: m.baseline_allocated),
+    ("peak KV", lambda m: m.peak_kv),
+    ("residual after gc + empty_cache (allocated)", lambda m: m.residual_allocated),
+    ("residual after gc + empty_cache (NVML)", lambda m: m.residual_nvml),
+    ("residual process RSS (host)", lambda m: m.residual_rss),
+)
+
+
+def post_eos_bars(mems: Sequence[RequestMemory]) -> tuple[list[str], list[str]]:
+    """(bars some request has, bars no request has)."""
+    drawn = [name for name, get in POST_EOS_BARS if any(get(m) is not None for m in mems)]
+    return drawn, [name for name, _ in POST_EOS_BARS if name not in drawn]
+
+
 def post_eos(mems: Sequence[RequestMemory], max_requests: int = 40) -> Figure | None:
-    mems = [m for m in mems if m.baseline_allocated is not None or m.peak_kv is not None][:max_requests]
+    mems = [m for m in mems if any(get(m) is not None for _, get in POST_EOS_BARS)][:max_requests]
     if not mems:
         return None
     plt = _plt()
-    groups = {
-        "baseline (allocated)": [m.baseline_allocated for m in mems],
-        "peak KV": [m.peak_kv for m in mems],
-        "residual after gc + empty_cache (allocated)": [m.residual_allocated for m in mems],
-        "residual after gc + empty_cache (NVML)": [m.residual_nvml for m in mems],
-    }
+    groups = {name: [get(m) for m in mems] for name, get in POST_EOS_BARS}
     groups = {k: v for k, v in groups.items() if any(x is not None for x in v)}
     peak = max(abs(x) for v in groups.values() for x in v if x is not None)
     unit, scale = byte_unit(max(peak, 1))
@@ -215,7 +231,7 @@ def post_eos(mems: Sequence[RequestMemory], max_requests: int = 40) -> Figure | 
     _grouped_bars(ax, [f"r{m.request}" + (f"/d{m.device}" if m.device >= 0 else "") for m in mems],
                   groups, scale)
     ax.set_ylabel(f"bytes ({unit})")
-    ax.set_title("Post-EOS memory per request: baseline, peak KV, residual")
+    ax.set_title("Post-EOS memory per request: " + ", ".join(groups), fontsize=8)
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -249,7 +265,8 @@ def heatmap(hm: Heatmap) -> Figure:
     h = max(2.5, min(10.0, 0.25 * len(hm.layers) + 1.5))
     w = max(4.0, min(11.0, 0.35 * len(hm.heads) + 3))
     fig, ax = plt.subplots(figsize=(w, h))
-    im = ax.imshow(np.ma.masked_invalid(hm.values), aspect="auto", cmap="viridis", interpolation="nearest")
+    im = ax.imshow(np.ma.masked_invalid(hm.values), aspect="auto", cmap="viridis", interpolation="nearest",
+                   vmin=hm.vmin, vmax=hm.vmax)
     ax.set_yticks(range(len(hm.layers)), [str(v) for v in hm.layers], fontsize=6)
     ax.set_xticks(range(len(hm.heads)), [str(v) for v in hm.heads], fontsize=6)
     ax.set_ylabel("layer")

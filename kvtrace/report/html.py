@@ -26,9 +26,13 @@ th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f0f3f6}
 td.num{text-align:right;font-variant-numeric:tabular-nums}
 .absent{color:#8a5a00;background:#fff6e0;border-left:3px solid #e0a000;padding:6px 10px;font-size:13px}
-.sev-critical,.sev-error{color:#b00020;font-weight:600}
-.sev-warning{color:#b06000;font-weight:600}
+.sev-critical,.sev-error,.sev-high{color:#b00020;font-weight:600}
+.sev-warning,.sev-medium{color:#b06000;font-weight:600}
 .ok{color:#1b7f2a}
+.verdict{font-size:15px;font-weight:600;padding:8px 12px;border-radius:4px}
+p.verdict.ok{background:#e8f6ea}
+p.verdict.sev-high{background:#fdecea}
+code{font-size:12px;background:#f3f3f3;padding:1px 4px;border-radius:3px}
 footer{font-size:12px;color:#666;padding:0 28px 20px 28px}
 """
 
@@ -46,6 +50,7 @@ class Section:
     title: str
     figures: list[Figure] = field(default_factory=list)
     body: list[str] = field(default_factory=list)  # HTML fragments, already escaped
+    lead: list[str] = field(default_factory=list)  # HTML fragments drawn before the figures
 
 
 def absent(reason: str) -> str:
@@ -98,10 +103,11 @@ def render(title: str, header_lines: Sequence[str], sections: Sequence[Section],
     ]
     for s in sections:
         parts.append(f'<section id="{escape(s.id)}" data-section="{escape(s.id)}"><h2>{escape(s.title)}</h2>')
+        parts.extend(s.lead)
         for fig in s.figures:
             data = base64.b64encode(fig.svg).decode("ascii")
             parts.append(
-                f'<figure data-figure="{escape(fig.name)}"><img alt="{escape(fig.caption)}" '
+                f'<figure id="fig-{escape(fig.name)}" data-figure="{escape(fig.name)}"><img alt="{escape(fig.caption)}" '
                 f'src="data:image/svg+xml;base64,{data}"><figcaption>{escape(fig.caption)}</figcaption></figure>'
             )
         parts.extend(s.body)

@@ -84,5 +84,5 @@ def test_heatmaps_from_recorded_samples(tmp_path):
     _record("llama", path, sampling=SamplingSettings(every_n_steps=4, queries=True))
     result = build_report(path, tmp_path / "r.html", tmp_path / "figs", run_analyzer=False)
     assert "heatmaps" not in result.absent
-    names = {p.stem for p in result.figures}
+    names = {p.stem.rsplit("_r", 1)[0] for p in result.figures}  # one set per request: name_r<request>
     assert {"heatmap_key_norms", "heatmap_value_norms", "heatmap_attention_entropy"} <= names

@@ -31,6 +31,7 @@ WEIGHTS = 3 * 1024 * 1024
 CONTEXT = 300 * 1024 * 1024
 SEGMENT = 2 * 1024 * 1024
 MS = 1_000_000
+HOST_RSS = 500 * 1024 * 1024  # cpu=True: the process's resident memory besides KV and residual
 
 
 def kept(layer: int, tokens: int) -> int:
@@ -67,13 +68,18 @@ def write_synthetic_trace(
     close: bool = True,
     model_id: str = "synthetic/tiny-qwen3-hybrid",
     devices: int = 1,
+    cpu: bool = False,
 ) -> Path:
     """Write a trace; `residual_bytes` stays allocated after each request (a retention bug),
     `kv_extra_bytes` is added to every full layer's valid bytes (a measurement that disagrees
     with the geometry), `telemetry_gap_ms` inserts one pause in the NVML/allocator sampling,
-    `devices=2` puts layers 2-3 on a second device (pipeline split) with its own telemetry."""
+    `devices=2` puts layers 2-3 on a second device (pipeline split) with its own telemetry.
+    `cpu=True` is a CPU recording: device -1 named "cpu", no NVML or allocator, process RSS
+    telemetry and readings (RSS = HOST_RSS + KV + residual)."""
     sources = {"nvml": {"available": True}, "allocator": {"available": True},
                "process": {"available": True}}
+    if cpu:
+        unavailable = tuple(u for u in unavailable if u != "process") + ("nvml", "allocator")
     for name in unavailable:
         sources[name] = {"available": False, "reason": f"{name} sampling disabled in this synthetic trace"}
     meta = {
@@ -83,8 +89,8 @@ def write_synthetic_trace(
         "cuda_version": "12.8", "driver_version": "570.00",
         "recorder_settings_json": {"telemetry_interval_s": 0.001},
     }
-    w = TraceWriter(path, meta, [DeviceInfo(d, "Synthetic GPU", 80 * 1024**3, f"GPU-synthetic-{d}")
-                                 for d in range(devices)])
+    w = TraceWriter(path, meta, [DeviceInfo(-1, "cpu", 16 * 1024**3, "")] if cpu else
+                    [DeviceInfo(d, "Synthetic GPU", 80 * 1024**3, f"GPU-synthetic-{d}") for d in range(devices)])
     anchor = w._file["meta"].attrs["clock_anchor_mono_ns"]  # noqa: SLF001 - reuse the writer's anchor
     t = int(anchor) + MS
     residual = 0
@@ -96,9 +102,14 @@ def write_synthetic_trace(
     kv_dev = [0] * devices
 
     def layer_device(layer: int) -> int:
+        if cpu:
+            return -1
         return 0 if devices == 1 else layer * devices // len(LAYER_TYPES)
 
     def telemetry() -> None:
+        if cpu:
+            w.append("telemetry/process", (t, HOST_RSS + kv_now + residual))
+            return
         for d in range(devices):
             own = kv_dev[d] if devices > 1 else kv_now
             allocated = WEIGHTS + own + (residual if d == 0 else 0)
@@ -108,6 +119,9 @@ def write_synthetic_trace(
                                         CONTEXT // 2, 80 * 1024**3, CONTEXT + reserved - 1024**2))
 
     def reading(request: int, label: schema.ReadingLabel) -> None:
+        if cpu:
+            w.append("readings", (t, request, int(label), -1, -1, -1, -1, -1, -1, -1, HOST_RSS + kv_now + residual))
+            return
         allocated = WEIGHTS + kv_now + residual
         reserved = -(-allocated // SEGMENT) * SEGMENT + SEGMENT
         w.append("readings", (t, request, int(label), 0, allocated, reserved, allocated, SEGMENT // 4,
@@ -149,8 +163,8 @@ def write_synthetic_trace(
             kv_now = total_alloc
             kv_dev = [sum(row[13] for row in kv_rows if row[4] == d) for d in range(devices)]
             w.append("steps", (r, step, int(schema.Phase.PREFILL if step == 0 else schema.Phase.DECODE), t,
-                               seen, total_alloc, total_alloc, total_valid, WEIGHTS + kv_now + residual,
-                               -1, -1))
+                               seen, total_alloc, total_alloc, total_valid,
+                               -1 if cpu else WEIGHTS + kv_now + residual, -1, -1))
             telemetry()
             if step == 0:
                 event(schema.EventKind.PREFILL_END, r, 0)
