@@ -258,10 +258,17 @@ class Trace:
         for key in list(values):
             if key not in known:
                 extra[key] = values.pop(key)
-        values["contains_prompt_text"] = bool(values["contains_prompt_text"])
-        values["contains_tensor_payloads"] = bool(values["contains_tensor_payloads"])
+        for key in ("kvtrace_version", "torch_version", "transformers_version", "cuda_version",
+                    "driver_version", "python_version", "model_id", "model_type", "payload_tokens"):
+            if not isinstance(values[key], str):
+                raise InvalidTrace(f"{self.path}: /meta {key} must be a string")
+        for key in ("contains_prompt_text", "contains_tensor_payloads"):
+            if not isinstance(values[key], (bool, int)) or values[key] not in (0, 1):
+                raise InvalidTrace(f"{self.path}: /meta {key} must be a boolean")
+            values[key] = bool(values[key])
         for key in ("clock_anchor_wall_ns", "clock_anchor_mono_ns"):
-            values[key] = int(values[key])
+            if isinstance(values[key], bool) or not isinstance(values[key], int):
+                raise InvalidTrace(f"{self.path}: /meta {key} must be an integer")
         for key in ("model_config", "generation_defaults", "recorder_settings", "sources"):
             if not isinstance(values[key], dict):
                 raise InvalidTrace(f"{self.path}: /meta {key}_json must hold a JSON object")
@@ -272,7 +279,10 @@ class Trace:
         try:
             if "status" not in self._file:
                 return None
-            return self._file["status"][0]
+            ds = self._file["status"]
+            if not isinstance(ds, h5py.Dataset) or ds.shape != (1,) or ds.dtype != schema.STATUS:
+                raise InvalidTrace(f"{self.path}: /status is not one row of the status type")
+            return ds[0]
         except H5_READ_ERRORS as exc:
             raise CorruptTrace(f"{self.path}: /status unreadable ({exc})") from None
 
@@ -291,7 +301,12 @@ class Trace:
             raise CorruptTrace(f"{self.path}: /{name} unreadable ({exc})") from None
 
     def nrows(self, table: str) -> int:
-        return int(self._dataset(table).shape[0]) if self.has(table) else 0
+        if not self.has(table):
+            return 0
+        ds = self._dataset(table)
+        if ds.ndim != 1:
+            raise InvalidTrace(f"{self.path}: /{table} is not a 1-D table")
+        return int(ds.shape[0])
 
     def table(self, name: str, rows: slice | None = None, *, check_codes: bool = True) -> np.ndarray:
         """Read a table (or a slice of rows) as a structured array, known fields only.

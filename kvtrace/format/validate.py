@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import h5py
 import numpy as np
 
 from kvtrace.format import schema
@@ -103,7 +104,8 @@ def _blocks(trace: Trace, name: str) -> Iterator[np.ndarray]:
 
 
 def _check_rows(trace: Trace, report: ValidationReport, present: set[str]) -> None:
-    text_len = int(trace._file["text"].shape[0]) if "text" in trace._file else 0
+    text = trace._file.get("text")
+    text_len = int(text.shape[0]) if isinstance(text, h5py.Dataset) and text.ndim == 1 else 0
     request_ids = np.empty(0, dtype=np.uint32)
     referenced: dict[str, np.ndarray] = {}
     running = 0

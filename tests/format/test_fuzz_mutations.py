@@ -1,0 +1,278 @@
+"""Mutation fuzzer: damaged copies of a small real trace through every command that reads traces.
+
+Each example damages one copy of a trace holding every table, prompt text and sampled tensors
+(byte-range overwrites, truncation, deleted/retyped/linked datasets, out-of-range enums, wrong
+payload shapes and chunk counts, damaged and extra zstd frames, bad /meta and root attributes,
+text references out of range, tables inflated to a billion rows) and runs info, validate, analyze,
+diff, report, export perfetto/prometheus/zenodo in-process through the CLI entry point. Asserted:
+
+- no exit 70 and no traceback, ever; an exit is 0, 1, 2 or 4 (1 invalid, 2 not a trace, 4 newer);
+- agreement: every command that fails exits with validate's code, and none fails on a file that
+  validate calls valid;
+- a file whose structure breaks the spec (what opening checks) fails every command with 1, and a
+  file that cannot be identified as a trace fails every command with 2;
+- bounded memory: the examples run in a fresh child process whose peak RSS must stay below
+  512 MiB (the issue's bound for validate; python with kvtrace, h5py and matplotlib is ~200 MiB).
+
+hypothesis runs derandomized (fixed examples, no database) so CI sees the same files every time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+EXAMPLES = 120
+PEAK_RSS_LIMIT = 512 << 20
+
+
+def test_mutation_fuzzer(tmp_path):
+    env = dict(os.environ, KVTRACE_DEBUG="", MPLBACKEND="Agg")
+    proc = subprocess.run([sys.executable, str(Path(__file__)), str(tmp_path)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["examples"] >= EXAMPLES * 0.9  # hypothesis did run them
+    assert len(result["codes"]) >= 3, result["codes"]  # the mutations reach 0, 1 and 2
+    assert result["peak_rss"] < PEAK_RSS_LIMIT, result
+
+
+# ---- the child process ----------------------------------------------------------------------------
+
+
+def _run(main, args: list[str]) -> tuple[int, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(args)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return code, out.getvalue() + err.getvalue()
+
+
+def _mutations():
+    from hypothesis import strategies as st
+
+    offset = st.integers(0, 2**20)  # taken modulo the file size
+    row = st.integers(0, 1000)
+    enums = ["requests.outcome", "layers.layer_type", "kv.layer_type", "kv.k_dtype", "kv.v_dtype",
+             "steps.phase", "events.kind", "readings.label", "payloads/index.kind", "payloads/index.dtype"]
+    index_fields = ["ndim", "shape", "n_elements", "n_chunks", "first_chunk", "itemsize"]
+    return st.one_of(
+        st.tuples(st.just("bytes"), offset, st.integers(1, 64), st.integers(0, 2**32)),
+        st.tuples(st.just("truncate"), offset),
+        st.tuples(st.just("delete"), st.integers(0, 100)),
+        st.tuples(st.just("retype"), st.integers(0, 100),
+                  st.sampled_from(["float", "group", "2d", "scalar", "soft", "external"])),
+        st.tuples(st.just("enum"), st.sampled_from(enums), row, st.sampled_from([16, 99, 200, 255])),
+        st.tuples(st.just("index"), st.sampled_from(index_fields), row,
+                  st.sampled_from([0, 1, 3, 7, 255, 2**31 - 1, 2**40, -1])),
+        st.tuples(st.just("frame"), st.sampled_from(["append", "cut", "junk", "bomb", "empty", "garbage"]),
+                  st.integers(0, 20)),
+        st.tuples(st.just("meta"), st.integers(0, 100), st.sampled_from(["del", "int", "json", "list", "str"])),
+        st.tuples(st.just("textref"), st.sampled_from(["requests", "events", "layers"]), row,
+                  st.sampled_from(["past", "huge"])),
+        st.tuples(st.just("rows"), st.sampled_from(["kv", "steps", "events", "requests", "payloads/index",
+                                                    "telemetry/nvml", "text"]),
+                  st.sampled_from([2, 1000, 10**9])),
+        st.tuples(st.just("root"), st.sampled_from(["2.0", "1.x", "0.9", "1.99", "array", "nomarker"])),
+    )
+
+
+def _mutate(path: Path, m: tuple) -> None:
+    import h5py
+    import numpy as np
+    import zstandard
+
+    from kvtrace.format import schema
+
+    kind = m[0]
+    if kind == "bytes":
+        _, where, n, seed = m
+        size = path.stat().st_size
+        with open(path, "r+b") as fh:
+            fh.seek(where % size)
+            fh.write(np.random.default_rng(seed).bytes(n))
+        return
+    if kind == "truncate":
+        with open(path, "r+b") as fh:
+            fh.truncate(m[1] % path.stat().st_size)
+        return
+    with h5py.File(path, "a") as f:
+        names: list[str] = []
+        f.visit(names.append)
+        if kind == "delete":
+            del f[names[m[1] % len(names)]]
+        elif kind == "retype":
+            datasets = [n for n in names if isinstance(f[n], h5py.Dataset)]
+            name = datasets[m[1] % len(datasets)]
+            n = f[name].shape[0] if f[name].shape else 1
+            del f[name]
+            how = m[2]
+            if how == "float":
+                f[name] = np.zeros(n)
+            elif how == "group":
+                f.create_group(name)
+            elif how == "2d":
+                f[name] = np.zeros((n, 2), dtype=np.uint8)
+            elif how == "scalar":
+                f[name] = "not a table"
+            elif how == "soft":
+                f[name] = h5py.SoftLink("/" + datasets[(m[1] + 1) % len(datasets)])
+            else:
+                f[name] = h5py.ExternalLink("/etc/passwd", "/x")
+        elif kind == "enum":
+            table, column = m[1].rsplit(".", 1)
+            _set_field(f[table], m[2], column, m[3])
+        elif kind == "index":
+            ds = f["payloads/index"]
+            value = m[3]
+            if m[1] == "shape":
+                if ds.shape[0]:
+                    r = ds[m[2] % ds.shape[0]]
+                    r["shape"][value % 6 if value >= 0 else 0] = value
+                    ds[m[2] % ds.shape[0]] = r
+            else:
+                info = np.iinfo(ds.dtype[m[1]])
+                _set_field(ds, m[2], m[1], int(np.clip(value, info.min, info.max)))
+        elif kind == "frame":
+            ds = f[schema.payload_dataset_name(2)]
+            chunk = schema.payload_chunk_elements(2)
+            c = m[2] % max(1, ds.shape[0] // chunk)
+            _, stored = ds.id.read_direct_chunk((c * chunk,))
+            stored = {
+                "append": stored + zstandard.ZstdCompressor().compress(b"\0" * 100_000),
+                "cut": stored[: len(stored) // 2],
+                "junk": stored + b"junk",
+                "bomb": zstandard.ZstdCompressor().compress(b"\0" * (16 << 20)),
+                "empty": b"",
+                "garbage": bytes(range(256)) * 4,
+            }[m[1]]
+            ds.id.write_direct_chunk((c * chunk,), stored, filter_mask=0)
+        elif kind == "meta":
+            keys = sorted(f["meta"].attrs.keys())
+            key = keys[m[1] % len(keys)]
+            how = m[2]
+            if how == "del":
+                del f["meta"].attrs[key]
+            else:
+                f["meta"].attrs[key] = {"int": 7, "json": "{not json", "list": np.arange(3), "str": "yes"}[how]
+        elif kind == "textref":
+            field = {"requests": "prompt_text", "events": "text", "layers": "module"}[m[1]]
+            big = m[3] == "huge"
+            _set_field(f[m[1]], m[2], f"{field}_off", 0 if big else 2**40)
+            _set_field(f[m[1]], m[2], f"{field}_len", 2**31 if big else 5)
+            if big:
+                f["text"].resize((2**31 + 1,))  # never written: zeros that occupy no space
+        elif kind == "rows":
+            ds = f[m[1]]
+            ds.resize((max(1, ds.shape[0]) * m[2] if m[2] < 10**9 else m[2],))
+        elif kind == "root":
+            how = m[1]
+            if how == "nomarker":
+                del f.attrs["format"]
+            else:
+                f.attrs["format_version"] = np.arange(3) if how == "array" else how
+
+
+def _set_field(ds, row: int, column: str, value: int) -> None:
+    if ds.shape[0] == 0:
+        return
+    i = row % ds.shape[0]
+    r = ds[i]
+    r[column] = value
+    ds[i] = r
+
+
+def _commands(path: Path, base: Path, out: Path) -> dict[str, list[str]]:
+    p = str(path)
+    return {
+        "validate": ["validate", p],
+        "info": ["info", "--json", p],
+        "analyze": ["analyze", p],
+        "diff": ["diff", str(base), p],
+        "perfetto": ["export", "perfetto", p, "-o", str(out / "t.json"), "-q"],
+        "prometheus": ["export", "prometheus-textfile", p, "-o", str(out / "t.prom"), "-q"],
+        "zenodo": ["export", "zenodo", p, "-o", str(out / "bundle"), "--creator", "Doe, Jane", "--allow-content",
+                   "-q"],
+        "report": ["report", p, "-o", str(out / "r.html"), "-q"],
+    }
+
+
+def _structure_class(path: Path) -> int | None:
+    """1 when opening (which checks structure) must refuse the file, 2 when it is not a trace,
+    4 for a newer major version, None when the structure is sound."""
+    from kvtrace import exitcodes
+    from kvtrace.format.errors import NotATrace, TraceError, UnsupportedVersion
+    from kvtrace.format.reader import Trace, structure_problems
+
+    try:
+        with Trace(path, check=False) as t:
+            problems, _ = structure_problems(t)
+    except NotATrace:
+        return exitcodes.UNREADABLE
+    except UnsupportedVersion:
+        return exitcodes.VERSION
+    except TraceError:
+        return exitcodes.INVALID
+    return exitcodes.INVALID if problems else None
+
+
+def child(work: Path) -> dict:
+    sys.path[:0] = [str(HERE), str(HERE.parent / "report")]
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from synth_trace import write_synthetic_trace
+
+    from kvtrace import exitcodes
+    from kvtrace.cli import main
+
+    base = write_synthetic_trace(work / "base.kvt.h5", requests=2, new_tokens=6, payloads=True,
+                                 prompt_text=True, recorder_error="sampler died")
+    seen_codes: set[int] = set()
+    count = [0]
+
+    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(mutation=_mutations(), with_report=st.integers(0, 3))
+    def one(mutation: tuple, with_report: int) -> None:
+        count[0] += 1
+        case = work / f"case{count[0]}"
+        case.mkdir()
+        path = case / "m.kvt.h5"
+        shutil.copy(base, path)
+        _mutate(path, mutation)
+        expected = _structure_class(path)
+        codes = {}
+        for name, args in _commands(path, base, case).items():
+            if name == "report" and with_report:
+                continue  # the slowest command (figures): one example in four
+            code, text = _run(main, args)
+            assert "Traceback" not in text, (name, mutation, text[-3000:])
+            assert code != exitcodes.INTERNAL and code in (0, 1, 2, 4), (name, mutation, code, text[-2000:])
+            codes[name] = code
+        seen_codes.update(codes.values())
+        failing = {n: c for n, c in codes.items() if c}
+        assert all(c == codes["validate"] for c in failing.values()), (mutation, codes)
+        if expected is not None:
+            assert all(c == expected for c in codes.values()), (mutation, expected, codes)
+        if os.environ.get("KVTRACE_FUZZ_VERBOSE"):
+            print(mutation, codes, file=sys.stderr)
+        shutil.rmtree(case)
+
+    one()
+    return {"examples": count[0], "codes": sorted(seen_codes),
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+if __name__ == "__main__":
+    print(json.dumps(child(Path(sys.argv[1]))))
