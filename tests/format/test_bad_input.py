@@ -172,3 +172,85 @@ def test_no_code_path_unpickles(tmp_path):
     proc = run_cli("validate", str(p))
     assert proc.returncode == exitcodes.INVALID
     assert "Traceback" not in proc.stderr
+
+
+# ---- the same class from every command (issue 14): in-process through the CLI entry point ----
+
+def run_main(*args: str) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from kvtrace.cli import main
+
+    out = io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            main(list(args))
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    return code, out.getvalue()
+
+
+def every_command(path: Path, tmp: Path) -> dict[str, tuple[int, str]]:
+    p = str(path)
+    good = tmp / "good.kvt.h5"
+    if not good.exists():
+        write_minimal(good)
+    return {
+        "info": run_main("info", p),
+        "validate": run_main("validate", p),
+        "analyze": run_main("analyze", p),
+        "diff": run_main("diff", str(good), p),
+        "report": run_main("report", p, "-o", str(tmp / "r.html"), "-q"),
+        "perfetto": run_main("export", "perfetto", p, "-o", str(tmp / "t.json"), "-q"),
+        "zenodo": run_main("export", "zenodo", p, "-o", str(tmp / "z"), "--creator", "Doe, J", "-q"),
+    }
+
+
+def assert_all(results: dict[str, tuple[int, str]], code: int, message: str) -> None:
+    for name, (got, text) in results.items():
+        assert got == code, (name, got, text)
+        assert "Traceback" not in text and "internal error" not in text, (name, text)
+        assert message in text, (name, text)
+
+
+def test_directory_is_not_a_trace_everywhere(tmp_path):
+    d = tmp_path / "dir.kvt.h5"
+    d.mkdir()
+    assert_all(every_command(d, tmp_path), exitcodes.UNREADABLE, "is a directory")
+
+
+def test_unknown_outcome_is_invalid_not_internal(tmp_path):
+    """'9 is not a valid Outcome' was exit 70 in info and report."""
+    p = tmp_path / "enum.kvt.h5"
+    write_minimal(p)
+    with h5py.File(p, "a") as f:
+        row = f["requests"][0]
+        row["outcome"] = 9
+        f["requests"][0] = row
+    assert_all(every_command(p, tmp_path), exitcodes.INVALID, "/requests outcome has unknown codes [9]")
+
+
+@pytest.mark.parametrize("name", ["kv", "payloads/data_2", "payloads/index", "status"])
+def test_deleted_dataset_is_invalid_everywhere(tmp_path, name):
+    """/kv deleted gave 0 from info and report; a deleted payload dataset gave 70."""
+    p = tmp_path / "del.kvt.h5"
+    payload_trace(p)
+    with h5py.File(p, "a") as f:
+        del f[name]
+    assert_all(every_command(p, tmp_path), exitcodes.INVALID, f"/{name}")
+
+
+def test_unreadable_table_chunk_is_invalid_everywhere(tmp_path):
+    """HDF5 objects that fail to read inside an identified trace: validate said 1 while analyze,
+    report and diff said 2."""
+    p = tmp_path / "chunk.kvt.h5"
+    write_minimal(p)
+    with h5py.File(p, "r") as f:
+        info = f["requests"].id.get_chunk_info(0)
+    with open(p, "r+b") as fh:
+        fh.seek(info.byte_offset)
+        fh.write(b"\xff" * info.size)
+    results = every_command(p, tmp_path)
+    assert_all(results, exitcodes.INVALID, "/requests")
