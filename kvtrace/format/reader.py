@@ -173,6 +173,7 @@ class Trace:
                 if problems:
                     more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
                     raise InvalidTrace(f"{self.path}: {problems[0]}{more}; 'kvtrace validate' lists them")
+                self.__dict__["_payload_index_checked"] = True  # the index rules held: no second read
         except TraceError:
             self._file.close()
             raise
