@@ -1,4 +1,5 @@
-"""Process exit codes of the kvtrace CLI (documented in README and spec/cli.md)."""
+"""Process exit codes of the kvtrace CLI. spec/cli.md is the normative table (with the --json /
+--json-out convention); the README repeats it. Change all three together."""
 
 OK = 0
 INVALID = 1  # a trace that breaks the spec (validate lists every problem)
@@ -12,3 +13,4 @@ CANNOT_WRITE = 73  # output path not writable (EX_CANTCREAT)
 IO_ERROR = 74  # record: generation finished but the trace stopped early on a storage failure (EX_IOERR)
 REFUSED = 77  # privacy: traces hold prompt text or tensor contents; pass --allow-content (EX_NOPERM)
 INTERRUPTED = 130  # Ctrl-C
+BROKEN_PIPE = 141  # stdout closed by its reader (`| head`): quiet, no message (128 + SIGPIPE)

@@ -20,13 +20,22 @@ def _b(value: int | None) -> str:
     return "-" if value is None else format_bytes(value)
 
 
+class _PipeConsole(Console):
+    """A closed stdout (`| head`) raises BrokenPipeError for the CLI to exit quietly with its
+    documented code, instead of rich's SystemExit(1) (1 means an invalid trace here)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError("stdout closed")
+
+
 def console_for(file: IO[str] | None = None, width: int | None = None) -> Console:
-    c = Console(file=file, highlight=False, soft_wrap=False)
+    c = _PipeConsole(file=file, highlight=False, soft_wrap=False)
     if not c.is_terminal:
         # Pipes and CI logs: plain text, as wide as COLUMNS says (140 by default).
         cols = os.environ.get("COLUMNS", "")
-        c = Console(file=file, highlight=False, width=width or (int(cols) if cols.isdigit() else 140),
-                    no_color=True)
+        c = _PipeConsole(file=file, highlight=False, width=width or (int(cols) if cols.isdigit() else 140),
+                         no_color=True)
     return c
 
 
@@ -49,19 +58,7 @@ def render(report: AnalysisReport, console: Console, *, show_info: bool = True) 
     note = f" ({'; '.join(exp['notes'])})" if exp["notes"] else ""
     console.print(f"expect  from the {exp['source']}{note}")
 
-    req = Table(title="Requests", title_justify="left", show_lines=False)
-    for col in ("req", "outcome", "batch", "prompt", "new", "tokens", "peak KV", "baseline", "peak alloc",
-                "retained", "KV alive after", "time"):
-        req.add_column(col, justify="right" if col not in ("outcome",) else "left")
-    for r in report.requests:
-        req.add_row(
-            str(r["request"]), r["outcome"], str(r["batch_size"]), f"{r['prompt_tokens']:,}",
-            f"{r['new_tokens']:,}", f"{r['final_tokens']:,}", _b(r["peak_kv_bytes"]),
-            _b(r["baseline_allocated_bytes"]), _b(r["peak_allocated_bytes"]), _b(r["retained_allocated_bytes"]),
-            _b(r["kv_alive_after_request_bytes"]),
-            format_ns(r["duration_ns"]) if r["duration_ns"] is not None else "-",
-        )
-    console.print(req)
+    _requests_tables(report, console)
 
     findings = [f for f in report.findings if show_info or f.score > 0.1]
     ft = Table(title="Findings", title_justify="left", show_lines=True)
@@ -85,6 +82,47 @@ def render(report: AnalysisReport, console: Console, *, show_info: bool = True) 
     console.print(f"{len(report.findings)} finding(s), worst: {worst.label if worst is not None else 'none'}; "
                   f"{sum(r.status == 'ran' for r in report.results)} detector(s) ran, {len(skipped)} did not. "
                   "Sizes in binary units (KiB = 1024 B).")
+
+
+# Requests table columns: (header, cell of one request, part). Part 0 is the request and its
+# tokens, part 1 its memory; at 80 columns the two parts print as two tables.
+_REQUEST_COLUMNS = (
+    ("req", lambda r: str(r["request"]), 0),
+    ("outcome", lambda r: r["outcome"], 0),
+    ("batch", lambda r: str(r["batch_size"]), 0),
+    ("prompt", lambda r: f"{r['prompt_tokens']:,}", 0),
+    ("new", lambda r: f"{r['new_tokens']:,}", 0),
+    ("tokens", lambda r: f"{r['final_tokens']:,}", 0),
+    ("time", lambda r: format_ns(r["duration_ns"]) if r["duration_ns"] is not None else "-", 0),
+    ("peak KV", lambda r: _b(r["peak_kv_bytes"]), 1),
+    ("baseline", lambda r: _b(r["baseline_allocated_bytes"]), 1),
+    ("peak alloc", lambda r: _b(r["peak_allocated_bytes"]), 1),
+    ("retained", lambda r: _b(r["retained_allocated_bytes"]), 1),
+    ("KV alive after", lambda r: _b(r["kv_alive_after_request_bytes"]), 1),
+)
+
+
+def _requests_tables(report: AnalysisReport, console: Console) -> None:
+    """The Requests table, folded to the console's width: columns no request has a value for
+    are named below instead of drawn as dashes, and when one table would not fit the tokens
+    and the memory columns print as two tables (cells never wrap or get cut)."""
+    cells = {h: [get(r) for r in report.requests] for h, get, _ in _REQUEST_COLUMNS}
+    empty = [h for h, _, part in _REQUEST_COLUMNS if part and report.requests and all(v == "-" for v in cells[h])]
+    cols = [(h, part) for h, _, part in _REQUEST_COLUMNS if h not in empty]
+    # rich's default box: 1 border + 2 padding per column, plus the closing border
+    need = 1 + sum(3 + max(len(h), *(len(v) for v in cells[h]), 0) for h, _ in cols)
+    parts = [[h for h, _ in cols]] if need <= console.width else [
+        [h for h, p in cols if p == 0], ["req", *(h for h, p in cols if p == 1)]]
+    for i, headers in enumerate(parts):
+        title = "Requests" if len(parts) == 1 else ("Requests: tokens", "Requests: memory")[i]
+        t = Table(title=title, title_justify="left", show_lines=False)
+        for h in headers:
+            t.add_column(h, justify="left" if h == "outcome" else "right", no_wrap=True)
+        for k in range(len(report.requests)):
+            t.add_row(*(cells[h][k] for h in headers))
+        console.print(t)
+    if empty:
+        console.print(f"not measured (no allocator readings in this trace): {', '.join(empty)}")
 
 
 def _ratio_list(values: list[float | None]) -> str:

@@ -30,7 +30,7 @@ from kvtrace.format.errors import TraceError
 @guarded
 def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_on: str | None,
             detectors: tuple[str, ...], list_detectors: bool, quiet: bool, gpu: bool, contents: bool) -> None:
-    """Replay traces through the detectors and report findings.
+    """Replay each of TRACES through the detectors and report findings.
 
     \b
     Exit codes: 0 done (no finding reached --fail-on), 3 a finding reached --fail-on,

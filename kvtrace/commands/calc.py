@@ -79,7 +79,8 @@ class _Tokens(click.ParamType):
 @click.option("--batch", default=None, type=click.IntRange(min=1), help="Concurrent requests to check [default: 1].")
 @click.option("--reserve", default=0.1, show_default=True, type=click.FloatRange(0, 1, max_open=True),
               help="Fraction of each GPU set aside for the CUDA context, allocator slack and activations.")
-@click.option("--cache", "cache_kind", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True)
+@click.option("--cache", "cache_kind", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
+              help="dynamic: bytes grow with the tokens held; static: preallocated to --context.")
 @click.option("--encoder-len", type=click.IntRange(min=1), default=None,
               help="Encoder tokens held by cross-attention layers (encoder-decoder models).")
 @click.option("--mla-cache", type=click.Choice(["latent", "expanded"]), default="latent", show_default=True,

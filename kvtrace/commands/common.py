@@ -49,6 +49,18 @@ def exit_code_for(exc: BaseException) -> int:
     return exitcodes.INTERNAL
 
 
+def stdout_closed() -> None:
+    """The reader of stdout went away (`kvtrace info T | head -1`): not an error of kvtrace. Exit
+    quietly with 141 (128 + SIGPIPE, what a shell reports for a tool SIGPIPE ended), pointing
+    stdout at /dev/null first so that the interpreter's final flush does not complain."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    sys.exit(exitcodes.BROKEN_PIPE)
+
+
 def guarded(fn: F) -> F:
     """Turn known failures into one stderr line and their exit code."""
 
@@ -60,6 +72,8 @@ def guarded(fn: F) -> F:
             raise
         except KeyboardInterrupt:
             fail("interrupted", exitcodes.INTERRUPTED)
+        except BrokenPipeError:
+            stdout_closed()
         except (TraceError, Unavailable, CannotWrite, TraceIncomplete) as exc:
             fail(str(exc), exit_code_for(exc))
         except Exception as exc:  # noqa: BLE001 - last resort: one line, not a traceback

@@ -102,9 +102,9 @@ def show(trace_path: Path) -> None:
     with Trace(trace_path) as t:
         s = summarize(t)
         kv, steps = t.kv(0), t.steps(0)
-    click.echo(f"  {s['requests']['count']} requests, {s['requests']['new_tokens']} new tokens, "
-               f"{s['rows']['steps']} steps, {s['rows']['kv']} per-layer rows, "
-               f"file {format_bytes(s['file_bytes'])}")
+    click.echo(f"  {s['requests']['count']} requests, {s['requests']['new_tokens']} new tokens "
+               f"(one step each), cache structure read at {s['rows']['steps']} steps "
+               f"({s['rows']['kv']} per-layer rows), file {format_bytes(s['file_bytes'])}")
     sources = ", ".join(f"{k} {'yes' if v.get('available') else 'no'}" for k, v in sorted(s["sources"].items()))
     click.echo(f"  sources: {sources}")
     last = kv[kv["step"] == kv["step"].max()]

@@ -66,7 +66,7 @@ def perfetto(trace: str, output: str, no_analysis: bool, quiet: bool, as_json: b
 @click.argument("traces", nargs=-1, required=True, type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
               help="Bundle directory to create (must not exist, or be empty).")
-@click.option("--creator", "creators", multiple=True,
+@click.option("--creator", "creators", multiple=True, required=True,
               help="'Family, Given[; affiliation[; ORCID]]'. Repeat for several; at least one is needed.")
 @click.option("--title", default=None, help="Dataset title (default: generated from the models).")
 @click.option("--description", default=None, help="Dataset description (default: generated from the traces).")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import textwrap
+
 import click
 
 from kvtrace.commands.common import guarded
@@ -14,7 +17,7 @@ from kvtrace.units import format_bytes
 @json_options
 @guarded
 def info(trace: str, as_json: bool, json_out: str | None) -> None:
-    """Show what a trace holds: requests, steps, layers, sources, sizes.
+    """Show what TRACE holds: requests, structure reads, layers, sources, sizes.
 
     \b
     Examples:
@@ -34,39 +37,53 @@ def info(trace: str, as_json: bool, json_out: str | None) -> None:
 
 
 def _print(s: dict) -> None:
+    width = shutil.get_terminal_size((80, 24)).columns  # COLUMNS first, then the terminal, else 80
+
+    def echo(line: str = "") -> None:
+        """Fold a long 'name  value' line under its value column so it reads at 80 columns."""
+        click.echo(textwrap.fill(line, width=max(width, 40), subsequent_indent=" " * 11,
+                                 break_on_hyphens=False) if len(line) > width else line)
+
     state = "complete" if s["complete"] else "INCOMPLETE (writer did not close it)"
     if s.get("stopped"):
         state = f"INCOMPLETE (writer stopped early: {s['stopped']['reason']})"
-    click.echo(f"{s['path']}  format {s['format_version']}  {state}  {format_bytes(s['file_bytes'])}")
-    click.echo(f"model      {s['model']['id']} ({s['model']['type']})")
+    echo(f"{s['path']}  format {s['format_version']}  {state}  {format_bytes(s['file_bytes'])}")
+    echo(f"model      {s['model']['id']} ({s['model']['type']})")
     sw = s["software"]
-    click.echo(
+    echo(
         f"software   kvtrace {sw['kvtrace']}, torch {sw['torch']}, transformers {sw['transformers']}, "
         f"CUDA {sw['cuda']}, driver {sw['driver']}"
     )
     if s["devices"]:
         for d in s["devices"]:
             total = format_bytes(d["total_memory_bytes"]) if d["total_memory_bytes"] >= 0 else "unknown"
-            click.echo(f"device     {d['index']}: {d['name']} ({total})")
+            where = "cpu" if d["index"] < 0 else f"cuda:{d['index']}"
+            name = "" if d["name"].strip().lower() in ("", where) else f" {d['name']}"  # not "cpu cpu"
+            echo(f"device     {where}{name} ({total})")
     sources = ", ".join(
         f"{k}={'yes' if (v.get('available') if isinstance(v, dict) else v) else 'no'}"
         for k, v in sorted(s["sources"].items())
     )
-    click.echo(f"sources    {sources or 'none recorded'}")
+    echo(f"sources    {sources or 'none recorded'}")
     outcomes = ", ".join(f"{n} {k}" for k, n in sorted(s["requests"]["outcomes"].items()))
-    click.echo(f"requests   {s['requests']['count']} ({outcomes or 'none'}), "
+    echo(f"requests   {s['requests']['count']} ({outcomes or 'none'}), "
                f"{s['requests']['new_tokens']} new tokens")
     types = ", ".join(f"{n} {k}" for k, n in sorted(s["layers"]["types"].items()))
-    click.echo(f"layers     {s['layers']['count']} ({types or 'none'})")
+    echo(f"layers     {s['layers']['count']} ({types or 'none'})")
     rows = s["rows"]
-    click.echo(f"rows       kv {rows['kv']}, steps {rows['steps']}, events {rows['events']}, "
+    every = (s["sources"].get("cache_structure") or {}).get("structure_every")
+    # /steps and /kv hold rows only for the steps whose cache structure was read (spec 4.3/4.4)
+    echo(f"structure  read at {rows['steps']} steps" + (
+        f" (structure_every {every}: the prefill, one decode step in {every}, sampled steps and the last)"
+        if isinstance(every, int) and every > 1 else " (every step)" if every == 1 else ""))
+    echo(f"rows       kv {rows['kv']}, steps {rows['steps']}, events {rows['events']}, "
                f"nvml {rows['telemetry/nvml']}, allocator {rows['telemetry/allocator']}, "
                f"process {rows['telemetry/process']}")
     kind = "incremental: new tokens per sample" if s["payloads"]["tokens"] == "new" else "whole samples"
-    click.echo(f"payloads   {s['payloads']['count']} sampled tensors ({kind}), "
+    echo(f"payloads   {s['payloads']['count']} sampled tensors ({kind}), "
                f"{format_bytes(s['payloads']['stored_bytes'])} stored (compressed)")
-    click.echo(f"privacy    prompt text {'STORED' if s['contains_prompt_text'] else 'not stored'}, "
+    echo(f"privacy    prompt text {'STORED' if s['contains_prompt_text'] else 'not stored'}, "
                f"tensor contents {'STORED' if s['contains_tensor_payloads'] else 'not stored'}")
     for line in s.get("privacy_mismatches", ()):  # decided from the contents; the flag is wrong
         click.echo(f"warning: {line} (the trace is invalid: see 'kvtrace validate')", err=True)
-    click.echo("(sizes in binary units: KiB = 1024 B)")
+    echo("(sizes in binary units: KiB = 1024 B)")

@@ -313,12 +313,16 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
 @click.option("--prompt", multiple=True, metavar="TEXT", help="A prompt; repeat for several requests.")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), metavar="FILE",
               help="Text file, one prompt (request) per line.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), required=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), required=True,
+              help="Tokens to generate per request at most (generate's max_new_tokens).")
 @click.option("--min-new-tokens", type=click.IntRange(min=0), default=None,
               help="Force at least this many tokens (random-weight presets emit EOS at random).")
-@click.option("--do-sample/--greedy", default=False, show_default=True)
-@click.option("--temperature", type=float, default=None)
-@click.option("--top-p", type=float, default=None)
+@click.option("--do-sample/--greedy", default=False, show_default=True,
+              help="Sample the next token (with --temperature/--top-p) or pick the most likely one.")
+@click.option("--temperature", type=float, default=None,
+              help="Sampling temperature; only with --do-sample (default: the model's generation config).")
+@click.option("--top-p", type=float, default=None,
+              help="Nucleus sampling mass in (0, 1]; only with --do-sample (default: the generation config).")
 @click.option("--seed", type=int, default=0, show_default=True, help="torch seed (weights of presets, sampling).")
 @click.option("--sample-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="Store K/V contents every N steps (0: never; contents are stored only on request).")
@@ -334,7 +338,7 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
               help="Read the per-layer cache structure at prefill, every N-th decode step and the last "
                    "step (1: every step); other steps still get their DECODE_STEP event.")
 @click.option("--telemetry-hz", type=click.FloatRange(min=0, min_open=True, max=1000), default=20.0,
-              show_default=True)
+              show_default=True, help="Rate of the background sampler (NVML, allocator, process RSS), per second.")
 @click.option("--no-nvml", is_flag=True, help="Do not poll NVML.")
 @click.option("--store-prompts", is_flag=True, help="Store prompt text in the trace (off by default).")
 @click.option("--empty-cache/--no-empty-cache", default=False, show_default=True,
@@ -345,7 +349,8 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="auto: the checkpoint's dtype; presets use bfloat16 on CUDA, float32 on CPU.")
 @click.option("--cache-implementation", type=click.Choice(CACHE_IMPLEMENTATIONS), default="dynamic",
-              show_default=True)
+              show_default=True, help="The transformers cache generate uses (quantized_fp8: the quantized cache with "
+              "the fp8 backend).")
 @click.option("--layers", type=click.IntRange(min=1), default=None, help="Presets: keep the first N layers.")
 @click.option("--width", type=click.FloatRange(min=0, min_open=True, max=1), default=None,
               help="Presets: scale hidden/MLP/expert widths (KV geometry kept).")

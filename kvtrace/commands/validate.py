@@ -17,7 +17,7 @@ from kvtrace.commands.outputs import check_json_out, json_options, write_json
 @json_options
 @guarded
 def validate(trace: str, no_payloads: bool, as_json: bool, json_out: str | None) -> None:
-    """Check a trace against the format spec.
+    """Check TRACE against the format spec.
 
     \b
     Exit codes: 0 valid, 1 invalid (every problem is listed),
