@@ -249,3 +249,23 @@ def test_axes_start_at_zero_and_entropy_scale_fixed(tmp_path):
     keys = [h for h in flat if h.title.startswith("key")]
     assert len(keys) == 2 and keys[0].vmax == keys[1].vmax == max(float(np.nanmax(h.values)) for h in keys)
     assert all(h.vmin == 0.0 for h in flat)
+
+
+def _console_lines(url: str) -> list[str]:
+    """Console messages Chromium logs for a page: errors, CSP violations (blocked fetches)."""
+    proc = _chromium("--enable-logging=stderr", "--v=0", "--dump-dom", url)
+    return [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)")
+def test_chromium_console_clean_and_verdict_on_top(full_report, tmp_path):
+    page = full_report[0].html
+    assert _console_lines(page.resolve().as_uri()) == []  # no console errors, nothing blocked or fetched
+    # the control: the same CSP with one external image logs the blocked fetch, so silence means something
+    bad = tmp_path / "bad.html"
+    bad.write_text(page.read_text().replace("</main>", '<img src="http://192.0.2.1/x.png"></main>', 1))
+    assert any("192.0.2.1" in line for line in _console_lines(bad.resolve().as_uri()))
+    dom = _chromium("--dump-dom", page.resolve().as_uri()).stdout
+    assert dom.index('id="verdict"') < dom.index('id="overview"')
+    assert "Needs attention" in dom and "del out.past_key_values" in dom
+    assert dom.count('href="#fig-heatmap_') == 2  # the per-request selection: one link per sampled request
