@@ -337,7 +337,7 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
 @click.option("--structure-every", type=click.IntRange(min=1), default=8, show_default=True,
               help="Read the per-layer cache structure at prefill, every N-th decode step and the last "
                    "step (1: every step); other steps still get their DECODE_STEP event.")
-@click.option("--telemetry-hz", type=click.FloatRange(min=0, min_open=True, max=1000), default=20.0,
+@click.option("--telemetry-hz", type=click.FloatRange(min=0, min_open=True, max=1000), default=5.0,
               show_default=True, help="Rate of the background sampler (NVML, allocator, process RSS), per second.")
 @click.option("--no-nvml", is_flag=True, help="Do not poll NVML.")
 @click.option("--store-prompts", is_flag=True, help="Store prompt text in the trace (off by default).")

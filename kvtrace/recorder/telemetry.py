@@ -4,11 +4,17 @@ Readings are taken at ``rate_hz`` for every CUDA device the model touches, plus 
 entry points for the recorder core: ``step_reading`` (one allocator stats call per step) and
 ``reading`` (a full labelled reading, per request). Nothing here is ever called per layer.
 
-Default rate 20 Hz: 50 ms resolution catches transients shorter than a typical HF decode step
-run-to-run, while the per-tick cost (one nested allocator-stats call, two NVML calls and one
-/proc read per device, ~0.1-0.3 ms) stays below ~0.5% of one core and of GIL time. NVML calls
-take a driver-wide lock, another reason to stay modest. Sources that do not exist are reported
-as unavailable with a reason and produce no rows; no value is ever invented.
+Default rate 5 Hz (200 ms). Measured on an H100 with Pythia-1.4B at batch 1, where the model's
+thread is the bottleneck (bench/bench_overhead.py amplified variants, docs/benchmarks.md): each
+tick costs that thread ~0.8 ms for NVML (a memory read and the process list; NVML takes a
+driver-wide lock) and ~0.3 ms for the allocator stats (a nested dict built with the GIL held), so
+20 Hz cost ~2% of decode time and 5 Hz costs ~0.5%. What 5 Hz gives up is little: every request
+still gets exact labelled readings (baseline, peak, after return) and the allocator is also read
+at every structure step; 200 ms samples still show the allocator's trends (fragmentation) over
+any request longer than a second. Pass a higher rate to see shorter transients. The first tick
+comes one period after start, so the thread does not compete for the GIL while the recorder
+opens. Sources that do not exist are reported as unavailable with a reason and produce no rows;
+no value is ever invented.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from kvtrace.recorder.limits import read_limits
 from kvtrace.recorder.nvml import Nvml
 
 MAX_RATE_HZ = 1000.0
+DEFAULT_RATE_HZ = 5.0  # see the module docstring for what a tick costs
 READING_KEYS = (
     "allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes",
     "nvml_used_bytes", "nvml_process_used_bytes", "rss_bytes",
@@ -100,7 +107,7 @@ class Telemetry:
         self,
         devices: list[int],
         *,
-        rate_hz: float = 20.0,
+        rate_hz: float = DEFAULT_RATE_HZ,
         use_nvml: bool = True,
         use_allocator: bool = True,
         listeners: list[Listener] | None = None,
@@ -295,6 +302,7 @@ class Telemetry:
         if self._thread is not None:
             return
         self._stop.clear()
+        self.last_rss = self.rss_bytes()  # ~10 us: steps before the first tick still get an RSS
         self._thread = threading.Thread(target=self._run, name="kvtrace-telemetry", daemon=True)
         self._thread.start()
 
@@ -318,7 +326,9 @@ class Telemetry:
 
     def _run(self) -> None:
         period = 1.0 / self.rate_hz
-        due = time.monotonic()
+        due = time.monotonic() + period
+        if self._stop.wait(period):  # the first tick one period in: not while the recorder opens
+            return
         while not self._stop.is_set():
             try:
                 self._tick()
