@@ -221,8 +221,9 @@ class _Analysis:
         first = _first_kept(kvrow)
         kp, k = self.at_step(request, step, layer, PK.KEY, first=first)
         vp, v = self.at_step(request, step, layer, PK.VALUE, first=first)
-        if k.dim() != 4 or v.dim() != 4:
-            self.skip("dead_heads", request, layer, f"K/V payloads are not [B, H, T, D] (got {kp.shape})")
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+            self.skip("dead_heads", request, layer,
+                      f"K/V payloads are not [B, H, T, D] with the same B, H, T (got {kp.shape}, {vp.shape})")
             return
         kb, vb = _dtype_bytes(kvrow, kp, vp)
         rep = kv_head_report(k, v, layer=layer, dtype_bytes=kb, backend=self.backend)
@@ -252,6 +253,10 @@ class _Analysis:
         first = _first_kept(kvrow)
         kp_last, k_last = self.at_step(request, last, layer, PK.KEY, first=first)
         vp_last = self.contents.at(request, layer, int(PK.VALUE), last, first=first)
+        if k_last.dim() != 4 or vp_last is None or len(vp_last.shape) != 4:  # a valid but other layout
+            for name in ("entropy", "eviction_h2o"):
+                self.skip(name, request, layer, f"K/V payloads are not [B, H, T, D] (got {kp_last.shape})")
+            return
         B, hk, Tk, Dk = k_last.shape
         kb, vb = _dtype_bytes(kvrow, kp_last, vp_last)
         kv_heads = int(self.layers[layer]["num_kv_heads"]) if layer in self.layers else hk
@@ -274,6 +279,8 @@ class _Analysis:
                 continue
             qp, q = self.tensor(self.rows_by[(request, s, layer, int(PK.QUERY))])
             kp, k = self.at_step(request, s, layer, PK.KEY)
+            if q.dim() != 4 or k.dim() != 4:
+                continue  # not [B, H, T, D]: nothing to pair
             sampled += q.shape[2] * q.shape[0]
             pick = _pair_heads(qp, q.shape[1], kp, k.shape[1], self.cfg, kv_heads)
             if pick is None or [kp.head_start + i * kp.head_stride for i in pick[1]] != kv_abs:
