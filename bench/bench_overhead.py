@@ -27,6 +27,8 @@ Method (issue 13):
 
 Variants (recorder options, or mechanism-isolation patches; see ``VARIANTS``):
 
+  aa           nothing attached (base against base): the noise floor and any order bias of the
+               harness itself; its CI is what a zero-cost variant would show
   recorder     kvtrace.record() defaults
   sampling32   the defaults + K/V content sampling every 32 steps (incremental)
   full_exit    the defaults + empty_cache=True (gc.collect and empty_cache after every request)
@@ -93,6 +95,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "m_structure_x8": {"options": {**_BARE, "structure_every": 1}, "patch": ("notelemetry",), "amplify": 8},
     "m_retention_x8": {"options": {**_BARE, "structure_every": 1, "retention": True}, "patch": ("notelemetry",),
                        "amplify": 8},
+    "aa": {},  # nothing attached: an A/A pair, the harness's own noise floor and order bias
     "memhist": {"anchor": True},
     "profiler": {"anchor": True},
 }
@@ -113,7 +116,7 @@ def _job(model: str, shape: str, variants: list[str], pairs: int, **extra: Any) 
 def suite_jobs(suite: str, pairs: int | None) -> list[dict[str, Any]]:
     """The jobs of a named suite (each runs in its own process)."""
     if suite == "gpu":
-        return [_job(m, s, ["recorder", "sampling32"], pairs or 12) for m in GPU_MODELS for s in ("b1", "b16")]
+        return [_job(m, s, ["aa", "recorder", "sampling32"], pairs or 12) for m in GPU_MODELS for s in ("b1", "b16")]
     if suite == "mechanisms":
         return [_job("pythia-1.4b", "b1", list(MECHANISMS), pairs or 8)]
     if suite == "amplified":
@@ -121,7 +124,7 @@ def suite_jobs(suite: str, pairs: int | None) -> list[dict[str, Any]]:
     if suite == "anchors":
         return [_job("pythia-1.4b", "b1s", [a], pairs or 3) for a in ("memhist", "profiler")]
     if suite == "smoke":
-        return [_job("pythia-1.4b", "tiny", ["recorder", "m_hooks"], pairs or 2, tiny=True)]
+        return [_job("pythia-1.4b", "tiny", ["aa", "recorder", "m_hooks"], pairs or 2, tiny=True)]
     raise ValueError(f"unknown suite {suite!r}")
 
 
@@ -276,7 +279,7 @@ def run_generate(model: Any, variant: str, ids: Any, new: int, trace_dir: Path, 
 
     spec = VARIANTS.get(variant, {})
     t0 = time.perf_counter_ns()
-    if variant == "base":
+    if variant in ("base", "aa"):
         t1 = t0
         gen()
         t2 = t3 = time.perf_counter_ns()
@@ -321,7 +324,7 @@ def run_generate(model: Any, variant: str, ids: Any, new: int, trace_dir: Path, 
            "main_cpu_s": cpu[0] / 1e9 if cpu else None, **info}
     if decode is not None:  # generate outside the decode loop: prefill + per-request begin/finish work
         out["outside_decode_s"] = out["generate_s"] - decode * (steps - 1)
-    if variant != "base":
+    if variant not in ("base", "aa"):
         out["enter_s"] = (t1 - t0) / 1e9
         out["exit_s"] = (t3 - t2) / 1e9
     return out

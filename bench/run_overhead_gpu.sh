@@ -13,7 +13,7 @@ run() {  # seconds name args...
     timeout "$t" python3 bench/bench_overhead.py --quiet --json "$out/$name.json" "$@" 2>&1 | grep -v "attention mask"
 }
 export PYTHONUNBUFFERED=1
-run 220 overhead_b1 --suite gpu --models pythia-1.4b --shapes b1 --variants recorder,sampling32 --pairs 12 \
+run 220 overhead_b1 --suite gpu --models pythia-1.4b --shapes b1 --variants aa,recorder,sampling32 --pairs 12 \
     --budget-s 105 "${b[@]}"
 run 95 overhead_amplified --suite amplified --pairs 5 --budget-s 90
 run 65 overhead_b16 --suite gpu --models pythia-1.4b --shapes b16 --variants recorder --pairs 10 --budget-s 55

@@ -21,8 +21,11 @@ def test_smoke_run_writes_pairs_and_intervals(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (job,) = json.loads(out.read_text())["jobs"]
     assert job["code"] == "after" and job["device_name"].startswith("cpu")
-    assert set(job["summary"]) == {"recorder", "m_hooks"}
+    assert set(job["summary"]) == {"aa", "recorder", "m_hooks"}
+    assert job["summary"]["aa"]["enter_s_median"] is None  # nothing attached: no open/close
     for variant, s in job["summary"].items():
+        if variant == "aa":
+            continue
         assert s["pairs"] == 2
         for key in ("total", "generate", "decode"):
             lo, hi = s[key]["ci95"]
