@@ -109,7 +109,9 @@ class RecordOptions:
     # driver again. Off, both run only when the retention check finds KV storage still alive.
     empty_cache: bool = False
     reset_peak: bool = True  # reset_peak_memory_stats() at request start, for the PEAK reading
-    retention: bool = True  # weak-reference tracking of KV storages that outlive a request
+    # Weak-reference tracking of KV storages that outlive a request. Off, nothing can show that
+    # storage survived, so no gc.collect()/empty_cache() runs after requests unless empty_cache=True.
+    retention: bool = True
     telemetry_hz: float = 5.0  # NVML + allocator + RSS samples; 20 Hz cost ~2% of decode (telemetry.py)
     nvml: bool = True
     allocator: bool = True
