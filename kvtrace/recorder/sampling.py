@@ -167,6 +167,9 @@ class PayloadSampler:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0
+        # Copy events of queued jobs that no worker has waited for yet: id -> [event, jobs]
+        # (request end waits for these only, not for the encoding and writing).
+        self._copies: dict[int, list] = {}
         self._slots = threading.Semaphore(settings.queue_size)
         # Work items are lists of jobs: a sampling step's samples travel as one item per worker, so
         # a worker waits on one event and compresses them all in one call.
@@ -318,6 +321,9 @@ class PayloadSampler:
             return
         with self._lock:
             self._pending += len(jobs)
+            for job in jobs:
+                if job.event is not None:
+                    self._copies.setdefault(id(job.event), [job.event, 0])[1] += 1
             self._pinned_in_flight += sum(job.pinned_bytes for job in jobs)
             self.pinned_host_bytes_peak = max(self.pinned_host_bytes_peak, self._pinned_in_flight)
         items: list[list[_Job]] = [[] for _ in range(min(len(jobs), len(self._workers)))]
@@ -390,8 +396,11 @@ class PayloadSampler:
                 return
             written, error = 0, ""
             try:
-                for event in {id(j.event): j.event for j in jobs if j.event is not None}.values():
-                    event.synchronize()  # this worker waits, the generating thread never does
+                try:
+                    for event in {id(j.event): j.event for j in jobs if j.event is not None}.values():
+                        event.synchronize()  # this worker waits, the generating thread never does
+                finally:
+                    self._copies_done(jobs)
                 if self._writer_stopped():  # stopped on a storage fault: skip the encoding too
                     raise _WriterStopped
                 for payload in encode_samples(jobs, self.settings.level):
@@ -419,6 +428,26 @@ class PayloadSampler:
                     self._idle.notify_all()
             for _ in jobs:
                 self._slots.release()
+
+    def _copies_done(self, jobs: list[_Job]) -> None:
+        with self._lock:
+            for job in jobs:
+                entry = self._copies.get(id(job.event)) if job.event is not None else None
+                if entry is not None:
+                    entry[1] -= 1
+                    if entry[1] <= 0:
+                        del self._copies[id(job.event)]
+
+    def wait_copies(self) -> None:
+        """Wait until every queued sample's device->host copy is done (its staging event fired),
+        not for its encoding and writing: what request end needs, so that no staged copy still
+        reads (or keeps a temporary in) device memory when the AFTER_RETURN reading is taken.
+        The workers finish the rest in the background; :meth:`close` joins them. On CPU the copy
+        was made in :meth:`submit`, so this returns at once."""
+        with self._lock:
+            events = [event for event, _n in self._copies.values()]
+        for event in events:
+            event.synchronize()  # a worker may wait on the same event: both return when it fires
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued sample is written (or failed). False on timeout."""

@@ -569,7 +569,9 @@ class Recorder:
         rid = req.id
         self._final_structure(req)
         if self.sampler is not None:
-            self.sampler.drain()  # its queued copies must not be what keeps memory alive below
+            # Its staged copies must not be what keeps device memory busy below; their encoding and
+            # writing finish in the background (close() joins them), off the caller's path.
+            self.sampler.wait_copies()
         self._event(EventKind.GENERATE_RETURN, rid, step=req.step)
         self._readings(rid, ReadingLabel.AFTER_RETURN)
         if self.options.reset_peak and self.devices:
