@@ -1,0 +1,412 @@
+"""What-if policy registry: one small dataclass per KV policy, its parameters checked on
+construction, one method that plans or scores. Names follow NVIDIA kvpress presses where the
+meaning is the same (github.com/NVIDIA/kvpress, kvpress/presses/*_press.py, read at commit
+8bb29b9); the code here is our own numpy.
+
+Families:
+* ``paging`` (sizes only): :class:`Paging` -- internal waste of fixed-size pages.
+* ``eviction``: :class:`ScorerPolicy` subclasses return scores [B, Hk, T]; the top
+  ``int(T * (1 - ratio))`` per head are kept (kvpress ``ScorerPress.compress``; ties go to the
+  older token, numpy's stable sort, where torch's topk order is unspecified).
+* ``quantization``: :class:`Quantizer` subclasses return dequantised K or V and bytes per token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvtrace.whatif.numerics import FP8_FORMATS, attention_probs, quantize_minmax, round_fp8, visible_mask
+
+__all__ = ["Observed", "Policy", "PolicyError", "REGISTRY", "parse_policy", "keep_top"]
+
+# Always kept: scores of tokens a policy must not drop (the observation window, unscored keys).
+KEEP = np.inf
+
+
+@dataclass
+class Observed:
+    """Sampled post-RoPE queries that attend to the cached keys, for query-based scoring:
+    ``q`` [B, Hq, Tq, D] at absolute positions ``q_pos``; keys at ``k_pos``; ``window`` of a
+    sliding layer; softmax ``scale``."""
+
+    q: np.ndarray
+    q_pos: np.ndarray
+    k_pos: np.ndarray
+    window: int | None
+    scale: float
+
+    def probs(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Softmax weights [B, Hq, Tq, T] of the queries over ``keys``, and the visibility [Tq, T]."""
+        vis = visible_mask(self.q_pos, self.k_pos, self.window)
+        return attention_probs(self.q, keys, vis, self.scale), vis
+
+    def subset(self, idx: np.ndarray) -> Observed:
+        return Observed(self.q[:, :, idx], self.q_pos[idx], self.k_pos, self.window, self.scale)
+
+
+class PolicyError(ValueError):
+    """A policy name or parameter that cannot be used (the CLI's usage error)."""
+
+
+@dataclass
+class Policy:
+    name: ClassVar[str] = ""
+    family: ClassVar[str] = ""  # paging | eviction | quantization
+    needs: ClassVar[str] = ""  # sizes | K | Q and K
+    doc: ClassVar[str] = ""
+
+    def params(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def label(self) -> str:
+        p = ",".join(f"{k}={v}" for k, v in self.params().items())
+        return f"{self.name}:{p}" if p else self.name
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise PolicyError(f"{name}: {msg}")
+
+
+# ------------------------------------------------------------------------------------ paging
+
+
+@dataclass
+class Paging(Policy):
+    """Fixed pages of ``page_size`` tokens per sequence: bytes = ceil(tokens / page) * page
+    tokens (vLLM/transformers paged caches), from the recorded token counts only."""
+
+    name: ClassVar[str] = "paging"
+    family: ClassVar[str] = "paging"
+    needs: ClassVar[str] = "sizes"
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        _check(self.page_size in (16, 32, 64, 128, 256), self.name, f"page_size must be 16/32/64/128/256, got {self.page_size}")
+
+    def tokens_allocated(self, tokens: np.ndarray) -> np.ndarray:
+        t = np.asarray(tokens, dtype=np.int64)
+        return -(-t // self.page_size) * self.page_size
+
+
+# ---------------------------------------------------------------------------------- eviction
+
+
+def keep_top(scores: np.ndarray, ratio: float) -> np.ndarray:
+    """Keep mask [B, H, T]: the ``int(T * (1 - ratio))`` highest scores per (B, H); on ties the
+    older token wins (stable sort)."""
+    T = scores.shape[-1]
+    n = int(T * (1 - ratio))
+    order = np.argsort(-scores, axis=-1, kind="stable")[..., :n]
+    keep = np.zeros(scores.shape, dtype=bool)
+    np.put_along_axis(keep, order, True, axis=-1)
+    return keep
+
+
+@dataclass
+class ScorerPolicy(Policy):
+    family: ClassVar[str] = "eviction"
+    needs: ClassVar[str] = "K"
+
+    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+        raise NotImplementedError
+
+    def plan(self, keys: np.ndarray, ratio: float, obs: Observed | None = None) -> np.ndarray:
+        """Keep mask [B, Hk, T] at compression ``ratio`` (fraction of tokens dropped)."""
+        _check(0 <= ratio < 1, self.name, f"ratio must be in [0, 1), got {ratio}")
+        if ratio == 0:
+            return np.ones(keys.shape[:3], dtype=bool)
+        return keep_top(self.score(keys, obs), ratio)
+
+
+@dataclass
+class Knorm(ScorerPolicy):
+    """knorm_press.py: score = -||k||: keys of small norm are kept."""
+
+    name: ClassVar[str] = "knorm"
+
+    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+        return -np.linalg.norm(keys.astype(np.float64), axis=-1)
+
+
+@dataclass
+class KeyDiff(ScorerPolicy):
+    """keydiff_press.py: score = -cos(k, mean of the unit keys): distinctive keys are kept."""
+
+    name: ClassVar[str] = "keydiff"
+
+    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+        k = keys.astype(np.float64)
+        n = np.linalg.norm(k, axis=-1, keepdims=True)
+        unit = k / np.maximum(n, 1e-12)  # F.normalize eps
+        anchor = unit.mean(axis=2, keepdims=True)
+        an = np.linalg.norm(anchor, axis=-1)
+        cos = (k * anchor).sum(-1) / np.maximum(n[..., 0] * an, 1e-8)  # F.cosine_similarity eps
+        return -cos
+
+
+@dataclass
+class Random(ScorerPolicy):
+    """random_press.py: uniform random scores. numpy's generator, not torch's: the same seed
+    gives a different (equally random) keep-set than kvpress."""
+
+    name: ClassVar[str] = "random"
+    seed: int = 0
+
+    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+        return np.random.default_rng(self.seed).random(keys.shape[:3])
+
+
+@dataclass
+class StreamingLLM(ScorerPolicy):
+    """streaming_llm_press.py: keep ``n_sink`` first tokens and the most recent ones; with
+    ``window`` > 0 the cache is sinks + window tokens whatever the ratio (the paper's fixed cache)."""
+
+    name: ClassVar[str] = "streaming_llm"
+    n_sink: int = 4
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.n_sink >= 0 and self.window >= 0, self.name, "n_sink and window must be >= 0")
+
+    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+        raise AssertionError("plan() is overridden")
+
+    def plan(self, keys: np.ndarray, ratio: float, obs: Observed | None = None) -> np.ndarray:
+        T = keys.shape[2]
+        if self.window:
+            recent = self.window
+        else:
+            _check(0 <= ratio < 1, self.name, f"ratio must be in [0, 1), got {ratio}")
+            recent = int(T * (1 - ratio)) - self.n_sink  # kvpress: prune [n_sink, n_sink + n_pruned)
+        pos = np.arange(T)
+        keep = (pos < self.n_sink) | (pos >= T - max(recent, 0))
+        return np.broadcast_to(keep, keys.shape[:3]).copy()
+
+
+@dataclass
+class QueryScorer(ScorerPolicy):
+    needs: ClassVar[str] = "Q and K"
+
+
+def _group_mean(x: np.ndarray, hk: int) -> np.ndarray:
+    """[B, Hq, T] -> [B, Hk, T]: mean over the query heads of each KV head."""
+    B, hq, T = x.shape
+    return x.reshape(B, hk, hq // hk, T).mean(axis=2)
+
+
+@dataclass
+class ObservedAttention(QueryScorer):
+    """observed_attention_press.py (H2O): the attention a key receives summed over the observed
+    queries, divided by how many of them see it (kvpress divides by T - i for a causal prefill),
+    averaged over each KV head's query heads. Keys no observed query sees are kept."""
+
+    name: ClassVar[str] = "observed_attention"
+
+    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+        obs = _need(obs, self.name)
+        p, vis = obs.probs(keys)
+        count = vis.sum(axis=0)
+        s = p.sum(axis=2) / np.maximum(count, 1)
+        s = _group_mean(s, keys.shape[1])
+        return np.where(count > 0, s, KEEP)
+
+
+@dataclass
+class TOVA(QueryScorer):
+    """tova_press.py: the attention of the last observed query averaged over all query heads,
+    the same for every KV head; keys it does not see (itself and newer) are kept."""
+
+    name: ClassVar[str] = "tova"
+
+    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+        obs = _need(obs, self.name)
+        last = int(np.argmax(obs.q_pos))
+        p, vis = obs.subset(np.array([last])).probs(keys)
+        s = p[:, :, 0].mean(axis=1, keepdims=True).repeat(keys.shape[1], axis=1)
+        return np.where(vis[0] & (obs.k_pos < obs.q_pos[last]), s, KEEP)
+
+
+@dataclass
+class SnapKV(QueryScorer):
+    """snapkv_press.py: the mean attention of the last ``window_size`` observed queries onto the
+    keys before them, average-pooled over ``kernel_size`` keys (zero padding counted, as
+    F.avg_pool1d), averaged over each KV head's query heads; the window's keys are kept."""
+
+    name: ClassVar[str] = "snapkv"
+    window_size: int = 64
+    kernel_size: int = 5
+
+    def __post_init__(self) -> None:
+        _check(self.window_size >= 1, self.name, "window_size must be >= 1")
+        _check(self.kernel_size >= 1 and self.kernel_size % 2 == 1, self.name, "kernel_size must be odd and >= 1")
+
+    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+        obs = _need(obs, self.name)
+        order = np.argsort(obs.q_pos, kind="stable")[-self.window_size:]
+        start = int(obs.q_pos[order].min())
+        p, _ = obs.subset(order).probs(keys)
+        prefix = obs.k_pos < start
+        s = p[..., prefix].mean(axis=2)  # [B, Hq, n_prefix]
+        s = _avg_pool(s, self.kernel_size)
+        out = np.full(keys.shape[:3], KEEP)
+        out[..., prefix] = _group_mean(s, keys.shape[1])
+        return out
+
+
+def _avg_pool(x: np.ndarray, k: int) -> np.ndarray:
+    pad = k // 2
+    padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad, pad)])
+    c = np.cumsum(np.concatenate([np.zeros(x.shape[:-1] + (1,)), padded], axis=-1), axis=-1)
+    return (c[..., k:] - c[..., :-k]) / k
+
+
+def _need(obs: Observed | None, name: str) -> Observed:
+    if obs is None or obs.q.shape[2] == 0:
+        raise PolicyError(f"{name}: needs observed queries")
+    return obs
+
+
+# ------------------------------------------------------------------------------ quantisation
+
+
+@dataclass
+class Quantizer(Policy):
+    family: ClassVar[str] = "quantization"
+    needs: ClassVar[str] = "K"
+
+    def residual(self) -> int:
+        return 0
+
+    def roundtrip(self, x: np.ndarray, which: str) -> np.ndarray:
+        """Dequantised ``x`` [B, H, T, D] (``which``: "key" or "value"); the last
+        :meth:`residual` tokens stay at full precision."""
+        T = x.shape[2]
+        r = min(self.residual(), T)
+        out = x.astype(np.float64).copy()
+        if T - r > 0:
+            out[:, :, :T - r] = self._quantize(x[:, :, :T - r], which)
+        return out
+
+    def _quantize(self, x: np.ndarray, which: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def stored_bytes(self, tokens: int, dim: int, elem_bytes: int, which: str) -> float:
+        """Bytes of one head's ``tokens`` x ``dim`` K or V under this policy (residual tokens at
+        the recorded ``elem_bytes``; scales and zeros as fp16)."""
+        r = min(self.residual(), tokens)
+        return self._quant_bytes(tokens - r, dim, which) + r * dim * elem_bytes
+
+    def _quant_bytes(self, tokens: int, dim: int, which: str) -> float:
+        raise NotImplementedError
+
+
+@dataclass
+class KIVI(Quantizer):
+    """KIVI (Liu et al. 2024): keys quantised per channel over groups of ``group_size`` tokens,
+    values per token over groups of ``group_size`` channels, the last ``residual_length`` tokens in
+    full precision; scale and zero per group (fp16)."""
+
+    name: ClassVar[str] = "kivi"
+    nbits: int = 2
+    group_size: int = 32
+    residual_length: int = 128
+
+    def __post_init__(self) -> None:
+        _check(self.nbits in (2, 4, 8), self.name, f"nbits must be 2, 4 or 8, got {self.nbits}")
+        _check(self.group_size >= 1 and self.residual_length >= 0, self.name, "group_size >= 1, residual_length >= 0")
+
+    def residual(self) -> int:
+        return self.residual_length
+
+    def _quantize(self, x: np.ndarray, which: str) -> np.ndarray:
+        return quantize_minmax(x, self.nbits, axis=2 if which == "key" else 3, group=self.group_size)
+
+    def _quant_bytes(self, tokens: int, dim: int, which: str) -> float:
+        along, across = (tokens, dim) if which == "key" else (dim, tokens)
+        groups = math.ceil(along / self.group_size) * across
+        return tokens * dim * self.nbits / 8 + groups * 4
+
+
+@dataclass
+class Quanto(Quantizer):
+    """transformers QuantizedCache (quanto backend) layout: groups of ``q_group_size`` channels
+    per token for K and V, scale and zero per group, ``residual_length`` recent tokens in full
+    precision (defaults 4 bits, 64, 128)."""
+
+    name: ClassVar[str] = "quanto"
+    nbits: int = 4
+    q_group_size: int = 64
+    residual_length: int = 128
+    allowed: ClassVar[tuple[int, ...]] = (2, 4)
+
+    def __post_init__(self) -> None:
+        _check(self.nbits in self.allowed, self.name, f"nbits must be one of {self.allowed}, got {self.nbits}")
+        _check(self.q_group_size >= 1 and self.residual_length >= 0, self.name, "q_group_size >= 1, residual_length >= 0")
+
+    def residual(self) -> int:
+        return self.residual_length
+
+    def _quantize(self, x: np.ndarray, which: str) -> np.ndarray:
+        return quantize_minmax(x, self.nbits, axis=3, group=self.q_group_size)
+
+    def _quant_bytes(self, tokens: int, dim: int, which: str) -> float:
+        return tokens * dim * self.nbits / 8 + tokens * math.ceil(dim / self.q_group_size) * 4
+
+
+@dataclass
+class HQQ(Quanto):
+    """HQQ backend of QuantizedCache, same group layout as quanto, 1-8 bits. HQQ's half-quadratic
+    optimisation of zero points is not emulated: min-max round-to-nearest (an upper bound on error)."""
+
+    name: ClassVar[str] = "hqq"
+    allowed: ClassVar[tuple[int, ...]] = tuple(range(1, 9))
+
+
+@dataclass
+class FP8(Quantizer):
+    """Cast of K and V to fp8 (``fmt`` e4m3 = float8_e4m3fn, e5m2), without a scale, 1 byte each."""
+
+    name: ClassVar[str] = "fp8"
+    fmt: str = "e4m3"
+
+    def __post_init__(self) -> None:
+        _check(self.fmt in FP8_FORMATS, self.name, f"fmt must be one of {sorted(FP8_FORMATS)}, got {self.fmt!r}")
+
+    def _quantize(self, x: np.ndarray, which: str) -> np.ndarray:
+        return round_fp8(x, self.fmt)
+
+    def _quant_bytes(self, tokens: int, dim: int, which: str) -> float:
+        return float(tokens * dim)
+
+
+REGISTRY: dict[str, type[Policy]] = {
+    c.name: c for c in (Paging, Knorm, KeyDiff, Random, StreamingLLM, ObservedAttention, TOVA, SnapKV,
+                        KIVI, Quanto, HQQ, FP8)
+}
+
+
+def parse_policy(text: str) -> Policy:
+    """``NAME[:k=v,...]`` -> a policy; PolicyError with one line on an unknown name or parameter."""
+    name, _, rest = text.partition(":")
+    cls = REGISTRY.get(name.strip())
+    if cls is None:
+        raise PolicyError(f"unknown policy {name!r}; known: {', '.join(REGISTRY)}")
+    types = {f.name: f.type for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, val = item.partition("=")
+        if not eq or key not in types:
+            raise PolicyError(f"{name}: unknown parameter {key!r}; parameters: {', '.join(types) or 'none'}")
+        if types[key] in ("int", int):
+            try:
+                kwargs[key] = int(val)
+            except ValueError:
+                raise PolicyError(f"{name}: {key} must be an integer, got {val!r}") from None
+        else:
+            kwargs[key] = val
+    return cls(**kwargs)
