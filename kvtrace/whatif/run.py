@@ -1,0 +1,199 @@
+"""Run what-if policies over a trace: bytes from the recorded sizes, attention and reconstruction
+measures from the sampled K/V/Q (offline proxies, not model quality). JSON contract:
+spec/whatif-json.md."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from kvtrace.format.reader import Trace
+from kvtrace.whatif import source
+from kvtrace.whatif.numerics import keep_measures, output_error, reconstruction, visible_mask
+from kvtrace.whatif.policies import (
+    Observed,
+    Paging,
+    Policy,
+    PolicyError,
+    Quantizer,
+    ScorerPolicy,
+    StreamingLLM,
+)
+
+__all__ = ["SCHEMA", "NEEDS", "run_whatif"]
+
+SCHEMA = 1
+NEEDS = {
+    "bytes": "sizes", "attention_mass_recall": "Q and K", "attention_output_error": "Q, K and V",
+    "key_mse": "K", "key_cosine": "K", "value_mse": "V", "value_cosine": "V",
+}
+NOTE = ("offline proxies from the recorded sizes and sampled tensors, not model quality: bytes for "
+        "every recorded step; attention measures at each (request, layer)'s last sampled step, for "
+        "the queries sampled at that step, with the full cache as reference")
+
+
+def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ratios: list[float]) -> dict[str, Any]:
+    """The what-if document (spec/whatif-json.md) for ``policies`` at compression ``ratios``."""
+    if not isinstance(trace, Trace):
+        with Trace(trace) as t:
+            return run_whatif(t, policies, ratios)
+    for r in ratios:
+        if not 0 <= r < 1:
+            raise PolicyError(f"ratio must be in [0, 1), got {r}")
+    sz = source.sizes(trace)
+    units = list(source.units(trace))
+    base = _totals(sz, sz.allocated)
+    doc: dict[str, Any] = {
+        "kvtrace_whatif": SCHEMA, "note": NOTE, "needs": NEEDS, "ratios": ratios,
+        "baseline": {"layout": "the trace's own", "bytes_peak": base[0], "bytes_mean": base[1],
+                     "valid_peak": _totals(sz, sz.valid)[0], "kv_rows": len(sz)},
+        "sampled_units": len(units), "policies": [],
+    }
+    no_contents = "" if units else "the trace holds no sampled K/V (record with sampling={'every_n_steps': N})"
+    for pol in policies:
+        entry: dict[str, Any] = {"policy": pol.name, "label": pol.label(), "family": pol.family,
+                                 "needs": pol.needs, "params": pol.params(), "results": []}
+        for ratio in (ratios if isinstance(pol, ScorerPolicy) and not _fixed(pol) else [None]):
+            entry["results"].append(_evaluate(pol, ratio, sz, units, base, no_contents))
+        doc["policies"].append(entry)
+    return _finite(doc)
+
+
+def _fixed(pol: Policy) -> bool:
+    return isinstance(pol, StreamingLLM) and pol.window > 0
+
+
+def _totals(sz: source.Sizes, per_row: np.ndarray) -> tuple[float, float]:
+    """(peak, mean) over the recorded (request, step) of the bytes summed over layers."""
+    if not len(sz):
+        return 0.0, 0.0
+    keys = sz.request * (int(sz.step.max()) + 1) + sz.step
+    _, inv = np.unique(keys, return_inverse=True)
+    tot = np.bincount(inv, weights=per_row)
+    return float(tot.max()), float(tot.mean())
+
+
+def _kept_bytes(pol: Policy, ratio: float | None, sz: source.Sizes) -> np.ndarray:
+    bpt = sz.per_token
+    if isinstance(pol, Paging):
+        return pol.tokens_allocated(sz.tokens) * bpt
+    if isinstance(pol, StreamingLLM):
+        kept = np.minimum(sz.tokens, pol.n_sink + pol.window) if pol.window else (sz.tokens * (1 - ratio)).astype(np.int64)
+        return kept * bpt
+    if isinstance(pol, ScorerPolicy):
+        return (sz.tokens * (1 - ratio)).astype(np.int64) * bpt  # int(T * (1 - ratio)), as kvpress
+    assert isinstance(pol, Quantizer)
+    out = np.zeros(len(sz))
+    for i in range(len(sz)):
+        t = int(sz.tokens[i])
+        per_head = pol.stored_bytes(t, int(sz.k_dim[i]), int(sz.k_bytes[i]), "key") + \
+            pol.stored_bytes(t, int(sz.v_dim[i]), int(sz.v_bytes[i]), "value")
+        out[i] = per_head * sz.kv_heads[i] * sz.batch[i]
+    return out
+
+
+def _evaluate(pol: Policy, ratio: float | None, sz: source.Sizes, units: list[source.Unit],
+              base: tuple[float, float], no_contents: str) -> dict[str, Any]:
+    kept = _totals(sz, _kept_bytes(pol, ratio, sz))
+    res: dict[str, Any] = {
+        "ratio": ratio,
+        "bytes": {"kept_peak": kept[0], "kept_mean": kept[1], "saved_peak": base[0] - kept[0],
+                  "saved_mean": base[1] - kept[1]},
+        "overall": {}, "layers": [], "skipped": [],
+    }
+    if pol.family == "paging":
+        res["bytes"]["waste_peak"], res["bytes"]["waste_mean"] = _totals(sz, _kept_bytes(pol, ratio, sz) - sz.valid)
+        return res
+    if no_contents:
+        res["skipped"].append({"measure": "all content measures", "request": None, "layer": None, "reason": no_contents})
+        return res
+    for u in units:
+        try:
+            row = _unit(pol, ratio, u, res["skipped"])
+        except PolicyError as exc:
+            res["skipped"].append({"measure": "all content measures", "request": u.request, "layer": u.layer,
+                                   "reason": str(exc)})
+            continue
+        if row:
+            res["layers"].append(row)
+    res["overall"] = _overall(res["layers"])
+    return res
+
+
+def _skip(skipped: list[dict[str, Any]], measure: str, u: source.Unit, reason: str) -> None:
+    skipped.append({"measure": measure, "request": u.request, "layer": u.layer, "reason": reason})
+
+
+def _unit(pol: Policy, ratio: float | None, u: source.Unit, skipped: list[dict[str, Any]]) -> dict[str, Any]:
+    row: dict[str, Any] = {"request": u.request, "layer": u.layer, "step": u.step, "layer_type": u.layer_type,
+                           "tokens": int(u.k.shape[2]), "kv_heads": u.kv_heads}
+    vis = visible_mask(u.eval_pos, u.k_pos, u.window) if u.eval_q is not None else None
+    hk = u.k.shape[1]
+    if isinstance(pol, ScorerPolicy):
+        obs = None
+        if pol.needs == "Q and K":
+            if u.obs_q is None:
+                reason = u.no_queries or f"no query sampled before step {u.step} to score with"
+                _skip(skipped, "all content measures", u, f"{pol.name} needs observed queries: {reason}")
+                return {}
+            obs = Observed(u.obs_q, u.obs_pos, u.k_pos, u.window, u.scale)
+        if u.latent:
+            _skip(skipped, "attention_mass_recall", u, u.no_queries)
+            return {}
+        keep = pol.plan(u.k, ratio if ratio is not None else 0.0, obs)
+        row["kept_tokens_per_head"] = keep.sum(axis=(0, 2)).tolist()
+        if vis is None:
+            _skip(skipped, "attention_mass_recall", u, u.no_queries)
+            _skip(skipped, "attention_output_error", u, u.no_queries)
+            return row
+        recall, err = keep_measures(u.eval_q, u.k, u.v, vis, u.scale, keep)
+        row["attention_mass_recall"] = _per_kv_head(recall, hk)
+        row["attention_output_error"] = _per_kv_head(err, hk)
+        return row
+    assert isinstance(pol, Quantizer)
+    k2, v2 = pol.roundtrip(u.k, "key"), pol.roundtrip(u.v, "value")
+    for name, x, x2 in (("key", u.k, k2), ("value", u.v, v2)):
+        per = [reconstruction(x[:, h], x2[:, h]) for h in range(hk)]
+        row[f"{name}_mse"] = [m for m, _ in per]
+        row[f"{name}_cosine"] = [c for _, c in per]
+    if vis is None:
+        _skip(skipped, "attention_output_error", u, u.no_queries)
+    else:
+        row["attention_output_error"] = _per_kv_head(output_error(u.eval_q, u.k, u.v, k2, v2, vis, u.scale), hk)
+    return row
+
+
+def _per_kv_head(x: np.ndarray, hk: int) -> list[float]:
+    """[B, Hq, Tq] -> mean per KV head (over its query heads, the batch and the queries)."""
+    B, hq, tq = x.shape
+    return [float(np.nanmean(a)) for a in x.reshape(B, hk, hq // hk, tq).transpose(1, 0, 2, 3).reshape(hk, -1)]
+
+
+_WORST = {"attention_mass_recall": min, "key_cosine": min, "value_cosine": min}
+
+
+def _overall(layers: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for m in NEEDS:
+        vals = [x for row in layers for x in row.get(m, []) if isinstance(x, float) and math.isfinite(x)]
+        if vals:
+            worst = _WORST.get(m, max)
+            out[m] = {"mean": float(np.mean(vals)), "worst": worst(vals), "heads": len(vals), "needs": NEEDS[m]}
+    return out
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no inf/nan: non-finite floats become None."""
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, (float, np.floating)):
+        f = float(obj)
+        return f if math.isfinite(f) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj

@@ -1,0 +1,180 @@
+"""The one adapter between the what-if replay and a trace: recorded sizes from /kv and sampled
+K/V/Q through the public read side (``Trace`` and ``ContentsAssembler``, as
+kvtrace.analyzer.contents reads them). The read side is to be redesigned (issue 15); only this
+module should need to follow it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtrace.format import schema
+from kvtrace.format.assemble import ContentsAssembler
+from kvtrace.format.reader import Trace
+
+PK = schema.PayloadKind
+LT = schema.LayerType
+
+__all__ = ["Sizes", "Unit", "sizes", "units"]
+
+
+@dataclass
+class Sizes:
+    """One entry per /kv row: what the cache held of a layer at a step (whole batch)."""
+
+    request: np.ndarray
+    step: np.ndarray
+    layer: np.ndarray
+    batch: np.ndarray
+    kv_heads: np.ndarray
+    tokens: np.ndarray  # tokens_kept
+    k_dim: np.ndarray
+    v_dim: np.ndarray
+    k_bytes: np.ndarray  # element bytes
+    v_bytes: np.ndarray
+    valid: np.ndarray  # bytes_valid
+    allocated: np.ndarray  # bytes_allocated (the trace's own layout)
+
+    @property
+    def per_token(self) -> np.ndarray:
+        """Bytes per cached token of the whole batch (bytes_valid / tokens_kept)."""
+        return np.divide(self.valid, self.tokens, out=np.zeros(len(self.tokens)), where=self.tokens > 0)
+
+    def __len__(self) -> int:
+        return len(self.request)
+
+
+def _itemsize(codes: np.ndarray) -> np.ndarray:
+    out = []
+    for c in codes:
+        try:
+            out.append(schema.DTYPE_ITEMSIZE.get(schema.CacheDType(int(c)), 0))
+        except ValueError:
+            out.append(0)
+    return np.array(out, dtype=np.int64)
+
+
+def sizes(trace: Trace) -> Sizes:
+    kv = trace.kv() if trace.has("kv") else np.zeros(0, schema.KV)
+    ks, vs = kv["k_shape"].astype(np.int64), kv["v_shape"].astype(np.int64)
+    return Sizes(kv["request"].astype(np.int64), kv["step"].astype(np.int64), kv["layer"].astype(np.int64),
+                 ks[:, 0] if len(kv) else np.zeros(0, np.int64), ks[:, 1] if len(kv) else np.zeros(0, np.int64),
+                 kv["tokens_kept"].astype(np.int64), ks[:, 3] if len(kv) else np.zeros(0, np.int64),
+                 vs[:, 3] if len(kv) else np.zeros(0, np.int64), _itemsize(kv["k_dtype"]), _itemsize(kv["v_dtype"]),
+                 kv["bytes_valid"].astype(np.float64), kv["bytes_allocated"].astype(np.float64))
+
+
+@dataclass
+class Unit:
+    """One (request, layer) at its last sampled step with K and V: what the cache held then, and
+    the sampled queries split into ``eval`` (queries of that step) and ``obs`` (earlier ones)."""
+
+    request: int
+    layer: int
+    step: int
+    layer_type: str
+    k: np.ndarray  # [B, Hk, T, Dk] float32
+    v: np.ndarray
+    k_pos: np.ndarray
+    kv_heads: list[int]  # absolute KV head numbers
+    window: int | None
+    scale: float
+    latent: bool
+    eval_q: np.ndarray | None = None
+    eval_pos: np.ndarray | None = None
+    obs_q: np.ndarray | None = None
+    obs_pos: np.ndarray | None = None
+    no_queries: str = ""  # why eval queries are missing
+    notes: list[str] = field(default_factory=list)
+
+
+def _scale(cfg: dict, dim: int) -> float:
+    v = cfg.get("query_pre_attn_scalar")  # gemma: softmax scale is not 1/sqrt(head_dim)
+    return float(v) ** -0.5 if isinstance(v, (int, float)) and v > 0 else 1 / math.sqrt(dim)
+
+
+def units(trace: Trace) -> Iterator[Unit]:
+    """Every (request, layer) with sampled K and V; nothing when the trace holds no payloads."""
+    if not trace.has("payloads/index"):
+        return
+    index = trace.payload_index()
+    if index.size == 0:
+        return
+    cfg = trace.meta.model_config
+    cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    layers = {int(r["layer"]): r for r in trace.layers()} if trace.has("layers") else {}
+    kv = trace.kv() if trace.has("kv") else np.zeros(0, schema.KV)
+    asm = ContentsAssembler(trace, index)
+    rows: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for i, r in enumerate(index):
+        rows.setdefault((int(r["request"]), int(r["layer"]), int(r["kind"])), []).append((int(r["step"]), i))
+    for request, layer in sorted({(rq, ly) for rq, ly, _ in rows}):
+        ksteps = {s for s, _ in rows.get((request, layer, int(PK.KEY)), [])}
+        vsteps = {s for s, _ in rows.get((request, layer, int(PK.VALUE)), [])}
+        both = sorted(ksteps & vsteps)
+        if not both:
+            continue
+        step = both[-1]
+        sel = kv[(kv["request"] == request) & (kv["step"] == step) & (kv["layer"] == layer)]
+        first = int(sel[0]["tokens_seen"]) - int(sel[0]["tokens_kept"]) if sel.size else None
+        code = int(sel[0]["layer_type"]) if sel.size else int(layers[layer]["layer_type"]) if layer in layers else 0
+        lt = LT(code) if code in LT._value2member_map_ else LT.UNKNOWN
+        kp = asm.at(request, layer, int(PK.KEY), step, first=first)
+        vp = asm.at(request, layer, int(PK.VALUE), step, first=first)
+        asm.clear()
+        if kp is None or vp is None or len(kp.shape) != 4 or len(vp.shape) != 4 or kp.shape[:3] != vp.shape[:3]:
+            continue
+        k, v = kp.to_float32(), vp.to_float32()
+        window = int(layers[layer]["window"]) if layer in layers and lt in (LT.SLIDING, LT.STATIC_SLIDING) \
+            and int(layers[layer]["window"]) > 0 else None
+        latent = lt == LT.LATENT or (request, layer, int(PK.LATENT)) in rows
+        u = Unit(request, layer, step, lt.name.lower(), k, v, kp.token_start + np.arange(k.shape[2]),
+                 [kp.head_start + i * kp.head_stride for i in range(k.shape[1])], window,
+                 _scale(cfg, k.shape[3]), latent)
+        _queries(trace, u, rows.get((request, layer, int(PK.QUERY)), []), cfg, layers.get(layer))
+        yield u
+
+
+def _queries(trace: Trace, u: Unit, qrows: list[tuple[int, int]], cfg: dict, lrow: np.void | None) -> None:
+    if u.latent:
+        u.no_queries = "MLA layer: cached keys are a latent shared by all heads; per-head attention needs the up-projections"
+        return
+    if not qrows:
+        u.no_queries = "no sampled queries (record with sampling={..., 'queries': True})"
+        return
+    hq_total = cfg.get("num_attention_heads")
+    hk_total = int(lrow["num_kv_heads"]) if lrow is not None else u.k.shape[1]
+    if u.kv_heads != list(range(hk_total)):
+        u.no_queries = "K/V sampled for a subset of heads: queries cannot be paired with their KV heads"
+        return
+    qs: list[tuple[int, np.ndarray, np.ndarray]] = []
+    for step, row in qrows:
+        if step > u.step:
+            continue
+        p = trace.payload(row)
+        if len(p.shape) != 4 or p.shape[0] != u.k.shape[0] or p.shape[3] != u.k.shape[3] \
+                or p.head_start != 0 or p.head_stride != 1 or p.shape[1] != hq_total or hq_total % hk_total:
+            u.notes.append(f"query payload at step {step} is not [B, all query heads, T, D]: not used")
+            continue
+        qs.append((step, p.to_float32(), p.token_start + np.arange(p.shape[2])))
+    k0, k1 = int(u.k_pos[0]), int(u.k_pos[-1])
+    ev = [(q, pos) for s, q, pos in qs if s == u.step]
+    obs = [(q, pos) for s, q, pos in qs if s < u.step]
+    if ev:
+        q = np.concatenate([a for a, _ in ev], axis=2)
+        pos = np.concatenate([b for _, b in ev])
+        lo = np.maximum(pos - u.window + 1, 0) if u.window else np.zeros_like(pos)
+        ok = (lo >= k0) & (pos <= k1)  # every key the query attends to is in the sample
+        if ok.any():
+            u.eval_q, u.eval_pos = q[:, :, ok], pos[ok]
+        else:
+            u.no_queries = "the last step's sampled queries attend to keys outside the sample"
+    else:
+        u.no_queries = f"no query sampled at step {u.step}, the last step with K and V"
+    if obs:
+        u.obs_q = np.concatenate([a for a, _ in obs], axis=2)
+        u.obs_pos = np.concatenate([b for _, b in obs])

@@ -1,0 +1,84 @@
+"""run_whatif on the committed sampled GPU traces (llama GQA, gemma3_text sliding hybrid)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtrace.format.reader import Trace
+from kvtrace.whatif import parse_policy
+from kvtrace.whatif.run import run_whatif
+
+DATA = Path(__file__).parents[1] / "data" / "gpu_contents"
+LLAMA, GEMMA = DATA / "llama.kvt.h5", DATA / "gemma3_text.kvt.h5"
+EVICT = ["knorm", "keydiff", "random", "streaming_llm", "observed_attention", "tova", "snapkv:window_size=4"]
+
+
+def _run(path, names, ratios=(0.5,)):
+    return run_whatif(path, [parse_policy(n) for n in names], list(ratios))
+
+
+def _result(doc, label_prefix, ratio=None):
+    for p in doc["policies"]:
+        if p["label"].startswith(label_prefix):
+            return next(r for r in p["results"] if r["ratio"] == ratio)
+    raise KeyError(label_prefix)
+
+
+def test_ratio_zero_is_a_clean_control_and_half_keeps_half_the_bytes():
+    doc = _run(LLAMA, EVICT, (0.0, 0.5))
+    with Trace(LLAMA) as t:
+        kv = t.kv()
+    per_step = {}
+    for r in kv:  # int(T / 2) tokens of each layer at each step, times bytes per token
+        bpt = r["bytes_valid"] / r["tokens_kept"]
+        per_step[(r["request"], r["step"])] = per_step.get((r["request"], r["step"]), 0) + int(r["tokens_kept"] * 0.5) * bpt
+    for name in EVICT:
+        zero = _result(doc, name, 0.0)
+        assert zero["bytes"]["saved_peak"] == 0
+        assert zero["overall"]["attention_mass_recall"]["worst"] == pytest.approx(1.0)
+        assert zero["overall"]["attention_output_error"]["worst"] == pytest.approx(0.0, abs=1e-6)
+        half = _result(doc, name, 0.5)
+        assert half["bytes"]["kept_peak"] == max(per_step.values())
+        assert half["overall"]["attention_mass_recall"]["mean"] < 1.0
+        assert half["overall"]["attention_output_error"]["mean"] > 0.0
+        assert len(half["layers"]) == 2 and all(len(x["attention_mass_recall"]) == 2 for x in half["layers"])
+
+
+def test_quantisation_error_falls_with_bits_and_fp8_halves_bf16():
+    doc = _run(LLAMA, ["kivi:nbits=2,residual_length=0", "kivi:nbits=8,residual_length=0", "fp8", "fp8:fmt=e5m2"])
+    k2, k8 = _result(doc, "kivi:nbits=2"), _result(doc, "kivi:nbits=8")
+    assert k8["overall"]["key_mse"]["mean"] < k2["overall"]["key_mse"]["mean"] / 100
+    assert k8["overall"]["attention_output_error"]["mean"] < k2["overall"]["attention_output_error"]["mean"]
+    assert k2["bytes"]["kept_peak"] < k8["bytes"]["kept_peak"]
+    assert _result(doc, "fp8:fmt=e4m3")["bytes"]["kept_peak"] == doc["baseline"]["valid_peak"] / 2  # bf16 -> 1 B
+    e4, e5 = _result(doc, "fp8:fmt=e4m3"), _result(doc, "fp8:fmt=e5m2")
+    assert e4["overall"]["key_mse"]["mean"] < e5["overall"]["key_mse"]["mean"]  # one more mantissa bit
+
+
+def test_paging_waste_from_sizes():
+    doc = _run(LLAMA, ["paging:page_size=16", "paging:page_size=256"])
+    # llama fixture: 2 layers of 24/28/32 tokens, 128 B per token; pages of 16 hold 32/32/32
+    small = _result(doc, "paging:page_size=16")["bytes"]
+    assert small["kept_peak"] == 2 * 32 * 128 and small["waste_peak"] == 2 * 8 * 128
+    big = _result(doc, "paging:page_size=256")["bytes"]
+    assert big["kept_peak"] == 2 * 256 * 128 and big["saved_peak"] < 0
+
+
+def test_sliding_hybrid_reports_what_it_cannot_measure():
+    doc = _run(GEMMA, ["knorm", "snapkv:window_size=4"])
+    r = _result(doc, "knorm", 0.5)
+    assert r["layers"] and r["skipped"]
+    assert all(s["reason"] for s in r["skipped"])
+    types = {x["layer_type"] for x in r["layers"]}
+    assert "sliding" in types
+
+
+def test_trace_without_payloads_measures_bytes_only():
+    doc = _run(DATA.parent / "gpu" / "gpu_clean.kvt.h5", ["knorm", "kivi:residual_length=0"])  # default residual 128 > its tokens
+    assert doc["sampled_units"] == 0 and doc["baseline"]["bytes_peak"] > 0
+    for p in doc["policies"]:
+        r = p["results"][0]
+        assert 0 < r["bytes"]["kept_peak"] < doc["baseline"]["bytes_peak"]
+        assert r["overall"] == {} and "no sampled K/V" in r["skipped"][0]["reason"]
