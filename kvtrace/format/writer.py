@@ -168,7 +168,9 @@ class TraceWriter:
         self._text_buffer: list[bytes] = []
         self._text_size = 0
         self._text_written = 0
-        self._request_rows: dict[int, int] = {}
+        self._request_rows: dict[int, int] = {}  # request id -> its row index in /requests
+        self._requests_taken = 0  # /requests rows a flush has taken from the buffer (written or writing)
+        self._request_updates: dict[int, dict[str, Any]] = {}  # row index -> fields, for rows taken
         self._payload_chunks = {s: 0 for s in schema.PAYLOAD_ITEMSIZES}  # chunks in use
         self._payload_extent = {s: 0 for s in schema.PAYLOAD_ITEMSIZES}  # chunks the extent spans
         self._payload_ds: dict[int, h5py.Dataset] = {}
@@ -308,43 +310,36 @@ class TraceWriter:
             return (off, len(data))
 
     def begin_request(self, row: tuple) -> None:
-        """Append a request row now (outcome RUNNING) so a crash still leaves it visible."""
-        with self._lock, self._buf_lock:
+        """Append a request row now (outcome RUNNING) so a crash still leaves it visible. Takes
+        only the buffer lock: a request start never waits behind a flush or a payload write."""
+        with self._buf_lock:
             self._check_open()
             if self.failure is not None:
                 return
-            request_id = int(row[0])
-            self._request_rows[request_id] = (
-                self._rows_written["requests"] + len(self._buffers["requests"])
-            )
+            self._request_rows[int(row[0])] = self._requests_taken + len(self._buffers["requests"])
             self._buffers["requests"].append(tuple(row))
 
     def update_request(self, request_id: int, **fields: Any) -> None:
-        """Rewrite fields of a request row (outcome, end_ns, new_tokens, ...)."""
+        """Rewrite fields of a request row (outcome, end_ns, new_tokens, ...). Takes only the
+        buffer lock: a row still buffered is edited there; one a flush already took is rewritten
+        by the next flush (rows first, then these updates), never on the caller's thread."""
         unknown = set(fields) - set(schema.REQUESTS.names)
         if unknown:
             raise ValueError(f"/requests has no field(s) {', '.join(sorted(unknown))}")
-        with self._lock:  # _rows_written only changes under _lock: the index stays valid
-            with self._buf_lock:
-                self._check_open()
-                if self.failure is not None:
-                    return
-                index = self._request_rows[request_id]
+        with self._buf_lock:
+            self._check_open()
+            if self.failure is not None:
+                return
+            index = self._request_rows[request_id]
+            if index >= self._requests_taken:
+                buf = self._buffers["requests"]
                 names = schema.REQUESTS.names
-                written = self._rows_written["requests"]
-                if index >= written:
-                    buf = self._buffers["requests"]
-                    row = list(buf[index - written])
-                    for k, v in fields.items():
-                        row[names.index(k)] = v
-                    buf[index - written] = tuple(row)
-                    return
-            with self._writing():  # outside _buf_lock: entering the failed state takes it
-                ds = self._file["requests"]
-                current = ds[index]
+                row = list(buf[index - self._requests_taken])
                 for k, v in fields.items():
-                    current[k] = v
-                ds[index] = current
+                    row[names.index(k)] = v
+                buf[index - self._requests_taken] = tuple(row)
+            else:
+                self._request_updates.setdefault(index, {}).update(fields)
 
     def write_payload(self, payload: EncodedPayload) -> bool:
         """Store pre-encoded chunks with write_direct_chunk and index them. False (nothing
@@ -409,20 +404,28 @@ class TraceWriter:
 
     # ---- flushing ------------------------------------------------------------------------------
 
-    def _take_buffers(self, tables: Iterable[str]) -> tuple[list[bytes], dict[str, list]]:
-        """Swap out the text heap and the named tables' buffers in one step (under _buf_lock),
-        so every row taken can only reference text taken with it or earlier."""
+    def _take_buffers(
+        self, tables: Iterable[str]
+    ) -> tuple[list[bytes], dict[str, list], dict[int, dict[str, Any]]]:
+        """Swap out the text heap, the named tables' buffers and the pending request-row updates
+        in one step (under _buf_lock), so every row taken can only reference text taken with it
+        or earlier, and every update taken applies to a row already written or taken with it."""
         with self._buf_lock:
             text, self._text_buffer = self._text_buffer, []
             taken = {}
             for table in tables:
                 if self._buffers[table]:
                     taken[table], self._buffers[table] = self._buffers[table], []
-        return text, taken
+            self._requests_taken += len(taken.get("requests", ()))
+            updates: dict[int, dict[str, Any]] = {}
+            if "requests" in tables:
+                updates, self._request_updates = self._request_updates, {}
+        return text, taken, updates
 
     def _drain_buffers(self, tables: Iterable[str] = schema.TABLES) -> None:
-        """Write buffered text, then rows, to the file. Caller holds ``_lock``."""
-        text, taken = self._take_buffers(tables)
+        """Write buffered text, then rows, then request-row updates to the file. Caller holds
+        ``_lock``."""
+        text, taken, updates = self._take_buffers(tables)
         try:
             self._write_text(text)  # text first: rows that reference it must never land before it
             while taken:
@@ -432,13 +435,28 @@ class TraceWriter:
                 if self._io.fault is not None:
                     return  # the failed state drops what is left
                 _yield_gil()  # between tables, let the model's thread run
+            while updates:
+                index, fields = updates.popitem()
+                self._rewrite_request(index, fields)
+                if self._io.fault is not None:
+                    return
         except BaseException:
             # Not written: put it back in front of anything buffered since, for the next flush.
             with self._buf_lock:
                 self._text_buffer[:0] = text
                 for table, rows in taken.items():
                     self._buffers[table][:0] = rows
+                self._requests_taken -= len(taken.get("requests", ()))
+                for index, fields in updates.items():  # later updates win over these
+                    self._request_updates[index] = {**fields, **self._request_updates.get(index, {})}
             raise
+
+    def _rewrite_request(self, index: int, fields: dict[str, Any]) -> None:
+        ds = self._file["requests"]
+        current = ds[index]
+        for k, v in fields.items():
+            current[k] = v
+        ds[index] = current
 
     def _write_rows(self, table: str, buf: list) -> None:
         if not buf:
