@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "report": "kvtrace.commands.report:report",
     "export": "kvtrace.commands.export:export",
     "calc": "kvtrace.commands.calc:calc",
+    "whatif": "kvtrace.commands.whatif:whatif",
 }
 
 
