@@ -1,0 +1,37 @@
+"""`kvtrace whatif` CLI: JSON contract keys, exit codes for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cli_run import run_main
+
+LLAMA = str(Path(__file__).parents[1] / "data" / "gpu_contents" / "llama.kvt.h5")
+
+
+def test_json_and_table(capsys, tmp_path):
+    out = tmp_path / "w.json"
+    code, text, _ = run_main(["whatif", LLAMA, "--policy", "knorm", "--policy", "fp8", "--ratio", "0.5",
+                              "--json-out", str(out)], capsys)
+    assert code == 0 and "knorm" in text and "KiB" in text
+    doc = json.loads(out.read_text())
+    assert doc["kvtrace_whatif"] == 1 and [p["policy"] for p in doc["policies"]] == ["knorm", "fp8"]
+    spec = (Path(__file__).parents[2] / "spec" / "whatif-json.md").read_text()
+    for key in ("kept_peak", "saved_mean", "attention_mass_recall", "attention_output_error", "key_cosine"):
+        assert key in spec
+    assert set(doc["policies"][0]["results"][0]["overall"]) == {"attention_mass_recall", "attention_output_error"}
+    code, text, _ = run_main(["whatif", LLAMA, "--policy", "knorm", "--ratio", "0.5", "--json"], capsys)
+    assert code == 0 and json.loads(text)["ratios"] == [0.5]
+
+
+def test_bad_input_exit_codes(capsys, tmp_path):
+    assert run_main(["whatif", LLAMA, "--policy", "nope"], capsys)[0] == 64
+    assert run_main(["whatif", LLAMA, "--policy", "kivi:nbits=3"], capsys)[0] == 64
+    assert run_main(["whatif", LLAMA, "--ratio", "1.0"], capsys)[0] == 64
+    assert run_main(["whatif", str(tmp_path)], capsys)[0] == 2
+    bad = tmp_path / "x.kvt.h5"
+    bad.write_text("not hdf5")
+    code, _, err = run_main(["whatif", str(bad)], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert run_main(["whatif", LLAMA, "--json-out", LLAMA], capsys)[0] == 64
