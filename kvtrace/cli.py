@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "export": "kvtrace.commands.export:export",
     "calc": "kvtrace.commands.calc:calc",
     "whatif": "kvtrace.commands.whatif:whatif",
+    "fleet": "kvtrace.commands.fleet:fleet",
 }
 
 

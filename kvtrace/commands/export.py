@@ -1,4 +1,4 @@
-"""`kvtrace export perfetto | zenodo | prometheus-textfile`."""
+"""`kvtrace export perfetto | zenodo | prometheus-textfile | parquet`."""
 
 from __future__ import annotations
 
@@ -180,3 +180,63 @@ def prometheus_textfile(trace: str, output: str, quiet: bool, as_json: bool, jso
     write_json({"output": str(out), "series": series}, json_out, as_json=as_json)
     if not (quiet or as_json):
         click.echo(f"wrote {out} ({series} series)")
+
+
+@export.command("parquet")
+@click.argument("traces", nargs=-1, required=True, type=click.Path())  # a directory is "not a trace" (exit 2)
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
+              help="Fleet directory to create or update (kvtrace fleet DIR queries it).")
+@click.option("-j", "--jobs", type=click.IntRange(1), default=1, show_default=True,
+              help="Worker processes (spawn) for the per-trace work.")
+@click.option("--workers", type=click.IntRange(1), default=None,
+              help="Run the per-trace work on a dask.distributed LocalCluster of N worker processes.")
+@click.option("--dask", "dask_address", default=None, metavar="SCHEDULER_ADDRESS",
+              help="Run the per-trace work on an existing dask.distributed scheduler (workers must see the paths).")
+@click.option("--force", is_flag=True, help="Export every trace again, even unchanged ones.")
+@_quiet_options
+@guarded
+def parquet(traces: tuple[str, ...], output: str, jobs: int, workers: int | None, dask_address: str | None,
+            force: bool, quiet: bool, as_json: bool, json_out: str | None) -> None:
+    """Export TRACES as Parquet tables (requests, steps, kv, events, telemetry, findings, ...,
+    and a traces table of /meta fields), every row keyed by trace_id; payloads stay in the
+    traces (only their index is exported). Traces already exported and unchanged are skipped.
+    A trace that cannot be read is reported and the others are still exported; the exit code
+    is then that of the worst failure (4, 1, then 2). spec/fleet.md documents the tables.
+
+    \b
+    Examples:
+      kvtrace export parquet runs/*.kvt.h5 -o fleet/ -j 2
+      kvtrace export parquet /shared/runs/*.kvt.h5 -o /shared/fleet --dask tcp://scheduler:8786
+    """
+    from kvtrace.commands.fleet import fleet_modules
+    from kvtrace.report.progress import progress_bar
+
+    if workers is not None and dask_address is not None:
+        raise click.UsageError("--workers starts a local dask cluster; --dask uses an existing one: pick one")
+    check_output_dir(output, option="-o", inputs=traces)
+    check_json_out(json_out, traces)
+    if json_out is not None and Path(json_out).resolve().is_relative_to(Path(output).resolve()):
+        raise click.UsageError(f"--json-out {json_out} is inside the fleet directory {output}")
+    if workers is not None or dask_address is not None:
+        try:
+            import dask.distributed  # noqa: F401 - fail before any work when the extra is absent
+        except ImportError as exc:
+            fail(f"--workers/--dask need dask.distributed ({exc.name}); pip install 'kvtrace[fleet]'",
+                 exitcodes.UNAVAILABLE)
+    (fx,) = fleet_modules("export")
+    try:
+        Path(output).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"cannot create -o {output}: {exc.strerror}", exitcodes.CANNOT_WRITE)
+    with progress_bar("parquet", len(traces), enabled=not (quiet or as_json) and len(traces) > 1) as steps:
+        result = fx.export_parquet(traces, output, jobs=jobs, dask_address=dask_address,
+                                   dask_workers=workers or 0, force=force,
+                                   progress=lambda path: steps.advance(1, Path(path).name))
+    write_json(result.to_dict(), json_out, as_json=as_json)
+    for f in result.failed:
+        click.echo(f"kvtrace: {f['error']}", err=True)
+    if not (quiet or as_json):
+        click.echo(f"{output}: {len(result.exported)} exported, {len(result.skipped)} skipped, "
+                   f"{len(result.failed)} failed in {result.seconds:.1f} s ({result.engine})")
+    if result.exit_code:
+        raise SystemExit(result.exit_code)

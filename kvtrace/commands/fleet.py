@@ -1,0 +1,156 @@
+"""`kvtrace fleet DIR` (summary or --sql), `kvtrace fleet diff DIR --baseline K=V --candidate K=V`.
+
+DIR is what `kvtrace export parquet TRACES -o DIR` wrote; spec/fleet.md documents its views.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import click
+
+from kvtrace import exitcodes
+from kvtrace.commands.common import Unavailable, fail, guarded
+from kvtrace.commands.outputs import check_json_out, json_options, write_json
+from kvtrace.units import format_bytes
+
+
+def fleet_modules(*names: str) -> list[Any]:
+    """Import kvtrace.fleet modules; a missing fleet extra is exit 69 with one line."""
+    from kvtrace.fleet import missing_dependency
+
+    try:
+        return [importlib.import_module(f"kvtrace.fleet.{n}") for n in names]
+    except ImportError as exc:
+        raise Unavailable(missing_dependency(exc)) from None
+
+
+def _connect(directory: str) -> Any:
+    (query,) = fleet_modules("query")
+    try:
+        return query.connect(directory)
+    except query.FleetError as exc:
+        fail(str(exc), exitcodes.UNREADABLE)
+
+
+class FleetGroup(click.Group):
+    """`kvtrace fleet DIR ...` runs the summary; `kvtrace fleet diff ...` a subcommand."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            args = ["summary", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group("fleet", cls=FleetGroup)
+def fleet() -> None:
+    """Query a directory of exported traces (kvtrace export parquet) with DuckDB.
+
+    \b
+    Examples:
+      kvtrace fleet fleet/                                   # summary of every trace
+      kvtrace fleet fleet/ --group-by model_type,transformers_version
+      kvtrace fleet fleet/ --sql "SELECT model_id, count(*) FROM traces GROUP BY 1"
+      kvtrace fleet diff fleet/ --baseline transformers_version=5.17.0 \\
+          --candidate transformers_version=5.23.0 --fail-on regressed
+    """
+
+
+def _cell(column: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and column.endswith("rate"):
+        return f"{value:.1%}"
+    if isinstance(value, (int, float)) and "bytes" in column:
+        return format_bytes(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _print_table(title: str, columns: list[str], rows: list[tuple[Any, ...]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*(_cell(c, v) for c, v in zip(columns, r, strict=True)))
+    Console().print(table)
+
+
+@fleet.command("summary")
+@click.argument("directory", type=click.Path())
+@click.option("--group-by", "group_by", default="", metavar="KEYS",
+              help="Comma-separated columns of the traces view, e.g. model_type,transformers_version.")
+@click.option("--sql", default=None, metavar="QUERY",
+              help="Run QUERY against the views (traces, requests, steps, kv, events, findings, telemetry, ...).")
+@json_options
+@guarded
+def summary(directory: str, group_by: str, sql: str | None, as_json: bool, json_out: str | None) -> None:
+    """Summarise DIRECTORY: traces, requests, tokens, findings by detector and severity,
+    retention and fragmentation rates, KV bytes per token; or run --sql."""
+    check_json_out(json_out, (directory,))
+    (query,) = fleet_modules("query")
+    con = _connect(directory)
+    keys = [k.strip() for k in group_by.split(",") if k.strip()]
+    try:
+        results = {"result": query.run_sql(con, sql)} if sql else query.summary(con, keys)
+    except query.FleetError as exc:
+        raise click.UsageError(str(exc)) from None
+    write_json({name: r.records() for name, r in results.items()}, json_out, as_json=as_json)
+    if not as_json:
+        for name, r in results.items():
+            _print_table(name.replace("_", " "), r.columns, r.rows)
+
+
+@fleet.command("diff")
+@click.argument("directory", type=click.Path())
+@click.option("--baseline", required=True, metavar="KEY=VALUE", help="Traces whose KEY (a traces column) is VALUE.")
+@click.option("--candidate", required=True, metavar="KEY=VALUE", help="The traces compared against the baseline.")
+@click.option("--fail-on", type=click.Choice(["regressed"]), default=None,
+              help="Exit 3 when a metric regressed (for CI pipelines).")
+@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05,
+              show_default=True, help="Significance level of the Mann-Whitney test.")
+@click.option("--min-effect", type=click.FloatRange(0), default=0.05, show_default=True,
+              help="Smallest median shift, as a fraction of the baseline median, called a change.")
+@json_options
+@guarded
+def diff(directory: str, baseline: str, candidate: str, fail_on: str | None, alpha: float, min_effect: float,
+         as_json: bool, json_out: str | None) -> None:
+    """Compare two groups of traces per metric: exact KV bytes per token, and noisy metrics
+    (peak and retained allocation, fragmentation, findings) with a Mann-Whitney test, Cliff's
+    delta and a bootstrap CI of the median shift. Verdict per metric: unchanged / regressed /
+    improved (exact metrics may also be 'changed'; too few observations: 'insufficient')."""
+    check_json_out(json_out, (directory,))
+    query, compare = fleet_modules("query", "compare")
+    try:
+        a, b = compare.Selector.parse(baseline), compare.Selector.parse(candidate)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    con = _connect(directory)
+    try:
+        doc = compare.fleet_diff(con, a, b, alpha=alpha, min_effect=min_effect)
+    except query.FleetError as exc:
+        raise click.UsageError(str(exc)) from None
+    write_json(doc, json_out, as_json=as_json)
+    if not as_json:
+        rows = []
+        for m in doc["metrics"]:
+            if m["kind"] == "exact":
+                base, cand = m["baseline"]["values"], m["candidate"]["values"]
+                rows.append((m["metric"], ", ".join(format_bytes(v) for v in base) or "-",
+                             ", ".join(format_bytes(v) for v in cand) or "-", "exact", m["verdict"]))
+                continue
+            fmt = (lambda v: format_bytes(v)) if m["unit"] == "bytes" else (lambda v: f"{v:.3g}")
+            med = lambda d, fmt=fmt: f"{fmt(d['median'])} (n={d['n']})" if d.get("n") else "n=0"  # noqa: E731
+            stat = (f"p={m['p_value']:.3g}, delta={m['cliffs_delta']:+.2f}, "
+                    f"CI [{fmt(m['ci'][0])}, {fmt(m['ci'][1])}]") if "p_value" in m else m.get("reason", "")
+            rows.append((m["metric"], med(m["baseline"]), med(m["candidate"]), stat, m["verdict"]))
+        _print_table(f"{doc['candidate']['selector']} ({doc['candidate']['traces']} traces) vs "
+                     f"{doc['baseline']['selector']} ({doc['baseline']['traces']} traces)",
+                     ["metric", "baseline median", "candidate median", "test", "verdict"], rows)
+    if fail_on == "regressed" and doc["regressed"]:
+        fail(f"regressed: {', '.join(doc['regressed'])}", exitcodes.FINDINGS)

@@ -1,0 +1,223 @@
+"""`kvtrace export parquet`: traces -> a directory of Parquet files, incrementally, in parallel.
+
+Layout (spec/fleet.md): ``DIR/<table>/<trace_id>.parquet`` for every table a trace has rows in,
+plus ``DIR/_manifest.json`` (which input path became which trace id, with the size, mtime and
+edge hash used to skip unchanged traces on the next run). Per-trace work runs in
+:func:`export_one`, which opens the trace itself: h5py objects do not pickle and h5py serialises
+threads, so workers get paths (a spawn process pool, or dask.distributed workers that share the
+filesystem) and write their own files; only small dicts travel back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from kvtrace import exitcodes
+from kvtrace.fleet.source import file_identity, read_trace
+from kvtrace.fleet.tables import FLEET_SCHEMA_VERSION, TABLE_NAMES, trace_tables
+from kvtrace.format.errors import InvalidTrace, TraceError, UnsupportedVersion
+
+MANIFEST = "_manifest.json"
+
+
+def _code_for(exc: BaseException) -> int:
+    if isinstance(exc, UnsupportedVersion):
+        return exitcodes.VERSION
+    if isinstance(exc, InvalidTrace):
+        return exitcodes.INVALID
+    return exitcodes.UNREADABLE
+
+
+def _write_atomic(table: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")  # not matched by the *.parquet globs
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+
+
+def export_one(path: str, out_dir: str, identity: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read, analyse and write one trace; returns its manifest entry (or the error). Runs in workers."""
+    t0 = time.perf_counter_ns()
+    try:
+        data = read_trace(path)
+        if identity is not None:  # the hash the parent decided on (the file may have been touched)
+            data.identity = identity
+        tables = trace_tables(data)
+    except TraceError as exc:
+        return {"path": path, "status": "failed", "error": str(exc), "code": _code_for(exc)}
+    tid = data.identity["trace_id"]
+    rows = {}
+    for name, table in tables.items():
+        target = Path(out_dir) / name / f"{tid}.parquet"
+        if table.num_rows == 0:  # views fall back to the known schema; empty files only slow globs
+            target.unlink(missing_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(table, target)
+        rows[name] = table.num_rows
+    return {"path": path, "status": "exported", **data.identity, "rows": rows,
+            "analysis_error": data.analysis_error, "seconds": (time.perf_counter_ns() - t0) / 1e9}
+
+
+@dataclass
+class ExportResult:
+    directory: Path
+    exported: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)  # unchanged or duplicate inputs
+    failed: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    engine: str = "in-process"
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every input was exported or skipped, else the worst failure's code (4 > 1 > 2)."""
+        codes = {f["code"] for f in self.failed}
+        for code in (exitcodes.VERSION, exitcodes.INVALID, exitcodes.UNREADABLE):
+            if code in codes:
+                return code
+        return exitcodes.OK
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"directory": str(self.directory), "engine": self.engine, "seconds": round(self.seconds, 3),
+                "exported": [{k: e[k] for k in ("path", "trace_id", "rows", "analysis_error")} for e in self.exported],
+                "skipped": self.skipped, "failed": self.failed}
+
+
+def load_manifest(out_dir: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"fleet_schema_version": FLEET_SCHEMA_VERSION, "traces": {}}
+    if not isinstance(doc, dict) or not isinstance(doc.get("traces"), dict):
+        return {"fleet_schema_version": FLEET_SCHEMA_VERSION, "traces": {}}
+    return doc
+
+
+def _save_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
+    tmp = out_dir / f".{MANIFEST}.{os.getpid()}.part"
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, out_dir / MANIFEST)
+
+
+def _remove_trace(out_dir: Path, trace_id: str) -> None:
+    for name in TABLE_NAMES:
+        (out_dir / name / f"{trace_id}.parquet").unlink(missing_ok=True)
+
+
+def plan(paths: Iterable[str], out_dir: Path, manifest: dict[str, Any],
+         force: bool = False) -> tuple[list[tuple[str, dict[str, Any]]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Split inputs into (to export with their identity, skipped, failed) without opening any trace."""
+    known: dict[str, Any] = manifest["traces"]
+    todo, skipped, failed = [], [], []
+    seen: dict[str, str] = {}
+    for path in paths:
+        try:
+            if Path(path).is_dir():
+                raise IsADirectoryError(path)
+            st = os.stat(path)
+            resolved = str(Path(path).resolve())
+            old = known.get(resolved)
+            if (not force and old and old["size"] == st.st_size and old["mtime_ns"] == st.st_mtime_ns
+                    and (out_dir / "traces" / f"{old['trace_id']}.parquet").exists()):
+                ident = {**old, "path": resolved}  # unchanged by size and mtime: not even hashed
+            else:
+                ident = file_identity(path)
+        except OSError as exc:
+            reason = "is a directory" if isinstance(exc, IsADirectoryError) else (exc.strerror or "cannot read")
+            failed.append({"path": path, "status": "failed", "error": f"{path}: {reason}",
+                           "code": exitcodes.UNREADABLE})
+            continue
+        tid = ident["trace_id"]
+        if tid in seen:
+            skipped.append({"path": path, "trace_id": tid, "reason": f"same content as {seen[tid]}"})
+            continue
+        seen[tid] = path
+        old = known.get(resolved)
+        if (not force and old and old["trace_id"] == tid
+                and (out_dir / "traces" / f"{tid}.parquet").exists()):
+            skipped.append({"path": path, "trace_id": tid, "reason": "unchanged since the last export"})
+            old["mtime_ns"] = ident["mtime_ns"]
+            continue
+        todo.append((path, ident))
+    return todo, skipped, failed
+
+
+def _run_pool(todo: list[tuple[str, dict[str, Any]]], out_dir: str, jobs: int) -> Iterator[dict[str, Any]]:
+    if jobs <= 1 or len(todo) <= 1:  # a spawned interpreter costs more than one small trace
+        for path, ident in todo:
+            yield export_one(path, out_dir, ident)
+        return
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(export_one, path, out_dir, ident) for path, ident in todo]
+        for fut in as_completed(futures):
+            yield fut.result()
+
+
+def _run_dask(todo: list[tuple[str, dict[str, Any]]], out_dir: str, address: str | None,
+              workers: int) -> Iterator[dict[str, Any]]:
+    from dask.distributed import Client, LocalCluster
+    from dask.distributed import as_completed as dask_completed
+
+    cluster = None
+    if address is None:
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                               dashboard_address=None, silence_logs=40)
+    client = Client(cluster if cluster is not None else address)
+    try:
+        futures = client.map(export_one, [p for p, _ in todo], [out_dir] * len(todo), [i for _, i in todo],
+                             pure=False)
+        for fut in dask_completed(futures):
+            yield fut.result()
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def export_parquet(paths: Iterable[str], out_dir: str | os.PathLike[str], *, jobs: int = 1,
+                   dask_address: str | None = None, dask_workers: int = 0, force: bool = False,
+                   progress: Callable[[str], None] | None = None) -> ExportResult:
+    """Export traces into ``out_dir``; unchanged traces already there are skipped.
+
+    ``jobs`` > 1: a spawn process pool; ``dask_address`` or ``dask_workers`` > 0: dask.distributed
+    (an existing scheduler, or a LocalCluster of that many single-threaded worker processes)."""
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = load_manifest(out)
+    todo, skipped, failed = plan(paths, out, manifest, force)
+    result = ExportResult(out, skipped=skipped, failed=failed)
+    for entry in skipped:
+        progress and progress(entry["path"])
+    if dask_address is not None or dask_workers > 0:
+        result.engine = f"dask {dask_address}" if dask_address else f"dask LocalCluster({dask_workers})"
+        runner = _run_dask(todo, str(out), dask_address, dask_workers)
+    else:
+        result.engine = f"process pool ({jobs}, spawn)" if jobs > 1 and len(todo) > 1 else "in-process"
+        runner = _run_pool(todo, str(out), jobs)
+    by_path = {ident["path"]: ident for _, ident in todo}
+    for entry in runner:
+        if entry["status"] == "failed":
+            result.failed.append(entry)
+        else:
+            old = manifest["traces"].get(entry["path"])
+            if old and old["trace_id"] != entry["trace_id"] and not any(
+                    v["trace_id"] == old["trace_id"] for k, v in manifest["traces"].items() if k != entry["path"]):
+                _remove_trace(out, old["trace_id"])  # the file changed: its old rows go
+            manifest["traces"][entry["path"]] = {k: by_path.get(entry["path"], entry)[k] for k in
+                                                 ("size", "mtime_ns", "sha256_edges", "trace_id")}
+            result.exported.append(entry)
+        progress and progress(entry["path"])
+    manifest["fleet_schema_version"] = FLEET_SCHEMA_VERSION
+    _save_manifest(out, manifest)
+    result.seconds = time.perf_counter() - t0
+    return result

@@ -1,0 +1,184 @@
+"""One trace (a :class:`~kvtrace.fleet.source.TraceData`) as Arrow tables, each row keyed by trace_id.
+
+Enumerated codes become their lower-case names (unknown codes their number as text), fixed-size
+byte strings become UTF-8 text, shapes become lists, and text-heap references are dropped (event
+text is resolved; prompts never leave the trace). spec/fleet.md is the schema these functions
+implement; change both together.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from kvtrace.fleet.source import TABLES, TraceData
+from kvtrace.format import schema
+
+FLEET_SCHEMA_VERSION = "1.0"
+
+SEVERITY_RANK = {"info": 0, "low": 1, "medium": 2, "high": 3, "critical": 4}
+
+ENUMS: dict[str, dict[str, type[enum.IntEnum]]] = {
+    "requests": {"outcome": schema.Outcome},
+    "layers": {"layer_type": schema.LayerType},
+    "kv": {"layer_type": schema.LayerType, "k_dtype": schema.CacheDType, "v_dtype": schema.CacheDType},
+    "steps": {"phase": schema.Phase},
+    "events": {"kind": schema.EventKind},
+    "readings": {"label": schema.ReadingLabel},
+    "payloads": {"kind": schema.PayloadKind, "dtype": schema.CacheDType},
+}
+
+# Per-request numbers the analyser derives (spec/analysis-json.md "requests"), joined onto requests.
+REQUEST_ANALYSIS = ("duration_ns", "final_tokens", "peak_kv_bytes", "final_kv_bytes", "baseline_allocated_bytes",
+                    "peak_allocated_bytes", "retained_allocated_bytes", "kv_alive_after_request_bytes")
+
+TELEMETRY_SCHEMA = pa.schema([
+    ("trace_id", pa.string()), ("source", pa.string()), ("t_ns", pa.uint64()), ("device", pa.int16()),
+    ("nvml_used_bytes", pa.int64()), ("nvml_free_bytes", pa.int64()), ("nvml_reserved_bytes", pa.int64()),
+    ("nvml_total_bytes", pa.int64()), ("nvml_process_used_bytes", pa.int64()),
+    ("allocated_bytes", pa.int64()), ("reserved_bytes", pa.int64()), ("active_bytes", pa.int64()),
+    ("inactive_split_bytes", pa.int64()), ("num_alloc_retries", pa.int64()), ("num_ooms", pa.int64()),
+    ("rss_bytes", pa.int64()),
+])
+
+FINDINGS_SCHEMA = pa.schema([
+    ("trace_id", pa.string()), ("detector", pa.string()), ("kind", pa.string()), ("score", pa.float64()),
+    ("severity", pa.string()), ("severity_rank", pa.int8()), ("message", pa.string()),
+    ("requests", pa.list_(pa.int64())), ("steps", pa.list_(pa.int64())), ("layers", pa.list_(pa.int64())),
+    ("device", pa.int64()), ("evidence_json", pa.string()),
+])
+
+TRACES_SCHEMA = pa.schema([
+    ("trace_id", pa.string()), ("path", pa.string()), ("file_bytes", pa.int64()), ("mtime_ns", pa.int64()),
+    ("sha256_edges", pa.string()), ("format_version", pa.string()), ("complete", pa.bool_()),
+    ("kvtrace_version", pa.string()), ("torch_version", pa.string()), ("transformers_version", pa.string()),
+    ("cuda_version", pa.string()), ("driver_version", pa.string()), ("python_version", pa.string()),
+    ("model_id", pa.string()), ("model_type", pa.string()), ("host", pa.string()),
+    ("device", pa.string()), ("device_count", pa.int32()), ("device_total_memory_bytes", pa.int64()),
+    ("recorded_at_ns", pa.int64()), ("contains_prompt_text", pa.bool_()),
+    ("contains_tensor_payloads", pa.bool_()), ("payload_tokens", pa.string()),
+    ("requests", pa.int64()), ("steps", pa.int64()), ("kv_rows", pa.int64()), ("payloads", pa.int64()),
+    ("analysed", pa.bool_()), ("analysis_error", pa.string()), ("findings", pa.int64()),
+    ("max_severity", pa.string()), ("max_score", pa.float64()),
+])
+
+# Every table of the fleet directory, in the order views are created.
+TABLE_NAMES: tuple[str, ...] = ("traces", "requests", "layers", "steps", "kv", "events", "readings",
+                                "retention", "telemetry", "payloads", "findings")
+
+
+def _enum_names(values: np.ndarray, enum_type: type[enum.IntEnum]) -> pa.Array:
+    names = {int(e): e.name.lower() for e in enum_type}
+    return pa.array([names.get(int(v), str(int(v))) for v in values], pa.string())
+
+
+def _column(values: np.ndarray) -> pa.Array:
+    if values.ndim > 1:  # fixed-size shapes ([B, H, T, D]) as lists
+        return pa.array(values.astype(np.int64).tolist(), pa.list_(pa.int64()))
+    if values.dtype.kind == "S":
+        return pa.array([v.rstrip(b"\0").decode("utf-8", errors="replace") for v in values.tolist()], pa.string())
+    return pa.array(values)
+
+
+def structured(name: str, rows: np.ndarray, trace_id: str, drop: tuple[str, ...] = ()) -> pa.Table:
+    """A format table as Arrow: trace_id first, enums as names, text references dropped."""
+    enums = ENUMS.get(name, {})
+    cols: dict[str, pa.Array] = {"trace_id": pa.array([trace_id] * len(rows), pa.string())}
+    for field in rows.dtype.names or ():
+        if field.endswith(("_off", "_len")) or field in drop:
+            continue
+        col = rows[field]
+        cols[field] = _enum_names(col, enums[field]) if field in enums else _column(col)
+    return pa.table(cols)
+
+
+def _requests(data: TraceData, trace_id: str) -> pa.Table:
+    table = structured("requests", data.tables["requests"], trace_id)
+    by_request = {int(r["request"]): r for r in (data.analysis or {}).get("requests", [])}
+    for key in REQUEST_ANALYSIS:
+        values = [by_request.get(int(r), {}).get(key) for r in data.tables["requests"]["request"]]
+        table = table.append_column(key, pa.array(values, pa.int64()))
+    return table
+
+
+def _kv(data: TraceData, trace_id: str) -> pa.Table:
+    rows = data.tables["kv"]
+    table = structured("kv", rows, trace_id)
+    batch = rows["k_shape"][:, 0].astype(np.float64) if rows.size else np.zeros(0)
+    denom = rows["tokens_kept"].astype(np.float64) * np.maximum(batch, 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per_token = np.where(denom > 0, rows["bytes_valid"].astype(np.float64) / denom, np.nan)
+    return table.append_column("bytes_per_token", pa.array(per_token, pa.float64(), from_pandas=True))
+
+
+def _events(data: TraceData, trace_id: str) -> pa.Table:
+    table = structured("events", data.tables["events"], trace_id)
+    return table.append_column("text", pa.array(data.event_text, pa.string()))
+
+
+def _telemetry(data: TraceData, trace_id: str) -> pa.Table:
+    parts = []
+    renames = {"nvml": {"used_bytes": "nvml_used_bytes", "free_bytes": "nvml_free_bytes",
+                        "reserved_bytes": "nvml_reserved_bytes", "total_bytes": "nvml_total_bytes",
+                        "process_used_bytes": "nvml_process_used_bytes"}}
+    for source in ("nvml", "allocator", "process"):
+        rows = data.tables[source]
+        names = renames.get(source, {})
+        cols = {"trace_id": [trace_id] * len(rows), "source": [source] * len(rows)}
+        for field in rows.dtype.names or ():
+            cols[names.get(field, field)] = rows[field]
+        arrays = [pa.array(cols[f.name], f.type) if f.name in cols else pa.nulls(len(rows), f.type)
+                  for f in TELEMETRY_SCHEMA]
+        parts.append(pa.Table.from_arrays(arrays, schema=TELEMETRY_SCHEMA))
+    return pa.concat_tables(parts)
+
+
+def _findings(data: TraceData, trace_id: str) -> pa.Table:
+    found = (data.analysis or {}).get("findings", [])
+    rows = [{"trace_id": trace_id, "detector": f["detector"], "kind": f["kind"], "score": f["score"],
+             "severity": f["severity"], "severity_rank": SEVERITY_RANK.get(f["severity"], -1),
+             "message": f["message"], "requests": f["requests"], "steps": f["steps"], "layers": f["layers"],
+             "device": f["device"], "evidence_json": json.dumps(f["evidence"], sort_keys=True)} for f in found]
+    return pa.Table.from_pylist(rows, schema=FINDINGS_SCHEMA)
+
+
+def _traces(data: TraceData, trace_id: str) -> pa.Table:
+    ident, a = data.identity, data.analysis
+    gpus = [d for d in data.devices if d["device"] >= 0] or data.devices
+    summary = a["summary"] if a else {}
+    row: dict[str, Any] = {
+        **data.meta, "trace_id": trace_id, "path": ident["path"], "file_bytes": ident["size"],
+        "mtime_ns": ident["mtime_ns"], "sha256_edges": ident["sha256_edges"],
+        "device": gpus[0]["name"] if gpus else "", "device_count": len(gpus),
+        "device_total_memory_bytes": gpus[0]["total_memory_bytes"] if gpus else None,
+        "requests": len(data.tables["requests"]), "steps": len(data.tables["steps"]),
+        "kv_rows": len(data.tables["kv"]), "payloads": len(data.tables["payloads"]),
+        "analysed": a is not None, "analysis_error": data.analysis_error,
+        "findings": summary.get("findings"), "max_severity": summary.get("max_severity"),
+        "max_score": summary.get("max_score"),
+    }
+    return pa.Table.from_pylist([row], schema=TRACES_SCHEMA)
+
+
+def trace_tables(data: TraceData) -> dict[str, pa.Table]:
+    """Every fleet table for one trace (tables may have zero rows)."""
+    tid = data.identity["trace_id"]
+    out = {"traces": _traces(data, tid), "requests": _requests(data, tid), "kv": _kv(data, tid),
+           "events": _events(data, tid), "telemetry": _telemetry(data, tid), "findings": _findings(data, tid)}
+    for name in ("layers", "steps", "readings", "retention", "payloads"):
+        out[name] = structured(name, data.tables[name], tid)
+    return out
+
+
+def empty_schema(name: str) -> pa.Schema:
+    """The Arrow schema of a fleet table, from an empty trace (for views over no files)."""
+    empty = {src: np.zeros(0, schema.TABLES[path][0]) for src, path in TABLES.items()}
+    data = TraceData("", {"trace_id": "", "path": "", "size": 0, "mtime_ns": 0, "sha256_edges": ""},
+                     {}, empty, [], None)
+    if name == "traces":
+        return TRACES_SCHEMA
+    return trace_tables(data)[name].schema

@@ -1,0 +1,36 @@
+"""Tiny fleets for the fleet tests: synthetic traces (tests/report/synth_trace.py) whose /meta is
+then edited with h5py to stand for other versions (the writer stamps the versions it is given)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+
+pytest.importorskip("pyarrow")
+pytest.importorskip("duckdb")
+
+# The synthetic trace builder lives with the report tests; share it instead of copying it.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "report"))
+from synth_trace import write_synthetic_trace  # noqa: E402
+
+
+def make_trace(path: Path, *, transformers_version: str = "5.17.0", residual_bytes: int = 0,
+               new_tokens: int = 12) -> Path:
+    write_synthetic_trace(path, residual_bytes=residual_bytes, new_tokens=new_tokens)
+    with h5py.File(path, "r+") as f:
+        f["meta"].attrs["transformers_version"] = transformers_version
+    return path
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Path]]:
+    """Three traces per group: 5.17 clean, 5.23 clean (a control), 5.99 retaining 1 MiB per request."""
+    d = tmp_path_factory.mktemp("versions")
+    out: dict[str, list[Path]] = {}
+    for version, residual in (("5.17.0", 0), ("5.23.0", 0), ("5.99.0", 1 << 20)):
+        out[version] = [make_trace(d / f"{version}-{i}.kvt.h5", transformers_version=version,
+                                   residual_bytes=residual, new_tokens=10 + i) for i in range(3)]
+    return out

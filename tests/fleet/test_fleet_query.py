@@ -1,0 +1,113 @@
+"""`kvtrace fleet`: summary over DuckDB views, --sql, and `fleet diff` verdicts with controls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_run import run_main
+
+from kvtrace import exitcodes
+
+
+@pytest.fixture(scope="module")
+def fleet_dir(versions, tmp_path_factory):
+    from kvtrace.fleet.export import export_parquet
+
+    out = tmp_path_factory.mktemp("fleet")
+    result = export_parquet([str(p) for ps in versions.values() for p in ps], out)
+    assert len(result.exported) == 9 and not result.failed
+    return out
+
+
+def _json(capsys, *argv: str) -> tuple[int, dict]:
+    code, out, err = run_main(list(argv), capsys)
+    assert "Traceback" not in err
+    return code, (json.loads(out) if out.strip().startswith(("{", "[")) else {"err": err})
+
+
+def test_summary_by_version_separates_retention(fleet_dir, capsys):
+    code, doc = _json(capsys, "fleet", str(fleet_dir), "--group-by", "transformers_version", "--json")
+    assert code == 0
+    groups = {g["transformers_version"]: g for g in doc["groups"]}
+    assert set(groups) == {"5.17.0", "5.23.0", "5.99.0"}
+    for version, g in groups.items():
+        assert g["traces"] == 3 and g["requests"] == 6
+        planted = version == "5.99.0"  # 1 MiB left allocated after each request
+        assert g["retained_bytes"] == (6 << 20 if planted else 0), version
+        # the residual is not KV (post_eos sees the KV freed and says info): not a retention finding
+        assert g["retention_rate"] == 0.0 and g["fragmentation_rate"] == 0.0
+        assert g["kv_bytes_per_token_layer"] == 128.0  # 2 heads x 16 dims x K+V x bf16
+    assert {r["layer_type"] for r in doc["kv_bytes_per_token"]} == {"sliding", "full"}
+
+
+def test_rates_on_real_recordings(tmp_path, capsys):
+    """Real H100 fixtures (tests/data/gpu/README.md): a kept cache, user-made fragmentation, a clean run."""
+    from pathlib import Path
+
+    from kvtrace.fleet.export import export_parquet
+
+    data = Path(__file__).resolve().parent.parent / "data" / "gpu"
+    names = ("gpu_kept_cache", "gpu_fragmentation", "gpu_clean")
+    export_parquet([str(data / f"{n}.kvt.h5") for n in names], tmp_path / "f")
+    code, doc = _json(capsys, "fleet", str(tmp_path / "f"), "--group-by", "path", "--json")
+    assert code == 0
+    rates = {Path(g["path"]).name.split(".")[0]: (g["retention_rate"], g["fragmentation_rate"]) for g in doc["groups"]}
+    assert rates == {"gpu_kept_cache": (1.0, 0.0), "gpu_fragmentation": (0.0, 1.0), "gpu_clean": (0.0, 0.0)}
+
+
+def test_sql_and_bad_input(fleet_dir, tmp_path, capsys):
+    code, doc = _json(capsys, "fleet", str(fleet_dir), "--sql",
+                      "SELECT count(*) AS n, sum(new_tokens) AS t FROM requests", "--json")
+    assert code == 0 and doc["result"] == [{"n": 18, "t": 2 * 3 * (10 + 11 + 12)}]
+    code, _ = _json(capsys, "fleet", str(fleet_dir), "--sql", "SELEC 1")
+    assert code == exitcodes.USAGE
+    code, _ = _json(capsys, "fleet", str(fleet_dir), "--group-by", "no_such_key")
+    assert code == exitcodes.USAGE
+    code, _ = _json(capsys, "fleet", str(tmp_path))  # a directory with no export in it
+    assert code == exitcodes.UNREADABLE
+    # views exist even for tables no trace had rows in (no payloads in these traces)
+    code, doc = _json(capsys, "fleet", str(fleet_dir), "--sql", "SELECT count(*) AS n FROM payloads", "--json")
+    assert code == 0 and doc["result"] == [{"n": 0}]
+
+
+def _verdicts(doc: dict) -> dict[str, str]:
+    return {m["metric"]: m["verdict"] for m in doc["metrics"]}
+
+
+def test_diff_flags_the_planted_regression_only(fleet_dir, capsys):
+    base = "transformers_version=5.17.0"
+    code, control = _json(capsys, "fleet", "diff", str(fleet_dir), "--baseline", base,
+                          "--candidate", "transformers_version=5.23.0", "--fail-on", "regressed", "--json")
+    assert code == 0 and control["regressed"] == []  # same recordings under another version: unchanged
+    assert set(_verdicts(control).values()) <= {"unchanged", "insufficient"}
+    code, planted = _json(capsys, "fleet", "diff", str(fleet_dir), "--baseline", base,
+                          "--candidate", "transformers_version=5.99.0", "--json")
+    assert code == 0  # no --fail-on: report only
+    v = _verdicts(planted)
+    assert v["retained_allocated_bytes per request"] == "regressed"
+    assert v["kv bytes per token (full layers)"] == "unchanged"  # exact geometry did not move
+    m = next(m for m in planted["metrics"] if m["metric"] == "retained_allocated_bytes per request")
+    assert m["ci"][0] > 0 and m["p_value"] < 0.05 and m["cliffs_delta"] == 1.0
+    code, _ = _json(capsys, "fleet", "diff", str(fleet_dir), "--baseline", base,
+                    "--candidate", "transformers_version=5.99.0", "--fail-on", "regressed")
+    assert code == exitcodes.FINDINGS
+    code, _ = _json(capsys, "fleet", "diff", str(fleet_dir), "--baseline", base, "--candidate", "nokey")
+    assert code == exitcodes.USAGE
+    code, _ = _json(capsys, "fleet", "diff", str(fleet_dir), "--baseline", base,
+                    "--candidate", "transformers_version=9.9")
+    assert code == exitcodes.USAGE
+
+
+def test_noisy_verdicts_with_controls():
+    # the statistical path on its own: identical samples are unchanged, a shifted one regressed
+    import numpy as np
+
+    from kvtrace.fleet.compare import compare_noisy
+    a = np.arange(20.0)
+    assert compare_noisy("m", "bytes", a, a.copy(), alpha=0.05, min_effect=0.05, level=0.95)["verdict"] == "unchanged"
+    assert compare_noisy("m", "bytes", a, a + 100, alpha=0.05, min_effect=0.05, level=0.95)["verdict"] == "regressed"
+    assert compare_noisy("m", "bytes", a + 100, a, alpha=0.05, min_effect=0.05, level=0.95)["verdict"] == "improved"
+    # a significant shift smaller than min_effect of the median is not called a change
+    big = np.linspace(1e9, 1.001e9, 50)
+    assert compare_noisy("m", "bytes", big, big + 1e5, alpha=0.05, min_effect=0.05, level=0.95)["verdict"] == "unchanged"
