@@ -229,9 +229,12 @@ def parquet(traces: tuple[str, ...], output: str, jobs: int, workers: int | None
     except OSError as exc:
         fail(f"cannot create -o {output}: {exc.strerror}", exitcodes.CANNOT_WRITE)
     with progress_bar("parquet", len(traces), enabled=not (quiet or as_json) and len(traces) > 1) as steps:
-        result = fx.export_parquet(traces, output, jobs=jobs, dask_address=dask_address,
-                                   dask_workers=workers or 0, force=force,
-                                   progress=lambda path: steps.advance(1, Path(path).name))
+        try:
+            result = fx.export_parquet(traces, output, jobs=jobs, dask_address=dask_address,
+                                       dask_workers=workers or 0, force=force,
+                                       progress=lambda path: steps.advance(1, Path(path).name))
+        except ConnectionError as exc:
+            fail(str(exc), exitcodes.UNAVAILABLE)
     write_json(result.to_dict(), json_out, as_json=as_json)
     for f in result.failed:
         click.echo(f"kvtrace: {f['error']}", err=True)

@@ -28,6 +28,7 @@ from kvtrace.fleet.tables import FLEET_SCHEMA_VERSION, TABLE_NAMES, trace_tables
 from kvtrace.format.errors import InvalidTrace, TraceError, UnsupportedVersion
 
 MANIFEST = "_manifest.json"
+DASK_CONNECT_TIMEOUT_S = 5  # an unreachable scheduler fails the command, it does not hang it
 
 
 def _code_for(exc: BaseException) -> int:
@@ -171,7 +172,10 @@ def _run_dask(todo: list[tuple[str, dict[str, Any]]], out_dir: str, address: str
     if address is None:
         cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                                dashboard_address=None, silence_logs=40)
-    client = Client(cluster if cluster is not None else address)
+    try:
+        client = Client(cluster if cluster is not None else address, timeout=DASK_CONNECT_TIMEOUT_S)
+    except (OSError, TimeoutError) as exc:
+        raise ConnectionError(f"cannot reach the dask scheduler {address}: {exc}") from None
     try:
         futures = client.map(export_one, [p for p, _ in todo], [out_dir] * len(todo), [i for _, i in todo],
                              pure=False)
