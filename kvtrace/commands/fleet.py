@@ -120,7 +120,7 @@ def summary(directory: str, group_by: str, sql: str | None, as_json: bool, json_
 @guarded
 def diff(directory: str, baseline: str, candidate: str, fail_on: str | None, alpha: float, min_effect: float,
          as_json: bool, json_out: str | None) -> None:
-    """Compare two groups of traces per metric: exact KV bytes per token, and noisy metrics
+    """Compare two groups of traces of DIRECTORY per metric: exact KV bytes per token, and noisy metrics
     (peak and retained allocation, fragmentation, findings) with a Mann-Whitney test, Cliff's
     delta and a bootstrap CI of the median shift. Verdict per metric: unchanged / regressed /
     improved (exact metrics may also be 'changed'; too few observations: 'insufficient')."""

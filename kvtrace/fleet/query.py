@@ -1,7 +1,7 @@
 """DuckDB views over a fleet directory and the default summary (spec/fleet.md).
 
-Each view reads ``DIR/<table>/*.parquet`` with ``union_by_name`` (files written by different
-kvtrace versions may differ in columns); a table no trace had rows in is an empty view with the
+Each view reads ``DIR/<table>/*.parquet`` with ``union_by_name`` (files that different versions
+of kvtrace wrote may differ in columns); a table no trace had rows in is an empty view with the
 known schema, so queries never fail on a missing table.
 """
 

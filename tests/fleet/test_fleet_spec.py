@@ -1,0 +1,26 @@
+"""spec/fleet.md lists every fleet table with exactly the columns and types the exporter writes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from kvtrace.fleet.tables import TABLE_NAMES, empty_schema
+
+SPEC = Path(__file__).resolve().parents[2] / "spec" / "fleet.md"
+
+
+def _documented() -> dict[str, list[tuple[str, str]]]:
+    text = SPEC.read_text(encoding="utf-8").split("## Table schemas", 1)[1]
+    out = {}
+    for name, body in re.findall(r"### `(\w+)`\n\n(.+)\n", text):
+        out[name] = re.findall(r"`(\w+)` ([\w<>]+)", body)
+    return out
+
+
+def test_spec_lists_every_table_and_column():
+    doc = _documented()
+    assert list(doc) == list(TABLE_NAMES)
+    for name in TABLE_NAMES:
+        code = [(f.name, str(f.type).replace("list<item: int64>", "list<int64>")) for f in empty_schema(name)]
+        assert doc[name] == code, name
