@@ -279,8 +279,8 @@ class _Analysis:
                 continue
             qp, q = self.tensor(self.rows_by[(request, s, layer, int(PK.QUERY))])
             kp, k = self.at_step(request, s, layer, PK.KEY)
-            if q.dim() != 4 or k.dim() != 4:
-                continue  # not [B, H, T, D]: nothing to pair
+            if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+                continue  # not [B, H, T, D] with K's batch and head_dim: nothing to pair
             sampled += q.shape[2] * q.shape[0]
             pick = _pair_heads(qp, q.shape[1], kp, k.shape[1], self.cfg, kv_heads)
             if pick is None or [kp.head_start + i * kp.head_stride for i in pick[1]] != kv_abs:

@@ -245,9 +245,9 @@ class Trace:
                 if len(text) > MAX_JSON_ATTR_BYTES:
                     raise InvalidTrace(f"{self.path}: /meta {key} is implausibly large")
                 try:
-                    decoded = json.loads(text)
-                except json.JSONDecodeError:
-                    raise InvalidTrace(f"{self.path}: /meta {key} is not valid JSON") from None
+                    decoded = _clean_json(json.loads(text))
+                except (json.JSONDecodeError, RecursionError):  # nesting deeper than Python's stack
+                    raise InvalidTrace(f"{self.path}: /meta {key} is not valid JSON (or nested too deeply)") from None
                 values[key[: -len("_json")]] = decoded
             else:
                 values[key] = _plain(value)
@@ -673,7 +673,40 @@ def open_trace(path: str | os.PathLike[str]) -> Trace:
     return Trace(path)
 
 
+def _clean(text: str) -> str:
+    """h5py decodes attribute strings with surrogateescape, and JSON may escape lone surrogates
+    ("\\ud83d"): either way a string no UTF-8 writer accepts. Undecodable bytes become U+FFFD,
+    other lone surrogates '?'."""
+    if text.isascii():
+        return text
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _clean_json(obj: Any) -> Any:
+    """:func:`_clean` every string of a decoded JSON document (keys too), without recursion."""
+    root = [obj]
+    stack: list[tuple[Any, Any]] = [(root, 0)]
+    while stack:
+        container, key = stack.pop()
+        value = container[key]
+        if isinstance(value, str):
+            container[key] = _clean(value)
+        elif isinstance(value, list):
+            stack.extend((value, i) for i in range(len(value)))
+        elif isinstance(value, dict):
+            cleaned = {_clean(k): v for k, v in value.items()}
+            value.clear()
+            value.update(cleaned)
+            stack.extend((value, k) for k in value)
+    return root[0]
+
+
 def _as_str(value: Any) -> str:
+    if isinstance(value, str):
+        return _clean(value)
     if isinstance(value, bytes):
         return value.decode("utf-8", errors="replace")
     if isinstance(value, np.ndarray) and value.shape == ():
@@ -682,6 +715,8 @@ def _as_str(value: Any) -> str:
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, str):
+        return _clean(value)
     if isinstance(value, bytes):
         return value.decode("utf-8", errors="replace")
     if isinstance(value, np.generic):

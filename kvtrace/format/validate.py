@@ -195,7 +195,7 @@ def _check_payloads(trace: Trace, report: ValidationReport) -> None:
         chunk_bytes = schema.PAYLOAD_CHUNK_BYTES
         try:
             if int(row["first_chunk"] + row["n_chunks"]) * schema.payload_chunk_elements(itemsize) > \
-                    trace._file[schema.payload_dataset_name(itemsize)].shape[0]:
+                    trace._dataset(schema.payload_dataset_name(itemsize)).shape[0]:
                 raise CorruptChunk(f"{trace.path}: chunks [{int(row['first_chunk'])}, "
                                    f"+{int(row['n_chunks'])}) out of range")
             for mask, stored in trace.stored_chunks(itemsize, int(row["first_chunk"]), int(row["n_chunks"])):

@@ -81,7 +81,7 @@ def _mutations():
                   st.sampled_from([0, 1, 3, 7, 255, 2**31 - 1, 2**40, -1])),
         st.tuples(st.just("frame"), st.sampled_from(["append", "cut", "junk", "bomb", "empty", "garbage"]),
                   st.integers(0, 20)),
-        st.tuples(st.just("meta"), st.integers(0, 100), st.sampled_from(["del", "int", "json", "list", "str"])),
+        st.tuples(st.just("meta"), st.integers(0, 100), st.sampled_from(["del", "int", "json", "list", "str", "utf8", "deep"])),
         st.tuples(st.just("textref"), st.sampled_from(["requests", "events", "layers"]), row,
                   st.sampled_from(["past", "huge"])),
         st.tuples(st.just("rows"), st.sampled_from(["kv", "steps", "events", "requests", "payloads/index",
@@ -169,6 +169,10 @@ def _mutate(path: Path, m: tuple) -> None:
             how = m[2]
             if how == "del":
                 del f["meta"].attrs[key]
+            elif how == "utf8":  # invalid UTF-8 in a UTF-8 string attribute (h5py: lone surrogates)
+                f["meta"].attrs.create(key, b'{"x": "\xff\xfe"}', dtype=h5py.string_dtype("utf-8"))
+            elif how == "deep":  # JSON nested deeper than Python's recursion limit
+                f["meta"].attrs[key] = "[" * 100_000 + "]" * 100_000
             else:
                 f["meta"].attrs[key] = {"int": 7, "json": "{not json", "list": np.arange(3), "str": "yes"}[how]
         elif kind == "textref":
