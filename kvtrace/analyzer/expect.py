@@ -57,10 +57,7 @@ class Expectation:
         g = self.get(layer)
         if g is None:
             return None
-        if not g.stores_kv:
-            return 0
-        v = 0 if g.kv_same_tensor else g.v_head_dim * v_item
-        return int(batch) * g.num_kv_heads * (g.k_head_dim * k_item + v)
+        return int(geo.per_token_bytes(g, k_item, v_item, batch))
 
     def expected(
         self, layer: int, tokens_seen: np.ndarray, last_step_tokens: np.ndarray, recorded_type: np.ndarray,
@@ -69,44 +66,27 @@ class Expectation:
         """(allocated, valid) bytes `layer` should hold at each of a series of steps; -1 where no
         rule applies (unknown layer, cross-attention, non-fp8 quantized residual layouts).
 
-        Vectorised form of kvtrace.geometry's kept_tokens / allocated_tokens rules (a test keeps
-        the two in agreement): dynamic full layers hold every token seen; dynamic sliding layers
-        keep window - 1 as a view into the tensor that concatenated them with the last forward's
-        q tokens; static layers preallocate their capacity (min(window, length) when sliding).
+        The bytes come from kvtrace.geometry's cache rule (geometry.layer_bytes, the same rule
+        `kvtrace calc` and the report's KV check use); what is decided here is which recorded steps
+        it applies to.
         """
         seen = np.asarray(tokens_seen, dtype=np.int64)
         none = np.full(seen.shape, -1, dtype=np.int64)
         g = self.get(layer)
         if g is None or g.kind == "cross_attention":
             return none, none.copy()
-        rtype = np.asarray(recorded_type, dtype=np.int64)
-        k_item = np.asarray(k_item, dtype=np.int64)
-        v_item = np.asarray(v_item, dtype=np.int64)
-        batch = np.asarray(batch, dtype=np.int64)
-        cap_len = np.asarray(static_len, dtype=np.int64)
         if not g.stores_kv:
             zero = np.zeros(seen.shape, dtype=np.int64)
             return zero, zero.copy()
-        v_part = 0 if g.kv_same_tensor else g.v_head_dim * v_item
-        per_token = batch * g.num_kv_heads * (g.k_head_dim * k_item + v_part)
+        rtype = np.asarray(recorded_type, dtype=np.int64)
+        k_item = np.asarray(k_item, dtype=np.int64)
         static = np.isin(rtype, _STATIC_TYPES)
         quant = rtype == int(schema.LayerType.QUANTIZED)
-        q = np.clip(np.asarray(last_step_tokens, dtype=np.int64), 1, np.maximum(seen, 1))
-        if g.window is None:
-            kept_dyn = seen
-            alloc_dyn = seen
-            cap = cap_len
-        else:
-            kept_dyn = np.minimum(seen, g.window - 1)
-            alloc_dyn = np.minimum(seen - q, g.window - 1) + q
-            cap = np.minimum(cap_len, g.window)
-        kept = np.where(static, np.minimum(seen, cap), kept_dyn)
-        alloc_t = np.where(static, cap, alloc_dyn)
-        alloc_t = np.where(seen > 0, alloc_t, 0)
-        alloc = alloc_t * per_token + np.where(quant & (seen > 0), geo.FP8_SCALE_BYTES, 0)
-        valid = kept * per_token
+        alloc, valid, overflow = geo.layer_bytes(
+            g, seen, k_item, v_item, batch, static=static, capacity=static_len,
+            last_step_tokens=last_step_tokens, fp8=quant)
         # No closed form: quanto/hqq residual layouts, a static layer past its capacity, no dtype.
-        unknown = (quant & (k_item != 1)) | (static & (g.window is None) & (seen > cap_len)) | (k_item <= 0)
+        unknown = (quant & (k_item != 1)) | overflow | (k_item <= 0)
         return np.where(unknown, -1, alloc), np.where(unknown, -1, valid)
 
     def mha_bytes_per_token(self, itemsize: int, batch: int = 1) -> int | None:
@@ -125,7 +105,7 @@ def build_expectation(model_config: dict[str, Any], layers_table: np.ndarray,
     notes: list[str] = []
     if model_config:
         try:
-            model = geo.model_geometry(model_config, mla_cache=_mla_mode(model_config, kv_sample))
+            model = geo.model_geometry(model_config, mla_cache=geo.mla_cache_mode(model_config, recorded_k_heads(kv_sample)))
         except (ValueError, TypeError, KeyError) as exc:
             notes.append(f"model config not understood ({exc}); using the recorded /layers table")
         else:
@@ -140,13 +120,12 @@ def build_expectation(model_config: dict[str, Any], layers_table: np.ndarray,
     return Expectation("layers table", _from_layers_table(layers_table), None, notes)
 
 
-def _mla_mode(model_config: dict[str, Any], kv_sample: np.ndarray | None) -> str:
-    cfg = geo.text_config(model_config)
-    if kv_sample is None or kv_sample.size == 0 or cfg.get("kv_lora_rank") is None:
-        return "latent"
-    heads = kv_sample["k_shape"][:, 1]
-    heads = heads[heads > 0]
-    return "expanded" if heads.size and int(np.median(heads)) > 1 else "latent"
+def recorded_k_heads(kv_rows: np.ndarray | None) -> np.ndarray | None:
+    """Head counts of the recorded keys in some /kv rows (None without rows): what tells
+    geometry.mla_cache_mode which MLA layout the recorded cache used."""
+    if kv_rows is None or kv_rows.size == 0:
+        return None
+    return np.asarray(kv_rows["k_shape"])[:, 1]
 
 
 def _from_layers_table(layers: np.ndarray) -> dict[int, geo.LayerGeometry]:
