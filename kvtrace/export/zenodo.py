@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from kvtrace._version import __version__
 from kvtrace.format.reader import Trace
 from kvtrace.format.summary import summarize
@@ -72,6 +74,17 @@ class BundleError(Exception):
         self.kind = kind
 
 
+def orcid_check_digit(base: str) -> str:
+    """The ISO 7064 MOD 11-2 check character of an ORCID's first 15 digits (hyphens ignored), as
+    orcid.org defines it: a typo in any one digit changes it, so a mistyped ORCID is caught here
+    rather than published as someone else's."""
+    total = 0
+    for ch in base.replace("-", ""):
+        total = (total + int(ch)) * 2
+    result = (12 - total % 11) % 11
+    return "X" if result == 10 else str(result)
+
+
 @dataclass(frozen=True)
 class Creator:
     name: str  # "Family, Given" as Zenodo wants it
@@ -90,6 +103,10 @@ class Creator:
             orcid = orcid.removeprefix("https://orcid.org/")
             if not re.fullmatch(r"\d{4}-\d{4}-\d{4}-\d{3}[\dX]", orcid):
                 raise ValueError(f"creator {spec!r}: ORCID {orcid!r} is not 0000-0000-0000-0000")
+            expected = orcid_check_digit(orcid[:-1])
+            if orcid[-1] != expected:
+                raise ValueError(f"creator {spec!r}: ORCID {orcid} has a wrong check digit "
+                                 f"(ISO 7064 11,2 gives {expected}); copy it again from orcid.org")
         if len(parts) > 3:
             raise ValueError(f"creator {spec!r}: expected 'Family, Given; affiliation; ORCID'")
         return cls(name, (parts[1] or None) if len(parts) > 1 else None, orcid)
@@ -232,7 +249,7 @@ def export_zenodo(
     description = options.description or _default_description(cards)
     (out / ".zenodo.json").write_text(json.dumps(zenodo_metadata(options, cards, description, date), indent=2)
                                       + "\n", encoding="utf-8")
-    (out / "CITATION.cff").write_text(citation_cff(options, description, date), encoding="utf-8")
+    (out / "CITATION.cff").write_text(citation_cff(options, cards, description, date), encoding="utf-8")
     files = [out / c.file for c in cards] + [out / ".zenodo.json", out / "CITATION.cff"]
     sums: dict[str, str] = {}
     for f in files:
@@ -261,12 +278,47 @@ def _devices(cards: Sequence[TraceCard]) -> list[str]:
     return sorted(out)
 
 
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else (plural or word + 's')}"
+
+
+def _held(cards: Sequence[TraceCard]) -> list[str]:
+    """What the traces hold, one phrase per kind of data, from their row counts (never from /meta
+    flags or from what the recorder could have recorded): a trace recorded on CPU has no NVML or
+    allocator rows and is not described as having them."""
+    kinds = (  # (phrase, rows of one trace that hold it)
+        ("per-layer KV-cache shapes and bytes per step", lambda c: c.summary["rows"].get("kv", 0)),
+        ("labelled memory readings around requests", lambda c: c.summary["rows"].get("readings", 0)),
+        ("post-request cache retention checks", lambda c: c.summary["rows"].get("retention", 0)),
+        ("NVML device-memory telemetry", lambda c: c.summary["rows"].get("telemetry/nvml", 0)),
+        ("PyTorch allocator telemetry", lambda c: c.summary["rows"].get("telemetry/allocator", 0)),
+        ("process RSS telemetry", lambda c: c.summary["rows"].get("telemetry/process", 0)),
+        ("sampled K/V/Q tensor contents", lambda c: c.summary["payloads"]["count"]),
+        ("prompt text", lambda c: int(c.summary["contains_prompt_text"])),
+    )
+    out = []
+    for phrase, rows in kinds:
+        having = sum(1 for c in cards if rows(c) > 0)
+        if having == len(cards):
+            out.append(phrase)
+        elif having:
+            out.append(f"{phrase} (in {having} of {len(cards)} traces)")
+    return out
+
+
 def _default_description(cards: Sequence[TraceCard]) -> str:
     n_req = sum(c.summary["requests"]["count"] for c in cards)
-    return (f"KV-cache traces recorded with kvtrace: {len(cards)} trace file(s), {n_req} generate "
-            f"requests, models {', '.join(_models(cards))}. Each file is an HDF5 trace in the kvtrace "
-            f"format (per-layer KV-cache shapes and bytes per step, NVML and PyTorch allocator "
-            f"telemetry, labelled memory readings around each request).")
+    models = _models(cards)
+    held = _held(cards)
+    what = ", ".join(held[:-1]) + f" and {held[-1]}" if len(held) > 1 else (held[0] if held else "no data rows")
+    return (f"KV-cache traces recorded with kvtrace: {_plural(len(cards), 'trace file')} of "
+            f"{_plural(n_req, 'generate request')}. {'Model' if len(models) == 1 else 'Models'} (type): "
+            f"{', '.join(models)}. Each file is an HDF5 trace in the kvtrace format holding {what}.")
+
+
+def _keywords(options: BundleOptions, cards: Sequence[TraceCard]) -> list[str]:
+    """The user's keywords, kvtrace's, then each model type (e.g. qwen3), once each, in that order."""
+    return list(dict.fromkeys([*options.keywords, *KEYWORDS, *sorted({c.summary["model"]["type"] for c in cards})]))
 
 
 def zenodo_metadata(options: BundleOptions, cards: Sequence[TraceCard], description: str, date: str
@@ -279,8 +331,7 @@ def zenodo_metadata(options: BundleOptions, cards: Sequence[TraceCard], descript
         if c.orcid:
             entry["orcid"] = c.orcid
         creators.append(entry)
-    keywords = list(dict.fromkeys([*options.keywords, *KEYWORDS,
-                                   *sorted({c.summary["model"]["type"] for c in cards})]))
+    keywords = _keywords(options, cards)
     meta: dict[str, Any] = {
         "upload_type": "dataset",
         "title": _one_line(options.title),
@@ -323,55 +374,82 @@ def md_text(s: str, *, line_start: bool = False) -> str:
     return text
 
 
-def _yaml_str(s: str) -> str:
-    """A YAML double-quoted scalar: backslash, quote and every non-printable character escaped
-    (JSON's escaping leaves C1 controls and U+2028/2029 raw, which YAML does not allow)."""
-    out = []
-    for ch in s:
-        code = ord(ch)
-        if ch in "\"\\":
-            out.append("\\" + ch)
-        elif code < 0x20 or 0x7F <= code <= 0x9F or ch in "\u2028\u2029\ufeff" or 0xD800 <= code <= 0xDFFF:
-            out.append(f"\\u{code:04x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
+class _Quoted(str):
+    """A CFF string value, emitted double-quoted (as the CFF guide recommends): YAML then escapes
+    every non-printable character and line separator, and "1.0", "no" or "2024-01-01" stay strings."""
 
 
-def citation_cff(options: BundleOptions, description: str, date: str) -> str:
-    lines = [
-        "cff-version: 1.2.0",
-        'message: "If you use this dataset, please cite it as below."',
-        "type: dataset",
-        f"title: {_yaml_str(options.title)}",
-        f"abstract: {_yaml_str(description)}",
-        "authors:",
-    ]
+class _CffDumper(yaml.SafeDumper):
+    pass
+
+
+_CffDumper.add_representer(_Quoted, lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", str(v), style='"'))
+
+# CFF 1.2.0 schema patterns (definitions.doi, definitions.url): what does not match is cited as
+# an identifier of type "other" instead of producing an invalid file.
+_CFF_DOI = re.compile(r"^10\.\d{4,9}(\.\d+)?/[A-Za-z0-9:/_;\-.()\[\]\\]+$")
+_CFF_URL = re.compile(r"^(https|http|ftp|sftp)://.+")
+
+
+def _quote(value: Any) -> Any:
+    if isinstance(value, str):
+        return _Quoted(value)
+    if isinstance(value, dict):
+        return {k: _quote(v) for k, v in value.items()}  # keys stay plain
+    if isinstance(value, list):
+        return [_quote(v) for v in value]
+    return value
+
+
+def _cff_reference(r: Related) -> dict[str, Any]:
+    """A related work as a CFF reference. The schema requires authors, and kvtrace knows only the
+    identifier, so the author entity says where the authors are found instead of inventing any."""
+    identifier = re.sub(r"^https?://(dx\.)?doi\.org/", "", r.identifier)
+    ref: dict[str, Any] = {"type": "generic", "title": f"Related work {identifier}",
+                           "authors": [{"name": f"the authors of {identifier}"}]}
+    if _CFF_DOI.match(identifier):
+        ref["doi"] = identifier
+    elif _CFF_URL.match(identifier):
+        ref["url"] = identifier
+    else:
+        ref["identifiers"] = [{"type": "other", "value": identifier}]
+    ref["notes"] = f"DataCite relation of this dataset to the work: {r.relation}"
+    return ref
+
+
+def citation_data(options: BundleOptions, cards: Sequence[TraceCard], description: str, date: str
+                  ) -> dict[str, Any]:
+    """CITATION.cff (CFF 1.2.0) as a mapping, keys in the order the CFF guide suggests."""
+    authors = []
     for c in options.creators:
         family, sep, given = c.name.partition(",")
-        if sep and given.strip():
-            lines.append(f"  - family-names: {_yaml_str(family.strip())}")
-            lines.append(f"    given-names: {_yaml_str(given.strip())}")
-        else:
-            lines.append(f"  - name: {_yaml_str(c.name)}")
+        person: dict[str, Any] = ({"family-names": family.strip(), "given-names": given.strip()}
+                                  if sep and family.strip() and given.strip() else {"name": c.name})
         if c.affiliation:
-            lines.append(f"    affiliation: {_yaml_str(c.affiliation)}")
+            person["affiliation"] = c.affiliation
         if c.orcid:
-            lines.append(f"    orcid: {_yaml_str('https://orcid.org/' + c.orcid)}")
-    lines += [
-        f"version: {_yaml_str(options.version)}",
-        f"date-released: {_yaml_str(date)}",
-        f"license: {LICENSES[options.license]}",
-        "keywords:",
-        *(f"  - {_yaml_str(k)}" for k in dict.fromkeys([*options.keywords, *KEYWORDS])),
-    ]
-    dois = [r for r in options.related if r.identifier.startswith("10.")]
-    if dois:
-        lines.append("references:")
-        for r in dois:
-            lines += ["  - type: generic", f"    title: {_yaml_str(f'{r.relation} {r.identifier}')}",
-                      f"    doi: {_yaml_str(r.identifier)}"]
-    return "\n".join(lines) + "\n"
+            person["orcid"] = "https://orcid.org/" + c.orcid
+        authors.append(person)
+    data: dict[str, Any] = {
+        "cff-version": "1.2.0",
+        "message": "If you use this dataset, please cite it as below.",
+        "type": "dataset",
+        "title": options.title,
+        "abstract": description,
+        "authors": authors,
+        "version": options.version,
+        "date-released": date,
+        "license": LICENSES[options.license],
+        "keywords": _keywords(options, cards),
+    }
+    if options.related:
+        data["references"] = [_cff_reference(r) for r in options.related]
+    return data
+
+
+def citation_cff(options: BundleOptions, cards: Sequence[TraceCard], description: str, date: str) -> str:
+    return yaml.dump(_quote(citation_data(options, cards, description, date)), Dumper=_CffDumper,
+                     sort_keys=False, allow_unicode=True, width=float("inf"))  # no folded lines
 
 
 def data_card(options: BundleOptions, cards: Sequence[TraceCard], description: str, date: str) -> str:
@@ -395,7 +473,7 @@ def data_card(options: BundleOptions, cards: Sequence[TraceCard], description: s
         "",
         "## Contents",
         "",
-        f"- {len(cards)} traces, {n_req} requests, {n_steps} recorded steps",
+        f"- {_plural(len(cards), 'trace')}, {_plural(n_req, 'request')}, {_plural(n_steps, 'recorded step')}",
         f"- Models: {md_text(', '.join(_models(cards)))}",
         f"- Devices: {md_text(', '.join(_devices(cards))) or 'none recorded'}",
         *(f"- {k}: {md_text(', '.join(sorted(v)))}" for k, v in sorted(software.items())),
@@ -411,7 +489,7 @@ def data_card(options: BundleOptions, cards: Sequence[TraceCard], description: s
             f"| `{c.file}` | {format_bytes(c.bytes)} | {md_text(s['model']['id'])} | {s['requests']['count']} ({outcomes}) "
             f"| {c.steps} | {s['requests']['new_tokens']} | {s['layers']['count']} ({layers}) "
             f"| {'yes' if s['contains_prompt_text'] else 'no'} | "
-            f"{'yes (' + str(s['payloads']['count']) + ' tensors)' if s['contains_tensor_payloads'] else 'no'} |")
+            f"{'yes (' + _plural(s['payloads']['count'], 'tensor') + ')' if s['contains_tensor_payloads'] else 'no'} |")
     lines += ["", "## Data quality", ""]
     lines += [
         "Counted from each trace: DROPPED_SAMPLES and RECORDER_ERROR events, sources the recorder "

@@ -90,7 +90,7 @@ def test_bundle_files_and_metadata(traces, tmp_path, run):
         {"name": "Lab Collective"}]
     assert meta["related_identifiers"] == [{"relation": "isSupplementTo", "identifier": "10.5281/zenodo.19871039"}]
     assert "sliding window" in meta["keywords"] and "qwen3" in meta["keywords"]
-    assert "2 trace file(s), 4 generate requests" in meta["description"]
+    assert "2 trace files of 4 generate requests" in meta["description"]
 
     yaml = pytest.importorskip("yaml")  # CFF is YAML; PyYAML is only needed to check it here
     cff = yaml.safe_load((out / "CITATION.cff").read_text())
@@ -99,6 +99,7 @@ def test_bundle_files_and_metadata(traces, tmp_path, run):
                                  "orcid": "https://orcid.org/0000-0002-1825-0097"}
     assert cff["authors"][1] == {"name": "Lab Collective"}
     assert cff["version"] == "2.1" and cff["references"][0]["doi"] == "10.5281/zenodo.19871039"
+    assert "qwen3" in cff["keywords"] and "sliding window" in cff["keywords"]
 
 
 def test_checksums_verify(traces, tmp_path, run):
@@ -160,7 +161,9 @@ def test_bad_inputs(traces, tmp_path, run):
 
 def test_creator_and_related_parsing():
     assert z.Creator.parse("Doe, Jane") == z.Creator("Doe, Jane")
-    assert z.Creator.parse("Doe, Jane;;https://orcid.org/0000-0002-1825-009X").orcid == "0000-0002-1825-009X"
+    assert z.Creator.parse("Doe, Jane;;https://orcid.org/0000-0002-1694-233X").orcid == "0000-0002-1694-233X"
+    with pytest.raises(ValueError, match="wrong check digit"):
+        z.Creator.parse("Doe, Jane;;0000-0002-1825-009X")
     with pytest.raises(ValueError):
         z.Creator.parse(";x")
     assert z.Related.parse("isDerivedFrom:https://example.org/x").identifier == "https://example.org/x"
