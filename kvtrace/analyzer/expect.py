@@ -28,16 +28,8 @@ _KIND_OF_RECORDED = {
     schema.LayerType.STATIC_SLIDING: "sliding",
     schema.LayerType.UNKNOWN: "full",
 }
-_STATIC_TYPES = (int(schema.LayerType.STATIC), int(schema.LayerType.STATIC_SLIDING))
-
-
-def cache_kind_of(recorded_type: int) -> str:
-    """geometry cache kind for a recorded layer type."""
-    if recorded_type in _STATIC_TYPES:
-        return "static"
-    if recorded_type == int(schema.LayerType.QUANTIZED):
-        return "quantized"
-    return "dynamic"
+# Recorded layer types of a static cache (preallocated to max_cache_len).
+STATIC_TYPES = (int(schema.LayerType.STATIC), int(schema.LayerType.STATIC_SLIDING))
 
 
 @dataclass
@@ -80,7 +72,7 @@ class Expectation:
             return zero, zero.copy()
         rtype = np.asarray(recorded_type, dtype=np.int64)
         k_item = np.asarray(k_item, dtype=np.int64)
-        static = np.isin(rtype, _STATIC_TYPES)
+        static = np.isin(rtype, STATIC_TYPES)
         quant = rtype == int(schema.LayerType.QUANTIZED)
         alloc, valid, overflow = geo.layer_bytes(
             g, seen, k_item, v_item, batch, static=static, capacity=static_len,

@@ -2,7 +2,8 @@
 
 For every kv row: the recorder's `bytes_unique` (storage bytes this layer adds to the cache,
 each storage counted once) against kvtrace.geometry's allocated bytes for the same layer,
-tokens seen, element size and batch (what `kvtrace calc` uses). A prefill step is predicted with
+tokens seen, element size and batch (what `kvtrace calc` uses), with the MLA cache layout read
+from the recorded key shapes as the analyser does (kvtrace.geometry.mla_cache_mode). A prefill step is predicted with
 its whole prompt as the last forward, a decode step with one token. Static layers take their
 preallocated length from the recorded shape (a run setting, not geometry); quantized layers are
 not predicted.
@@ -16,11 +17,13 @@ from typing import Literal
 
 import numpy as np
 
+from kvtrace.analyzer.expect import STATIC_TYPES, recorded_k_heads
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
 from kvtrace.report import data
 
-STATIC_TYPES = (int(schema.LayerType.STATIC), int(schema.LayerType.STATIC_SLIDING))
+# /kv rows read to tell the MLA cache layout (as many as the analyser's replay reads).
+_MLA_SAMPLE_ROWS = 64
 
 
 @dataclass
@@ -67,8 +70,9 @@ def predictor(trace: Trace) -> Callable[[np.void, int], tuple[int, int]]:
     config = trace.meta.model_config
     if not config:
         raise Unpredictable("the trace stores no model config")
+    sample = trace.table("kv", slice(0, _MLA_SAMPLE_ROWS)) if trace.has("kv") and trace.nrows("kv") else None
     try:
-        geo = geometry.model_geometry(config)
+        geo = geometry.model_geometry(config, mla_cache=geometry.mla_cache_mode(config, recorded_k_heads(sample)))
     except (ValueError, TypeError, KeyError) as exc:
         raise Unpredictable(f"model config not understood by kvtrace.geometry ({exc})") from None
     # The recorder numbers cache layers in cache order: decoder layers, then cross-attention ones
