@@ -1,4 +1,4 @@
-"""Payload path benchmark: throughput (MB/s of raw input) and compression ratio of the codecs
+"""Payload path benchmark: throughput (MiB/s of raw input) and compression ratio of the codecs
 a trace could use, on real K/V tensors from a forward pass, plus the lazy-open cost.
 
 Run:  python bench/bench_payload.py [--tokens 1024] [--layers 4] [--repeat 3]
@@ -20,6 +20,8 @@ import zlib
 
 import numpy as np
 import zstandard
+from rich.console import Console
+from rich.table import Table
 
 from kvtrace.format import CacheDType, PayloadKind, Trace, TraceWriter, encode_payload
 from kvtrace.format.codec import encode_chunks, shuffle_bytes
@@ -57,7 +59,7 @@ def bench_codec(name: str, fn, arrays: list[np.ndarray], repeat: int) -> tuple[f
         t0 = time.perf_counter()
         stored = sum(fn(a) for a in arrays)
         best = min(best, time.perf_counter() - t0)
-    return raw / best / 1e6, raw / stored
+    return raw / best / 2**20, raw / stored  # MiB/s: binary units, like every size we print
 
 
 def main() -> None:
@@ -97,10 +99,13 @@ def main() -> None:
           f"python {platform.python_version()}, zstandard {zstandard.__version__}")
     print(f"input: {len(arrays)} K/V tensors [1, 8, {args.tokens}, 128] bf16 from a forward pass, "
           f"{format_bytes(raw)} raw; 256 KiB chunks; single thread; best of {args.repeat}")
-    print(f"{'codec':38s} {'MB/s in':>9s} {'ratio':>7s}")
+    table = Table("codec", "MiB/s in", "ratio", box=None)
     for name, fn in rows:
-        mbps, ratio = bench_codec(name, fn, arrays, args.repeat)
-        print(f"{name:38s} {mbps:9.0f} {ratio:7.3f}")
+        mibps, ratio = bench_codec(name, fn, arrays, args.repeat)
+        table.add_row(name, f"{mibps:.0f}", f"{ratio:.3f}")
+    for col in table.columns[1:]:
+        col.justify = "right"
+    Console().print(table)
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "b.kvt.h5")

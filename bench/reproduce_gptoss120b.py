@@ -24,6 +24,8 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when not installed
 
@@ -85,12 +87,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.head_dim}, window {cfg.sliding_window}, hidden {cfg.hidden_size} (shrunk), {args.dtype}, on {device}")
     print(f"recorded {args.prompt_tokens} + {args.new_tokens} tokens in {recorded_s:.1f} s -> {out} "
           f"({format_bytes(out.stat().st_size)})")
-    print(f"{'kind':8s} {'layers':>6s} {'tokens kept':>12s} {'bytes per layer':>16s}")
+    table = Table("kind", "layers", "tokens kept", "bytes per layer", box=None)
     for kind, rows in sorted(by_kind.items()):
         tok = sorted({r["tokens_kept"] for r in rows})
         b = sorted({r["bytes_valid"] for r in rows})
-        print(f"{kind:8s} {len(rows):6d} {','.join(map(str, tok)):>12s} "
-              f"{', '.join(f'{x:,} B = {format_bytes(x)}' for x in b):>16s}")
+        table.add_row(kind, str(len(rows)), ",".join(map(str, tok)),
+                      ", ".join(f"{x:,} B = {format_bytes(x)}" for x in b))
+    for col in table.columns[1:]:
+        col.justify = "right"
+    Console().print(table)
     print(f"per-layer CV {cv:.4f}; total KV {format_bytes(req['final_kv_bytes'])}")
     for name in ("layer_uniformity", "layer_anomaly", "growth_curve", "cache_density", "fragmentation", "capacity"):
         res = report.result(name)

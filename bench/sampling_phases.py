@@ -28,6 +28,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 PHASES = (0, 1, 2, 3, 8, 16, 31)
 EVERY = 32
 VARIANTS: dict[str, dict[str, Any] | None] = {
@@ -133,13 +136,16 @@ def main(argv: list[str] | None = None) -> int:
             results[name].append(run(name, args.new_tokens))
     device = torch.cuda.get_device_name(0) if dev == "cuda" else "cpu (smoke test)"
     print(f"{device}: {args.rounds} rounds x {args.new_tokens} new tokens; decode step in ms (median over rounds)")
-    print(f"{'variant':<14} {'ratio':>22} {'step':>6}  " + " ".join(f"{'ph' + str(ph):>6}" for ph in PHASES))
+    table = Table("variant", "ratio", "step", *(f"ph{ph}" for ph in PHASES), box=None)
     base = [r[0] for r in results["base"]]
     for name, rs in results.items():
         ratio = [r[0] / b for r, b in zip(rs, base, strict=True)]
         ratio_s = f"{statistics.median(ratio):.3f} [{min(ratio):.3f}-{max(ratio):.3f}]"
-        phases = " ".join(f"{statistics.median(r[1][j] for r in rs):6.1f}" for j in range(len(PHASES)))
-        print(f"{name:<14} {ratio_s:>22} {statistics.median(r[0] for r in rs):6.2f}  {phases}")
+        phases = [f"{statistics.median(r[1][j] for r in rs):.1f}" for j in range(len(PHASES))]
+        table.add_row(name, ratio_s, f"{statistics.median(r[0] for r in rs):.2f}", *phases)
+    for col in table.columns[1:]:
+        col.justify = "right"
+    Console().print(table)
     return 0
 
 
