@@ -33,6 +33,7 @@ import torch
 
 from kvtrace.format.schema import DTYPE_ITEMSIZE, KV, TORCH_DTYPE_NAMES, CacheDType, LayerType
 from kvtrace.format.writer import RowBlock
+from kvtrace.geometry import kv_sharing_map
 
 StorageKey = tuple[int, int, int]  # (device index or -1, storage data_ptr, storage nbytes)
 
@@ -201,30 +202,14 @@ def context_from_config(config: Any) -> LayoutContext:
 
 
 def _kv_sharing_map(cfg: Any, types: Sequence[str], n: int) -> dict[int, int]:
-    """consumer -> producer. transformers >= 5.2x exposes ``kv_sharing_modes`` ("reuse" marks a
-    consumer); older versions only have ``num_kv_shared_layers``. Either way a consumer reads the
-    last earlier non-consumer layer of its own layer type."""
-    modes = None
+    """consumer -> producer by geometry.kv_sharing_map. transformers >= 5.2x exposes
+    ``kv_sharing_modes`` ("reuse" marks a consumer); older versions only ``num_kv_shared_layers``."""
     try:
         modes = getattr(cfg, "kv_sharing_modes", None)
     except Exception:  # noqa: BLE001 - a property that raises on odd configs
         modes = None
-    if modes is not None and len(modes) == n:
-        consumers = [i for i, m in enumerate(modes) if m == "reuse"]
-    else:
-        shared = int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
-        consumers = list(range(n - shared, n)) if 0 < shared < n else []
-    if not consumers:
-        return {}
-    first = min(consumers)
-    out: dict[int, int] = {}
-    for c in consumers:
-        kind = types[c] if types else None
-        for p in range(first - 1, -1, -1):
-            if p not in consumers and (kind is None or types[p] == kind):
-                out[c] = p
-                break
-    return out
+    shared = int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
+    return kv_sharing_map(n, num_shared=shared, modes=modes, types=types)
 
 
 def cache_parts(cache: Any) -> list[tuple[str, Any]]:
