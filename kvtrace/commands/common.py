@@ -11,21 +11,18 @@ from typing import Any, TypeVar
 import click
 
 from kvtrace import exitcodes
-from kvtrace.format.errors import InvalidTrace, NotATrace, TraceError, UnsupportedVersion
+from kvtrace.errors import (
+    CannotWrite,
+    InvalidTrace,
+    NotATrace,
+    TraceError,
+    TraceIncomplete,
+    Unavailable,
+    UnsupportedVersion,
+)
+from kvtrace.jsonable import json_default
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class Unavailable(Exception):
-    """A component the command needs is missing (torch, CUDA, triton...)."""
-
-
-class CannotWrite(Exception):
-    """An output path cannot be created."""
-
-
-class TraceIncomplete(Exception):
-    """Recording finished but the trace could not be fully written (disk full, EFBIG, EIO)."""
 
 
 def fail(message: str, code: int) -> None:
@@ -88,16 +85,6 @@ def guarded(fn: F) -> F:
 def json_dump(obj: Any) -> str:
     import json
 
-    return json.dumps(obj, indent=2, sort_keys=False, default=_json_default)
+    return json.dumps(obj, indent=2, sort_keys=False, default=json_default)
 
 
-def _json_default(obj: Any) -> Any:
-    import numpy as np
-
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    if isinstance(obj, bytes):
-        return obj.decode(errors="replace")
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from kvtrace.commands.common import CannotWrite, Unavailable, guarded
+from kvtrace.commands.common import guarded
+from kvtrace.errors import CannotWrite, Unavailable
 from kvtrace.units import format_bytes, format_ns
 
 # gpt-oss-20b KV geometry (8 KV heads x 64, window 128, sliding/full alternating), depth and

@@ -160,7 +160,7 @@ def prometheus_textfile(trace: str, output: str, quiet: bool, as_json: bool, jso
     Examples:
       kvtrace export prometheus-textfile run.kvt.h5 -o /var/lib/node_exporter/textfile/kvtrace.prom
     """
-    from kvtrace.commands.common import CannotWrite, Unavailable
+    from kvtrace.errors import CannotWrite, Unavailable
     from kvtrace.export.prometheus import exporter_from_trace
     from kvtrace.format.reader import Trace
 

@@ -11,8 +11,9 @@ from typing import Any
 import click
 
 from kvtrace import exitcodes
-from kvtrace.commands.common import Unavailable, fail, guarded
+from kvtrace.commands.common import fail, guarded
 from kvtrace.commands.outputs import check_json_out, json_options, write_json
+from kvtrace.errors import Unavailable
 from kvtrace.units import format_bytes
 
 

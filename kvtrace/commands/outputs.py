@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 import click
 
-from kvtrace.commands.common import CannotWrite, json_dump
+from kvtrace.commands.common import json_dump
+from kvtrace.errors import CannotWrite
 
 F = TypeVar("F", bound=Callable[..., Any])
 

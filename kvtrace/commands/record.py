@@ -12,7 +12,8 @@ from typing import Any
 
 import click
 
-from kvtrace.commands.common import CannotWrite, TraceIncomplete, Unavailable, guarded
+from kvtrace.commands.common import guarded
+from kvtrace.errors import CannotWrite, TraceIncomplete, Unavailable
 from kvtrace.units import format_bytes
 
 CACHE_IMPLEMENTATIONS = ("dynamic", "static", "offloaded", "offloaded_static", "quantized_fp8")

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtrace.errors import CannotWrite
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
 from kvtrace.report import data
@@ -194,7 +195,6 @@ def write_perfetto(
     progress: Callable[[str], None] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Write the trace-event JSON; returns (path, {"events": n, "findings": n or None, "note": ...})."""
-    from kvtrace.commands.common import CannotWrite
     from kvtrace.report import findings as fmod
 
     step = progress or (lambda _s: None)

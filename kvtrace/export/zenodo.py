@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from kvtrace._version import __version__
+from kvtrace.errors import BundleError, ContentRefused  # noqa: F401 - z.BundleError is part of this API
 from kvtrace.format.reader import Trace
 from kvtrace.format.summary import summarize
 from kvtrace.format.validate import validate
@@ -60,18 +61,6 @@ KEYWORDS = ("KV cache", "LLM inference", "GPU memory", "kvtrace", "transformers"
 HASH_CHUNK = 4 * 1024 * 1024
 
 Progress = Callable[[str, int], None]  # (what, bytes done since last call)
-
-
-class ContentRefused(Exception):
-    """A trace holds prompt text or tensor contents and content was not allowed."""
-
-
-class BundleError(Exception):
-    """The bundle cannot be made from these inputs; `kind` is "usage", "invalid" or "output"."""
-
-    def __init__(self, message: str, kind: str = "usage") -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 def orcid_check_digit(base: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvtrace._version import __version__
-from kvtrace.commands.common import CannotWrite
+from kvtrace.errors import CannotWrite
 from kvtrace.format.reader import Trace
 from kvtrace.format.summary import summarize
 from kvtrace.report import contents, data, figures, findings, fixes, html, quality

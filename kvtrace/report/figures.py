@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtrace.commands.common import Unavailable
+from kvtrace.errors import Unavailable
 from kvtrace.report.contents import Heatmap
 from kvtrace.report.data import (
     DeviceTimeline,

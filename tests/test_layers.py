@@ -1,0 +1,76 @@
+"""Layers only point down (issue 15): format <- analyzer <- renderers (report, export) <- commands,
+and format <- recorder. Read from the source with ast, so a lazy import inside a function counts
+as much as one at the top of a module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "kvtrace"
+
+
+def imported(path: Path, root: Path = PKG) -> set[str]:
+    """Every module name a file imports, at any depth (relative imports resolved)."""
+    names: set[str] = set()
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(parts[: len(parts) - node.level])
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            names.add(mod)
+            names.update(f"{mod}.{a.name}" for a in node.names)
+    return names
+
+
+def offenders(folders: list[str], forbidden: tuple[str, ...], root: Path = PKG) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            bad = sorted(n for n in imported(path, root)
+                         if any(n == f or n.startswith(f + ".") for f in forbidden))
+            if bad:
+                found[str(path.relative_to(root.parent))] = bad
+    return found
+
+
+def test_the_scanner_sees_lazy_and_relative_imports(tmp_path):
+    # Control: the scanner must catch the shapes the real rule forbids, else a pass means nothing.
+    root = tmp_path / "kvtrace"
+    (root / "report").mkdir(parents=True)
+    (root / "report" / "ok.py").write_text("from kvtrace.format import schema\nfrom . import data\n")
+    (root / "report" / "bad.py").write_text(
+        "def f():\n    from kvtrace.commands.common import fail\n    from ..commands import x\n")
+    assert offenders(["report"], ("kvtrace.commands",), root) == {
+        "kvtrace/report/bad.py": ["kvtrace.commands", "kvtrace.commands.common",
+                                  "kvtrace.commands.common.fail", "kvtrace.commands.x"]}
+
+
+def test_renderers_do_not_import_commands():
+    assert offenders(["report", "export"], ("kvtrace.commands", "kvtrace.cli")) == {}
+
+
+def test_analyzer_and_format_point_down_only():
+    up = ("kvtrace.commands", "kvtrace.cli", "kvtrace.report", "kvtrace.export", "kvtrace.recorder")
+    assert offenders(["format", "analyzer"], up) == {}
+
+
+def test_recorder_does_not_import_renderers_or_analyzer():
+    up = ("kvtrace.commands", "kvtrace.cli", "kvtrace.report", "kvtrace.export", "kvtrace.analyzer")
+    assert offenders(["recorder"], up) == {}
+
+
+def test_format_imports_no_torch():
+    assert offenders(["format"], ("torch", "transformers", "triton")) == {}
+
+
+def test_analyzer_reaches_torch_and_kernels_through_one_entry():
+    # analyzer/contents.analyze_contents is the one optional entry (content analyses need torch);
+    # every other analyser module runs where torch is absent (tests/analyzer/test_no_torch.py).
+    found = offenders(["analyzer"], ("torch", "transformers", "triton", "kvtrace.kernels"))
+    assert sorted(found) == ["kvtrace/analyzer/contents.py"]
