@@ -29,6 +29,7 @@ from kvtrace.analyzer.base import (
 from kvtrace.analyzer.replay import ReplayContext
 from kvtrace.analyzer.report import SCHEMA_VERSION, AnalysisReport, document, memory_summary, request_summary
 from kvtrace.format.reader import Trace
+from kvtrace.labels import device_where
 
 __all__ = [
     "REGISTRY",
@@ -93,7 +94,7 @@ def _analyze_open(trace: Trace, chosen: list[Detector]) -> AnalysisReport:
             "file_bytes": path.stat().st_size if path.exists() else None,
         },
         model={"id": meta.model_id, "type": meta.model_type},
-        devices=[{**d, "label": "cpu" if d["index"] < 0 else f"cuda:{d['index']}"} for d in ctx.devices],
+        devices=[{**d, "label": device_where(d["index"])} for d in ctx.devices],
         software={
             "kvtrace_recorder": meta.kvtrace_version, "torch": meta.torch_version,
             "transformers": meta.transformers_version, "cuda": meta.cuda_version,

@@ -30,6 +30,7 @@ import numpy as np
 from kvtrace.format import schema
 from kvtrace.format.assemble import ContentsAssembler
 from kvtrace.format.reader import Trace
+from kvtrace.jsonable import plain
 
 __all__ = ["ContentsReport", "analyze_contents", "select_device"]
 
@@ -55,23 +56,12 @@ class ContentsReport:
     skipped: list[dict[str, Any]] = field(default_factory=list)  # {analysis, request, layer, reason}
 
     def to_dict(self) -> dict[str, Any]:
-        return _finite({
+        return plain({
             "status": self.status, "reason": self.reason, "backend": self.backend,
             "device_note": self.device_note, "params": self.params, "payloads": self.payloads,
             "dead_heads": self.dead_heads, "entropy": self.entropy, "eviction": self.eviction,
             "mla": self.mla, "skipped": self.skipped,
         })
-
-
-def _finite(obj: Any) -> Any:
-    """JSON has no inf/nan: non-finite floats become None (unknown, not made up)."""
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
 
 
 def select_device(device: str = "auto") -> tuple[str, str]:

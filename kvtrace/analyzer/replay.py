@@ -16,6 +16,7 @@ import numpy as np
 from kvtrace.analyzer.expect import Expectation, build_expectation
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
+from kvtrace.labels import device_text
 
 # /kv fields the grid exposes, plus derived columns.
 GRID_FIELDS = (
@@ -300,9 +301,7 @@ class ReplayContext:
     def device_label(self) -> str:
         if not self.devices:
             return "unknown device"
-        return ", ".join(
-            f"{'cpu' if d['index'] < 0 else 'cuda:' + str(d['index'])} {d['name']}" for d in self.devices
-        )
+        return ", ".join(device_text(d["index"], d["name"]) for d in self.devices)
 
 
 def _sorted(rows: np.ndarray) -> np.ndarray:

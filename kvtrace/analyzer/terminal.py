@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtrace.analyzer.report import AnalysisReport
+from kvtrace.labels import device_text
 from kvtrace.units import format_bytes, format_ns
 
 _STYLE = {"info": "dim", "low": "cyan", "medium": "yellow", "high": "bold red", "critical": "bold white on red"}
@@ -44,8 +45,7 @@ def render(report: AnalysisReport, console: Console, *, show_info: bool = True) 
     state = "complete" if t["complete"] else "INCOMPLETE (writer did not close it)"
     console.print(Text(f"kvtrace analysis of {t['path']}", style="bold"))
     devices = "; ".join(
-        # A CPU's recorded name is "cpu": print "cpu", not "cpu cpu".
-        (d["label"] if d["name"].strip().lower() in ("", d["label"]) else f"{d['label']} {d['name']}")
+        device_text(d["index"], d["name"])
         + (f" ({format_bytes(d['total_memory_bytes'])})" if d["total_memory_bytes"] > 0 else "")
         for d in report.devices
     ) or "unknown"

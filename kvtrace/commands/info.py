@@ -9,6 +9,7 @@ import click
 
 from kvtrace.commands.common import guarded
 from kvtrace.commands.outputs import check_json_out, json_options, write_json
+from kvtrace.labels import device_text
 from kvtrace.units import format_bytes
 
 
@@ -57,9 +58,7 @@ def _print(s: dict) -> None:
     if s["devices"]:
         for d in s["devices"]:
             total = format_bytes(d["total_memory_bytes"]) if d["total_memory_bytes"] >= 0 else "unknown"
-            where = "cpu" if d["index"] < 0 else f"cuda:{d['index']}"
-            name = "" if d["name"].strip().lower() in ("", where) else f" {d['name']}"  # not "cpu cpu"
-            echo(f"device     {where}{name} ({total})")
+            echo(f"device     {device_text(d['index'], d['name'])} ({total})")
     sources = ", ".join(
         f"{k}={'yes' if (v.get('available') if isinstance(v, dict) else v) else 'no'}"
         for k, v in sorted(s["sources"].items())

@@ -15,6 +15,7 @@ import numpy as np
 
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
+from kvtrace.labels import device_text, layer_type_name  # noqa: F401 - re-exported for renderers
 
 SCAN_ROWS = 1 << 18  # rows read per slice of a large table (the kv table can hold millions)
 
@@ -72,13 +73,6 @@ def time_zero_ns(trace: Trace) -> int:
             if first.size and int(first[0]) > 0:
                 candidates.append(int(first[0]))
     return min(candidates)
-
-
-def device_text(device: int, name: str = "") -> str:
-    """'cuda:0 NVIDIA H100 80GB HBM3', 'cpu' (not 'cpu cpu' nor '-1: cpu': -1 is the format's CPU)."""
-    where = "cpu" if device < 0 else f"cuda:{device}"
-    name = name.strip()
-    return where if name.lower() in ("", where) else f"{where} {name}"
 
 
 def device_label(trace: Trace, device: int) -> str:
@@ -240,13 +234,6 @@ def layer_footprint(trace: Trace) -> LayerFootprint | None:
         rows["layer_type"].astype(np.int64), rows["bytes_allocated"].astype(np.int64),
         rows["bytes_valid"].astype(np.int64), rows["bytes_unique"].astype(np.int64),
     )
-
-
-def layer_type_name(code: int) -> str:
-    try:
-        return schema.LayerType(int(code)).name.lower()
-    except ValueError:
-        return f"type_{int(code)}"
 
 
 # ---- growth curves against the analytical expectation -------------------------------------------

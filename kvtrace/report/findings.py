@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtrace.jsonable import plain
 from kvtrace.units import format_bytes, format_ns
 
 SEVERITY_ORDER = {"critical": 0, "high": 1, "error": 1, "medium": 2, "warning": 2, "low": 3, "info": 4}
@@ -80,21 +81,6 @@ def _int_or_none(value: Any) -> int | None:
         return None
 
 
-def _plain(value: Any) -> Any:
-    if hasattr(value, "to_dict") and callable(value.to_dict):
-        return _plain(value.to_dict())
-    if hasattr(value, "item") and callable(value.item):
-        try:
-            return value.item()
-        except (ValueError, TypeError):
-            pass
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _ints(value: Any) -> list[int]:
     try:
         return [int(v) for v in (value or [])]
@@ -114,7 +100,7 @@ def flatten(analysis: Any) -> list[FindingRow]:
     rows = []
     for f in findings or []:
         score = _get(f, "score")
-        evidence = _plain(_get(f, "evidence", default={}) or {})
+        evidence = plain(_get(f, "evidence", default={}) or {})
         if not isinstance(evidence, dict):
             evidence = {"value": evidence}
         requests = _ints(_get(f, "requests"))

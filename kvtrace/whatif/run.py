@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvtrace.format.reader import Trace
+from kvtrace.jsonable import plain
 from kvtrace.whatif import source
 from kvtrace.whatif.numerics import keep_measures, output_error, reconstruction, visible_mask
 from kvtrace.whatif.policies import (
@@ -59,7 +60,7 @@ def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ra
         for ratio in (ratios if isinstance(pol, ScorerPolicy) and not _fixed(pol) else [None]):
             entry["results"].append(_evaluate(pol, ratio, sz, units, base, no_contents))
         doc["policies"].append(entry)
-    return _finite(doc)
+    return plain(doc)
 
 
 def _fixed(pol: Policy) -> bool:
@@ -185,15 +186,3 @@ def _overall(layers: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _finite(obj: Any) -> Any:
-    """JSON has no inf/nan: non-finite floats become None."""
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    if isinstance(obj, (float, np.floating)):
-        f = float(obj)
-        return f if math.isfinite(f) else None
-    if isinstance(obj, np.integer):
-        return int(obj)
-    return obj

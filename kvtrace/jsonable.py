@@ -1,0 +1,48 @@
+"""One conversion to JSON-ready values, for every document kvtrace writes.
+
+:func:`plain` turns a tree (objects with ``to_dict()``, mappings, lists/tuples, numpy scalars and
+arrays, bytes) into plain Python, non-finite floats into None: JSON has no NaN or infinity, and an
+unknown value is absent rather than made up. :func:`json_default` is the same per-value conversion
+as a ``json.dumps(default=...)`` hook, for documents already made of plain containers.
+A leaf module (numpy only): the analyser, the renderers and the commands all use it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+def _leaf(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, bytes):
+        return obj.decode("utf-8", errors="replace")
+    return obj
+
+
+def plain(obj: Any) -> Any:
+    """A JSON-ready copy of ``obj`` (see the module docstring); mapping keys are kept, numpy keys
+    become Python ones."""
+    if hasattr(obj, "to_dict") and callable(obj.to_dict):
+        return plain(obj.to_dict())
+    obj = _leaf(obj)
+    if isinstance(obj, Mapping):
+        return {_leaf(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def json_default(obj: Any) -> Any:
+    """``json.dumps(default=json_default)``: numpy scalars and arrays, bytes; TypeError otherwise."""
+    if isinstance(obj, (np.generic, np.ndarray, bytes)):
+        return _leaf(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
