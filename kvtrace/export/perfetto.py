@@ -156,7 +156,7 @@ def _instants(trace: Trace, t0: int, devices: set[int]) -> list[dict[str, Any]]:
 
 
 def _finding_instants(trace: Trace, findings: list[FindingRow], t0: int) -> list[dict[str, Any]]:
-    """Findings at their own instant, else at the end of their request, else at the trace end."""
+    """Findings at their first step, else at the end of their request, else at the trace end."""
     if not findings:
         return []
     requests = {int(r["request"]): int(r["end_ns"]) or int(r["start_ns"]) for r in trace.requests()}
@@ -167,8 +167,8 @@ def _finding_instants(trace: Trace, findings: list[FindingRow], t0: int) -> list
         f.steps for f in findings) else {}
     out = []
     for f in findings:
-        t = f.t_ns or 0
-        if not t and f.request is not None and f.steps:
+        t = 0
+        if f.request is not None and f.steps:
             t = step_t.get((f.request, f.steps[0]), 0)
         if not t and f.request is not None:
             t = requests.get(f.request, 0)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvtrace._version import __version__
+from kvtrace.analyzer.report import AnalysisReport
 from kvtrace.errors import CannotWrite
 from kvtrace.format.reader import Trace
 from kvtrace.format.summary import summarize
@@ -321,7 +322,7 @@ def write_report(
     out_html: str | os.PathLike[str],
     figures_dir: str | os.PathLike[str] | None = None,
     *,
-    analysis: Any = None,
+    analysis: AnalysisReport | None = None,
     run_analyzer: bool = True,
     progress: Progress | None = None,
 ) -> Path:
@@ -340,7 +341,7 @@ def build_report(
     out_html: str | os.PathLike[str],
     figures_dir: str | os.PathLike[str] | None = None,
     *,
-    analysis: Any = None,
+    analysis: AnalysisReport | None = None,
     run_analyzer: bool = True,
     progress: Progress | None = None,
 ) -> ReportResult:

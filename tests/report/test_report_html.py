@@ -8,7 +8,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from click.testing import CliRunner
 from synth_trace import write_synthetic_trace
 
 from kvtrace import exitcodes
+from kvtrace.analyzer import AnalysisReport, DetectorResult, Evidence, Finding
 from kvtrace.cli import cli
 from kvtrace.report import STAGES, build_report, write_report
 
@@ -28,17 +28,17 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-@dataclass
-class FakeFinding:
-    """Shaped like an analyser finding (the report reads it by attribute names)."""
+# Scores inside each severity band of kvtrace.analyzer.base.severity_for.
+SCORE_OF = {"info": 0.05, "low": 0.2, "medium": 0.4, "high": 0.6, "critical": 0.9}
 
-    detector: str
-    severity: str
-    score: float
-    message: str
-    request: int | None = None
-    layer: int | None = None
-    evidence: dict = field(default_factory=dict)
+
+def analysis_of(*findings: Finding) -> AnalysisReport:
+    """The analyser's typed report holding these findings (the report reads nothing else)."""
+    by_detector: dict[str, list[Finding]] = {}
+    for f in findings:
+        by_detector.setdefault(f.detector, []).append(f)
+    return AnalysisReport(trace={}, model={}, devices=[], software={}, expectation={}, requests=[],
+                          results=[DetectorResult(name, "ran", "", fs) for name, fs in by_detector.items()])
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,8 @@ def full_report(tmp_path_factory):
     trace = write_synthetic_trace(d / "t.kvt.h5", payloads=True, residual_bytes=3 * 1024**2,
                                   dropped_samples=2, recorder_error="sampler <b>stalled</b>",
                                   model_id="org/<script>alert(1)</script>")
-    analysis = [FakeFinding("post_eos", "warning", 0.61, "request 1 keeps 3.0 MiB after empty_cache",
-                            request=1, evidence={"residual_bytes": 3 * 1024**2})]
+    analysis = analysis_of(Finding("post_eos", "retention", 0.61, "request 1 keeps 3.0 MiB after empty_cache",
+                                   requests=[1], evidence={"residual_bytes": Evidence(3 * 1024**2, "bytes")}))
     seen: list[str] = []
     result = build_report(trace, d / "report.html", d / "figs", analysis=analysis, progress=seen.append)
     return result, seen, d
@@ -170,7 +170,8 @@ def test_verdict_first_with_fix(full_report):
 ])
 def test_verdict_threshold_is_medium(tmp_path, severities, state):
     trace = write_synthetic_trace(tmp_path / "t.kvt.h5")
-    analysis = [FakeFinding("fragmentation", sev, 0.5, f"finding {i}") for i, sev in enumerate(severities)]
+    analysis = analysis_of(*(Finding("fragmentation", "gap", SCORE_OF[sev], f"finding {i}")
+                             for i, sev in enumerate(severities)))
     page = build_report(trace, tmp_path / "r.html", analysis=analysis).html.read_text()
     v = _verdict(page)
     assert f'data-verdict="{state}"' in v
