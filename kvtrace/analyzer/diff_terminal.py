@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtrace.analyzer.diff import ReportDiff
+from kvtrace.labels import device_where
 from kvtrace.units import format_bytes, format_ns
 
 
@@ -69,7 +70,7 @@ def render(d: ReportDiff, console: Console, *, all_layers: bool = False) -> None
             mt.add_column(col, justify="right" if col != "metric" else "left")
         for m in d.memory:
             for key in ("max_allocated_bytes", "max_reserved_bytes", "max_gap_bytes", "max_inactive_split_bytes"):
-                mt.add_row(f"cuda:{m['device']}", key.replace("_bytes", ""), *_fmt(m[key]))
+                mt.add_row(device_where(m["device"]), key.replace("_bytes", ""), *_fmt(m[key]))
         console.print(mt)
     for title, items in (("appeared in B", d.appeared), ("disappeared from B", d.disappeared)):
         for f in items:

@@ -10,6 +10,7 @@ from kvtrace.analyzer.base import Detector, Finding, ev, register
 from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.analyzer.stats import linear_fit, ramp
 from kvtrace.format import schema
+from kvtrace.labels import device_where
 from kvtrace.units import format_bytes
 
 UTIL_RAMP = (0.8, 0.95)  # share of device memory one request brings the process to -> score
@@ -61,7 +62,7 @@ class Capacity(Detector):
         util = used / total
         score = max(ramp(util, *UTIL_RAMP), 1.0 if fit < 1 else 0.0)
         tokens = req.final_tokens
-        name = next((d["name"] for d in ctx.devices if d["index"] == device), f"cuda:{device}")
+        name = next((d["name"] for d in ctx.devices if d["index"] == device), device_where(device))
         msg = (f"On {name} ({format_bytes(total)}), with {format_bytes(resident)} resident, a {tokens:,}-token "
                f"sequence costs {format_bytes(kv_per_seq)} of KV ({format_bytes(per_token)}/token while "
                f"decoding) plus a {format_bytes(transient)} transient peak: {fit:,} such sequences fit at once; "

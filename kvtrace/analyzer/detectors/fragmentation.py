@@ -19,6 +19,7 @@ from kvtrace.analyzer.detectors._common import allowed_memory, eager_scores_byte
 from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.analyzer.stats import linear_fit, ramp
 from kvtrace.format import schema
+from kvtrace.labels import device_where
 from kvtrace.units import format_bytes, format_ns
 
 MiB = 1 << 20
@@ -143,19 +144,19 @@ class Fragmentation(Detector):
             if score_trend > 0 and trend_req is not None:
                 parts.append(f"they grew by {format_bytes(trend_grown)} during request {trend_req.request}'s decode "
                              f"({format_bytes(trend_slope)}/s, r^2 {trend_r2:.2f}), so they keep accumulating")
-            msg = (f"cuda:{dev}: " + "; ".join(parts) + f"; empty_cache cannot release split blocks (largest "
+            msg = (f"{device_where(dev)}: " + "; ".join(parts) + f"; empty_cache cannot release split blocks (largest "
                    f"reserved-unallocated gap {format_bytes(int(gap[gi]))} {where}).")
             kind = "split_fragmentation"
         elif transient >= TREND_MIN_BYTES and peak_share >= PERSIST_SHARE[0]:
             cause = self._transient_cause(ctx, int(s["t"][si]), int(split[si]))
-            msg = (f"cuda:{dev}: a transient {format_bytes(int(split[si]))} of split blocks ({peak_share:.0%} of "
+            msg = (f"{device_where(dev)}: a transient {format_bytes(int(split[si]))} of split blocks ({peak_share:.0%} of "
                    f"reserved) {self._when(ctx, int(s['t'][si]), t0)}{cause} was released again; "
                    f"{format_bytes(persist)} persisted through decode and after the "
                    f"request: not fragmentation that costs memory.")
             kind = "transient_split"
             score = min(score, TRANSIENT_MAX_SCORE)
         else:
-            msg = (f"cuda:{dev}: the largest reserved-but-unallocated gap was {format_bytes(int(gap[gi]))} "
+            msg = (f"{device_where(dev)}: the largest reserved-but-unallocated gap was {format_bytes(int(gap[gi]))} "
                    f"{where}, {format_bytes(int(releasable[gi]))} of it releasable cache (harmless) and "
                    f"{format_bytes(int(split[gi]))} split blocks; {format_bytes(persist)} of split blocks persisted.")
             kind = "allocator_cache"
