@@ -199,14 +199,14 @@ def write_perfetto(
 
     step = progress or (lambda _s: None)
     note = "findings given by the caller"
-    if findings is None and run_analyzer:
-        step("analyse")
-        analysis, note = fmod.run_analysis(trace_path)
-        findings = None if analysis is None else fmod.flatten(analysis)
-    elif findings is None:
-        note = "analysis skipped"
-    step("read")
-    with Trace(trace_path) as trace:
+    with Trace(trace_path) as trace:  # opened once: the analyser and the events read the same file
+        if findings is None and run_analyzer:
+            step("analyse")
+            analysis, note = fmod.run_analysis(trace)
+            findings = None if analysis is None else fmod.flatten(analysis)
+        elif findings is None:
+            note = "analysis skipped"
+        step("read")
         doc = trace_events(trace, findings)
     step("write")
     out = Path(out_json)

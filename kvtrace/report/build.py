@@ -369,7 +369,7 @@ def build_report(
         b.progress("findings")
         note = ""
         if analysis is None and run_analyzer:
-            analysis, note = findings.run_analysis(trace_path)
+            analysis, note = findings.run_analysis(trace)
             note = "" if analysis is not None else note  # the table is the analyser's; no caption
         elif analysis is None:
             note = "analysis skipped (--no-analysis)"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace.analyzer.report import AnalysisReport
+from kvtrace.format.reader import Trace
 from kvtrace.jsonable import plain
 from kvtrace.units import format_bytes, format_ns
 
@@ -90,14 +91,15 @@ def detector_statuses(analysis: AnalysisReport) -> list[DetectorStatus]:
     return [DetectorStatus(r.name, r.status, r.reason, len(r.findings)) for r in analysis.results]
 
 
-def run_analysis(trace_path: str | os.PathLike[str]) -> tuple[AnalysisReport | None, str]:
-    """(analysis report or None, note). None when the analyser is missing or failed; note says why."""
+def run_analysis(trace: Trace) -> tuple[AnalysisReport | None, str]:
+    """(analysis report or None, note) of a trace the caller already opened (one open per command).
+    None when the analyser is missing or failed; note says why."""
     try:
         from kvtrace.analyzer import analyze
     except ImportError as exc:
         return None, f"the analyser is not available in this installation ({exc})"
     try:
-        analysis = analyze(str(trace_path))
+        analysis = analyze(trace)
     except Exception as exc:  # noqa: BLE001 - the report still shows the measurements
         if os.environ.get("KVTRACE_DEBUG"):
             raise

@@ -1,0 +1,41 @@
+"""Each renderer command opens the trace once: the analyser reads the same open Trace as the page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtrace.format import reader
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "gpu"
+
+
+@pytest.fixture
+def opens(monkeypatch):
+    count: list[str] = []
+    real = reader.Trace.__init__
+
+    def counting(self, path, *a, **kw):
+        count.append(str(path))
+        real(self, path, *a, **kw)
+
+    monkeypatch.setattr(reader.Trace, "__init__", counting)
+    return count
+
+
+def test_html_report_opens_the_trace_once(tmp_path, opens):
+    pytest.importorskip("matplotlib")
+    from kvtrace.report import build_report
+
+    result = build_report(DATA / "gpu_duplication.kvt.h5", tmp_path / "r.html")
+    assert result.findings, "the analyser must have run on the open trace"
+    assert len(opens) == 1, opens
+
+
+def test_perfetto_opens_the_trace_once(tmp_path, opens):
+    from kvtrace.export.perfetto import write_perfetto
+
+    _, info = write_perfetto(DATA / "gpu_duplication.kvt.h5", tmp_path / "p.json")
+    assert info["findings"], info
+    assert len(opens) == 1, opens
