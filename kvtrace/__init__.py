@@ -28,7 +28,16 @@ def record(model: Any, path: str, **options: Any) -> Any:
         raise ImportError(
             f"recording needs torch and transformers ({exc}); install with: pip install 'kvtrace[record]'"
         ) from exc
-    return _record(model, path, **options)
+    return _record(model, path, observer_factory=_live_observers, **options)
+
+
+def _live_observers(options: Any) -> list[Any]:
+    """The live listeners RecordOptions ask for, handed to the recorder (which imports no exporter)."""
+    if options.prometheus is None and options.prometheus_textfile is None:
+        return []
+    from kvtrace.export.prometheus import observers_for
+
+    return observers_for(options)
 
 
 def analyze(trace: Any, **options: Any) -> Any:

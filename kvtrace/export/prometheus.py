@@ -2,8 +2,9 @@
 
 Built on prometheus_client: metric objects in a private ``CollectorRegistry`` (never the global
 one, so a user's own metrics and ours never collide), its WSGI app for the endpoint, its
-``write_to_textfile`` for the atomic textfile. The recorder session owns one
-:class:`PrometheusExporter` and calls its ``on_*`` methods from whatever thread observed the value;
+``write_to_textfile`` for the atomic textfile. A recording session is handed one
+:class:`PrometheusExporter` as an observer (kvtrace.record builds it from the options with
+:func:`observers_for`) and calls its ``on_*`` methods from whatever thread observed the value;
 each call takes one lock and sets a few values (about a microsecond); text is produced at a scrape.
 
 What a scraper can rely on (docs/exports.md, "Prometheus"):
@@ -206,7 +207,10 @@ _LINGERING_LOCK = threading.Lock()
 
 
 class PrometheusExporter:
-    """Holds the current metric values; serves them over HTTP and/or writes a textfile."""
+    """Holds the current metric values; serves them over HTTP and/or writes a textfile. A live
+    observer of a recording (kvtrace.recorder.observers.RecorderObserver)."""
+
+    name = "prometheus"  # how the recorder names this observer in RECORDER_ERROR events
 
     def __init__(
         self,
@@ -430,6 +434,11 @@ class PrometheusExporter:
     def set_info(self, model: str = "unknown", model_type: str = "unknown") -> None:
         self._info.info({"version": __version__, "model": str(model), "model_type": str(model_type)})
 
+    def on_session_start(self, model: str, model_type: str, rss: Callable[[], int] | None = None) -> None:
+        """Observer protocol: the recorded model's identity and where the RSS gauge comes from."""
+        self.set_info(model, model_type)
+        self.set_rss_source(rss)
+
     def set_rss_source(self, read: Callable[[], int] | None) -> None:
         """Where the RSS gauge comes from, read at scrape time (the recorder's latest sample;
         -1: not measured, no series). close() freezes the last value."""
@@ -582,6 +591,21 @@ class PrometheusExporter:
             raise ValueError("no textfile path")
         require_client().write_to_textfile(str(target), self.registry)
         return target
+
+
+def observers_for(options: Any) -> list[PrometheusExporter]:
+    """The exporter a recording's RecordOptions ask for (``prometheus`` "HOST:PORT" and/or
+    ``prometheus_textfile``), not yet started; kvtrace.record hands it to the recorder as an
+    observer. Raises ValueError for a malformed address or linger."""
+    address = None
+    if options.prometheus is not None:
+        address = parse_address(str(options.prometheus))
+        check_linger(options.prometheus_linger_s)
+    if address is None and options.prometheus_textfile is None:
+        return []
+    host, port = address if address is not None else (None, None)
+    return [PrometheusExporter(host, port, textfile=options.prometheus_textfile,
+                               linger_s=options.prometheus_linger_s)]
 
 
 def exporter_from_trace(trace: Any, textfile: str | os.PathLike[str]) -> PrometheusExporter:

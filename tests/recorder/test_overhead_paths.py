@@ -25,7 +25,8 @@ from kvtrace.recorder.layouts import (
     read_cache,
     read_step_fast,
 )
-from kvtrace.recorder.session import Recorder, _rows_of
+from kvtrace.recorder.steps import StepRecorder
+from kvtrace.recorder.steps import rows_of as _rows_of
 from kvtrace.testing_models import tiny_prompt
 
 FAST_MODELS = ["gpt_neox", "mistral", "gemma3_text"]  # full; sliding; sliding + full mixed
@@ -164,7 +165,7 @@ def test_early_stop_still_records_the_last_step(tmp_path, keep_cache):
 
 
 def test_without_the_death_read_the_missing_last_step_is_said_not_invented(tmp_path, monkeypatch):
-    monkeypatch.setattr(Recorder, "_cache_died", lambda self, req, ref: None)
+    monkeypatch.setattr(StepRecorder, "cache_died", lambda self, req, ref: None)
     m = model("gpt_neox")
     path = tmp_path / "nolast.kvt.h5"
     with kvtrace.record(m, path, structure_every=4):

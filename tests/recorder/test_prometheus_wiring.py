@@ -322,9 +322,9 @@ def test_gpu_memory_reaches_the_endpoint(tmp_path, one_gpu, monkeypatch):
 def test_session_maps_allocator_readings(tmp_path):
     m = model("llama")
     with kvtrace.record(m, tmp_path / "a.kvt.h5", prometheus="127.0.0.1:0") as rec:
-        rec._on_telemetry(3, NvmlMemory(used=5 << 30, free=1, reserved=2, total=80 << 30),
-                          AllocatorReading(allocated_bytes=1 << 30, reserved_bytes=2 << 30, active_bytes=7,
-                                           inactive_split_bytes=1 << 20, num_alloc_retries=4, num_ooms=-1))
+        rec._readings.on_telemetry(3, NvmlMemory(used=5 << 30, free=1, reserved=2, total=80 << 30),
+                                   AllocatorReading(allocated_bytes=1 << 30, reserved_bytes=2 << 30, active_bytes=7,
+                                                    inactive_split_bytes=1 << 20, num_alloc_retries=4, num_ooms=-1))
         exp = rec.exporter
         assert exp.value("kvtrace_gpu_memory_used_bytes", device=3) == 5 << 30
         assert exp.value("kvtrace_gpu_memory_total_bytes", device=3) == 80 << 30

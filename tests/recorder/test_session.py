@@ -138,7 +138,7 @@ def test_recorder_error_never_reaches_the_model(tmp_path, monkeypatch):
     def broken(*a, **k):
         raise ValueError("injected failure")
 
-    monkeypatch.setattr("kvtrace.recorder.session.read_cache", broken)
+    monkeypatch.setattr("kvtrace.recorder.steps.read_cache", broken)
     path = tmp_path / "err.kvt.h5"
     with kvtrace.record(m, path, structure_every=1) as rec:  # a failure at every step
         out = generate(m, new=5)

@@ -15,7 +15,7 @@ import kvtrace
 from kvtrace.format import PayloadKind
 from kvtrace.format.reader import Trace
 from kvtrace.format.schema import ReadingLabel
-from kvtrace.recorder import session
+from kvtrace.recorder import submission
 from kvtrace.recorder.sampling import PayloadSampler
 from kvtrace.testing_models import tiny_model, tiny_prompt
 
@@ -86,8 +86,8 @@ def test_mutable_only_where_the_cache_writes_in_place(tmp_path, submits, name, g
 def test_decoder_self_attention_modules():
     t5 = tiny_model("t5")
     expect = [block.layer[0].SelfAttention for block in t5.decoder.block]
-    assert [id(x) for x in session.decoder_self_attention(t5)] == [id(x) for x in expect]
-    assert session.decoder_self_attention(model("llama")) is None  # decoder-only: every layer
+    assert [id(x) for x in submission.decoder_self_attention(t5)] == [id(x) for x in expect]
+    assert submission.decoder_self_attention(model("llama")) is None  # decoder-only: every layer
 
 
 def test_decoder_self_attention_without_is_causal(monkeypatch):
@@ -97,7 +97,7 @@ def test_decoder_self_attention_without_is_causal(monkeypatch):
         if hasattr(mod, "is_causal"):
             monkeypatch.delattr(mod, "is_causal")
     expect = [block.layer[0].SelfAttention for block in t5.decoder.block]
-    assert [id(x) for x in session.decoder_self_attention(t5)] == [id(x) for x in expect]
+    assert [id(x) for x in submission.decoder_self_attention(t5)] == [id(x) for x in expect]
 
 
 def test_encoder_decoder_captures_decoder_self_attention_queries_only(tmp_path):
