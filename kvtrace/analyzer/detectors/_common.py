@@ -62,6 +62,14 @@ def expected_grid(ctx: ReplayContext, req: RequestTimeline) -> tuple[np.ndarray,
     return alloc, valid
 
 
+def dynamic_kept_tokens(layer: geo.LayerGeometry | None, tokens_seen: int) -> int:
+    """Tokens a dynamic cache layer keeps after `tokens_seen` (geometry's rule; all of them when the
+    layer is unknown), for the numbers detectors quote in their messages."""
+    if layer is None:
+        return int(tokens_seen)
+    return int(geo.token_counts(layer, tokens_seen)[0])
+
+
 def layer_kind(ctx: ReplayContext, layer: int, recorded_type: int | None = None) -> str:
     """The config's kind of a layer, else the recorded one."""
     g = ctx.expectation.get(layer)

@@ -9,7 +9,14 @@ from __future__ import annotations
 import numpy as np
 
 from kvtrace.analyzer.base import Detector, Finding, ev, register
-from kvtrace.analyzer.detectors._common import CROSS, itemsize, layers_phrase, quantized_opaque, verb
+from kvtrace.analyzer.detectors._common import (
+    CROSS,
+    dynamic_kept_tokens,
+    itemsize,
+    layers_phrase,
+    quantized_opaque,
+    verb,
+)
 from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.analyzer.stats import ramp
 from kvtrace.units import format_bytes
@@ -104,7 +111,7 @@ class CacheDensity(Detector):
                 latent += full_mha - own * tokens
             else:
                 heads += full_mha - own * tokens
-            kept_expected = min(tokens, geom.window - 1) if geom.window else tokens
+            kept_expected = dynamic_kept_tokens(geom, tokens)
             window += own * (tokens - kept_expected)
             if not geom.stores_kv:
                 sharing += own * kept_expected

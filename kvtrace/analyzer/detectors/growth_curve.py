@@ -12,7 +12,14 @@ from __future__ import annotations
 import numpy as np
 
 from kvtrace.analyzer.base import Detector, Finding, ev, register
-from kvtrace.analyzer.detectors._common import CROSS, expected_grid, layer_kind, layers_phrase, verb
+from kvtrace.analyzer.detectors._common import (
+    CROSS,
+    dynamic_kept_tokens,
+    expected_grid,
+    layer_kind,
+    layers_phrase,
+    verb,
+)
 from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.analyzer.stats import ramp
 from kvtrace.format import schema
@@ -105,7 +112,7 @@ class GrowthCurve(Detector):
             layers = [int(g.layers[c]) for c in cols]
             steps = [int(g.steps[s]) for s in np.flatnonzero(np.nanmax(sub, axis=1) >= DUP_RATIO[0])]
             window = geom.window if geom is not None else None
-            expected_kept = min(seen, window - 1) if window else seen
+            expected_kept = dynamic_kept_tokens(geom, seen)
             subject = layers_phrase(layers).capitalize()
             if what == "window_not_applied":
                 who = "it" if len(layers) == 1 else f"layer {layer}"
