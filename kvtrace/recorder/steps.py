@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from kvtrace.format.schema import EventKind, LayerType
+from kvtrace.format.schema import EventKind
 from kvtrace.format.writer import monotonic_ns
+from kvtrace.labels import layer_type_name
 from kvtrace.recorder import hooks as _hooks
 from kvtrace.recorder.accounting import account
 from kvtrace.recorder.context import RequestState, SessionContext
@@ -230,7 +231,7 @@ class StepRecorder:
     def _observe_step(self, step: int, seen: int, rows: list[KvRow]) -> None:
         observers = self.ctx.observers
         observers.notify("on_step", "prefill" if step == 0 else "decode", tokens_seen=seen)
-        observers.kv(rows, _layer_type_name)
+        observers.kv(rows, layer_type_name)
         self.submission.report_dropped()
 
     def _write_layers(self, readings: list[LayerReading]) -> None:
@@ -275,17 +276,3 @@ def _new_tokens(args: tuple, kwargs: dict) -> int:
         x = args[0]
     shape = getattr(x, "shape", None)
     return int(shape[1]) if shape is not None and len(shape) >= 2 else 0
-
-
-def _layer_type_name(code: int) -> str:
-    try:
-        return LayerType(int(code)).name.lower()
-    except ValueError:
-        return f"type_{int(code)}"
-
-
-def _layer_type_name(code: int) -> str:
-    try:
-        return LayerType(int(code)).name.lower()
-    except ValueError:
-        return f"type_{int(code)}"
