@@ -20,7 +20,7 @@ from kvtrace.format.errors import (
 )
 
 __all__ = [
-    "BundleError", "CannotWrite", "ContentRefused", "CorruptChunk", "CorruptTrace", "InvalidTrace",
+    "BadOption", "BundleError", "CannotWrite", "ContentRefused", "CorruptChunk", "CorruptTrace", "InvalidTrace",
     "LimitExceeded", "NotATrace", "TraceError", "TraceIncomplete", "Unavailable", "UnsupportedVersion",
 ]
 
@@ -47,3 +47,12 @@ class BundleError(Exception):
     def __init__(self, message: str, kind: str = "usage") -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class BadOption(ValueError):
+    """A value the user gave does not fit (exit 64 through the CLI, shown as click's
+    "Invalid value for OPTION: ..."); `option` names the option, or None."""
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option

@@ -74,3 +74,10 @@ def test_analyzer_reaches_torch_and_kernels_through_one_entry():
     # every other analyser module runs where torch is absent (tests/analyzer/test_no_torch.py).
     found = offenders(["analyzer"], ("torch", "transformers", "triton", "kvtrace.kernels"))
     assert sorted(found) == ["kvtrace/analyzer/contents.py"]
+
+
+def test_model_loading_is_a_library_module():
+    # kvtrace/loading.py (record, demo) raises kvtrace.errors; the CLI is the commands' business.
+    bad = sorted(n for n in imported(PKG / "loading.py")
+                 if n.split(".")[0] == "click" or n.startswith(("kvtrace.commands", "kvtrace.cli")))
+    assert bad == []

@@ -12,6 +12,7 @@ import click
 
 from kvtrace import exitcodes
 from kvtrace.errors import (
+    BadOption,
     CannotWrite,
     InvalidTrace,
     NotATrace,
@@ -67,6 +68,8 @@ def guarded(fn: F) -> F:
             return fn(*args, **kwargs)
         except (click.exceptions.Exit, click.exceptions.ClickException, SystemExit):
             raise
+        except BadOption as exc:  # a library's "bad value": click's usage error, exit 64 (kvtrace.cli)
+            raise click.BadParameter(str(exc), param_hint=exc.option) from None
         except KeyboardInterrupt:
             fail("interrupted", exitcodes.INTERRUPTED)
         except BrokenPipeError:

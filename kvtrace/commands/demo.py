@@ -32,7 +32,7 @@ def demo(out_dir: str, device: str) -> None:
     Runs on CUDA when present, else on the CPU (well under a minute on two cores).
     Random weights, nothing downloaded. Sizes in binary units (KiB = 1024 B).
     """
-    from kvtrace.commands.record import load_model
+    from kvtrace.loading import load_model
 
     out = Path(out_dir)
     try:

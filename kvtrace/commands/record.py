@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,39 +10,11 @@ import click
 
 from kvtrace.commands.common import guarded
 from kvtrace.errors import CannotWrite, TraceIncomplete, Unavailable
+from kvtrace.loading import encode, load_model, model_config_dict
 from kvtrace.units import format_bytes
 
 CACHE_IMPLEMENTATIONS = ("dynamic", "static", "offloaded", "offloaded_static", "quantized_fp8")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# What the Hugging Face hub accepts as a repo id ("name" or "org/name"); anything else is a path.
-_HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
-
-
-class ByteTokenizer:
-    """For presets (random weights, no tokenizer): token id = UTF-8 byte + 3 (0-2 stay pad/eos/bos)."""
-
-    offset = 3
-
-    def __init__(self, vocab_size: int) -> None:
-        if vocab_size < 16:
-            raise ValueError("vocab too small for byte tokens")
-        self.vocab_size = vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        span = self.vocab_size - self.offset
-        return [self.offset + (b % span) for b in text.encode("utf-8")] or [self.offset]
-
-    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
-        data = bytes((int(i) - self.offset) % 256 for i in ids if int(i) >= self.offset)
-        return data.decode("utf-8", errors="replace")
-
-
-@dataclass
-class LoadedModel:
-    model: Any
-    tokenizer: Any
-    model_id: str
-    note: str  # what the user should know about how it was built
 
 
 def parse_int_list(text: str | None) -> list[int] | None:
@@ -56,74 +24,6 @@ def parse_int_list(text: str | None) -> list[int] | None:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
-
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise Unavailable(f"--device {device}: CUDA is not available on this machine")
-    return device
-
-
-def resolve_dtype(dtype: str, device: str, *, preset: bool) -> Any:
-    import torch
-
-    if dtype == "auto":
-        if not preset:
-            return "auto"  # the checkpoint's own dtype
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return getattr(torch, dtype)
-
-
-def model_config_dict(spec: str, *, layers: int | None = None, width: float | None = None,
-                      vocab: int | None = None) -> dict[str, Any] | None:
-    """The config of ``--model`` as a dict, read without torch (presets, local directories, hub ids
-    in the local cache). A model directory that does not exist is a usage error (64) and a hub id
-    that is not cached is unavailable (69), both before anything slow happens. None: the config
-    could not be read here (the loader decides)."""
-    if spec.startswith("preset:"):
-        from kvtrace import presets
-
-        try:
-            return presets.preset_config_dict(spec.split(":", 1)[1], layers=layers, width_scale=width, vocab=vocab)
-        except KeyError as exc:
-            raise click.BadParameter(str(exc).strip("'\""), param_hint="--model") from None
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--layers/--width/--vocab") from None
-    if layers is not None or width is not None or vocab is not None:
-        raise click.BadParameter("--layers/--width/--vocab/--tiny only apply to preset:NAME models")
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise click.BadParameter(f"{spec}: the directory holds no config.json (not a Transformers model)",
-                                     param_hint="--model")
-        return _read_config(path / "config.json")
-    if path.exists():
-        raise click.BadParameter(f"{spec} is a file, not a model directory", param_hint="--model")
-    if not _HF_ID.fullmatch(spec) or ".." in spec:
-        raise click.BadParameter(f"{spec}: no such model directory", param_hint="--model")
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None  # the loader says what is missing
-    cached = try_to_load_from_cache(spec, "config.json")
-    if not isinstance(cached, str):  # None or the "known absent" sentinel: never fetched
-        raise Unavailable(f"model {spec!r} is not in the Hugging Face cache; kvtrace never downloads: give a local "
-                          "directory, an id already in the cache, or preset:NAME (see 'kvtrace presets')")
-    return _read_config(Path(cached))
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise click.BadParameter(f"{path} is unreadable ({exc})", param_hint="--model") from None
-    if not isinstance(config, dict):
-        raise click.BadParameter(f"{path} is not a JSON object", param_hint="--model")
-    return config
 
 
 def check_sample_selection(config: dict[str, Any], layers: list[int] | None, heads: list[int] | None) -> None:
@@ -163,90 +63,6 @@ def check_sample_selection(config: dict[str, Any], layers: list[int] | None, hea
                                      f"have at most {most} KV heads (0..{most - 1})", param_hint="--sample-heads")
 
 
-def check_preset_memory(config: dict[str, Any], dtype_bytes: int, device: str, *, shrunk: bool,
-                        name: str) -> int:
-    """Weight bytes of the preset; warn when it is built at full size, refuse (exit 69) when the
-    weights exceed presets.MEMORY_SHARE of the memory available now on ``device``."""
-    from kvtrace import presets
-
-    hint = (f"shrink it: --tiny, or --layers N --width F --vocab V (e.g. kvtrace record --model preset:{name} "
-            "--tiny ...); KV geometry per layer is kept")
-    try:
-        need, free, where = presets.check_fits(config, dtype_bytes, device, name=name)
-    except presets.PresetTooLarge as exc:
-        raise Unavailable(f"{exc}: {hint}") from None
-    if not shrunk:
-        click.echo(f"warning: preset {name} at full size: {format_bytes(need)} of random weights "
-                   f"({format_bytes(free)} {where}); {hint}", err=True)
-    return need
-
-
-def load_model(spec: str, *, device: str, dtype: str, layers: int | None, width: float | None,
-               vocab: int | None, seed: int = 0) -> LoadedModel:
-    """A model from ``preset:NAME`` (random weights), a local directory, or an HF id already on disk.
-
-    Never downloads: HF_HUB_OFFLINE is set for this process unless the user set it."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import torch
-        import transformers
-    except ImportError as exc:
-        raise Unavailable(f"recording needs torch and transformers ({exc}); "
-                          "install kvtrace[record]") from None
-    device = resolve_device(device)
-    if spec.startswith("preset:"):
-        from kvtrace import presets
-
-        name = spec.split(":", 1)[1]
-        try:
-            cfg = presets.preset_config(name, layers=layers, width_scale=width, vocab=vocab)
-        except KeyError as exc:
-            raise click.BadParameter(str(exc).strip("'\""), param_hint="--model") from None
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--layers/--width/--vocab") from None
-        torch_dtype = resolve_dtype(dtype, device, preset=True)
-        check_preset_memory(presets.preset_config_dict(name, layers=layers, width_scale=width, vocab=vocab),
-                            torch_dtype.itemsize, device, shrunk=any(v is not None for v in (layers, width, vocab)),
-                            name=presets.get_preset(name).name)
-        torch.manual_seed(seed)
-        auto = transformers.AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else transformers.AutoModelForCausalLM
-        with torch.device(device):
-            model = auto.from_config(cfg, dtype=torch_dtype)
-        model.eval()
-        gen = model.generation_config
-        if gen.pad_token_id is None:
-            eos = gen.eos_token_id
-            gen.pad_token_id = eos[0] if isinstance(eos, list) else (eos if eos is not None else 0)
-        tok = ByteTokenizer(int(cfg.vocab_size))
-        shrink = [f"{k}={v}" for k, v in (("layers", layers), ("width", width), ("vocab", vocab)) if v]
-        note = (f"preset {presets.get_preset(name).name}: random weights, real KV geometry"
-                + (f" (shrunk: {', '.join(shrink)})" if shrink else "")
-                + "; prompts tokenized as UTF-8 bytes")
-        return LoadedModel(model, tok, f"preset:{presets.get_preset(name).name}", note)
-    if layers is not None or width is not None or vocab is not None:
-        raise click.BadParameter("--layers/--width/--vocab only apply to preset:NAME models")
-    try:
-        cfg = transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
-        auto = transformers.AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else transformers.AutoModelForCausalLM
-        model = auto.from_pretrained(spec, local_files_only=True, dtype=resolve_dtype(dtype, device, preset=False))
-    except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise Unavailable(f"cannot load model {spec!r} from disk ({first}); kvtrace never downloads: "
-                          "give a local directory, an id already in the Hugging Face cache, or preset:NAME "
-                          "(see 'kvtrace presets')") from None
-    model.to(device)
-    model.eval()
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(spec, local_files_only=True)
-        note = "tokenizer from the checkpoint"
-    except Exception:  # noqa: BLE001 - a checkpoint without a tokenizer still records
-        tok = ByteTokenizer(int(cfg.get_text_config().vocab_size))
-        note = "no tokenizer found: prompts tokenized as UTF-8 bytes"
-    if model.generation_config.pad_token_id is None and getattr(tok, "pad_token_id", None) is not None:
-        model.generation_config.pad_token_id = tok.pad_token_id
-    return LoadedModel(model, tok, spec, note)
-
-
 def check_bindable(host: str, port: int) -> None:
     """Bind and release ``host:port`` the way the metrics server will, so a busy port or a bad
     host fails before the model loads (the server binds again when recording starts)."""
@@ -276,16 +92,6 @@ def read_prompts(prompt: tuple[str, ...], prompts_file: str | None) -> list[str]
     if not out:
         raise click.BadParameter(f"{prompts_file} holds no prompt (one per line)", param_hint="--prompts")
     return out
-
-
-def encode(tok: Any, text: str, device: str) -> Any:
-    import torch
-
-    if isinstance(tok, ByteTokenizer):
-        ids = tok.encode(text)
-    else:
-        ids = tok(text, return_tensors=None)["input_ids"]
-    return torch.tensor([ids], dtype=torch.long, device=device)
 
 
 def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: bool,

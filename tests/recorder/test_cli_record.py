@@ -161,7 +161,7 @@ def test_full_size_preset_refused_when_memory_is_short(monkeypatch, capsys):
     import psutil
 
     from kvtrace.commands.common import Unavailable
-    from kvtrace.commands.record import check_preset_memory
+    from kvtrace.loading import check_preset_memory
 
     config = presets.preset_config_dict("llama-3.1-8b")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=16 << 30))
