@@ -46,16 +46,8 @@ MAX_TEXT_BYTES = 1 << 20
 # is refused before it is read into memory.
 MAX_STORED_CHUNK_BYTES = schema.PAYLOAD_CHUNK_BYTES + schema.PAYLOAD_CHUNK_BYTES // 128 + 4096
 
-# Enumerated columns per table: the reader refuses rows with codes it does not know (spec §2).
-ENUM_COLUMNS: dict[str, tuple[tuple[str, type], ...]] = {
-    "requests": (("outcome", schema.Outcome),),
-    "layers": (("layer_type", schema.LayerType),),
-    "kv": (("layer_type", schema.LayerType), ("k_dtype", schema.CacheDType), ("v_dtype", schema.CacheDType)),
-    "steps": (("phase", schema.Phase),),
-    "events": (("kind", schema.EventKind),),
-    "readings": (("label", schema.ReadingLabel),),
-    "payloads/index": (("kind", schema.PayloadKind), ("dtype", schema.CacheDType)),
-}
+# Enumerated columns per table (declared in schema): the reader refuses unknown codes (spec §2).
+ENUM_COLUMNS = schema.ENUM_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -112,6 +104,21 @@ class TraceMeta:
     def wall_ns(self, t_ns: int) -> int:
         """Convert a trace (monotonic) timestamp to Unix nanoseconds."""
         return int(t_ns) - self.clock_anchor_mono_ns + self.clock_anchor_wall_ns
+
+
+def _checked_meta(path: Path, kind: str, key: str, value: Any) -> Any:
+    """A /meta value of its declared kind, or InvalidTrace naming the attribute."""
+    if kind == "str" and not isinstance(value, str):
+        raise InvalidTrace(f"{path}: /meta {key} must be a string")
+    if kind == "bool":
+        if not isinstance(value, (bool, int)) or value not in (0, 1):
+            raise InvalidTrace(f"{path}: /meta {key} must be a boolean")
+        return bool(value)
+    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        raise InvalidTrace(f"{path}: /meta {key} must be an integer")
+    if kind == "json" and not isinstance(value, dict):
+        raise InvalidTrace(f"{path}: /meta {key}_json must hold a JSON object")
+    return value
 
 
 def parse_version(text: str) -> tuple[int, int]:
@@ -259,20 +266,9 @@ class Trace:
         for key in list(values):
             if key not in known:
                 extra[key] = values.pop(key)
-        for key in ("kvtrace_version", "torch_version", "transformers_version", "cuda_version",
-                    "driver_version", "python_version", "model_id", "model_type", "payload_tokens"):
-            if not isinstance(values[key], str):
-                raise InvalidTrace(f"{self.path}: /meta {key} must be a string")
-        for key in ("contains_prompt_text", "contains_tensor_payloads"):
-            if not isinstance(values[key], (bool, int)) or values[key] not in (0, 1):
-                raise InvalidTrace(f"{self.path}: /meta {key} must be a boolean")
-            values[key] = bool(values[key])
-        for key in ("clock_anchor_wall_ns", "clock_anchor_mono_ns"):
-            if isinstance(values[key], bool) or not isinstance(values[key], int):
-                raise InvalidTrace(f"{self.path}: /meta {key} must be an integer")
-        for key in ("model_config", "generation_defaults", "recorder_settings", "sources"):
-            if not isinstance(values[key], dict):
-                raise InvalidTrace(f"{self.path}: /meta {key}_json must hold a JSON object")
+        for kind in ("str", "bool", "int", "json"):  # the declared kinds (schema.META), checked in this order
+            for key in (a.field for a in schema.META if a.kind == kind and a.field in known):
+                values[key] = _checked_meta(self.path, kind, key, values[key])
         return TraceMeta(extra=extra, **values)
 
     @property
@@ -604,7 +600,7 @@ def structure_problems(trace: Trace) -> tuple[list[str], set[str]]:
     problems: list[str] = []
     try:
         meta = trace.meta
-        if meta.payload_tokens not in schema.PAYLOAD_TOKENS and trace.minor >= schema.FORMAT_MINOR:
+        if meta.payload_tokens not in schema.PAYLOAD_TOKENS and trace.minor >= schema.FIELDS_MINOR:
             problems.append(f"/meta payload_tokens {meta.payload_tokens!r} is not one of "
                             f"{', '.join(schema.PAYLOAD_TOKENS)}")
     except TraceError as exc:
@@ -624,7 +620,7 @@ def structure_problems(trace: Trace) -> tuple[list[str], set[str]]:
             problems.append(f"/{name} is not a 1-D table")
             continue
         bad = [n for n in dtype.names if n not in obj.dtype.names or obj.dtype[n] != dtype[n]]
-        if bad and trace.minor >= schema.FORMAT_MINOR:
+        if bad and trace.minor >= schema.FIELDS_MINOR:
             problems.append(f"/{name} lacks or mistypes fields: {', '.join(bad)}")
             continue
         try:

@@ -1,19 +1,34 @@
-"""The trace layout in one place: table dtypes, enumerations, names.
+"""The trace layout in one place, declared once: tables, columns, enumerations, /meta.
 
-Everything here mirrors spec/kvtrace-format.md. Changing a table's fields changes the
-format: bump FORMAT_MINOR for added fields (readers ignore unknown fields), FORMAT_MAJOR for
-anything a 1.x reader would misread.
+Each column declares its numpy type, its enumeration, the /text length column it points with,
+its "not recorded" sentinel, its units and a one-line description; each /meta attribute its
+kind, whether it is required and its default. Everything else derives from these declarations:
+the numpy dtypes (REQUESTS, KV, ...), the HDF5 types with enum members and the self-describing
+attributes (format 1.3), a NamedTuple row type per table (RequestRow, KvRow, ...), the reader's
+and validator's enum and text maps, and /meta encoding and decoding.
+
+Everything here mirrors spec/kvtrace-format.md (tests/format/test_spec_sync.py checks it).
+Changing a table's fields changes the format: bump FORMAT_MINOR for added fields (readers
+ignore unknown fields), FORMAT_MAJOR for anything a 1.x reader would misread.
 """
 
 from __future__ import annotations
 
 import enum
+import json
+from collections import namedtuple
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 
 FORMAT_NAME = "kvtrace"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 2
+FORMAT_MINOR = 3
+# The minor whose table fields and /meta attributes this reader knows exactly: files of this minor
+# or newer must have every field with its type (1.3 changed only HDF5 types and attributes).
+FIELDS_MINOR = 2
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 # /meta payload_tokens (1.1): what one K/V/latent payload holds (spec §6.1)
 PAYLOAD_TOKENS = ("all", "new")
@@ -143,224 +158,453 @@ class PayloadKind(enum.IntEnum):
     ROPE_KEY = 5  # MLA decoupled rope key
 
 
-# ---- table dtypes (little-endian, packed) -------------------------------------------------
+# ---- tables, declared ---------------------------------------------------------------------
 # Strings live in the /text heap (uint8, append-only); rows hold (offset, length) pairs, so
 # no table needs variable-length types (which SWMR does not support).
 
-REQUESTS = np.dtype(
-    [
-        ("request", "<u4"),
-        ("outcome", "u1"),
-        ("batch_size", "<u4"),
-        ("prompt_tokens", "<u4"),
-        ("new_tokens", "<u4"),
-        ("eos_step", "<i4"),
-        ("start_ns", "<u8"),
-        ("end_ns", "<u8"),
-        ("prompt_sha256", "S64"),
-        ("prompt_text_off", "<u8"),
-        ("prompt_text_len", "<u4"),
-        ("gen_args_off", "<u8"),
-        ("gen_args_len", "<u4"),
-        ("error_off", "<u8"),
-        ("error_len", "<u4"),
-    ]
+
+@dataclass(frozen=True)
+class Column:
+    """One field of a table: how it is stored and what it means."""
+
+    name: str
+    dtype: str  # numpy type string, little-endian
+    shape: tuple[int, ...] = ()
+    enum: type[enum.IntEnum] | None = None  # codes of this IntEnum (an HDF5 enum type since 1.3)
+    text: str | None = None  # on an offset column: the column holding the /text length
+    na: int | None = None  # the "not recorded" sentinel (spec §1 Units), never a fabricated value
+    units: str = ""  # "bytes", "ns", "tokens", ... ("" for enums and free text)
+    doc: str = ""  # one line, as in the spec's table
+
+    @property
+    def numpy_type(self) -> np.dtype:
+        return np.dtype((self.dtype, self.shape)) if self.shape else np.dtype(self.dtype)
+
+    @property
+    def hdf5_type(self) -> np.dtype:
+        """The stored type: enum columns carry their names (h5dump prints them)."""
+        if self.enum is None:
+            return self.numpy_type
+        import h5py  # the format layer needs h5py anyway; kept local so importing schema stays light
+
+        return h5py.enum_dtype({m.name.lower(): int(m) for m in self.enum}, basetype=self.dtype)
+
+    @property
+    def unit_label(self) -> str:
+        """Units as the spec's table and the file's attributes give them."""
+        return self.enum.__name__ if self.enum is not None else self.units
+
+    @property
+    def description(self) -> str:
+        """The one line written into the file: the spec's meaning, else what the name means
+        wherever it appears (the spec leaves those cells empty)."""
+        if self.doc:
+            return self.doc
+        if self.enum is not None:
+            return f"{self.enum.__name__} code"
+        if self.name.endswith("_len"):
+            return "byte length of the string at the matching _off column"
+        return _COMMON_DOCS.get(self.name, "")
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table (1-D compound dataset): its path, one-line title and columns in compound order."""
+
+    name: str
+    title: str
+    columns: tuple[Column, ...]
+    required: bool = True
+
+    @cached_property
+    def dtype(self) -> np.dtype:
+        return np.dtype([(c.name, c.numpy_type) for c in self.columns])
+
+    @cached_property
+    def hdf5_dtype(self) -> np.dtype:
+        """Same layout as :attr:`dtype` (numpy compares them equal); enum members named for HDF5."""
+        return np.dtype([(c.name, c.hdf5_type) for c in self.columns])
+
+    @cached_property
+    def enum_columns(self) -> tuple[tuple[str, type[enum.IntEnum]], ...]:
+        return tuple((c.name, c.enum) for c in self.columns if c.enum is not None)
+
+    @cached_property
+    def text_refs(self) -> tuple[tuple[str, str], ...]:
+        """(offset column, length column) pairs pointing into /text."""
+        return tuple((c.name, c.text) for c in self.columns if c.text is not None)
+
+    @cached_property
+    def row(self) -> type:
+        """A NamedTuple of the columns: rows built by name, buffered and converted like tuples.
+        Trailing columns with a sentinel (or a text reference, 0 = no text) may be omitted."""
+        text_cols = {n for pair in self.text_refs for n in pair}
+        defaults: list[Any] = []
+        for c in reversed(self.columns):
+            if c.na is not None:
+                defaults.insert(0, c.na)
+            elif c.name in text_cols:
+                defaults.insert(0, 0)
+            else:
+                break
+        cls = namedtuple(_row_name(self.name), [c.name for c in self.columns], defaults=defaults)  # noqa: PYI024
+        cls.__doc__ = f"A /{self.name} row ({self.title})."
+        return cls
+
+    def attributes(self) -> dict[str, Any]:
+        """Self-description written on the dataset (1.3): title and, per column in compound order,
+        units, description and "not recorded" sentinel ("" where none)."""
+        return {
+            "description": self.title,
+            "column_names": [c.name for c in self.columns],
+            "column_units": [c.unit_label for c in self.columns],
+            "column_descriptions": [c.description for c in self.columns],
+            "column_not_recorded": ["" if c.na is None else str(c.na) for c in self.columns],
+        }
+
+
+_COMMON_DOCS = {
+    "request": "request id (/requests)",
+    "step": "step: 0 after the prefill forward, k after the k-th decode forward",
+    "layer": "decoder layer index",
+    "t_ns": "monotonic time of the reading",
+    "device": "CUDA ordinal; -1 the CPU",
+    "v_storage_bytes": "size of the values' storage",
+}
+
+
+def _row_name(table: str) -> str:
+    base = {"telemetry/nvml": "Nvml", "telemetry/allocator": "Allocator", "telemetry/process": "Process",
+            "payloads/index": "PayloadIndex", "kv": "Kv", "status": "Status"}.get(table, table.capitalize().rstrip("s"))
+    return f"{base}Row"
+
+
+REQUESTS_TABLE = Table(
+    'requests',
+    'one row per `generate` call',
+    (
+        Column('request', '<u4', units='id', doc='request id, 0, 1, 2… within the session; unique'),
+        Column('outcome', 'u1', enum=Outcome, doc='how the request ended'),
+        Column('batch_size', '<u4', units='sequences', doc='batch size of the call'),
+        Column('prompt_tokens', '<u4', units='tokens', doc='prompt length (longest row of the batch)'),
+        Column('new_tokens', '<u4', units='tokens', doc='tokens generated'),
+        Column('eos_step', '<i4', na=-1, units='step', doc='decode step at which EOS was produced; -1 if none'),
+        Column('start_ns', '<u8', units='ns', doc='monotonic time the request started'),
+        Column('end_ns', '<u8', units='ns', doc='monotonic time it ended; 0 while running'),
+        Column('prompt_sha256', 'S64', units='hex', doc='sha256 (hex) of salt ‖ prompt token ids; never reversible'),
+        Column('prompt_text_off', '<u8', text='prompt_text_len', units='text ref', doc='prompt text, **only when the user opted in**; else length 0'),
+        Column('prompt_text_len', '<u4', units='bytes', doc=''),
+        Column('gen_args_off', '<u8', text='gen_args_len', units='text ref', doc='JSON of the JSON-able generate() arguments'),
+        Column('gen_args_len', '<u4', units='bytes', doc=''),
+        Column('error_off', '<u8', text='error_len', units='text ref', doc='one-line error for outcomes oom/error/interrupted'),
+        Column('error_len', '<u4', units='bytes', doc=''),
+    ),
+)
+LAYERS_TABLE = Table(
+    'layers',
+    'one row per attention layer (static geometry)',
+    (
+        Column('layer', '<u2', units='index', doc='decoder layer index (`layer_idx`)'),
+        Column('layer_type', 'u1', enum=LayerType, doc=''),
+        Column('num_kv_heads', '<u4', units='heads', doc='KV heads cached by this layer'),
+        Column('k_head_dim', '<u4', units='elements', doc='last dim of cached keys (latent rank for MLA)'),
+        Column('v_head_dim', '<u4', units='elements', doc='last dim of cached values (RoPE dim for MLA)'),
+        Column('window', '<i8', na=-1, units='tokens', doc='attention window; -1 if none'),
+        Column('shared_from', '<i4', na=-1, units='index', doc='producer layer of a KV-shared consumer; -1 otherwise'),
+        Column('module_off', '<u8', text='module_len', units='text ref', doc='module path in the model (e.g. `model.layers.3.self_attn`)'),
+        Column('module_len', '<u4', units='bytes', doc=''),
+    ),
+)
+KV_TABLE = Table(
+    'kv',
+    'one row per (request, step, layer): the cache structure',
+    (
+        Column('request', '<u4', units='id', doc=''),
+        Column('step', '<u4', units='step', doc=''),
+        Column('layer', '<u2', units='index', doc=''),
+        Column('layer_type', 'u1', enum=LayerType, doc=''),
+        Column('device', '<i2', na=-1, units='ordinal', doc='CUDA ordinal holding the tensors; -1 CPU'),
+        Column('k_dtype', 'u1', enum=CacheDType, doc=''),
+        Column('v_dtype', 'u1', enum=CacheDType, doc=''),
+        Column('k_shape', '<i8', shape=(4,), units='elements', doc='key tensor shape `[B, kv_heads, T, D]` (zeros if absent)'),
+        Column('v_shape', '<i8', shape=(4,), units='elements', doc='value tensor shape'),
+        Column('tokens_seen', '<u8', units='tokens', doc='tokens this layer has processed in the request'),
+        Column('tokens_kept', '<u8', units='tokens', doc='tokens it holds now (≤ seen: windows keep `window − 1`; static caches their valid length)'),
+        Column('bytes_allocated', '<u8', units='bytes', doc="bytes of the storages behind this layer's K and V (static caches: the whole preallocation; K and V sharing one storage counted once)"),
+        Column('bytes_valid', '<u8', units='bytes', doc='bytes holding valid tokens'),
+        Column('bytes_unique', '<u8', units='bytes', doc='bytes this layer adds to the de-duplicated total: 0 when all its storages were already counted for an earlier layer (aliasing, KV sharing)'),
+        Column('k_storage', '<u8', units='id', doc='storage identity of the keys (data pointer of the untyped storage); 0 if none'),
+        Column('v_storage', '<u8', units='id', doc='same for values'),
+        Column('k_storage_bytes', '<u8', units='bytes', doc='size of that storage'),
+        Column('v_storage_bytes', '<u8', units='bytes', doc=''),
+        Column('expanded_bytes', '<u8', units='bytes', doc='MLA: bytes the multi-head expanded K and V would take for the kept tokens; 0 otherwise'),
+        Column('t_ns', '<u8', units='ns', doc='when read'),
+    ),
+)
+STEPS_TABLE = Table(
+    'steps',
+    'one row per (request, step) whose cache structure was read',
+    (
+        Column('request', '<u4', units='id', doc=''),
+        Column('step', '<u4', units='step', doc=''),
+        Column('phase', 'u1', enum=Phase, doc=''),
+        Column('t_ns', '<u8', units='ns', doc='end of that forward'),
+        Column('tokens_seen', '<u8', units='tokens', doc='sequence length after the forward'),
+        Column('kv_bytes_naive', '<u8', units='bytes', doc='Σ `bytes_allocated` over layers'),
+        Column('kv_bytes_unique', '<u8', units='bytes', doc='Σ `bytes_unique` over layers'),
+        Column('kv_bytes_valid', '<u8', units='bytes', doc='Σ `bytes_valid` over layers'),
+        Column('allocated_bytes', '<i8', na=-1, units='bytes', doc="step-synchronous allocator reading (`memory_allocated`), summed over the model's devices; -1 without CUDA"),
+        Column('reserved_bytes', '<i8', na=-1, units='bytes', doc='same, `memory_reserved`; -1 without CUDA'),
+        Column('rss_bytes', '<i8', na=-1, units='bytes', doc="process resident set size: the background sampler's latest reading, at most 1/rate old (no `/proc` read inside the step); -1 if unavailable or none yet"),
+    ),
+)
+EVENTS_TABLE = Table(
+    'events',
+    '',
+    (
+        Column('t_ns', '<u8', units='ns', doc=''),
+        Column('kind', 'u1', enum=EventKind, doc=''),
+        Column('request', '<i4', na=-1, units='id', doc='-1 if not tied to a request'),
+        Column('step', '<i4', na=-1, units='step', doc='-1 if not tied to a step'),
+        Column('layer', '<i4', na=-1, units='index', doc='-1 if not tied to a layer'),
+        Column('device', '<i2', na=-1, units='ordinal', doc='-1 CPU / not tied'),
+        Column('value', '<i8', units='kind-specific', doc="decode_step: the step; dropped_samples: count dropped; recorder_error: 1 at the first occurrence of each distinct error in a request, then one more event at request end with the request's total when above 1; note: kind-specific count (e.g. retention rows written); gc: objects collected; oom: bytes requested if known, else -1"),
+        Column('text_off', '<u8', text='text_len', units='text ref', doc='optional detail (e.g. an exception summary)'),
+        Column('text_len', '<u4', units='bytes', doc=''),
+    ),
+)
+READINGS_TABLE = Table(
+    'readings',
+    'labelled memory readings around each request',
+    (
+        Column('t_ns', '<u8', units='ns', doc=''),
+        Column('request', '<i4', units='id', doc=''),
+        Column('label', 'u1', enum=ReadingLabel, doc='why it was taken'),
+        Column('device', '<i2', na=-1, units='ordinal', doc='-1 for a CPU-only reading'),
+        Column('allocated_bytes', '<i8', na=-1, units='bytes', doc='allocator `allocated_bytes.all.current`; -1 if unavailable'),
+        Column('reserved_bytes', '<i8', na=-1, units='bytes', doc='`reserved_bytes.all.current`'),
+        Column('active_bytes', '<i8', na=-1, units='bytes', doc='`active_bytes.all.current`'),
+        Column('inactive_split_bytes', '<i8', na=-1, units='bytes', doc='`inactive_split_bytes.all.current`'),
+        Column('nvml_used_bytes', '<i8', na=-1, units='bytes', doc='NVML v2 `used`'),
+        Column('nvml_process_used_bytes', '<i8', na=-1, units='bytes', doc="this process's usage from NVML"),
+        Column('rss_bytes', '<i8', na=-1, units='bytes', doc='process RSS'),
+    ),
+)
+RETENTION_TABLE = Table(
+    'retention',
+    'KV storages of a request still alive once its caller had the chance to drop them',
+    (
+        Column('request', '<u4', units='id', doc=''),
+        Column('layer', '<i4', units='index', doc='layer the storage belonged to'),
+        Column('device', '<i2', units='ordinal', doc=''),
+        Column('storage', '<u8', units='id', doc='storage identity'),
+        Column('nbytes', '<u8', units='bytes', doc='storage size'),
+        Column('referrers_off', '<u8', text='referrers_len', units='text ref', doc='comma-separated type names of the objects still referring to it'),
+        Column('referrers_len', '<u4', units='bytes', doc=''),
+    ),
+)
+NVML_TABLE = Table(
+    'telemetry/nvml',
+    'NVML timeseries (background sampler)',
+    (
+        Column('t_ns', '<u8', units='ns', doc=''),
+        Column('device', '<i2', units='ordinal', doc='CUDA ordinal'),
+        Column('used_bytes', '<i8', units='bytes', doc='`nvmlDeviceGetMemoryInfo` v2 `used` (excludes driver-reserved)'),
+        Column('free_bytes', '<i8', units='bytes', doc='v2 `free`'),
+        Column('reserved_bytes', '<i8', units='bytes', doc='v2 `reserved` (driver/firmware)'),
+        Column('total_bytes', '<i8', units='bytes', doc='v2 `total`'),
+        Column('process_used_bytes', '<i8', na=-1, units='bytes', doc="this process's `usedGpuMemory`; -1 if NVML does not report it"),
+    ),
+)
+ALLOCATOR_TABLE = Table(
+    'telemetry/allocator',
+    'PyTorch caching-allocator timeseries',
+    (
+        Column('t_ns', '<u8', units='ns', doc=''),
+        Column('device', '<i2', units='ordinal', doc=''),
+        Column('allocated_bytes', '<i8', units='bytes', doc='`allocated_bytes.all.current`'),
+        Column('reserved_bytes', '<i8', units='bytes', doc='`reserved_bytes.all.current`'),
+        Column('active_bytes', '<i8', units='bytes', doc='`active_bytes.all.current`'),
+        Column('inactive_split_bytes', '<i8', units='bytes', doc='`inactive_split_bytes.all.current`'),
+        Column('num_alloc_retries', '<i8', units='count', doc='`num_alloc_retries` (cumulative)'),
+        Column('num_ooms', '<i8', units='count', doc='`num_ooms` (cumulative)'),
+    ),
+)
+PROCESS_TABLE = Table(
+    'telemetry/process',
+    '',
+    (
+        Column('t_ns', '<u8', units='ns', doc=''),
+        Column('rss_bytes', '<i8', units='bytes', doc='resident set size of the recording process'),
+    ),
+)
+PAYLOAD_INDEX_TABLE = Table(
+    'payloads/index',
+    'sampled tensor contents (§6)',
+    (
+        Column('request', '<u4', units='id', doc=''),
+        Column('step', '<u4', units='step', doc=''),
+        Column('layer', '<u2', units='index', doc=''),
+        Column('kind', 'u1', enum=PayloadKind, doc=''),
+        Column('dtype', 'u1', enum=CacheDType, doc='element type of the stored bits'),
+        Column('ndim', 'u1', doc='number of used entries of `shape` (≤ 6)'),
+        Column('shape', '<i8', shape=(6,), units='elements', doc='tensor shape, row-major; unused entries 0'),
+        Column('head_start', '<i4', units='index', doc='first head kept (head selection)'),
+        Column('head_stride', '<i4', units='heads', doc='stride between kept heads (1 = contiguous)'),
+        Column('token_start', '<i8', units='tokens', doc='position of the first stored token in the sequence'),
+        Column('itemsize', 'u1', units='bytes', doc='element size; selects the carrier dataset'),
+        Column('first_chunk', '<u8', units='chunk', doc='first chunk index in `/payloads/data_{itemsize}`'),
+        Column('n_chunks', '<u4', units='chunks', doc='chunks used'),
+        Column('n_elements', '<u8', units='elements', doc='elements stored (= product of shape)'),
+        Column('t_ns', '<u8', units='ns', doc='when sampled'),
+    ),
+)
+DEVICES_TABLE = Table(
+    'devices',
+    '',
+    (
+        Column('device', '<i2', na=-1, units='ordinal', doc='CUDA ordinal; -1 the CPU'),
+        Column('name', 'S64', doc='device name, e.g. `NVIDIA H100 80GB HBM3`'),
+        Column('total_memory_bytes', '<i8', na=-1, units='bytes', doc='total memory; -1 unknown'),
+        Column('uuid', 'S64', doc='NVML UUID if known'),
+    ),
+)
+STATUS_TABLE = Table(
+    'status',
+    'one row, not a table',
+    (
+        Column('closed_ns', '<u8', units='ns', doc='0 until the writer closed the file cleanly'),
+        Column('last_flush_ns', '<u8', units='ns', doc='monotonic time of the last flush'),
+        Column('flushes', '<u8', units='count', doc='flushes so far'),
+    ),
+)
+STOP_TABLE = Table(
+    'stop',
+    'one row: why the writer stopped early (1.2)',
+    (
+        Column('stopped_ns', '<u8', units='ns', doc='monotonic time the writer stopped writing; 0: it never stopped early'),
+        Column('errno', '<i8', units='code', doc="the failure's POSIX errno (28 ENOSPC, 27 EFBIG, 5 EIO, 2 ENOENT for a deleted file); 0 when it had none"),
+        Column('reason', 'S128', doc='one line, e.g. `ENOSPC (No space left on device) on write at offset 2175984`'),
+    ),
 )
 
-LAYERS = np.dtype(
-    [
-        ("layer", "<u2"),
-        ("layer_type", "u1"),
-        ("num_kv_heads", "<u4"),
-        ("k_head_dim", "<u4"),
-        ("v_head_dim", "<u4"),
-        ("window", "<i8"),
-        ("shared_from", "<i4"),
-        ("module_off", "<u8"),
-        ("module_len", "<u4"),
-    ]
-)
+# ---- derived: numpy dtypes and row types (the names the rest of kvtrace uses) ---------------
 
-KV = np.dtype(
-    [
-        ("request", "<u4"),
-        ("step", "<u4"),
-        ("layer", "<u2"),
-        ("layer_type", "u1"),
-        ("device", "<i2"),
-        ("k_dtype", "u1"),
-        ("v_dtype", "u1"),
-        ("k_shape", "<i8", (4,)),
-        ("v_shape", "<i8", (4,)),
-        ("tokens_seen", "<u8"),
-        ("tokens_kept", "<u8"),
-        ("bytes_allocated", "<u8"),
-        ("bytes_valid", "<u8"),
-        ("bytes_unique", "<u8"),
-        ("k_storage", "<u8"),
-        ("v_storage", "<u8"),
-        ("k_storage_bytes", "<u8"),
-        ("v_storage_bytes", "<u8"),
-        ("expanded_bytes", "<u8"),
-        ("t_ns", "<u8"),
-    ]
-)
-
-STEPS = np.dtype(
-    [
-        ("request", "<u4"),
-        ("step", "<u4"),
-        ("phase", "u1"),
-        ("t_ns", "<u8"),
-        ("tokens_seen", "<u8"),
-        ("kv_bytes_naive", "<u8"),
-        ("kv_bytes_unique", "<u8"),
-        ("kv_bytes_valid", "<u8"),
-        ("allocated_bytes", "<i8"),
-        ("reserved_bytes", "<i8"),
-        ("rss_bytes", "<i8"),
-    ]
-)
-
-NVML = np.dtype(
-    [
-        ("t_ns", "<u8"),
-        ("device", "<i2"),
-        ("used_bytes", "<i8"),
-        ("free_bytes", "<i8"),
-        ("reserved_bytes", "<i8"),
-        ("total_bytes", "<i8"),
-        ("process_used_bytes", "<i8"),
-    ]
-)
-
-ALLOCATOR = np.dtype(
-    [
-        ("t_ns", "<u8"),
-        ("device", "<i2"),
-        ("allocated_bytes", "<i8"),
-        ("reserved_bytes", "<i8"),
-        ("active_bytes", "<i8"),
-        ("inactive_split_bytes", "<i8"),
-        ("num_alloc_retries", "<i8"),
-        ("num_ooms", "<i8"),
-    ]
-)
-
-PROCESS = np.dtype([("t_ns", "<u8"), ("rss_bytes", "<i8")])
-
-EVENTS = np.dtype(
-    [
-        ("t_ns", "<u8"),
-        ("kind", "u1"),
-        ("request", "<i4"),
-        ("step", "<i4"),
-        ("layer", "<i4"),
-        ("device", "<i2"),
-        ("value", "<i8"),
-        ("text_off", "<u8"),
-        ("text_len", "<u4"),
-    ]
-)
-
-READINGS = np.dtype(
-    [
-        ("t_ns", "<u8"),
-        ("request", "<i4"),
-        ("label", "u1"),
-        ("device", "<i2"),
-        ("allocated_bytes", "<i8"),
-        ("reserved_bytes", "<i8"),
-        ("active_bytes", "<i8"),
-        ("inactive_split_bytes", "<i8"),
-        ("nvml_used_bytes", "<i8"),
-        ("nvml_process_used_bytes", "<i8"),
-        ("rss_bytes", "<i8"),
-    ]
-)
-
-RETENTION = np.dtype(
-    [
-        ("request", "<u4"),
-        ("layer", "<i4"),
-        ("device", "<i2"),
-        ("storage", "<u8"),
-        ("nbytes", "<u8"),
-        ("referrers_off", "<u8"),
-        ("referrers_len", "<u4"),
-    ]
-)
-
-PAYLOAD_INDEX = np.dtype(
-    [
-        ("request", "<u4"),
-        ("step", "<u4"),
-        ("layer", "<u2"),
-        ("kind", "u1"),
-        ("dtype", "u1"),
-        ("ndim", "u1"),
-        ("shape", "<i8", (PAYLOAD_MAX_NDIM,)),
-        ("head_start", "<i4"),
-        ("head_stride", "<i4"),
-        ("token_start", "<i8"),
-        ("itemsize", "u1"),
-        ("first_chunk", "<u8"),
-        ("n_chunks", "<u4"),
-        ("n_elements", "<u8"),
-        ("t_ns", "<u8"),
-    ]
-)
-
-DEVICES = np.dtype(
-    [
-        ("device", "<i2"),
-        ("name", "S64"),
-        ("total_memory_bytes", "<i8"),
-        ("uuid", "S64"),
-    ]
-)
-
-STATUS = np.dtype([("closed_ns", "<u8"), ("last_flush_ns", "<u8"), ("flushes", "<u8")])
+REQUESTS = REQUESTS_TABLE.dtype
+LAYERS = LAYERS_TABLE.dtype
+KV = KV_TABLE.dtype
+STEPS = STEPS_TABLE.dtype
+NVML = NVML_TABLE.dtype
+ALLOCATOR = ALLOCATOR_TABLE.dtype
+PROCESS = PROCESS_TABLE.dtype
+EVENTS = EVENTS_TABLE.dtype
+READINGS = READINGS_TABLE.dtype
+RETENTION = RETENTION_TABLE.dtype
+PAYLOAD_INDEX = PAYLOAD_INDEX_TABLE.dtype
+DEVICES = DEVICES_TABLE.dtype
+STATUS = STATUS_TABLE.dtype
 # /stop (1.2): why the writer stopped before closing, stamped in place after a storage failure.
-STOP = np.dtype([("stopped_ns", "<u8"), ("errno", "<i8"), ("reason", "S128")])
+STOP = STOP_TABLE.dtype
 
-# name -> (dtype, required). Required tables exist in every valid trace (maybe empty).
-TABLES: dict[str, tuple[np.dtype, bool]] = {
-    "requests": (REQUESTS, True),
-    "layers": (LAYERS, True),
-    "kv": (KV, True),
-    "steps": (STEPS, True),
-    "events": (EVENTS, True),
-    "readings": (READINGS, True),
-    "retention": (RETENTION, True),
-    "telemetry/nvml": (NVML, True),
-    "telemetry/allocator": (ALLOCATOR, True),
-    "telemetry/process": (PROCESS, True),
-    "payloads/index": (PAYLOAD_INDEX, True),
-    "devices": (DEVICES, True),
+RequestRow = REQUESTS_TABLE.row
+LayerRow = LAYERS_TABLE.row
+KvRow = KV_TABLE.row
+StepRow = STEPS_TABLE.row
+NvmlRow = NVML_TABLE.row
+AllocatorRow = ALLOCATOR_TABLE.row
+ProcessRow = PROCESS_TABLE.row
+EventRow = EVENTS_TABLE.row
+ReadingRow = READINGS_TABLE.row
+RetentionRow = RETENTION_TABLE.row
+PayloadIndexRow = PAYLOAD_INDEX_TABLE.row
+DeviceRow = DEVICES_TABLE.row
+
+# Every table, by path. Required tables exist in every valid trace (maybe empty).
+TABLE_DECLS: dict[str, Table] = {t.name: t for t in (
+    REQUESTS_TABLE, LAYERS_TABLE, KV_TABLE, STEPS_TABLE, EVENTS_TABLE, READINGS_TABLE, RETENTION_TABLE,
+    NVML_TABLE, ALLOCATOR_TABLE, PROCESS_TABLE, PAYLOAD_INDEX_TABLE, DEVICES_TABLE,
+)}
+# name -> (dtype, required), the form readers and the writer iterate.
+TABLES: dict[str, tuple[np.dtype, bool]] = {name: (t.dtype, t.required) for name, t in TABLE_DECLS.items()}
+# Enumerated columns per table: the reader refuses rows with codes it does not know (spec §2).
+ENUM_COLUMNS: dict[str, tuple[tuple[str, type[enum.IntEnum]], ...]] = {
+    name: t.enum_columns for name, t in TABLE_DECLS.items() if t.enum_columns}
+# Columns pointing into /text, per table: (offset, length) pairs.
+TEXT_REFS: dict[str, tuple[tuple[str, str], ...]] = {
+    name: t.text_refs for name, t in TABLE_DECLS.items() if t.text_refs}
+
+# Self-description of the other objects (1.3): (description, units) written as attributes.
+GROUP_DESCRIPTIONS = {
+    "meta": "run metadata, one attribute each (spec §3)",
+    "telemetry": "background telemetry timeseries (spec §4.8-4.10)",
+    "payloads": "sampled K/V/Q/latent contents: an index and one carrier per element size (spec §6)",
 }
+TEXT_ATTRS = {"description": "UTF-8 string heap; rows point into it with (_off, _len) pairs (spec §5)",
+              "units": "bytes"}
+PAYLOAD_CARRIER_ATTRS = {
+    "description": "raw element bits of sampled tensors in shuffle + zstd (32015) chunks; "
+                   "/payloads/index says what they are (spec §6)",
+    "units": "element bits"}
 
+
+# ---- /meta, declared ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MetaAttr:
+    """One /meta attribute. ``kind``: "str", "int", "bool" or "json" (a JSON object stored as a
+    UTF-8 string; the name ends in _json and the reader's field drops that suffix)."""
+
+    name: str
+    kind: str
+    required: bool
+    default: Any = None  # written when the recorder gives none; None: the writer supplies it
+    since: str = "1.0"
+
+    @property
+    def field(self) -> str:
+        return self.name[: -len("_json")] if self.kind == "json" else self.name
+
+
+META: tuple[MetaAttr, ...] = (
+    MetaAttr("kvtrace_version", "str", True),
+    MetaAttr("python_version", "str", True),
+    MetaAttr("torch_version", "str", True),
+    MetaAttr("transformers_version", "str", True),
+    MetaAttr("cuda_version", "str", True, "unavailable"),
+    MetaAttr("driver_version", "str", True, "unavailable"),
+    MetaAttr("hostname_sha256", "str", False),
+    MetaAttr("model_id", "str", True, "unknown"),
+    MetaAttr("model_type", "str", True, "unknown"),
+    MetaAttr("model_config_json", "json", True, {}),
+    MetaAttr("generation_defaults_json", "json", True, {}),
+    MetaAttr("recorder_settings_json", "json", True, {}),
+    MetaAttr("sources_json", "json", True, {}),
+    MetaAttr("clock_anchor_wall_ns", "int", True),
+    MetaAttr("clock_anchor_mono_ns", "int", True),
+    MetaAttr("prompt_hash_salt_sha256", "str", False),
+    MetaAttr("contains_prompt_text", "bool", True, False),
+    MetaAttr("contains_tensor_payloads", "bool", True, False),
+    MetaAttr("payload_tokens", "str", False, since="1.1"),  # absent: "all" (spec §6.1)
+)
+META_BY_NAME: dict[str, MetaAttr] = {a.name: a for a in META}
 # Attributes of /meta: (name, required). JSON-valued ones end in _json.
-META_ATTRS: dict[str, bool] = {
-    "kvtrace_version": True,
-    "python_version": True,
-    "torch_version": True,
-    "transformers_version": True,
-    "cuda_version": True,
-    "driver_version": True,
-    "hostname_sha256": False,
-    "model_id": True,
-    "model_type": True,
-    "model_config_json": True,
-    "generation_defaults_json": True,
-    "recorder_settings_json": True,
-    "sources_json": True,
-    "clock_anchor_wall_ns": True,
-    "clock_anchor_mono_ns": True,
-    "prompt_hash_salt_sha256": False,
-    "contains_prompt_text": True,
-    "contains_tensor_payloads": True,
-}
+META_ATTRS: dict[str, bool] = {a.name: a.required for a in META}
+
+
+def meta_attr_value(key: str, value: Any) -> Any:
+    """The HDF5 attribute value for a /meta entry (declared or not: a recorder may add extras)."""
+    attr = META_BY_NAME.get(key)
+    kind = attr.kind if attr is not None else ("json" if key.endswith("_json") else None)
+    if kind == "json":
+        return json.dumps(value, sort_keys=True, default=str)
+    if isinstance(value, bool):
+        return np.bool_(value)
+    if isinstance(value, (int, np.integer)):
+        return np.int64(value)
+    if isinstance(value, (float, np.floating)):
+        return np.float64(value)
+    return str(value)
 
 
 def payload_dataset_name(itemsize: int) -> str:

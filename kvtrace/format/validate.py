@@ -28,13 +28,7 @@ from kvtrace.format.reader import (
     unknown_codes,
 )
 
-TEXT_REFS = {
-    "requests": [("prompt_text_off", "prompt_text_len"), ("gen_args_off", "gen_args_len"),
-                 ("error_off", "error_len")],
-    "layers": [("module_off", "module_len")],
-    "events": [("text_off", "text_len")],
-    "retention": [("referrers_off", "referrers_len")],
-}
+TEXT_REFS = schema.TEXT_REFS  # (offset, length) column pairs into /text, per table
 ROW_BLOCK = 1 << 16  # rows per read: a few MiB for the widest table
 
 

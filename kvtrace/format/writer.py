@@ -27,7 +27,6 @@ import atexit
 import contextlib
 import errno
 import functools
-import json
 import os
 import platform
 import threading
@@ -215,16 +214,18 @@ class TraceWriter:
         f.attrs["format_minor"] = schema.FORMAT_MINOR
         g = f.create_group("meta")
         for key, value in self._complete_meta(meta).items():
-            g.attrs[key] = _attr_value(key, value)
-        for name, (dtype, _required) in schema.TABLES.items():
-            f.create_dataset(
-                name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(TABLE_CHUNK_ROWS,),
+            g.attrs[key] = schema.meta_attr_value(key, value)
+        for name, table in schema.TABLE_DECLS.items():
+            ds = f.create_dataset(
+                name, shape=(0,), maxshape=(None,), dtype=table.hdf5_dtype, chunks=(TABLE_CHUNK_ROWS,),
                 compression="gzip", compression_opts=1, shuffle=True,
             )
-        f.create_dataset(
+            _describe(ds, table.attributes())
+        text = f.create_dataset(
             "text", shape=(0,), maxshape=(None,), dtype="u1", chunks=(TEXT_CHUNK_BYTES,),
             compression="gzip", compression_opts=1,
         )
+        _describe(text, schema.TEXT_ATTRS)
         for itemsize in schema.PAYLOAD_ITEMSIZES:
             chunk = schema.payload_chunk_elements(itemsize)
             self._payload_ds[itemsize] = f.create_dataset(
@@ -233,10 +234,15 @@ class TraceWriter:
                 compression=schema.FILTER_ZSTD, compression_opts=(self.payload_level,),
                 allow_unknown_filter=True,
             )
+            _describe(self._payload_ds[itemsize], schema.PAYLOAD_CARRIER_ATTRS)
+        for group, description in schema.GROUP_DESCRIPTIONS.items():
+            f[group].attrs["description"] = description
         status = f.create_dataset("status", shape=(1,), dtype=schema.STATUS)
         status[0] = (0, 0, 0)
+        _describe(status, schema.STATUS_TABLE.attributes())
         stop = f.create_dataset("stop", shape=(1,), dtype=schema.STOP)  # contiguous, allocated now
         stop[0] = (0, 0, b"")
+        _describe(stop, schema.STOP_TABLE.attributes())
         if devices:
             rows = [
                 (d.index, d.name.encode()[:64], d.total_memory_bytes, d.uuid.encode()[:64])
@@ -249,24 +255,16 @@ class TraceWriter:
 
     @staticmethod
     def _complete_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "kvtrace_version": __version__,
-            "python_version": platform.python_version(),
-            "torch_version": _package_version("torch"),
-            "transformers_version": _package_version("transformers"),
-            "cuda_version": "unavailable",
-            "driver_version": "unavailable",
-            "model_id": "unknown",
-            "model_type": "unknown",
-            "model_config_json": {},
-            "generation_defaults_json": {},
-            "recorder_settings_json": {},
-            "sources_json": {},
-            "clock_anchor_wall_ns": time.time_ns(),
-            "clock_anchor_mono_ns": monotonic_ns(),
-            "contains_prompt_text": False,
-            "contains_tensor_payloads": False,
-        }
+        """The declared defaults (schema.META), the values only this process knows, then ``meta``."""
+        out: dict[str, Any] = {a.name: a.default for a in schema.META if a.default is not None}
+        out.update(
+            kvtrace_version=__version__,
+            python_version=platform.python_version(),
+            torch_version=_package_version("torch"),
+            transformers_version=_package_version("transformers"),
+            clock_anchor_wall_ns=time.time_ns(),
+            clock_anchor_mono_ns=monotonic_ns(),
+        )
         out.update(meta)
         unknown = [k for k in out if not isinstance(k, str) or not k.isidentifier()]
         if unknown:
@@ -675,13 +673,7 @@ def _yield_gil() -> None:
     time.sleep(0)
 
 
-def _attr_value(key: str, value: Any) -> Any:
-    if key.endswith("_json"):
-        return json.dumps(value, sort_keys=True, default=str)
-    if isinstance(value, bool):
-        return np.bool_(value)
-    if isinstance(value, (int, np.integer)):
-        return np.int64(value)
-    if isinstance(value, (float, np.floating)):
-        return np.float64(value)
-    return str(value)
+def _describe(obj: h5py.HLObject, attrs: Mapping[str, Any]) -> None:
+    """Self-description attributes (1.3): strings, or lists of strings (one per column)."""
+    for key, value in attrs.items():
+        obj.attrs.create(key, value, dtype=h5py.string_dtype())

@@ -1,4 +1,4 @@
-"""Small builders for format tests: rows in each table's field order."""
+"""Small builders for format tests: rows built by name with the schema's row types."""
 
 from __future__ import annotations
 
@@ -14,13 +14,8 @@ def zero_row(dtype: np.dtype) -> tuple:
 
 
 def request_row(request: int, outcome: int = schema.Outcome.RUNNING) -> tuple:
-    row = list(zero_row(schema.REQUESTS))
-    row[0] = request
-    row[1] = int(outcome)
-    row[2] = 1
-    row[5] = -1
-    row[8] = b"0" * 64
-    return tuple(row)
+    return schema.RequestRow(request=request, outcome=int(outcome), batch_size=1, prompt_tokens=0,
+                             new_tokens=0, eos_step=-1, start_ns=0, end_ns=0, prompt_sha256=b"0" * 64)
 
 
 def write_minimal(path: Path, **writer_kwargs) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtrace.format import schema
+from kvtrace.format.reader import TraceMeta
 
 SPEC = (Path(__file__).resolve().parents[2] / "spec" / "kvtrace-format.md").read_text()
 
@@ -27,12 +28,26 @@ def _section(table: str) -> str:
     return m.group(0)
 
 
+DECLARED = {**schema.TABLE_DECLS, "status": schema.STATUS_TABLE, "stop": schema.STOP_TABLE}
+
+
 def test_every_table_field_documented_with_its_type():
-    for table, (dtype, _required) in {**schema.TABLES, "status": (schema.STATUS, True), "stop": (schema.STOP, False)}.items():
+    for table, decl in DECLARED.items():
         rows = re.findall(r"^\| `(\w+)` \| ([\w\[\],]+) \|", _section(table), re.M)
-        assert [n for n, _ in rows] == list(dtype.names), table
+        assert [n for n, _ in rows] == list(decl.dtype.names), table
         for name, typ in rows:
-            assert typ == _spec_type(dtype[name]), (table, name)
+            assert typ == _spec_type(decl.dtype[name]), (table, name)
+
+
+def test_units_meaning_and_title_documented():
+    """The unit and meaning columns are the schema's declarations (also written into 1.3 files)."""
+    for table, decl in DECLARED.items():
+        section = _section(table)
+        assert decl.title in section.splitlines()[0], table
+        rows = re.findall(r"^\| `(\w+)` \| [\w\[\],]+ \| ?([^|]*?) ?\| ?(.*?) ?\|$", section, re.M)
+        for (name, unit, meaning), column in zip(rows, decl.columns, strict=True):
+            assert (name, unit, meaning) == (column.name, column.unit_label, column.doc), (table, name)
+            assert (column.text is not None) == (unit == "text ref"), (table, name)
 
 
 def test_enums_documented():
@@ -45,11 +60,25 @@ def test_enums_documented():
         assert codes == {int(v) for v in enum_type}, title
 
 
+META_TYPES = {"str": "string", "int": "int64", "bool": "bool", "json": "JSON"}
+
+
 def test_meta_attributes_documented():
-    for name, required in schema.META_ATTRS.items():
-        m = re.search(rf"^\| `{name}` \| [^|]+ \| (yes|no) \|", SPEC, re.M)
-        assert m, name
-        assert (m.group(1) == "yes") == required, name
+    for attr in schema.META:
+        m = re.search(rf"^\| `{attr.name}` \| ([^|]+) \| (yes|no)(?: \(([\d.]+)\))? \|", SPEC, re.M)
+        assert m, attr.name
+        assert m.group(1) == META_TYPES[attr.kind], attr.name
+        assert (m.group(2) == "yes") == attr.required, attr.name
+        assert (m.group(3) or "1.0") == attr.since, attr.name
+    documented = re.findall(r"^\| `(\w+)` \| (?:string|int64|bool|JSON) \| (?:yes|no)", SPEC, re.M)
+    assert sorted(documented) == sorted(schema.META_BY_NAME)
+
+
+def test_reader_meta_fields_are_the_declared_ones():
+    """TraceMeta (the typed view) has a field per required attribute, plus payload_tokens (1.1,
+    optional with a default); other optional attributes land in ``extra``."""
+    fields = set(TraceMeta.__dataclass_fields__) - {"extra"}
+    assert fields == {a.field for a in schema.META if a.required} | {"payload_tokens"}
 
 
 def test_version_in_spec_title():
