@@ -45,15 +45,16 @@ def instrument() -> None:
     import kvtrace.format.writer as writer
     import kvtrace.recorder.allocator as allocator
     import kvtrace.recorder.sampling as sampling
-    import kvtrace.recorder.session as session
+    import kvtrace.recorder.steps as steps
+    import kvtrace.recorder.submission as submission
 
-    timed(session, "read_step_fast", "read_step_fast")
-    timed(session, "read_cache", "read_cache (general)")
+    timed(steps, "read_step_fast", "read_step_fast")
+    timed(steps, "read_cache", "read_cache (general)")
     timed(writer.TraceWriter, "append", "writer.append")
     timed(allocator, "read_allocated_reserved", "allocator step reading")
-    timed(session.Recorder, "_on_step_end", "_on_step_end (all)")
-    timed(session.Recorder, "_on_step_start", "_on_step_start")
-    timed(session.Recorder, "_sample", "_sample (all submits)")
+    timed(steps.StepRecorder, "on_step_end", "on_step_end (all)")
+    timed(steps.StepRecorder, "on_step_start", "on_step_start")
+    timed(submission.SampleSubmission, "sample", "sample (all submits)")
     timed(sampling.PayloadSampler, "_stage_cuda", "sampler._stage_cuda")
     timed(sampling.PayloadSampler, "submit", "sampler.submit")
     # worker side (background threads)

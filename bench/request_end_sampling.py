@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     model = presets.preset_model("pythia-1.4b", dtype=torch.bfloat16 if gpu else torch.float32,
                                  device=args.device, shrink=not gpu)
     ids = torch.randint(3, int(model.config.vocab_size), (args.batch, args.prompt)).to(args.device)
-    from kvtrace.recorder.session import Recorder
+    from kvtrace.recorder.requests import Requests
 
     wait_copies = sampling.PayloadSampler.wait_copies
-    finish = Recorder._finish_request
+    finish = Requests.finish
     finish_s: list[float] = []
 
     def timed_finish(self, *a, **kw):  # the request-end work on the caller's thread
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             finish_s.append(time.perf_counter() - t)
 
-    Recorder._finish_request = timed_finish
+    Requests.finish = timed_finish
 
     def run(variant: str, path: Path) -> tuple[float, float, int]:
         # "drain": the old request end (every queued sample encoded and written before return)
