@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvtrace.analyzer.expect import Expectation, build_expectation
+from kvtrace.analyzer.view import TraceView
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
 from kvtrace.labels import device_text
@@ -147,32 +148,29 @@ def _by_request(rows: np.ndarray, key: str = "request") -> dict[int, np.ndarray]
 class ReplayContext:
     """Everything detectors read, built from an open Trace."""
 
-    def __init__(self, trace: Trace) -> None:
-        self.trace = trace
+    def __init__(self, source: TraceView | Trace) -> None:
+        self.view = view = TraceView.of(source)
+        trace = self.trace = view.trace
         self.meta = trace.meta
         self.path = str(trace.path)
-        self.layers_table = trace.layers()
-        kv = trace.kv()
+        self.layers_table = view.layers
+        view.kv_runs  # noqa: B018 - index /kv first: a damaged /kv is reported before the other tables
         steps = trace.steps()
         events = trace.events()
         readings = trace.readings()
         retention = trace.retention()
         self.events = events[np.argsort(events["t_ns"], kind="stable")] if events.size else events
-        self.kv_rows = kv.size
-        self.expectation: Expectation = build_expectation(
-            self.meta.model_config, self.layers_table, kv[: min(kv.size, 64)]
-        )
-        kv_by = _by_request(kv)
+        self.kv_rows = view.nrows("kv")
+        self.expectation: Expectation = build_expectation(self.meta.model_config, self.layers_table, view.kv_head(64))
         steps_by = _by_request(steps)
         ev_by = _by_request(self.events[self.events["request"] >= 0]) if events.size else {}
         rd_by = _by_request(readings[readings["request"] >= 0]) if readings.size else {}
         ret_by = _by_request(retention)
         self.requests: list[RequestTimeline] = []
-        for r in trace.requests():
+        for r in view.requests:
             rid = int(r["request"])
-            krows = kv_by.get(rid)
-            if krows is not None:
-                krows = krows[np.lexsort((krows["layer"], krows["step"]))]
+            krows = view.kv(rid)  # this request's runs of /kv, not the table read whole and masked
+            krows = krows[np.lexsort((krows["layer"], krows["step"]))]
             srows = steps_by.get(rid, steps[:0])
             srows = srows[np.argsort(srows["step"], kind="stable")]
             rd: dict[int, np.void] = {}
@@ -185,7 +183,7 @@ class ReplayContext:
             self.requests.append(RequestTimeline(
                 rid, outcome, int(r["batch_size"]), int(r["prompt_tokens"]), int(r["new_tokens"]),
                 int(r["eos_step"]), int(r["start_ns"]), int(r["end_ns"]), srows,
-                _grid(krows) if krows is not None else _grid(kv[:0]),
+                _grid(krows),
                 ev_by.get(rid, events[:0]), rd, ret_by.get(rid, retention[:0]),
             ))
         self.requests.sort(key=lambda t: (t.start_ns, t.request))
@@ -210,7 +208,7 @@ class ReplayContext:
         return [
             {"index": int(d["device"]), "name": d["name"].decode(errors="replace"),
              "total_memory_bytes": int(d["total_memory_bytes"])}
-            for d in self.trace.devices()
+            for d in self.view.devices
         ]
 
     def device_total(self, device: int) -> int | None:
