@@ -5,7 +5,7 @@ on a CUDA device, the GPU half of issue 12's "clean controls x {CPU, CUDA}":
     python tests/accuracy/make_gpu_clean_matrix.py OUTDIR [--device cuda] [--only ARCH:SCENARIO ...]
 
 The recordings are exactly the CPU suite's (same tiny random-weight models, prompts, options),
-built with torch's default device set to the GPU, so model, prompts and cache live there and the
+built on the CPU and moved to the GPU, so model, prompts and cache live there and the
 trace carries real NVML and allocator rows. "fresh" cases run in their own process that touched
 no GPU before. Writes OUTDIR/<arch>__<scenario>.kvt.h5 and OUTDIR/manifest.json (device, versions,
 size, and each detector's top score as analysed there). tests/accuracy/test_gpu_clean_matrix.py
@@ -37,7 +37,11 @@ def record_one(arch: str, scenario: str, outdir: Path, device: str) -> dict:
     import torch
     import transformers
 
-    torch.set_default_device(device)
+    # Build on the CPU exactly as the CPU suite does (its seeded generator lives there), then move
+    # the model and every prompt to the device.
+    build, prompt = cases.tiny_model, cases.tiny_prompt
+    cases.tiny_model = lambda *a, **k: build(*a, **k).to(device)
+    cases.tiny_prompt = lambda *a, **k: prompt(*a, **k).to(device)
     path = outdir / _file(arch, scenario)
     path.unlink(missing_ok=True)
     t = time.time()
