@@ -13,6 +13,7 @@ import numpy as np
 
 from kvtrace._version import __version__
 from kvtrace.analyzer.report import AnalysisReport
+from kvtrace.analyzer.view import TraceView
 from kvtrace.errors import CannotWrite
 from kvtrace.format.reader import Trace
 from kvtrace.format.summary import summarize
@@ -54,8 +55,9 @@ def _fmt(n: int | None) -> str:
 
 
 class _Builder:
-    def __init__(self, trace: Trace, figures_dir: Path | None, progress: Progress | None) -> None:
-        self.trace = trace
+    def __init__(self, view: TraceView, figures_dir: Path | None, progress: Progress | None) -> None:
+        self.view = view  # shared with the analyser: one /kv request index per report
+        self.trace = view.trace
         self.figures_dir = figures_dir
         self.progress = progress or (lambda _stage: None)
         self.sections: list[html.Section] = []
@@ -110,7 +112,7 @@ class _Builder:
     def memory_timeline(self) -> None:
         s = self.section("memory-timeline", "Memory timeline per device")
         t0 = data.time_zero_ns(self.trace)
-        timelines = data.memory_timelines(self.trace)
+        timelines = data.memory_timelines(self.view)
         markers = data.phase_markers(self.trace)
         if not timelines:
             self.none(s, "the trace has no memory telemetry and no KV rows")
@@ -132,7 +134,7 @@ class _Builder:
 
     def layer_footprint(self) -> None:
         s = self.section("layer-footprint", "Per-layer KV footprint")
-        fp = data.layer_footprint(self.trace)
+        fp = data.layer_footprint(self.view)
         if fp is None:
             self.none(s, "the trace has no KV rows")
             return
@@ -151,7 +153,7 @@ class _Builder:
 
     def growth(self) -> None:
         s = self.section("growth-curves", "Growth against the analytical expectation")
-        gc = data.growth_curves(self.trace)
+        gc = data.growth_curves(self.view)
         if gc is None:
             self.none(s, "the trace has no step rows")
             return
@@ -351,7 +353,8 @@ def build_report(
     _prepare_output(out, fig_dir)
     figures._plt()  # fail early, before reading the trace, when matplotlib is missing
     with Trace(trace_path) as trace:
-        b = _Builder(trace, fig_dir, progress)
+        view = TraceView(trace)
+        b = _Builder(view, fig_dir, progress)
         b.progress("overview")
         summary = summarize(trace)
         b.overview(summary)
@@ -369,7 +372,7 @@ def build_report(
         b.progress("findings")
         note = ""
         if analysis is None and run_analyzer:
-            analysis, note = findings.run_analysis(trace)
+            analysis, note = findings.run_analysis(view)
             note = "" if analysis is not None else note  # the table is the analyser's; no caption
         elif analysis is None:
             note = "analysis skipped (--no-analysis)"

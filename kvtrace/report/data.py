@@ -13,11 +13,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtrace.analyzer.view import SCAN_ROWS, TraceView
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
 from kvtrace.labels import device_text, layer_type_name  # noqa: F401 - re-exported for renderers
 
-SCAN_ROWS = 1 << 18  # rows read per slice of a large table (the kv table can hold millions)
+# The renderer's TraceView (its /kv request index is shared with the analyser), or a bare Trace.
+Source = TraceView | Trace
+
+
+def _trace(src: Source) -> Trace:
+    return src.trace if isinstance(src, TraceView) else src
 
 # Events drawn as phase markers on the memory timeline.
 MARKER_KINDS = (
@@ -55,11 +61,9 @@ class DeviceTimeline:
     series: list[Series] = field(default_factory=list)
 
 
-def iter_rows(trace: Trace, table: str, rows: int = SCAN_ROWS) -> Iterator[np.ndarray]:
+def iter_rows(src: Source, table: str, rows: int = SCAN_ROWS) -> Iterator[np.ndarray]:
     """Read a table slice by slice so that memory stays bounded on long traces."""
-    n = trace.nrows(table)
-    for start in range(0, n, rows):
-        yield trace.table(table, slice(start, min(n, start + rows)))
+    return TraceView.of(src).iter_rows(table, rows)
 
 
 def time_zero_ns(trace: Trace) -> int:
@@ -87,8 +91,9 @@ def _valid(values: np.ndarray) -> np.ndarray:
     return values >= 0
 
 
-def memory_timelines(trace: Trace) -> list[DeviceTimeline]:
+def memory_timelines(src: Source) -> list[DeviceTimeline]:
     """Every memory series of every device, sorted by time, NA readings dropped."""
+    trace = _trace(src)
     by_device: dict[int, DeviceTimeline] = {}
 
     def add(device: int, name: str, t: np.ndarray, v: np.ndarray, source: str) -> None:
@@ -116,17 +121,17 @@ def memory_timelines(trace: Trace) -> list[DeviceTimeline]:
     # it is the only device-level memory signal there is.
     proc = trace.process()
     add(-1, "process_rss", proc["t_ns"], proc["rss_bytes"], "telemetry/process")
-    for dev, (t, v) in kv_totals_by_device(trace).items():
+    for dev, (t, v) in kv_totals_by_device(src).items():
         add(dev, "kv_bytes", t, v, "kv")
     return [by_device[d] for d in sorted(by_device)]
 
 
-def kv_totals_by_device(trace: Trace) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def kv_totals_by_device(src: Source) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Total unique KV bytes per (request, step), split by the device holding each layer.
 
     One point per step, stamped with the last layer's time of that step."""
     sums: dict[tuple[int, int, int], list[int]] = {}
-    for rows in iter_rows(trace, "kv"):
+    for rows in iter_rows(src, "kv"):
         if not rows.size:
             continue
         keys = np.stack([rows["device"].astype(np.int64), rows["request"].astype(np.int64),
@@ -204,19 +209,13 @@ def peak_step(trace: Trace) -> tuple[int, int] | None:
     return int(steps["request"][i]), int(steps["step"][i])
 
 
-def kv_rows_of(trace: Trace, request: int, step: int | None = None) -> np.ndarray:
-    """kv rows of one request (and step), scanning the table slice by slice."""
-    parts = []
-    for rows in iter_rows(trace, "kv"):
-        keep = rows["request"] == request
-        if step is not None:
-            keep &= rows["step"] == step
-        if np.any(keep):
-            parts.append(rows[keep])
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=schema.KV)
+def kv_rows_of(src: Source, request: int, step: int | None = None) -> np.ndarray:
+    """kv rows of one request (and step), in file order: the view's runs of that request."""
+    return TraceView.of(src).kv(request, step)
 
 
-def layer_footprint(trace: Trace) -> LayerFootprint | None:
+def layer_footprint(src: Source) -> LayerFootprint | None:
+    trace = _trace(src)
     where = peak_step(trace)
     if where is None:
         # No /steps: fall back to the last kv row's (request, step).
@@ -225,7 +224,7 @@ def layer_footprint(trace: Trace) -> LayerFootprint | None:
             return None
         last = trace.table("kv", slice(n - 1, n))[0]
         where = (int(last["request"]), int(last["step"]))
-    rows = kv_rows_of(trace, *where)
+    rows = kv_rows_of(src, *where)
     if not rows.size:
         return None
     rows = rows[np.argsort(rows["layer"], kind="stable")]
@@ -252,7 +251,8 @@ class GrowthCurves:
     all_requests: dict[int, tuple[np.ndarray, np.ndarray]]  # request -> (tokens, valid bytes)
 
 
-def growth_curves(trace: Trace) -> GrowthCurves | None:
+def growth_curves(src: Source) -> GrowthCurves | None:
+    trace = _trace(src)
     steps = trace.steps()
     if not steps.size:
         return None
@@ -262,7 +262,7 @@ def growth_curves(trace: Trace) -> GrowthCurves | None:
         s = s[np.argsort(s["step"], kind="stable")]
         all_requests[int(r)] = (s["tokens_seen"].astype(np.int64), s["kv_bytes_valid"].astype(np.int64))
     longest = max(all_requests, key=lambda r: int(all_requests[r][0].max(initial=0)))
-    rows = kv_rows_of(trace, longest)
+    rows = kv_rows_of(src, longest)
     if not rows.size:
         return GrowthCurves(longest, all_requests[longest][0], {"total": all_requests[longest][1]},
                             None, "the kv table has no rows for this request", all_requests)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace.analyzer.report import AnalysisReport
+from kvtrace.analyzer.view import TraceView
 from kvtrace.format.reader import Trace
 from kvtrace.jsonable import plain
 from kvtrace.units import format_bytes, format_ns
@@ -91,7 +92,7 @@ def detector_statuses(analysis: AnalysisReport) -> list[DetectorStatus]:
     return [DetectorStatus(r.name, r.status, r.reason, len(r.findings)) for r in analysis.results]
 
 
-def run_analysis(trace: Trace) -> tuple[AnalysisReport | None, str]:
+def run_analysis(trace: TraceView | Trace) -> tuple[AnalysisReport | None, str]:
     """(analysis report or None, note) of a trace the caller already opened (one open per command).
     None when the analyser is missing or failed; note says why."""
     try:

@@ -39,3 +39,35 @@ def test_perfetto_opens_the_trace_once(tmp_path, opens):
     _, info = write_perfetto(DATA / "gpu_duplication.kvt.h5", tmp_path / "p.json")
     assert info["findings"], info
     assert len(opens) == 1, opens
+
+
+def test_report_and_analyser_share_one_kv_index(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from functools import cached_property
+
+    from kvtrace.analyzer.view import TraceView
+    from kvtrace.report import build_report
+
+    built: list[int] = []
+    index = TraceView.kv_runs.func
+
+    def counted(self):
+        built.append(id(self))
+        return index(self)
+
+    prop = cached_property(counted)
+    prop.__set_name__(TraceView, "kv_runs")
+    monkeypatch.setattr(TraceView, "kv_runs", prop)
+    views: list[int] = []
+    init = TraceView.__init__
+
+    def counted_init(self, trace):
+        views.append(id(self))
+        init(self, trace)
+
+    monkeypatch.setattr(TraceView, "__init__", counted_init)
+    result = build_report(DATA / "gpu_duplication.kvt.h5", tmp_path / "r.html")
+    assert result.findings and "layer-footprint" not in result.absent
+    # One view and one /kv index for the whole page: the footprint, the growth curves and the
+    # analyser read their requests' rows through it (a bare Trace handed on would make a second).
+    assert len(views) == 1 and built == views
