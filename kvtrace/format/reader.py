@@ -52,7 +52,8 @@ ENUM_COLUMNS = schema.ENUM_COLUMNS
 
 @dataclass(frozen=True)
 class Payload:
-    """One sampled tensor: raw element bits in `data` (carrier dtype) plus what they mean."""
+    """One sampled tensor: raw element bits in `data` (carrier dtype) plus what they mean (the
+    schema's PAYLOAD_DESCRIPTION fields of its index row)."""
 
     request: int
     step: int
@@ -395,7 +396,11 @@ class Trace:
         end = int(offset) + int(length)
         if end > ds.shape[0]:
             raise InvalidTrace(f"{self.path}: text reference [{offset}, {end}) past end of /text")
-        return ds[int(offset) : end].tobytes().decode("utf-8", errors="replace")
+        try:
+            data = ds[int(offset) : end]
+        except H5_READ_ERRORS as exc:
+            raise CorruptTrace(f"{self.path}: /text unreadable, corrupt or truncated ({exc})") from None
+        return data.tobytes().decode("utf-8", errors="replace")
 
     def stored_contents(self) -> dict[str, str]:
         """Privacy-relevant content the file actually holds, in words ('' when none), whatever
@@ -403,11 +408,7 @@ class Trace:
         prompt text. Reads storage sizes and one column of /requests."""
         out = {"tensor_payloads": "", "prompt_text": ""}
         rows = self.nrows("payloads/index")
-        stored = 0
-        for itemsize in schema.PAYLOAD_ITEMSIZES:
-            ds = self._file.get(schema.payload_dataset_name(itemsize))
-            if isinstance(ds, h5py.Dataset):
-                stored += int(ds.id.get_storage_size())
+        stored = self.payload_stored_bytes()
         if rows or stored:
             out["tensor_payloads"] = f"{rows} sampled tensors, {format_bytes(stored)} of payload chunks"
         n = self.nrows("requests")
@@ -421,6 +422,18 @@ class Trace:
             if with_text:
                 out["prompt_text"] = f"prompt text of {with_text} request(s)"
         return out
+
+    def payload_stored_bytes(self) -> int:
+        """Bytes the payload carriers occupy in the file (compressed chunks)."""
+        stored = 0
+        try:
+            for itemsize in schema.PAYLOAD_ITEMSIZES:
+                ds = self._file.get(schema.payload_dataset_name(itemsize))
+                if isinstance(ds, h5py.Dataset):
+                    stored += int(ds.id.get_storage_size())
+        except H5_READ_ERRORS as exc:
+            raise CorruptTrace(f"{self.path}: payload carriers unreadable ({exc})") from None
+        return stored
 
     def privacy_mismatches(self) -> list[str]:
         """Where a /meta privacy flag denies content the file holds (spec §3): one line each."""
@@ -443,17 +456,9 @@ class Trace:
         problem = payload_row_problem(row)
         if problem:
             raise InvalidTrace(f"{self.path}: {problem}")
-        itemsize = int(row["itemsize"])
-        dtype = schema.CacheDType(int(row["dtype"]))
-        kind = schema.PayloadKind(int(row["kind"]))
-        shape = tuple(int(s) for s in row["shape"][: int(row["ndim"])])
-        n = int(row["n_elements"])
-        data = self._read_carrier(itemsize, int(row["first_chunk"]), int(row["n_chunks"]), n)
-        return Payload(
-            int(row["request"]), int(row["step"]), int(row["layer"]), kind, dtype, shape,
-            int(row["head_start"]), int(row["head_stride"]), int(row["token_start"]),
-            int(row["t_ns"]), data,
-        )
+        data = self._read_carrier(int(row["itemsize"]), int(row["first_chunk"]), int(row["n_chunks"]),
+                                  int(row["n_elements"]))
+        return Payload(**schema.payload_description(row), data=data)
 
     @cached_property
     def _payload_index_checked(self) -> bool:

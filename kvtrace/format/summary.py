@@ -40,10 +40,7 @@ def summarize(trace: Trace) -> dict[str, Any]:
     for code in layers["layer_type"]:
         name = schema.LayerType(int(code)).name.lower()
         layer_types[name] = layer_types.get(name, 0) + 1
-    payload_bytes = 0
-    for itemsize in schema.PAYLOAD_ITEMSIZES:
-        ds = trace._dataset(schema.payload_dataset_name(itemsize))
-        payload_bytes += int(ds.id.get_storage_size())
+    payload_bytes = trace.payload_stored_bytes()
     devices = [
         {"index": int(d["device"]), "name": d["name"].decode(errors="replace"),
          "total_memory_bytes": int(d["total_memory_bytes"])}

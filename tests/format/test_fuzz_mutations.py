@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-EXAMPLES = 100
+EXAMPLES = 80
 # A damaged file may not cost more memory than this above what the same commands need on the clean
 # file in the same process (torch, matplotlib and the caches of a warm run are in the baseline).
 GROWTH_LIMIT = 256 << 20
@@ -151,9 +151,11 @@ def _mutate(path: Path, m: tuple) -> None:
                 _set_field(ds, m[2], m[1], int(np.clip(value, info.min, info.max)))
         elif kind == "frame":
             ds = f[schema.payload_dataset_name(2)]
-            chunk = schema.payload_chunk_elements(2)
-            c = m[2] % max(1, ds.shape[0] // chunk)
-            _, stored = ds.id.read_direct_chunk((c * chunk,))
+            written = ds.id.get_num_chunks()  # an open trace reserves extent it has not written
+            if not written:
+                return
+            coord = ds.id.get_chunk_info(m[2] % written).chunk_offset
+            _, stored = ds.id.read_direct_chunk(coord)
             stored = {
                 "append": stored + zstandard.ZstdCompressor().compress(b"\0" * 100_000),
                 "cut": stored[: len(stored) // 2],
@@ -162,7 +164,7 @@ def _mutate(path: Path, m: tuple) -> None:
                 "empty": b"\0",  # HDF5 refuses a zero-byte chunk
                 "garbage": bytes(range(256)) * 4,
             }[m[1]]
-            ds.id.write_direct_chunk((c * chunk,), stored, filter_mask=0)
+            ds.id.write_direct_chunk(coord, stored, filter_mask=0)
         elif kind == "meta":
             keys = sorted(f["meta"].attrs.keys())
             key = keys[m[1] % len(keys)]
@@ -262,24 +264,29 @@ def child(work: Path) -> dict:
 
     base = write_synthetic_trace(work / "base.kvt.h5", requests=2, new_tokens=6, payloads=True,
                                  prompt_text=True, recorder_error="sampler died")
+    # a second kind of file: never closed (a killed writer), two devices, sampled contents
+    open_base = write_synthetic_trace(work / "open.kvt.h5", requests=2, new_tokens=6, payloads=True,
+                                      devices=2, close=False)
     seen_codes: set[int] = set()
     count = [0]
     warm = work / "warm"
     warm.mkdir()
-    for name, args in _commands(base, base, warm).items():
-        code, text = _run(main, args)
-        assert code == 0, (name, text[-2000:])  # the control: the clean file passes everywhere
+    for source in (base, open_base):
+        for name, args in _commands(source, base, warm).items():
+            code, text = _run(main, args)
+            assert code == 0, (name, text[-2000:])  # the control: the clean files pass everywhere
+            shutil.rmtree(warm / "bundle", ignore_errors=True)
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck))
-    @given(mutation=_mutations(), with_report=st.integers(0, 3))
-    def one(mutation: tuple, with_report: int) -> None:
+    @given(mutation=_mutations(), with_report=st.integers(0, 3), closed=st.booleans())
+    def one(mutation: tuple, with_report: int, closed: bool) -> None:
         count[0] += 1
         case = work / f"case{count[0]}"
         case.mkdir()
         path = case / "m.kvt.h5"
-        shutil.copy(base, path)
+        shutil.copy(base if closed else open_base, path)
         _mutate(path, mutation)
         expected = _structure_class(path)
         codes = {}
