@@ -519,6 +519,32 @@ RetentionRow = RETENTION_TABLE.row
 PayloadIndexRow = PAYLOAD_INDEX_TABLE.row
 DeviceRow = DEVICES_TABLE.row
 
+# A payload's description: the /payloads/index columns that say what a sampled tensor is (the
+# rest say where its chunks are). reader.Payload and writer.EncodedPayload carry these fields.
+PAYLOAD_DESCRIPTION = ("request", "step", "layer", "kind", "dtype", "shape", "head_start", "head_stride",
+                       "token_start", "t_ns")
+
+
+def payload_index_row(payload: Any, *, first_chunk: int, n_chunks: int) -> Any:
+    """The /payloads/index row of a payload (any object with the PAYLOAD_DESCRIPTION fields plus
+    itemsize and n_elements) whose chunks start at ``first_chunk``."""
+    fields = {name: getattr(payload, name) for name in PAYLOAD_DESCRIPTION}
+    shape = tuple(int(s) for s in payload.shape)
+    fields.update(kind=int(payload.kind), dtype=int(payload.dtype),
+                  shape=list(shape) + [0] * (PAYLOAD_MAX_NDIM - len(shape)))
+    return PayloadIndexRow(**fields, ndim=len(shape), itemsize=payload.itemsize, first_chunk=first_chunk,
+                           n_chunks=n_chunks, n_elements=payload.n_elements)
+
+
+def payload_description(row: Any) -> dict[str, Any]:
+    """The PAYLOAD_DESCRIPTION fields of an index row as Python values (enums, shape tuple)."""
+    out = {name: int(row[name]) for name in PAYLOAD_DESCRIPTION if name not in ("kind", "dtype", "shape")}
+    out["kind"] = PayloadKind(int(row["kind"]))
+    out["dtype"] = CacheDType(int(row["dtype"]))
+    out["shape"] = tuple(int(s) for s in row["shape"][: int(row["ndim"])])
+    return out
+
+
 # Every table, by path. Required tables exist in every valid trace (maybe empty).
 TABLE_DECLS: dict[str, Table] = {t.name: t for t in (
     REQUESTS_TABLE, LAYERS_TABLE, KV_TABLE, STEPS_TABLE, EVENTS_TABLE, READINGS_TABLE, RETENTION_TABLE,

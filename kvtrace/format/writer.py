@@ -79,7 +79,8 @@ class DeviceInfo:
 
 @dataclass
 class EncodedPayload:
-    """A sampled tensor already split into encoded chunks (done outside the writer lock)."""
+    """A sampled tensor already split into encoded chunks (done outside the writer lock): the
+    schema's PAYLOAD_DESCRIPTION fields, then where its chunks go (itemsize, n_elements, frames)."""
 
     request: int
     step: int
@@ -361,13 +362,7 @@ class TraceWriter:
             if self.failure is not None:
                 return False
             self._payload_chunks[itemsize] = first + n
-            shape = list(payload.shape) + [0] * (schema.PAYLOAD_MAX_NDIM - len(payload.shape))
-            row = (
-                payload.request, payload.step, payload.layer, int(payload.kind),
-                int(payload.dtype), len(payload.shape), shape, payload.head_start,
-                payload.head_stride, payload.token_start, itemsize, first, n,
-                payload.n_elements, payload.t_ns,
-            )
+            row = schema.payload_index_row(payload, first_chunk=first, n_chunks=n)
             with self._buf_lock:
                 self._buffers["payloads/index"].append(row)
             return True

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtrace.format import schema
-from kvtrace.format.reader import TraceMeta
+from kvtrace.format.reader import Payload, TraceMeta
 
 SPEC = (Path(__file__).resolve().parents[2] / "spec" / "kvtrace-format.md").read_text()
 
@@ -83,3 +83,14 @@ def test_reader_meta_fields_are_the_declared_ones():
 
 def test_version_in_spec_title():
     assert f"version {schema.FORMAT_VERSION}" in SPEC.splitlines()[0]
+
+
+def test_payload_classes_carry_the_declared_description():
+    """reader.Payload and writer.EncodedPayload describe a payload with the index's own columns."""
+    from dataclasses import fields
+
+    from kvtrace.format.writer import EncodedPayload
+
+    assert set(schema.PAYLOAD_DESCRIPTION) <= set(schema.PAYLOAD_INDEX.names)
+    assert [f.name for f in fields(Payload)] == [*schema.PAYLOAD_DESCRIPTION, "data"]
+    assert set(schema.PAYLOAD_DESCRIPTION) | {"itemsize", "n_elements", "frames"} == {f.name for f in fields(EncodedPayload)}
