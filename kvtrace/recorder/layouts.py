@@ -19,6 +19,10 @@ class decides how tokens are counted, never the model's name:
 
 Offloaded caches need no special reading: shapes and storage pointers of CPU-resident layers are
 valid while their copies are in flight; only tensor *contents* need :func:`wait_for_offload`.
+
+Why one module over 600 lines: the per-step fast path (:func:`fast_plan`, :func:`read_step_fast`)
+is the general reader's rules for plain dynamic layers, kept next to them so a change to one is seen
+against the other; both must give byte-identical /kv rows (tests/recorder/test_overhead_paths.py).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from kvtrace.format.schema import DTYPE_ITEMSIZE, KV, TORCH_DTYPE_NAMES, CacheDType, LayerType
 from kvtrace.format.writer import RowBlock
 from kvtrace.geometry import kv_sharing_map
+from kvtrace.recorder.rows import KvRow
 
 StorageKey = tuple[int, int, int]  # (device index or -1, storage data_ptr, storage nbytes)
 
@@ -546,8 +551,6 @@ def valid_kv(cache: Any, reading: LayerReading) -> tuple[torch.Tensor | None, to
 
 # ---- the per-step fast path -------------------------------------------------------------------
 
-KvRow = tuple  # one /kv row, in the schema's field order
-
 
 @dataclass(frozen=True, slots=True)
 class FastPlan:
@@ -667,8 +670,8 @@ class FastStep(RowBlock):
         return int(a["own"].sum()), int(a["valid"].sum())
 
     def rows(self) -> list[KvRow]:
-        """The rows as tuples (for consumers on the model's thread, e.g. the Prometheus exporter)."""
-        return [tuple(r.tolist()) for r in self.rows_array(KV)]
+        """The rows as typed tuples (for consumers on the model's thread, e.g. live observers)."""
+        return [KvRow._make(r.tolist()) for r in self.rows_array(KV)]
 
 
 class FastStepTotals(RowBlock):

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from kvtrace.recorder.rows import KvRow
+
 if TYPE_CHECKING:  # pragma: no cover
     from kvtrace.recorder.options import RecordOptions
 
@@ -97,14 +99,12 @@ class Observers:
             except Exception as exc:  # noqa: BLE001
                 self._on_error(_name(obs), exc)
 
-    def kv(self, rows: Sequence[Sequence[Any]], layer_type_name: Callable[[int], str]) -> None:
-        """Per-layer unique KV bytes of one step (``rows`` are /kv rows, typed or plain tuples)."""
-        from kvtrace.recorder.rows import KV_BYTES_UNIQUE, KV_LAYER, KV_LAYER_TYPE
-
+    def kv(self, rows: Sequence[KvRow], layer_type_name: Callable[[int], str]) -> None:
+        """Per-layer unique KV bytes of one step (its /kv rows)."""
         for obs in self._list:
             try:
                 for row in rows:
-                    obs.on_kv(row[KV_LAYER], layer_type_name(row[KV_LAYER_TYPE]), row[KV_BYTES_UNIQUE])
+                    obs.on_kv(row.layer, layer_type_name(row.layer_type), row.bytes_unique)
             except Exception as exc:  # noqa: BLE001
                 self._on_error(_name(obs), exc)
 

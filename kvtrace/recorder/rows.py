@@ -112,9 +112,3 @@ class RetentionRow(NamedTuple):  # /retention
     nbytes: int
     referrers_off: int
     referrers_len: int
-
-
-# Positions in a /kv row, for rows that arrive as plain tuples (layouts.FastStep.rows()).
-KV_LAYER = KvRow._fields.index("layer")
-KV_LAYER_TYPE = KvRow._fields.index("layer_type")
-KV_BYTES_UNIQUE = KvRow._fields.index("bytes_unique")
