@@ -1,12 +1,19 @@
 """HTML assembly: one self-contained page (inline CSS, figures as data: URIs, no scripts,
-nothing fetched from the network). Every string from the trace is escaped."""
+nothing fetched from the network).
+
+Templates are Jinja2 with autoescape on: every value is escaped unless it is a fragment this
+module (or a caller, through :func:`trusted`) already built as ``Markup``. So escaping is the
+default, not a habit each f-string has to keep.
+"""
 
 from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from html import escape
+
+from jinja2 import Environment, StrictUndefined
+from markupsafe import Markup
 
 CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:0;background:#fafafa;color:#222}
@@ -49,68 +56,85 @@ class Section:
     id: str
     title: str
     figures: list[Figure] = field(default_factory=list)
-    body: list[str] = field(default_factory=list)  # HTML fragments, already escaped
+    body: list[str] = field(default_factory=list)  # HTML fragments (Markup, or trusted strings)
     lead: list[str] = field(default_factory=list)  # HTML fragments drawn before the figures
 
 
-def absent(reason: str) -> str:
-    return f'<p class="absent">Not shown: {escape(reason)}</p>'
+_ENV = Environment(autoescape=True, undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 
 
-def para(text: str) -> str:
-    return f"<p>{escape(text)}</p>"
+def trusted(fragment: str) -> Markup:
+    """A fragment a caller built and escaped itself (build.py's severity spans, verdict lines)."""
+    return Markup(fragment)
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]], numeric: Sequence[int] = ()) -> str:
-    head = "".join(f"<th>{escape(str(h))}</th>" for h in headers)
-    body = []
-    for row in rows:
-        cells = []
-        for i, cell in enumerate(row):
-            cls = ' class="num"' if i in numeric else ""
-            cells.append(f"<td{cls}>{escape(str(cell))}</td>")
-        body.append(f"<tr>{''.join(cells)}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+_ENV.filters["trusted"] = trusted
+_ENV.filters["b64"] = lambda data: base64.b64encode(data).decode("ascii")
 
 
-def fields(rows: Sequence[tuple[str, object]]) -> str:
+_ABSENT = _ENV.from_string('<p class="absent">Not shown: {{ reason }}</p>')
+_PARA = _ENV.from_string("<p>{{ text }}</p>")
+_TABLE = _ENV.from_string(
+    "<table><thead><tr>{% for h in headers %}<th>{{ h }}</th>{% endfor %}</tr></thead><tbody>"
+    "{% for row in rows %}<tr>{% for cell in row %}"
+    '<td{% if loop.index0 in numeric %} class="num"{% endif %}>{{ cell }}</td>'
+    "{% endfor %}</tr>{% endfor %}</tbody></table>"
+)
+_FIELDS = _ENV.from_string(
+    "<table><tbody>{% for k, v in rows %}<tr><th>{{ k }}</th><td>{{ v }}</td></tr>{% endfor %}</tbody></table>"
+)
+_PAGE = _ENV.from_string("""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+{# No network: forbid every fetch except inline data the page carries. #}
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; img-src data:; style-src 'unsafe-inline'">
+<title>{{ title }}</title><style>{{ css }}</style></head><body>
+<header><h1>{{ title }}</h1>
+{% for line in header_lines %}
+<p>{{ line }}</p>
+{% endfor %}
+</header>
+<nav>{% for s in sections %}<a href="#{{ s.id }}">{{ s.title }}</a>{% endfor %}</nav><main>
+{% for s in sections %}
+<section id="{{ s.id }}" data-section="{{ s.id }}"><h2>{{ s.title }}</h2>
+{% for part in s.lead %}
+{{ part | trusted }}
+{% endfor %}
+{% for fig in s.figures %}
+<figure id="fig-{{ fig.name }}" data-figure="{{ fig.name }}">{#
+#}<img alt="{{ fig.caption }}" src="data:image/svg+xml;base64,{{ fig.svg | b64 }}">{#
+#}<figcaption>{{ fig.caption }}</figcaption></figure>
+{% endfor %}
+{% for part in s.body %}
+{{ part | trusted }}
+{% endfor %}
+</section>
+{% endfor %}
+</main><footer>{{ footer }}</footer></body></html>""")
+
+
+def absent(reason: str) -> Markup:
+    return Markup(_ABSENT.render(reason=reason))
+
+
+def para(text: str) -> Markup:
+    return Markup(_PARA.render(text=text))
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], numeric: Sequence[int] = ()) -> Markup:
+    return Markup(_TABLE.render(headers=headers, rows=rows, numeric=set(numeric)))
+
+
+def fields(rows: Sequence[tuple[str, object]]) -> Markup:
     """A two-column name/value table without a header row."""
-    body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v))}</td></tr>" for k, v in rows)
-    return f"<table><tbody>{body}</tbody></table>"
+    return Markup(_FIELDS.render(rows=rows))
 
 
-def raw_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def raw_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> Markup:
     """Like table() but cells are trusted HTML fragments (callers escape what they insert)."""
-    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return table(headers, [[trusted(c) for c in row] for row in rows])
 
 
 def render(title: str, header_lines: Sequence[str], sections: Sequence[Section], footer: str) -> str:
-    nav = "".join(f'<a href="#{s.id}">{escape(s.title)}</a>' for s in sections)
-    parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        # No network: forbid every fetch except inline data the page carries.
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
-        "img-src data:; style-src 'unsafe-inline'\">",
-        f"<title>{escape(title)}</title><style>{CSS}</style></head><body>",
-        f"<header><h1>{escape(title)}</h1>",
-        *(f"<p>{escape(line)}</p>" for line in header_lines),
-        "</header>",
-        f"<nav>{nav}</nav><main>",
-    ]
-    for s in sections:
-        parts.append(f'<section id="{escape(s.id)}" data-section="{escape(s.id)}"><h2>{escape(s.title)}</h2>')
-        parts.extend(s.lead)
-        for fig in s.figures:
-            data = base64.b64encode(fig.svg).decode("ascii")
-            parts.append(
-                f'<figure id="fig-{escape(fig.name)}" data-figure="{escape(fig.name)}"><img alt="{escape(fig.caption)}" '
-                f'src="data:image/svg+xml;base64,{data}"><figcaption>{escape(fig.caption)}</figcaption></figure>'
-            )
-        parts.extend(s.body)
-        parts.append("</section>")
-    parts.append(f"</main><footer>{escape(footer)}</footer></body></html>")
-    return "\n".join(parts)
+    return _PAGE.render(title=title, header_lines=header_lines, sections=sections, footer=footer,
+                        css=trusted(CSS))
