@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtrace.analyzer.report import AnalysisReport
+from kvtrace.analyzer.view import TraceView
 from kvtrace.errors import CannotWrite
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
@@ -65,15 +67,17 @@ def _thread(pid: int, tid: int, name: str) -> dict[str, Any]:
     return {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
 
 
-def trace_events(trace: Trace, findings: list[FindingRow] | None = None) -> dict[str, Any]:
+def trace_events(source: TraceView | Trace, findings: list[FindingRow] | None = None) -> dict[str, Any]:
     """The whole JSON document as a dict (see the module docstring for its layout)."""
+    view = TraceView.of(source)
+    trace = view.trace
     t0 = data.time_zero_ns(trace)
     meta = trace.meta
     events: list[dict[str, Any]] = _meta(HOST_PID, f"kvtrace host: {meta.model_id}", 0)
     events += [_thread(HOST_PID, REQUESTS_TID, "requests"), _thread(HOST_PID, PHASES_TID, "phases"),
                _thread(HOST_PID, FINDINGS_TID, "findings")]
     devices = {int(d["device"]) for d in trace.devices()}
-    timelines = data.memory_timelines(trace)
+    timelines = data.memory_timelines(view)
     devices |= {tl.device for tl in timelines}
     for dev in sorted(devices):
         events += _meta(device_pid(dev), data.device_label(trace, dev), 10 + dev)
@@ -195,19 +199,37 @@ def write_perfetto(
     progress: Callable[[str], None] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Write the trace-event JSON; returns (path, {"events": n, "findings": n or None, "note": ...})."""
+    with Trace(trace_path) as trace:  # opened once: the analyser and the events read the same view
+        return render(TraceView(trace), None, out_json, findings=findings, run_analyzer=run_analyzer,
+                      progress=progress)
+
+
+def render(
+    view: TraceView,
+    analysis: AnalysisReport | None,
+    out_json: str | os.PathLike[str],
+    *,
+    findings: list[FindingRow] | None = None,
+    run_analyzer: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[Path, dict[str, Any]]:
+    """The Perfetto renderer: trace events of an open trace's view, with the analysis's findings as
+    instants (`analysis`, else `findings` rows, else kvtrace.analyze on the same view unless
+    `run_analyzer` is False)."""
     from kvtrace.report import findings as fmod
 
     step = progress or (lambda _s: None)
     note = "findings given by the caller"
-    with Trace(trace_path) as trace:  # opened once: the analyser and the events read the same file
-        if findings is None and run_analyzer:
-            step("analyse")
-            analysis, note = fmod.run_analysis(trace)
-            findings = None if analysis is None else fmod.flatten(analysis)
-        elif findings is None:
-            note = "analysis skipped"
-        step("read")
-        doc = trace_events(trace, findings)
+    if analysis is not None:
+        findings = fmod.flatten(analysis)
+    elif findings is None and run_analyzer:
+        step("analyse")
+        analysis, note = fmod.run_analysis(view)
+        findings = None if analysis is None else fmod.flatten(analysis)
+    elif findings is None:
+        note = "analysis skipped"
+    step("read")
+    doc = trace_events(view, findings)
     step("write")
     out = Path(out_json)
     try:

@@ -71,3 +71,23 @@ def test_report_and_analyser_share_one_kv_index(tmp_path, monkeypatch):
     # One view and one /kv index for the whole page: the footprint, the growth curves and the
     # analyser read their requests' rows through it (a bare Trace handed on would make a second).
     assert len(views) == 1 and built == views
+
+
+def test_renderers_take_one_view_and_one_report(tmp_path, opens, monkeypatch):
+    """render(view, report, ...): the HTML page and Perfetto drawn from one open trace and one
+    analysis, which neither renderer recomputes."""
+    pytest.importorskip("matplotlib")
+    import kvtrace.analyzer as analyzer_mod
+    from kvtrace.analyzer import analyze
+    from kvtrace.analyzer.view import TraceView
+    from kvtrace.export import perfetto
+    from kvtrace.report import build
+
+    with reader.Trace(DATA / "gpu_duplication.kvt.h5") as t:
+        view = TraceView(t)
+        report = analyze(view)
+        monkeypatch.setattr(analyzer_mod, "analyze", lambda *a, **k: pytest.fail("analysed twice"))
+        page = build.render(view, report, tmp_path / "r.html")
+        _, info = perfetto.render(view, report, tmp_path / "p.json")
+    assert page.findings == info["findings"] == len(report.findings) > 0
+    assert len(opens) == 1
