@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
@@ -44,10 +45,11 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
     --json prints the report as JSON (spec/analysis-json.md) instead of the terminal view;
     --json-out FILE also writes it to FILE. Sizes are printed in binary units (KiB = 1024 bytes).
     """
+    from kvtrace.analyzer import TraceView, detector_names, document, get_detectors
     from kvtrace.analyzer import analyze as run_analysis
-    from kvtrace.analyzer import detector_names, document, get_detectors
     from kvtrace.analyzer.base import Severity
     from kvtrace.analyzer.terminal import console_for, render
+    from kvtrace.format.reader import Trace
 
     if list_detectors:
         for name in detector_names():
@@ -73,18 +75,14 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
     error_code = 0
     for path in traces:
         try:
-            report = run_analysis(path, detectors or None)
+            with Trace(path) as t:  # opened once: the detectors and the content analyses read it
+                report = run_analysis(TraceView(t), detectors or None)
+                if gpu or contents:
+                    report.contents = _contents(t, gpu)
         except TraceError as exc:
             click.echo(f"kvtrace: {exc}", err=True)
             error_code = error_code or exit_code_for(exc)
             continue
-        if gpu or contents:
-            from kvtrace.analyzer.contents import analyze_contents
-
-            try:
-                report.contents = analyze_contents(path, device="cuda" if gpu else "auto").to_dict()
-            except TraceError as exc:  # a payload that does not decode: the rest of the report stands
-                report.contents = {"status": "skipped", "reason": f"unreadable payloads: {exc}"}
         reports.append(report)
         if not to_stdout_json:
             render(report, console, show_info=not quiet)
@@ -94,3 +92,13 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
         sys.exit(error_code)
     if fail_on and any(r.reaches(Severity.parse(fail_on)) for r in reports):
         sys.exit(exitcodes.FINDINGS)
+
+
+def _contents(trace: Any, gpu: bool) -> dict[str, Any]:
+    """The content analyses of sampled tensors (needs torch), on the trace already open."""
+    from kvtrace.analyzer.contents import analyze_contents
+
+    try:
+        return analyze_contents(trace, device="cuda" if gpu else "auto").to_dict()
+    except TraceError as exc:  # a payload that does not decode: the rest of the report stands
+        return {"status": "skipped", "reason": f"unreadable payloads: {exc}"}
