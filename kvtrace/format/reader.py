@@ -461,13 +461,17 @@ class Trace:
         return Payload(**schema.payload_description(row), data=data)
 
     @cached_property
+    def index_scan(self) -> IndexScan:
+        """The payload index checked once per trace (:func:`scan_payload_index`)."""
+        return scan_payload_index(self)
+
+    @cached_property
     def _payload_index_checked(self) -> bool:
         """Whole-index rules, checked before the first payload is decoded: the payloads together
         decode within the reader's limit, and no two payloads share a chunk (so decoding every
         payload decodes each stored chunk at most once: work is bounded by what the file stores)."""
-        problems = payload_index_problems(self.payload_index(), self)
-        if problems:
-            raise problems[0]
+        if self.index_scan.whole:
+            raise self.index_scan.whole[0]
         return True
 
     def _payload_row(self, i: int) -> np.void:
@@ -532,71 +536,109 @@ def unknown_codes(column: np.ndarray, enum_type: type) -> list[int]:
 
 def payload_row_problem(row: np.void) -> str | None:
     """What makes one index row unreadable, or None (see :func:`payload_row_problems`)."""
-    block = np.asarray(row).reshape(1)
-    return payload_row_problems(block).get(0)
+    _, found = payload_row_problems(np.asarray(row).reshape(1))
+    return next((message for message, _ in found.values()), None)
 
 
-def payload_row_problems(rows: np.ndarray) -> dict[int, str]:
-    """Row number -> what makes that index row unreadable (itemsize, codes, shape, chunk count),
-    for a block of rows at once (a hostile index may hold millions)."""
-    problems: dict[int, str] = {}
+def payload_row_problems(rows: np.ndarray) -> tuple[np.ndarray, dict[str, tuple[str, int]]]:
+    """Index rows that cannot be read (itemsize, codes, shape, chunk count), vectorised over a block
+    (a hostile index may hold millions of rows): (mask of bad rows, broken rule -> (message about
+    its first offending row, rows that break it))."""
+    bad = np.zeros(len(rows), dtype=bool)
+    found: dict[str, tuple[str, int]] = {}
 
-    def flag(mask: np.ndarray, message: Callable[[int], str]) -> None:
-        for i in np.flatnonzero(mask):
-            problems.setdefault(int(i), message(int(i)))
+    def flag(rule: str, mask: np.ndarray, message: Callable[[int], str]) -> None:
+        hits = np.flatnonzero(mask)
+        if hits.size:
+            found[rule] = (message(int(hits[0])), hits.size)
+            bad[hits] = True
 
     itemsize = rows["itemsize"].astype(np.int64)
     ndim = rows["ndim"].astype(np.int64)
     n = rows["n_elements"].astype(np.uint64)
-    flag(~np.isin(itemsize, schema.PAYLOAD_ITEMSIZES),
+    flag("itemsize", ~np.isin(itemsize, schema.PAYLOAD_ITEMSIZES),
          lambda i: f"payload itemsize {itemsize[i]} is not one of {schema.PAYLOAD_ITEMSIZES}")
     dtype_size = np.zeros(256, dtype=np.int64)  # dtype is uint8: a lookup table covers every code
     for d, size in schema.DTYPE_ITEMSIZE.items():
         dtype_size[int(d)] = size
     for column, enum_type in ENUM_COLUMNS["payloads/index"]:
         codes = rows[column].astype(np.int64)
-        flag(~np.isin(codes, [int(v) for v in enum_type]),
+        flag(column, ~np.isin(codes, [int(v) for v in enum_type]),
              lambda i, c=codes, col=column: f"payload index {col} has unknown code {c[i]}")
     fits = dtype_size[rows["dtype"].astype(np.uint8)] == itemsize
-    flag(~fits, lambda i: f"payload itemsize {itemsize[i]} does not fit dtype code {int(rows['dtype'][i])}")
-    flag((ndim < 0) | (ndim > schema.PAYLOAD_MAX_NDIM),
+    flag("fits", ~fits, lambda i: f"payload itemsize {itemsize[i]} does not fit dtype code {int(rows['dtype'][i])}")
+    flag("ndim", (ndim < 0) | (ndim > schema.PAYLOAD_MAX_NDIM),
          lambda i: f"payload ndim {ndim[i]} is not in [0, {schema.PAYLOAD_MAX_NDIM}]")
     used = np.arange(schema.PAYLOAD_MAX_NDIM)[None, :] < ndim[:, None]
     shape = rows["shape"].astype(np.int64)
     product = np.prod(np.where(used, shape, 1).astype(np.float64), axis=1)
-    flag(np.any(used & (shape < 0), axis=1) | (product != n.astype(np.float64)),
+    flag("shape", np.any(used & (shape < 0), axis=1) | (product != n.astype(np.float64)),
          lambda i: f"payload shape {tuple(int(x) for x in shape[i][: max(0, ndim[i])])} "
                    f"does not hold {n[i]} elements")
     decoded = n.astype(np.float64) * itemsize
-    flag(decoded > MAX_PAYLOAD_BYTES,
+    flag("size", decoded > MAX_PAYLOAD_BYTES,
          lambda i: f"payload of {int(decoded[i])} bytes exceeds the reader limit of {MAX_PAYLOAD_BYTES}")
-    per_chunk = np.where(np.isin(itemsize, schema.PAYLOAD_ITEMSIZES), schema.PAYLOAD_CHUNK_BYTES // np.maximum(itemsize, 1), 1)
+    per_chunk = np.where(np.isin(itemsize, schema.PAYLOAD_ITEMSIZES),
+                         schema.PAYLOAD_CHUNK_BYTES // np.maximum(itemsize, 1), 1)
     needed = np.maximum(1, -(-n.astype(np.float64) // per_chunk))
-    flag(rows["n_chunks"].astype(np.float64) != needed,
+    flag("n_chunks", rows["n_chunks"].astype(np.float64) != needed,
          lambda i: f"payload of {n[i]} elements claims {int(rows['n_chunks'][i])} chunks of "
                    f"{per_chunk[i]} (it occupies {int(needed[i])})")
-    return problems
+    return bad, found
 
 
-def payload_index_problems(index: np.ndarray, trace: Trace) -> list[InvalidTrace]:
-    """Rules over the whole index: total decoded size within the reader's limit, no shared chunks."""
-    if index.size == 0:
-        return []
-    problems: list[InvalidTrace] = []
-    declared = int(np.sum(index["n_elements"].astype(np.float64) * index["itemsize"]))
+@dataclass
+class IndexScan:
+    """The payload index checked block by block (never held whole in memory)."""
+
+    rows: int
+    bad: np.ndarray  # bool per row: the row cannot be read
+    row_messages: list[str]  # distinct broken rules, one line each
+    whole: list[InvalidTrace]  # rules over all rows: decode limit, shared chunks
+
+
+INDEX_BLOCK = 1 << 16  # index rows per read (~6 MiB)
+_INDEX_COLUMNS = np.dtype([("itemsize", "u1"), ("first_chunk", "<u8"), ("n_chunks", "<u4"), ("n_elements", "<u8")])
+
+
+def scan_payload_index(trace: Trace) -> IndexScan:
+    """Row rules of every index row and the whole-index rules (total decoded size within the
+    reader's limit, no two payloads sharing a chunk), reading the index in blocks and keeping only
+    the four columns the whole-index rules need (21 bytes a row)."""
+    n = trace.nrows("payloads/index")
+    trace._refuse_over_limit(f"/payloads/index ({n} rows)", n * schema.PAYLOAD_INDEX.itemsize)
+    bad, rules, cols, declared = [], {}, [], 0
+    for start in range(0, n, INDEX_BLOCK):
+        block = trace.table("payloads/index", rows=slice(start, min(n, start + INDEX_BLOCK)), check_codes=False)
+        mask, found = payload_row_problems(block)
+        bad.append(mask)
+        for rule, (message, count) in found.items():
+            first, total = rules.get(rule, (message, 0))
+            rules[rule] = (first, total + count)
+        good = block[~mask]  # rows that break a row rule are refused on their own
+        declared += int(np.sum(good["n_elements"].astype(np.float64) * good["itemsize"]))
+        compact = np.empty(len(good), dtype=_INDEX_COLUMNS)  # a multi-field view keeps the full row size
+        for name in _INDEX_COLUMNS.names:
+            compact[name] = good[name]
+        cols.append(compact)
+    messages = [m + (f" ({count} rows)" if count > 1 else "") for m, count in rules.values()]
+    scan = IndexScan(n, np.concatenate(bad) if bad else np.zeros(0, dtype=bool), messages, [])
+    if not n:
+        return scan
+    index = np.concatenate(cols)
     try:
-        trace._refuse_over_limit(f"{index.size} payloads", declared)
+        trace._refuse_over_limit(f"{n} payloads", declared)
     except LimitExceeded as exc:
-        problems.append(exc)
+        scan.whole.append(exc)
     for itemsize in np.unique(index["itemsize"]):
         rows = index[index["itemsize"] == itemsize]
         first = rows["first_chunk"].astype(np.uint64)
         order = np.argsort(first, kind="stable")
         ends = first[order] + rows["n_chunks"][order].astype(np.uint64)
         if np.any(first[order][1:] < ends[:-1]):
-            problems.append(InvalidTrace(f"{trace.path}: payloads share chunks of "
-                                         f"/{schema.payload_dataset_name(int(itemsize))}"))
-    return problems
+            scan.whole.append(InvalidTrace(f"{trace.path}: payloads share chunks of "
+                                           f"/{schema.payload_dataset_name(int(itemsize))}"))
+    return scan
 
 
 def structure_problems(trace: Trace) -> tuple[list[str], set[str]]:
@@ -636,12 +678,11 @@ def structure_problems(trace: Trace) -> tuple[list[str], set[str]]:
         present.add(name)
     if "payloads/index" in present:
         try:
-            index = trace.table("payloads/index", check_codes=False)
-            row_problems = sorted(set(payload_row_problems(index).values()))
-            problems.extend(row_problems[:MAX_LISTED])
-            if len(row_problems) > MAX_LISTED:
-                problems.append(f"... and {len(row_problems) - MAX_LISTED} more kinds of bad payload index rows")
-            problems.extend(str(exc).split(": ", 1)[-1] for exc in payload_index_problems(index, trace))
+            scan = trace.index_scan
+            problems.extend(scan.row_messages[:MAX_LISTED])
+            if len(scan.row_messages) > MAX_LISTED:
+                problems.append(f"... and {len(scan.row_messages) - MAX_LISTED} more kinds of bad payload index rows")
+            problems.extend(str(exc).split(": ", 1)[-1] for exc in scan.whole)
         except TraceError as exc:
             problems.append(str(exc).split(": ", 1)[-1])
     try:

@@ -19,11 +19,11 @@ from kvtrace.format.codec import check_chunk
 from kvtrace.format.errors import H5_READ_ERRORS, CorruptChunk, TraceError
 from kvtrace.format.reader import (
     ENUM_COLUMNS,
+    INDEX_BLOCK,
     MAX_LISTED,
     MAX_TEXT_BYTES,
+    IndexScan,
     Trace,
-    payload_index_problems,
-    payload_row_problems,
     structure_problems,
     unknown_codes,
 )
@@ -175,16 +175,23 @@ def _check_privacy(trace: Trace, report: ValidationReport) -> None:
         report.problems.extend(trace.privacy_mismatches())
 
 
+def _index_rows(trace: Trace, scan: IndexScan) -> Iterator[tuple[int, np.void]]:
+    """(row number, row) of every readable index row, a block at a time (bad rows were listed by
+    structure_problems)."""
+    for start in range(0, scan.rows, INDEX_BLOCK):
+        block = trace.table("payloads/index", rows=slice(start, min(scan.rows, start + INDEX_BLOCK)),
+                            check_codes=False)
+        for j in np.flatnonzero(~scan.bad[start : start + len(block)]):
+            yield start + int(j), block[j]
+
+
 def _check_payloads(trace: Trace, report: ValidationReport) -> None:
     """Decode every chunk of every payload once, one chunk in memory at a time."""
-    index = trace.table("payloads/index", check_codes=False)
-    if payload_index_problems(index, trace):
+    scan = trace.index_scan
+    if scan.whole:
         return  # listed by structure_problems; over the limit or shared chunks: decoding is refused
-    skip = payload_row_problems(index)  # listed by structure_problems
     bad = 0
-    for i, row in enumerate(index):
-        if i in skip:
-            continue
+    for i, row in _index_rows(trace, scan):
         itemsize = int(row["itemsize"])
         chunk_bytes = schema.PAYLOAD_CHUNK_BYTES
         try:

@@ -254,7 +254,7 @@ def _structure_class(path: Path) -> int | None:
 
 
 def child(work: Path) -> dict:
-    sys.path[:0] = [str(HERE), str(HERE.parent / "report")]
+    sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "report")]  # tests/: tracebuild
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
     from synth_trace import write_synthetic_trace
