@@ -568,7 +568,8 @@ GROUP_DESCRIPTIONS = {
 TEXT_ATTRS = {"description": "UTF-8 string heap; rows point into it with (_off, _len) pairs (spec §5)",
               "units": "bytes"}
 PAYLOAD_CARRIER_ATTRS = {
-    "description": "raw element bits of sampled tensors in shuffle + zstd (32015) chunks; "
+    "description": "raw element bits of sampled tensors in shuffle + zstd (filter 32015) chunks: HDF5 tools "
+                   "need the zstd filter plugin (HDF5_PLUGIN_PATH, e.g. from hdf5plugin) to print them; "
                    "/payloads/index says what they are (spec §6)",
     "units": "element bits"}
 
