@@ -1,6 +1,11 @@
 """Lazy trace reader: opening reads only the root and /meta attributes; tables and payloads
 are read when asked. Returns numpy structured arrays and plain dataclasses; never unpickles
 (h5py object references and pickled attributes are never dereferenced or loaded).
+
+Why one module over 600 lines: the structure and payload-index rules (structure_problems,
+payload_row_problems, payload_index_problems) are what opening a trace enforces and what validate
+lists; they sit beside Trace, whose limits they share. (Moving them to a module of their own is a
+candidate once the hostile-file work in this module has settled.)
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ attributes (format 1.3), a NamedTuple row type per table (RequestRow, KvRow, ...
 and validator's enum and text maps, and /meta encoding and decoding.
 
 Everything here mirrors spec/kvtrace-format.md (tests/format/test_spec_sync.py checks it).
+Why one module over 600 lines: about 300 of them are the column declarations themselves (one line
+per field, units and description included), kept in one place so the layout is read in one file.
 Changing a table's fields changes the format: bump FORMAT_MINOR for added fields (readers
 ignore unknown fields), FORMAT_MAJOR for anything a 1.x reader would misread.
 """

@@ -19,6 +19,10 @@ removed) never reach HDF5 as errors: the file goes through :class:`~kvtrace.form
 writer then enters its failed state: every later append, flush and payload is a cheap no-op,
 :attr:`TraceWriter.failure` says why, and ``close()`` closes HDF5 against the in-memory overlay
 and stamps ``/stop`` in place. The file keeps everything up to its last completed flush (spec §8).
+
+Why one module over 600 lines: buffering, flushing, the failed state and the fork/exit handling
+share the two locks and the buffers above; split apart, each piece would reach into the others'
+state.
 """
 
 from __future__ import annotations
