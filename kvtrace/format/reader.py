@@ -36,7 +36,10 @@ from kvtrace.format.errors import (
 from kvtrace.format.numeric import to_float32
 from kvtrace.units import format_bytes
 
-MAX_JSON_ATTR_BYTES = 64 * 1024 * 1024
+# One /meta JSON attribute. Real ones are kilobytes (the largest Hugging Face configs, with label
+# maps, are ~1 MiB); parsing turns text into Python objects of up to ~25x its size ("[{},{},...]"),
+# so 4 MiB keeps a hostile attribute near 100 MiB of memory.
+MAX_JSON_ATTR_BYTES = 4 * 1024 * 1024
 MAX_LISTED = 8  # distinct problems of one kind listed; the rest are counted
 MAX_PAYLOAD_BYTES = 8 * 1024**3  # one payload decoded into memory; larger is refused
 # Decoding allowed for one operation (a table read; all payloads of the index together), relative
@@ -258,7 +261,9 @@ class Trace:
                 if len(text) > MAX_JSON_ATTR_BYTES:
                     raise InvalidTrace(f"{self.path}: /meta {key} is implausibly large")
                 try:
-                    decoded = _clean_json(json.loads(text))
+                    decoded = json.loads(text)
+                    if "\\ud" in text.lower():  # a \uD800-\uDFFF escape may decode to a lone surrogate
+                        decoded = _clean_json(decoded)
                 except (json.JSONDecodeError, RecursionError):  # nesting deeper than Python's stack
                     raise InvalidTrace(f"{self.path}: /meta {key} is not valid JSON (or nested too deeply)") from None
                 values[key[: -len("_json")]] = decoded

@@ -187,3 +187,19 @@ def test_an_index_of_millions_of_zero_rows_is_checked_in_blocks(tmp_path):
         assert r["rc"] == exitcodes.INVALID, r
         assert f"payload itemsize 0 is not one of (1, 2, 4, 8) ({rows} rows)" in r["err"]
         assert r["peak"] < 256 << 20, r["peak"]  # the index alone is 256 MiB: it is never held whole
+
+
+def test_json_attribute_of_millions_of_objects_stays_small(tmp_path):
+    """Just under the 4 MiB JSON limit, 1.4 million empty objects: parsing is bounded (~25x the
+    text) and the lone-surrogate cleaner does not walk documents without \\uD8xx escapes."""
+    p = tmp_path / "json.kvt.h5"
+    write_minimal(p)
+    with h5py.File(p, "a") as f:
+        f["meta"].attrs["model_config_json"] = "[" + ",".join(["{}"] * ((4 << 20) // 3 - 1)) + "]"
+    r = measured("validate", str(p))
+    assert r["rc"] == exitcodes.INVALID and "model_config_json" in r["err"], r
+    assert r["peak"] < 512 << 20, r["peak"]
+    with h5py.File(p, "a") as f:
+        f["meta"].attrs["model_config_json"] = "[" + ",".join(["{}"] * ((4 << 20) // 3 + 1)) + "]"
+    r = measured("info", str(p))
+    assert r["rc"] == exitcodes.INVALID and "implausibly large" in r["err"], r
