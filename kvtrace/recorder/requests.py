@@ -22,6 +22,7 @@ import torch
 
 from kvtrace.format.schema import EventKind, Outcome, ReadingLabel
 from kvtrace.format.writer import monotonic_ns
+from kvtrace.memory_errors import is_host_oom
 from kvtrace.recorder.context import MAX_ERROR_TEXT, RequestState, SessionContext
 from kvtrace.recorder.readings import MemoryReadings
 from kvtrace.recorder.rows import RequestRow
@@ -181,7 +182,7 @@ class Requests:
             assert w is not None
             rid = req.id
             summary = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]
-            if isinstance(exc, OOM_ERRORS):
+            if isinstance(exc, OOM_ERRORS) or is_host_oom(exc):  # host OOMs too (one rule, memory_errors)
                 outcome = Outcome.OOM
                 device = self.readings.devices[0] if self.readings.devices else -1
                 self.ctx.event(EventKind.OOM, rid, step=req.step, device=device, text=summary)

@@ -170,6 +170,10 @@ class _Raise:
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), Outcome.OOM, EventKind.OOM),
     (KeyboardInterrupt(), Outcome.INTERRUPTED, EventKind.INTERRUPT),
     (RuntimeError("boom"), Outcome.ERROR, EventKind.EXCEPTION),
+    # host allocator failures are OOMs too (they are not torch.OutOfMemoryError)
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: not enough memory: you tried "
+                  "to allocate 1099511627776 bytes."), Outcome.OOM, EventKind.OOM),
+    (MemoryError(), Outcome.OOM, EventKind.OOM),
 ])
 def test_failures_inside_generate(tmp_path, exc, outcome, kind):
     m = tiny_model("llama")

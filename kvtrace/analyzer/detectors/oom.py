@@ -16,12 +16,12 @@ from kvtrace.analyzer.base import Detector, Finding, ev, register
 from kvtrace.analyzer.detectors._common import device_cap
 from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.format import schema
+from kvtrace.memory_errors import is_cpu_oom_text
 from kvtrace.units import format_bytes
 
 _NUM = r"([0-9.]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|bytes)"
 _TRIED = re.compile(r"[Tt]ried to allocate\s+" + _NUM)
 _ALLOWED = re.compile(r"with\s+" + _NUM + r"\s+allowed")
-_CPU_OOM = re.compile(r"can't allocate memory|not enough memory|Cannot allocate memory|std::bad_alloc|MemoryError")
 _SCALE = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
           "KB": 1000, "MB": 1000**2, "GB": 1000**3}
 # A cap "binds" when it is below the device (or host) memory by more than rounding.
@@ -44,7 +44,7 @@ def allowed_bytes(text: str) -> int | None:
 
 
 def is_cpu_oom(text: str) -> bool:
-    return bool(_CPU_OOM.search(text or ""))
+    return is_cpu_oom_text(text)
 
 
 @register
