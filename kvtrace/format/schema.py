@@ -520,6 +520,8 @@ ReadingRow = READINGS_TABLE.row
 RetentionRow = RETENTION_TABLE.row
 PayloadIndexRow = PAYLOAD_INDEX_TABLE.row
 DeviceRow = DEVICES_TABLE.row
+StatusRow = STATUS_TABLE.row
+StopRow = STOP_TABLE.row
 
 # A payload's description: the /payloads/index columns that say what a sampled tensor is (the
 # rest say where its chunks are). reader.Payload and writer.EncodedPayload carry these fields.

@@ -243,14 +243,15 @@ class TraceWriter:
         for group, description in schema.GROUP_DESCRIPTIONS.items():
             f[group].attrs["description"] = description
         status = f.create_dataset("status", shape=(1,), dtype=schema.STATUS)
-        status[0] = (0, 0, 0)
+        status[0] = schema.StatusRow(closed_ns=0, last_flush_ns=0, flushes=0)
         _describe(status, schema.STATUS_TABLE.attributes())
         stop = f.create_dataset("stop", shape=(1,), dtype=schema.STOP)  # contiguous, allocated now
-        stop[0] = (0, 0, b"")
+        stop[0] = schema.StopRow(stopped_ns=0, errno=0, reason=b"")
         _describe(stop, schema.STOP_TABLE.attributes())
         if devices:
             rows = [
-                (d.index, d.name.encode()[:64], d.total_memory_bytes, d.uuid.encode()[:64])
+                schema.DeviceRow(d.index, name=d.name.encode()[:64], total_memory_bytes=d.total_memory_bytes,
+                                 uuid=d.uuid.encode()[:64])
                 for d in devices
             ]
             ds = f["devices"]
@@ -486,7 +487,7 @@ class TraceWriter:
                     self._drain_buffers()
                 if self._io.fault is None:
                     self._flushes += 1
-                    self._file["status"][0] = (0, monotonic_ns(), self._flushes)
+                    self._file["status"][0] = schema.StatusRow(0, monotonic_ns(), self._flushes)
                     self._file.flush()
 
     @contextlib.contextmanager
@@ -550,7 +551,7 @@ class TraceWriter:
                 self.flush()
                 if self.failure is None:
                     with self._writing():
-                        self._file["status"][0] = (monotonic_ns(), monotonic_ns(), self._flushes)
+                        self._file["status"][0] = schema.StatusRow(monotonic_ns(), monotonic_ns(), self._flushes)
                         self._file.flush()
             self._closed = True
             self._close_file()
@@ -569,7 +570,7 @@ class TraceWriter:
             # In place: these bytes already exist, so a full disk still takes them; a failing
             # device may not, and then the trace is simply incomplete.
             reason = fault.describe().encode("utf-8", errors="replace")[:128]
-            row = np.array([(monotonic_ns(), fault.errno, reason)], dtype=schema.STOP)
+            row = np.array([schema.StopRow(monotonic_ns(), fault.errno, reason)], dtype=schema.STOP)
             self._io.raw_write(int(self._stop_offset), row.tobytes())
         self._io.close_raw()
 
