@@ -65,7 +65,7 @@ class _Tokens(click.ParamType):
 @click.option("--preset", default=None, help="A built-in model preset (see 'kvtrace presets').")
 @click.option("--config", "config_path", type=click.Path(exists=False), default=None,
               help="A Hugging Face config.json (or a directory holding one).")
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--trace", "trace_path", type=click.Path(), default=None,  # a directory: not a trace (2)
               help="A recorded trace: its model config, cache dtype, and a check of measured vs predicted KV.")
 @click.option("--context", "context", type=_Tokens(), required=True, help="Tokens per request (8192, 128k).")
 @click.option("--gpu-memory", "gpu_memory", type=_Size(), required=True,

@@ -4,7 +4,7 @@ Each example damages one copy of a trace holding every table, prompt text and sa
 (byte-range overwrites, truncation, deleted/retyped/linked datasets, out-of-range enums, wrong
 payload shapes and chunk counts, damaged and extra zstd frames, bad /meta and root attributes,
 text references out of range, tables inflated to a billion rows) and runs info, validate, analyze,
-diff, report, export perfetto/prometheus/zenodo in-process through the CLI entry point. Asserted:
+diff, report, calc --trace, export perfetto/prometheus/zenodo in-process through the CLI entry point. Asserted:
 
 - no exit 70 and no traceback, ever; an exit is 0, 1, 2 or 4 (1 invalid, 2 not a trace, 4 newer);
 - agreement: every command that fails exits with validate's code, and none fails on a file that
@@ -231,6 +231,7 @@ def _commands(path: Path, base: Path, out: Path) -> dict[str, list[str]]:
         "zenodo": ["export", "zenodo", p, "-o", str(out / "bundle"), "--creator", "Doe, Jane", "--allow-content",
                    "-q"],
         "report": ["report", p, "-o", str(out / "r.html"), "-q"],
+        "calc": ["calc", "--trace", p, "--context", "1k", "--gpu-memory", "80GiB"],
     }
 
 
