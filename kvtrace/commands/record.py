@@ -27,40 +27,13 @@ def parse_int_list(text: str | None) -> list[int] | None:
 
 
 def check_sample_selection(config: dict[str, Any], layers: list[int] | None, heads: list[int] | None) -> None:
-    """Sampled layers and heads must exist: a selection matching nothing would store no payloads
-    in a trace that says it holds tensor contents."""
-    if layers is None and heads is None:
-        return
+    """Sampled layers and heads must exist (kvtrace.geometry.selection_problem, the rule the API
+    applies too)."""
     from kvtrace import geometry
 
-    try:
-        geo = geometry.model_geometry(config).layers
-    except (ValueError, KeyError, TypeError):  # a model type geometry does not know: counts only
-        text = geometry.text_config(config)
-        n = text.get("num_hidden_layers")
-        kv = text.get("num_key_value_heads") or text.get("num_attention_heads")
-        if not isinstance(n, int) or not isinstance(kv, int):
-            return
-        geo = [geometry.LayerGeometry(i, "full", "full", kv, 0, 0) for i in range(n)]
-    if layers is not None:
-        bad = [i for i in layers if not 0 <= i < len(geo)]
-        if bad:
-            raise click.BadParameter(f"layer(s) {', '.join(map(str, bad))} out of range: the model has "
-                                     f"{len(geo)} layers (0..{len(geo) - 1})", param_hint="--sample-layers")
-    chosen = [g for g in geo if (layers is None or g.index in layers) and g.stores_kv]
-    if not chosen:
-        raise click.BadParameter("the selected layers reuse other layers' KV and own no cache to sample",
-                                 param_hint="--sample-layers")
-    if heads is not None:
-        per_head = [g for g in chosen if g.kind != "latent"]
-        if not per_head:
-            raise click.BadParameter("MLA layers cache one latent shared by every head: no head to select",
-                                     param_hint="--sample-heads")
-        most = max(g.num_kv_heads for g in per_head)
-        bad = [h for h in heads if not 0 <= h < most]
-        if bad:
-            raise click.BadParameter(f"KV head(s) {', '.join(map(str, bad))} out of range: the sampled layers "
-                                     f"have at most {most} KV heads (0..{most - 1})", param_hint="--sample-heads")
+    problem = geometry.selection_problem(config, layers, heads)
+    if problem is not None:
+        raise click.BadParameter(problem[0], param_hint=f"--sample-{problem[1]}")
 
 
 def check_bindable(host: str, port: int) -> None:

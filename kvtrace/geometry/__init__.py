@@ -73,9 +73,11 @@ from kvtrace.geometry.model import (
     ModelGeometry,
 )
 from kvtrace.geometry.params import ParamCount, param_count, weight_bytes
+from kvtrace.geometry.selection import selection_problem
 from kvtrace.geometry.sharing import kv_sharing_map
 
 __all__ = [
+    "selection_problem",
     "CACHE_KINDS", "FP8_SCALE_BYTES", "LAYER_KINDS", "MLA_CACHE_MODES", "CacheKind", "KVBytes",
     "LayerGeometry", "LayerKind", "MLADims", "MlaCacheMode", "ModelGeometry", "ParamCount",
     "allocated_tokens", "bytes_per_token", "cache_tokens_after_generate", "generate_static_max_cache_len",

@@ -119,6 +119,7 @@ class Recorder:
         self._ctx = ctx = SessionContext(opts)
         self._readings = MemoryReadings(model, ctx)
         self.sampling = sampling_settings(opts.sampling)
+        _check_selection(model, self.sampling)
         self._submission = SampleSubmission(model, ctx, self.sampling)
         self._verdict = RetentionVerdict(ctx, self._readings, lambda: self._steps.layout)
         self._steps = StepRecorder(model, ctx, self._readings, self._submission, self._verdict.tracker, every)
@@ -322,6 +323,18 @@ def record(model: torch.nn.Module, path: str | os.PathLike[str], options: Record
             raise TypeError(f"unknown record option(s): {', '.join(sorted(unknown))}")
         options = RecordOptions(**kwargs)
     return Recorder(model, path, options, observers=observers, observer_factory=observer_factory)
+
+
+def _check_selection(model: torch.nn.Module, sampling: Any) -> None:
+    """Sampled layers/heads must exist in this model (the CLI checks the same rule before loading):
+    a selection matching nothing would leave a trace claiming contents it does not hold."""
+    if sampling is None:
+        return
+    from kvtrace.geometry import selection_problem
+
+    problem = selection_problem(_safe_to_dict(getattr(model, "config", None)), sampling.layers, sampling.heads)
+    if problem is not None:
+        raise ValueError(f"sampling {problem[1]}: {problem[0]}")
 
 
 def _safe_to_dict(obj: Any) -> dict[str, Any]:
