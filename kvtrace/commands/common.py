@@ -76,6 +76,8 @@ def guarded(fn: F) -> F:
             stdout_closed()
         except (TraceError, Unavailable, CannotWrite, TraceIncomplete) as exc:
             fail(str(exc), exit_code_for(exc))
+        except MemoryError:  # a trace within the reader's limits that this machine cannot hold
+            fail("out of memory (the trace needs more than this machine has free)", exitcodes.UNAVAILABLE)
         except Exception as exc:  # noqa: BLE001 - last resort: one line, not a traceback
             if os.environ.get("KVTRACE_DEBUG"):
                 raise

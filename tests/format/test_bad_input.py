@@ -255,3 +255,17 @@ def test_unreadable_table_chunk_is_invalid_everywhere(tmp_path):
         fh.write(b"\xff" * info.size)
     results = every_command(p, tmp_path)
     assert_all(results, exitcodes.INVALID, "/requests")
+
+
+def test_out_of_memory_is_a_clear_error_not_internal():
+    """A file within the reader's limits can still need more memory than a machine has: one line
+    and 69 (a needed resource is absent), never 70 with 'internal error'."""
+    from kvtrace.commands.common import guarded
+
+    @guarded
+    def needs_too_much() -> None:
+        raise MemoryError
+
+    with pytest.raises(SystemExit) as exc:
+        needs_too_much()
+    assert exc.value.code == exitcodes.UNAVAILABLE
