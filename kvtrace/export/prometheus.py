@@ -17,6 +17,10 @@ What a scraper can rely on (docs/exports.md, "Prometheus"):
 * after :meth:`PrometheusExporter.close` the final state stays served for ``linger_s`` seconds
   (see there), and the textfile is always written at close.
 
+Why one module over 600 lines: the exporter is one object whose metric families, linger server
+and delivery tracking share one lock and one lifecycle (about 390 lines of the class); the option
+parsing and the trace replay beside it drive that same object and nothing else.
+
 Values the recorder did not measure are never invented: a gauge of an absent source (no NVML, no
 CUDA allocator, no process RSS) has no series rather than a zero.
 
