@@ -48,10 +48,12 @@ def test_report_sections_filled_on_cuda(cuda_trace, tmp_path):
     result = build_report(cuda_trace, tmp_path / "r.html", tmp_path / "figs", run_analyzer=True)
     assert set(result.absent) <= {"heatmaps"}, result.absent
     with Trace(cuda_trace) as t:
-        (tl, *_) = data.memory_timelines(t)
+        timelines = {tl.device: tl for tl in data.memory_timelines(t)}
         mems = data.request_memory(t)
-    names = {s.name for s in tl.series}
+    # the GPU's own timeline, and the host's (process RSS) beside it
+    names = {s.name for s in timelines[0].series}
     assert {"nvml_used", "allocator_reserved", "allocator_allocated", "kv_bytes"} <= names
+    assert {s.name for s in timelines[-1].series} == {"process_rss"}
     assert all(m.baseline_allocated is not None and m.end_gap is not None for m in mems)
 
 
