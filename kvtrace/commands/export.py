@@ -160,15 +160,16 @@ def prometheus_textfile(trace: str, output: str, quiet: bool, as_json: bool, jso
     Examples:
       kvtrace export prometheus-textfile run.kvt.h5 -o /var/lib/node_exporter/textfile/kvtrace.prom
     """
+    from kvtrace.analyzer.view import TraceView
     from kvtrace.errors import CannotWrite, Unavailable
-    from kvtrace.export.prometheus import exporter_from_trace
+    from kvtrace.export import prometheus
     from kvtrace.format.reader import Trace
 
     out = check_output(output, option="-o", inputs=(trace,), others=[("--json-out", json_out)])
     check_json_out(json_out, (trace,))
     with Trace(trace) as t:
         try:
-            exp = exporter_from_trace(t, out)
+            exp = prometheus.render(TraceView(t), None, out)
         except ImportError as exc:  # prometheus_client is in the record extra, not the base install
             raise Unavailable(str(exc)) from None
     try:

@@ -52,9 +52,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtrace._version import __version__
+
+if TYPE_CHECKING:  # the live exporter is built while recording: no reader import at module load
+    from kvtrace.analyzer.report import AnalysisReport
+    from kvtrace.analyzer.view import TraceView
 
 
 @dataclass(frozen=True)
@@ -613,20 +617,32 @@ def observers_for(options: Any) -> list[PrometheusExporter]:
 
 
 def exporter_from_trace(trace: Any, textfile: str | os.PathLike[str]) -> PrometheusExporter:
-    """Replay a finished trace into a textfile-only exporter: the state at the trace's end, by the
-    live exporter's rules (request counts by outcome, steps, tokens, dropped samples, recorder
-    errors, last memory sample per device, last RSS). KV and token gauges hold the last recorded
-    step only when the trace ended with its last request still running; otherwise every layer is
-    at 0, as the live endpoint shows after a request ends."""
+    """:func:`render` of an open Trace (or its TraceView) with no analysis."""
+    from kvtrace.analyzer.view import TraceView
+
+    return render(TraceView.of(trace), None, textfile)
+
+
+def render(view: TraceView, report: AnalysisReport | None, textfile: str | os.PathLike[str]) -> PrometheusExporter:
+    """The Prometheus renderer: replay a finished trace's view into a textfile-only exporter, the
+    state at the trace's end by the live exporter's rules (request counts by outcome, steps, tokens,
+    dropped samples, recorder errors, last memory sample per device, last RSS). KV and token gauges
+    hold the last recorded step only when the trace ended with its last request still running;
+    otherwise every layer is at 0, as the live endpoint shows after a request ends.
+
+    ``report`` is taken for the renderers' common ``render(view, report, ...)`` shape and not read:
+    the live endpoint has no finding metrics, and the replay shows what the endpoint showed."""
     import numpy as np
 
     from kvtrace.format import schema
-    from kvtrace.report import data
+    from kvtrace.labels import layer_type_name
 
+    del report  # see the docstring: the replay has nothing to draw from an analysis
+    trace = view.trace
     exp = PrometheusExporter(None, None, textfile=textfile, linger_s=0)
     exp.textfile = None  # no file writes while replaying; the caller writes once
     exp.set_info(trace.meta.model_id, trace.meta.model_type)
-    requests = trace.requests()
+    requests = view.requests
     running = int(schema.Outcome.RUNNING)
     for r in requests[np.argsort(requests["start_ns"], kind="stable")]:
         exp.on_request_start()
@@ -646,11 +662,11 @@ def exporter_from_trace(trace: Any, textfile: str | os.PathLike[str]) -> Prometh
     if requests.size:
         last = requests[np.argmax(requests["start_ns"])]
         still_running = int(last["outcome"]) == running
-        rows = data.kv_rows_of(trace, int(last["request"]))
+        rows = view.kv(int(last["request"]))
         if rows.size:
             rows = rows[rows["step"] == rows["step"].max()]
             for row in rows:
-                child = exp._kv_child(int(row["layer"]), data.layer_type_name(int(row["layer_type"])))
+                child = exp._kv_child(int(row["layer"]), layer_type_name(int(row["layer_type"])))
                 child.set(int(row["bytes_unique"]) if still_running else 0)
         mine = steps[steps["request"] == last["request"]] if steps.size else steps
         if still_running and mine.size:
@@ -666,7 +682,7 @@ def exporter_from_trace(trace: Any, textfile: str | os.PathLike[str]) -> Prometh
                       allocated_bytes=int(row["allocated_bytes"]),
                       inactive_split_bytes=int(row["inactive_split_bytes"]),
                       num_alloc_retries=int(rows["num_alloc_retries"].max()), num_ooms=int(rows["num_ooms"].max()))
-    for d in trace.devices():
+    for d in view.devices:
         if int(d["total_memory_bytes"]) >= 0 and int(d["device"]) >= 0:
             exp.on_memory(int(d["device"]), total_bytes=int(d["total_memory_bytes"]))
     process = trace.process()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from open_count import count_kv_indexes, count_opens
 
 from kvtrace.format import reader
 
@@ -13,15 +14,7 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "gpu"
 
 @pytest.fixture
 def opens(monkeypatch):
-    count: list[str] = []
-    real = reader.Trace.__init__
-
-    def counting(self, path, *a, **kw):
-        count.append(str(path))
-        real(self, path, *a, **kw)
-
-    monkeypatch.setattr(reader.Trace, "__init__", counting)
-    return count
+    return count_opens(monkeypatch)
 
 
 def test_html_report_opens_the_trace_once(tmp_path, opens):
@@ -43,21 +36,10 @@ def test_perfetto_opens_the_trace_once(tmp_path, opens):
 
 def test_report_and_analyser_share_one_kv_index(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    from functools import cached_property
-
     from kvtrace.analyzer.view import TraceView
     from kvtrace.report import build_report
 
-    built: list[int] = []
-    index = TraceView.kv_runs.func
-
-    def counted(self):
-        built.append(id(self))
-        return index(self)
-
-    prop = cached_property(counted)
-    prop.__set_name__(TraceView, "kv_runs")
-    monkeypatch.setattr(TraceView, "kv_runs", prop)
+    built = count_kv_indexes(monkeypatch)
     views: list[int] = []
     init = TraceView.__init__
 

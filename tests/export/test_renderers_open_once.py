@@ -1,0 +1,52 @@
+"""The Prometheus replay, the Zenodo data card and ``calc --trace`` open each trace once and read
+it through one TraceView (one /kv request index), like the HTML report and Perfetto
+(tests/report/test_one_open.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from open_count import count_kv_indexes, count_opens
+
+from kvtrace.analyzer.view import TraceView
+from kvtrace.cli import cli
+from kvtrace.format import reader
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "gpu"
+TRACE = DATA / "gpu_duplication.kvt.h5"
+
+
+@pytest.fixture
+def opens(monkeypatch):
+    return count_opens(monkeypatch)
+
+
+@pytest.fixture
+def indexes(monkeypatch):
+    return count_kv_indexes(monkeypatch)
+
+
+def test_prometheus_textfile_opens_the_trace_once(tmp_path, opens, indexes):
+    pytest.importorskip("prometheus_client")
+    out = tmp_path / "k.prom"
+    result = CliRunner().invoke(cli, ["export", "prometheus-textfile", str(TRACE), "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["series"] > 0 and out.stat().st_size > 0
+    assert opens == [str(TRACE)]
+    assert len(indexes) <= 1  # the last request's rows come from the view's one index
+
+
+def test_prometheus_render_reads_kv_through_the_view(tmp_path, opens, indexes):
+    pytest.importorskip("prometheus_client")
+    from kvtrace.export import prometheus
+
+    with reader.Trace(TRACE) as t:
+        view = TraceView(t)
+        exp = prometheus.render(view, None, tmp_path / "k.prom")
+        # control: the bare-Trace entry gives the same exposition
+        assert prometheus.exporter_from_trace(t, tmp_path / "k2.prom").render() == exp.render()
+    assert indexes and indexes[0] == id(view)
+    assert len(opens) == 1

@@ -1,0 +1,39 @@
+"""Counters for the one-open tests: how often a Trace is opened, and which TraceViews built
+their /kv request index (tests/report/test_one_open.py, tests/export/test_one_open.py)."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import pytest
+
+from kvtrace.analyzer.view import TraceView
+from kvtrace.format import reader
+
+
+def count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths every reader.Trace is opened with from now on, in order."""
+    count: list[str] = []
+    real = reader.Trace.__init__
+
+    def counting(self, path, *a, **kw):
+        count.append(str(path))
+        real(self, path, *a, **kw)
+
+    monkeypatch.setattr(reader.Trace, "__init__", counting)
+    return count
+
+
+def count_kv_indexes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """ids of the TraceViews that build their /kv request index from now on."""
+    built: list[int] = []
+    index = TraceView.kv_runs.func
+
+    def counted(self):
+        built.append(id(self))
+        return index(self)
+
+    prop = cached_property(counted)
+    prop.__set_name__(TraceView, "kv_runs")
+    monkeypatch.setattr(TraceView, "kv_runs", prop)
+    return built
