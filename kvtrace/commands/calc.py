@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -11,6 +11,10 @@ from kvtrace.calc import KV_DTYPE_BYTES as KV_DTYPES
 from kvtrace.calc import WEIGHT_DTYPE_BYTES as WEIGHT_DTYPES
 from kvtrace.commands.common import guarded
 from kvtrace.commands.outputs import check_json_out, json_options, write_json
+
+if TYPE_CHECKING:  # `kvtrace calc` without --trace loads no reader
+    from kvtrace.analyzer.report import AnalysisReport
+    from kvtrace.analyzer.view import TraceView
 
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
@@ -159,38 +163,49 @@ def _known_preset(name: str | None) -> str | None:
 
 
 def _from_trace(path: str) -> tuple[dict[str, Any], str, int, dict[str, Any]]:
-    """(config, label, cache element size, measured-vs-predicted check) of a recorded trace."""
-    import numpy as np
-
-    from kvtrace.format import schema
+    """(config, label, cache element size, measured-vs-predicted check) of a recorded trace,
+    opened once and read through one TraceView."""
+    from kvtrace.analyzer.view import TraceView
     from kvtrace.format.reader import Trace
-    from kvtrace.report.kvcheck import check_kv
 
     with Trace(path) as t:
-        config = t.meta.model_config
-        if not config:
-            raise click.UsageError(f"{path}: the trace stores no model config; use --preset or --config")
-        first = t.table("kv", slice(0, 1)) if t.nrows("kv") else np.zeros(0, dtype=schema.KV)
-        itemsize = 2
-        if first.size:
-            try:
-                itemsize = schema.DTYPE_ITEMSIZE[schema.CacheDType(int(first[0]["k_dtype"]))]
-            except (ValueError, KeyError):
-                pass
-        kc = check_kv(t, "last")
-        last = kc.steps[-1] if kc.steps else None
-        check = {
-            "note": kc.note,
-            "request": None if last is None else last.request,
-            "step": None if last is None else last.step,
-            "tokens_seen": None if last is None else last.tokens_seen,
-            "measured_bytes": None if last is None else last.measured,
-            "predicted_bytes": None if last is None else last.predicted,
-            "equal": None if last is None else last.equal,
-            "mismatched_layers": [] if last is None else [
-                {"layer": a, "measured_bytes": b, "predicted_bytes": c} for a, b, c in last.mismatches[:32]],
-        }
-        return dict(config), t.meta.model_id, itemsize, check
+        return render(TraceView(t), None)
+
+
+def render(view: TraceView, report: AnalysisReport | None) -> tuple[dict[str, Any], str, int, dict[str, Any]]:
+    """The ``calc --trace`` renderer: the model config, label and cache element size a trace's
+    view holds, and its last step's recorded KV bytes against kvtrace.geometry's prediction.
+    ``report`` is taken for the renderers' common shape and not read: the check compares the
+    recording with the geometry, not with the analyser's findings. Raises click.UsageError
+    for a trace without a model config."""
+    from kvtrace.format import schema
+    from kvtrace.report.kvcheck import check_kv
+
+    del report  # see the docstring
+    config = view.meta.model_config
+    if not config:
+        raise click.UsageError(f"{view.path}: the trace stores no model config; use --preset or --config")
+    first = view.kv_head(1)
+    itemsize = 2
+    if first.size:
+        try:
+            itemsize = schema.DTYPE_ITEMSIZE[schema.CacheDType(int(first[0]["k_dtype"]))]
+        except (ValueError, KeyError):
+            pass
+    kc = check_kv(view, "last")
+    last = kc.steps[-1] if kc.steps else None
+    check = {
+        "note": kc.note,
+        "request": None if last is None else last.request,
+        "step": None if last is None else last.step,
+        "tokens_seen": None if last is None else last.tokens_seen,
+        "measured_bytes": None if last is None else last.measured,
+        "predicted_bytes": None if last is None else last.predicted,
+        "equal": None if last is None else last.equal,
+        "mismatched_layers": [] if last is None else [
+            {"layer": a, "measured_bytes": b, "predicted_bytes": c} for a, b, c in last.mismatches[:32]],
+    }
+    return dict(config), view.meta.model_id, itemsize, check
 
 
 def _format_check(check: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ from kvtrace.analyzer.view import SCAN_ROWS, TraceView
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
 from kvtrace.labels import device_text, layer_type_name  # noqa: F401 - re-exported for renderers
+from kvtrace.report.kvcheck import Unpredictable, predictor
 
 # The renderer's TraceView (its /kv request index is shared with the analyser), or a bare Trace.
 Source = TraceView | Trace
@@ -252,7 +253,8 @@ class GrowthCurves:
 
 
 def growth_curves(src: Source) -> GrowthCurves | None:
-    trace = _trace(src)
+    view = TraceView.of(src)  # one view: the longest request's rows and the prediction share it
+    trace = view.trace
     steps = trace.steps()
     if not steps.size:
         return None
@@ -262,7 +264,7 @@ def growth_curves(src: Source) -> GrowthCurves | None:
         s = s[np.argsort(s["step"], kind="stable")]
         all_requests[int(r)] = (s["tokens_seen"].astype(np.int64), s["kv_bytes_valid"].astype(np.int64))
     longest = max(all_requests, key=lambda r: int(all_requests[r][0].max(initial=0)))
-    rows = kv_rows_of(src, longest)
+    rows = view.kv(longest)
     if not rows.size:
         return GrowthCurves(longest, all_requests[longest][0], {"total": all_requests[longest][1]},
                             None, "the kv table has no rows for this request", all_requests)
@@ -277,18 +279,16 @@ def growth_curves(src: Source) -> GrowthCurves | None:
             pos[sel], weights=rows["bytes_valid"][sel].astype(np.float64), minlength=step_ids.size
         ).round().astype(np.int64)
     measured["total"] = np.sum(list(measured.values()), axis=0).astype(np.int64)
-    expected, note = _expected_valid(trace, rows, pos, step_ids.size)
+    expected, note = _expected_valid(view, rows, pos, step_ids.size)
     return GrowthCurves(longest, tokens, measured, expected, note, all_requests)
 
 
 def _expected_valid(
-    trace: Trace, rows: np.ndarray, pos: np.ndarray, n_steps: int
+    view: TraceView, rows: np.ndarray, pos: np.ndarray, n_steps: int
 ) -> tuple[dict[str, np.ndarray] | None, str]:
     """Valid bytes kvtrace.geometry predicts for every kv row, grouped like the measurement."""
-    from kvtrace.report.kvcheck import Unpredictable, predictor
-
     try:
-        predict = predictor(trace)
+        predict = predictor(view)
         per_row = np.array([predict(row, 1)[1] for row in rows], dtype=np.int64)
     except ImportError:
         return None, "kvtrace.geometry is not available"

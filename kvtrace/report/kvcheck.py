@@ -18,9 +18,9 @@ from typing import Literal
 import numpy as np
 
 from kvtrace.analyzer.expect import STATIC_TYPES, recorded_k_heads
+from kvtrace.analyzer.view import TraceView
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
-from kvtrace.report import data
 
 # /kv rows read to tell the MLA cache layout (as many as the analyser's replay reads).
 _MLA_SAMPLE_ROWS = 64
@@ -62,15 +62,16 @@ class Unpredictable(Exception):
     """The trace holds something the geometry cannot size (reason in the message)."""
 
 
-def predictor(trace: Trace) -> Callable[[np.void, int], tuple[int, int]]:
+def predictor(source: TraceView | Trace) -> Callable[[np.void, int], tuple[int, int]]:
     """A function (kv row, tokens of the last forward) -> predicted (allocated, valid) bytes.
     Raises Unpredictable (here or when called) for what geometry cannot size."""
     from kvtrace import geometry
 
-    config = trace.meta.model_config
+    view = TraceView.of(source)
+    config = view.meta.model_config
     if not config:
         raise Unpredictable("the trace stores no model config")
-    sample = trace.table("kv", slice(0, _MLA_SAMPLE_ROWS)) if trace.has("kv") and trace.nrows("kv") else None
+    sample = view.kv_head(_MLA_SAMPLE_ROWS) if view.has("kv") and view.nrows("kv") else None
     try:
         geo = geometry.model_geometry(config, mla_cache=geometry.mla_cache_mode(config, recorded_k_heads(sample)))
     except (ValueError, TypeError, KeyError) as exc:
@@ -78,7 +79,7 @@ def predictor(trace: Trace) -> Callable[[np.void, int], tuple[int, int]]:
     # The recorder numbers cache layers in cache order: decoder layers, then cross-attention ones
     # (geometry restarts its index for those), so the position in geo.layers is the trace's layer.
     layers = list(geo.layers)
-    prompt_tokens = {int(r["request"]): int(r["prompt_tokens"]) for r in trace.requests()}
+    prompt_tokens = {int(r["request"]): int(r["prompt_tokens"]) for r in view.requests}
     memo: dict[tuple, tuple[int, int]] = {}
 
     def predict(row: np.void, last_step_tokens: int) -> tuple[int, int]:
@@ -114,22 +115,23 @@ def predictor(trace: Trace) -> Callable[[np.void, int], tuple[int, int]]:
     return predict
 
 
-def check_kv(trace: Trace, which: Literal["all", "last"] = "all") -> KVCheck:
-    """Compare every step (or only the last step of the longest request)."""
-    steps = trace.steps()
+def check_kv(source: TraceView | Trace, which: Literal["all", "last"] = "all") -> KVCheck:
+    """Compare every step (or only the last step of the longest request), reading /kv through the
+    view: the longest request's rows by its request index, or every row slice by slice."""
+    view = TraceView.of(source)
+    steps = view.trace.steps()
     if not steps.size:
         return KVCheck([], "the trace has no step rows")
     phase = {(int(s["request"]), int(s["step"])): int(s["phase"]) for s in steps}
     try:
-        predict = predictor(trace)
+        predict = predictor(view)
     except Unpredictable as exc:
         return KVCheck([], str(exc))
     if which == "last":
         longest = steps[np.argmax(steps["tokens_seen"])]
-        rows = data.kv_rows_of(trace, int(longest["request"]), int(longest["step"]))
-        chunks = [rows]
+        chunks = [view.kv(int(longest["request"]), int(longest["step"]))]
     else:
-        chunks = list(data.iter_rows(trace, "kv"))
+        chunks = view.iter_rows("kv")
     out: dict[tuple[int, int], StepCheck] = {}
     try:
         for rows in chunks:

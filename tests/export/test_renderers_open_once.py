@@ -50,3 +50,23 @@ def test_prometheus_render_reads_kv_through_the_view(tmp_path, opens, indexes):
         assert prometheus.exporter_from_trace(t, tmp_path / "k2.prom").render() == exp.render()
     assert indexes and indexes[0] == id(view)
     assert len(opens) == 1
+
+
+def test_calc_trace_opens_the_trace_once(opens, indexes):
+    result = CliRunner().invoke(cli, ["calc", "--trace", str(TRACE), "--context", "4k", "--gpu-memory", "80GiB", "--json"])
+    assert result.exit_code == 0, result.output
+    check = json.loads(result.output)["trace_check"]
+    assert check["equal"] is not None and check["measured_bytes"] > 0, check
+    assert opens == [str(TRACE)]
+    assert len(indexes) == 1  # the last step's rows through the one view's request index
+
+
+def test_kvcheck_reads_through_the_view_it_is_given(indexes):
+    from kvtrace.report.kvcheck import check_kv
+
+    with reader.Trace(TRACE) as t:
+        view = TraceView(t)
+        last = check_kv(view, "last")
+        assert indexes == [id(view)]
+        # control: a bare Trace gets its own view and the same answer
+        assert check_kv(t, "last") == last and len(indexes) == 2
