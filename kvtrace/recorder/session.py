@@ -79,6 +79,7 @@ from kvtrace.recorder.options import (
 )
 from kvtrace.recorder.readings import MemoryReadings
 from kvtrace.recorder.requests import Requests
+from kvtrace.recorder.serving import ServingRecorder
 from kvtrace.recorder.steps import StepRecorder
 from kvtrace.recorder.submission import SampleSubmission
 from kvtrace.recorder.verdict import RetentionVerdict
@@ -125,6 +126,7 @@ class Recorder:
         self._steps = StepRecorder(model, ctx, self._readings, self._submission, self._verdict.tracker, every)
         self._requests = Requests(model, ctx, secrets.token_bytes(32), self._readings, self._steps,
                                   self._submission, self._verdict)
+        self._serving = ServingRecorder(model, ctx, self._requests.salt, self._take_request_id)
         self._started = False
         self._closed = False
         self._sigxfsz_held = False
@@ -170,6 +172,7 @@ class Recorder:
             self._submission.start()
             self._steps.install()
             self._requests.patch_generate()
+            self._serving.install()
         except BaseException:
             self._started = True
             self.close()
@@ -185,6 +188,7 @@ class Recorder:
         if self._ctx.active is None:
             self._verdict.check("close")
         self._requests.unpatch_generate()
+        self._serving.remove()
         self._steps.remove()
         self._submission.restore_model()
         self._submission.close()
@@ -193,6 +197,12 @@ class Recorder:
         if self._ctx.writer is not None:
             self._ctx.writer.close()
         self._release_sigxfsz()
+
+    def _take_request_id(self) -> int:
+        """The next request id, shared by generate calls and continuous-batching requests."""
+        rid = self._requests.count
+        self._requests.count += 1
+        return rid
 
     def _close_observers(self) -> None:
         self._exporter = None

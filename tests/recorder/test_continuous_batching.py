@@ -1,0 +1,131 @@
+"""Continuous batching (issue 16, first floor): generate_batch and the manager API inside
+kvtrace.record give one /requests row per CB request, lifecycle events, and per scheduler step a
+NOTE with the paged cache's occupancy equal to the cache's own counters. Tiny llama on CPU, a
+16-block pool of 16-token pages, warmup off: each run takes well under a second."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("transformers.generation.continuous_batching")
+
+from transformers import GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+from transformers.generation.continuous_batching import continuous_api, scheduler  # noqa: E402
+
+import kvtrace  # noqa: E402
+from kvtrace.format.reader import open_trace  # noqa: E402
+from kvtrace.format.schema import EventKind, Outcome  # noqa: E402
+from kvtrace.testing_models import tiny_model  # noqa: E402
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+NEW = 5
+
+
+def _configs(new: int = NEW) -> tuple[GenerationConfig, ContinuousBatchingConfig]:
+    # eos -1: no EOS, every request runs exactly `new` tokens
+    gc = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    return gc, ContinuousBatchingConfig(page_size=16, num_blocks=16, max_batch_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def _occupancy(trace) -> list[dict]:
+    out = []
+    for e in trace.events(EventKind.NOTE):
+        text = trace.text(e["text_off"], e["text_len"])
+        if text.startswith("paged cache occupancy "):
+            out.append({"row": e, **json.loads(text[len("paged cache occupancy "):])})
+    return out
+
+
+def test_generate_batch_is_recorded_request_by_request(llama, tmp_path):
+    path = tmp_path / "cb.kvt.h5"
+    gc, cb = _configs()
+    originals = (continuous_api.ContinuousBatchingManager.add_request, scheduler.Scheduler.finish_request)
+    with kvtrace.record(llama, path) as rec:
+        out = llama.generate_batch(inputs=PROMPTS, generation_config=gc, continuous_batching_config=cb,
+                                   warmup=False)
+    assert rec.recorder_errors == 0
+    # the class methods are the originals again once the recording closed
+    assert (continuous_api.ContinuousBatchingManager.add_request, scheduler.Scheduler.finish_request) == originals
+    assert all(len(o.generated_tokens) == NEW for o in out.values())
+
+    t = open_trace(path)
+    reqs = t.requests()
+    assert len(reqs) == len(PROMPTS)
+    by_cb = {}
+    for r in reqs:
+        args = json.loads(t.text(r["gen_args_off"], r["gen_args_len"]))
+        by_cb[args["cb_request_id"]] = r
+        assert r["outcome"] == Outcome.OK and r["new_tokens"] == NEW and r["end_ns"] > r["start_ns"]
+    # the manager's ids req_0.. follow the inputs: each row has its own prompt's length
+    assert {k: int(r["prompt_tokens"]) for k, r in by_cb.items()} == {f"req_{i}": len(p) for i, p in enumerate(PROMPTS)}
+    assert sorted(t.events(EventKind.REQUEST_START)["request"].tolist()) == [0, 1, 2]
+    assert sorted(t.events(EventKind.REQUEST_END)["request"].tolist()) == [0, 1, 2]
+    scheduled = [e for e in t.events(EventKind.NOTE) if t.text(e["text_off"], e["text_len"]).startswith("scheduled")]
+    assert sorted(int(e["request"]) for e in scheduled) == [0, 1, 2]
+
+    steps = _occupancy(t)
+    # one forward for the three prefills together, then one per further token
+    assert [s["step"] for s in steps] == list(range(NEW))
+    total_prompt = sum(map(len, PROMPTS))
+    for s in steps:
+        alloc = s["allocators"]["full_attention"]
+        assert s["running"] == 3 and s["waiting"] == 0
+        assert s["row"]["value"] == s["blocks_in_use"] == alloc["blocks_in_use"]
+        assert 0 < s["blocks_in_use"] <= alloc["blocks_total"]
+        # exact: with nothing freed yet, every byte the pool lacks is in a block of a running request
+        assert s["pool_bytes"] - s["free_bytes"] == s["blocks_in_use"] * alloc["bytes_per_block"]
+        # tokens held after the step's forward: the prompts, then one more per request and step
+        assert s["tokens_cached"] == total_prompt + 3 * s["step"]
+        # each request's <= 10 tokens fit in one block of tokens_per_block
+        assert s["blocks_in_use"] == 3 and alloc["tokens_per_block"] >= total_prompt // 3 + NEW
+
+    # the analyser reads such a trace without crashing and without a finding of severity >= low
+    report = tmp_path / "a.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "kvtrace.cli", "analyze", str(path), "--json-out", str(report),
+                        "--fail-on", "low", "-q"], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(report.read_text())["reports"][0]["findings"] == []
+
+
+def test_cancelled_request_and_unrecorded_model(llama, tmp_path):
+    path = tmp_path / "cancel.kvt.h5"
+    gc, cb = _configs(new=400)
+    other = tiny_model("llama", seed=1)
+    with kvtrace.record(llama, path) as rec:
+        # control: continuous batching of a model that is not recorded leaves no row
+        other.generate_batch(inputs=PROMPTS[:1], generation_config=_configs()[0],
+                             continuous_batching_config=cb, warmup=False)
+        manager = llama.init_continuous_batching(generation_config=gc, continuous_batching_config=cb)
+        manager.start()
+        try:
+            rid = manager.add_request([1, 2, 3], max_new_tokens=400)
+            manager.cancel_request(rid)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and open_requests(rec) and manager.is_running():
+                time.sleep(0.02)
+        finally:
+            manager.stop(block=True)
+    t = open_trace(path)
+    reqs = t.requests()
+    assert len(reqs) == 1  # the other model's request is not in this trace
+    r = reqs[0]
+    assert r["prompt_tokens"] == 3 and r["outcome"] == Outcome.INTERRUPTED
+    assert t.text(r["error_off"], r["error_len"]) == "cancelled"
+    assert r["new_tokens"] < 400
+
+
+def open_requests(rec) -> int:
+    return len(rec._serving.flights)
