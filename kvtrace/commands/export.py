@@ -98,7 +98,6 @@ def zenodo(traces: tuple[str, ...], output: str, creators: tuple[str, ...], titl
           --related isSupplementTo:10.5281/zenodo.19871039 --json
     """
     from kvtrace.export import zenodo as z
-    from kvtrace.format.reader import Trace
     from kvtrace.report.progress import progress_bar
 
     try:
@@ -112,12 +111,6 @@ def zenodo(traces: tuple[str, ...], output: str, creators: tuple[str, ...], titl
     check_json_out(json_out, traces)
     if json_out is not None and Path(json_out).resolve().is_relative_to(Path(output).resolve()):
         raise click.UsageError(f"--json-out {json_out} is inside the bundle directory {output}")
-    if title is None:
-        models = set()
-        for p in traces:
-            with Trace(p) as t:
-                models.add(t.meta.model_id)
-        title = f"KV-cache traces of {', '.join(sorted(models))} (kvtrace)"
     options = z.BundleOptions(title, parsed_creators, description, license_, keywords, version,
                               parsed_related, allow_content)
     total = 2 * sum(Path(p).stat().st_size for p in traces if Path(p).is_file()) + 1

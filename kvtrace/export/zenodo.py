@@ -20,6 +20,7 @@ README.md.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import hashlib
 import html
@@ -30,17 +31,21 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import yaml
 
 from kvtrace._version import __version__
+from kvtrace.analyzer.view import TraceView
 from kvtrace.errors import BundleError, ContentRefused  # noqa: F401 - z.BundleError is part of this API
 from kvtrace.format.reader import Trace
 from kvtrace.format.summary import summarize
-from kvtrace.format.validate import validate
+from kvtrace.format.validate import ValidationReport, validate_open
 from kvtrace.report import quality
 from kvtrace.units import format_bytes
+
+if TYPE_CHECKING:
+    from kvtrace.analyzer.report import AnalysisReport
 
 # Zenodo license id -> SPDX id (CITATION.cff wants SPDX).
 LICENSES = {
@@ -121,7 +126,7 @@ class Related:
 
 @dataclass
 class BundleOptions:
-    title: str
+    title: str | None  # None: "KV-cache traces of MODELS (kvtrace)" from the traces' model ids
     creators: Sequence[Creator]
     description: str | None = None
     license: str = "cc-by-4.0"
@@ -157,15 +162,56 @@ def content_problems(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
     out = []
     for p in paths:
         with Trace(p) as t:
-            held = t.stored_contents()
-            what = []
-            if held["prompt_text"] or t.meta.contains_prompt_text:
-                what.append(f"prompt text ({held['prompt_text'] or 'meta.contains_prompt_text'})")
-            if held["tensor_payloads"] or t.meta.contains_tensor_payloads:
-                what.append(f"tensor contents ({held['tensor_payloads'] or 'meta.contains_tensor_payloads'})")
-            if what:
-                out.append(f"{p}: holds {' and '.join(what)}")
+            out.extend(_content_problem(TraceView(t)))
     return out
+
+
+def _content_problem(view: TraceView) -> list[str]:
+    """The content line of one open trace ([] when it holds neither prompt text nor tensors)."""
+    held = view.trace.stored_contents()
+    what = []
+    if held["prompt_text"] or view.meta.contains_prompt_text:
+        what.append(f"prompt text ({held['prompt_text'] or 'meta.contains_prompt_text'})")
+    if held["tensor_payloads"] or view.meta.contains_tensor_payloads:
+        what.append(f"tensor contents ({held['tensor_payloads'] or 'meta.contains_tensor_payloads'})")
+    return [f"{view.path}: holds {' and '.join(what)}"] if what else []
+
+
+@dataclass
+class _Read:
+    """All the bundle needs from one trace, read in its one open."""
+
+    model_id: str
+    content: list[str]
+    validation: ValidationReport
+    summary: dict[str, Any] = field(default_factory=dict)
+    quality: quality.Quality | None = None
+    steps: int = 0
+
+
+def render(view: TraceView, report: AnalysisReport | None) -> _Read:
+    """The data-card renderer of one trace's view: its content, validity, summary, data quality
+    and step count. ``report`` is taken for the renderers' common shape and not read: the card
+    describes the recording, and findings are not archived."""
+    del report  # see the docstring
+    validation = validate_open(view.trace)
+    out = _Read(view.meta.model_id, _content_problem(view), validation)
+    if validation.valid:  # an invalid trace is refused; its summary is never shown
+        out.summary, out.quality, out.steps = summarize(view.trace), quality.assess(view.trace), view.nrows("steps")
+    return out
+
+
+def read_traces(paths: Sequence[Path]) -> list[_Read]:
+    """Each trace opened once and rendered (content, validity, card facts)."""
+    out = []
+    for p in paths:
+        with Trace(p) as t:
+            out.append(render(TraceView(t), None))
+    return out
+
+
+def default_title(model_ids: Sequence[str]) -> str:
+    return f"KV-cache traces of {', '.join(sorted(set(model_ids)))} (kvtrace)"
 
 
 def sha256_file(path: Path, progress: Progress | None = None) -> str:
@@ -205,14 +251,15 @@ def export_zenodo(
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
         raise BundleError(f"two traces share a file name ({', '.join(clash)}); rename one")
-    problems = content_problems(paths)
+    read = read_traces(paths)
+    problems = [line for r in read for line in r.content]
     if problems and not options.allow_content:
         raise ContentRefused(
             "refusing to archive content: " + "; ".join(problems)
             + ". A Zenodo record is public and permanent; re-record without prompt text / sampling, "
             "or pass --allow-content if publishing it is intended")
-    for p in paths:
-        report = validate(p)
+    for p, r in zip(paths, read, strict=True):
+        report = r.validation
         if not report.valid:
             raise BundleError(f"{p}: not a valid trace ({'; '.join(report.problems[:3])}); "
                               "run 'kvtrace validate' for the full list", "invalid")
@@ -224,16 +271,15 @@ def export_zenodo(
     except OSError as exc:
         raise BundleError(f"{out}: cannot create ({exc.strerror})", "output") from None
 
+    if options.title is None:
+        options = dataclasses.replace(options, title=default_title([r.model_id for r in read]))
     cards: list[TraceCard] = []
-    for p in paths:
+    for p, r in zip(paths, read, strict=True):
         dst = out / "data" / p.name
-        _copy(p, dst, progress)
-        with Trace(dst) as t:
-            summary = summarize(t)
-            q = quality.assess(t)
-            steps = t.nrows("steps")
-        cards.append(TraceCard(f"data/{p.name}", dst.stat().st_size, "", summary, steps, q,
-                               validate(dst, check_payloads=False).warnings))
+        _copy(p, dst, progress)  # byte for byte: what was read from p is what the card describes
+        q = cast("quality.Quality", r.quality)  # set for every valid trace, and only valid ones reach here
+        cards.append(TraceCard(f"data/{p.name}", dst.stat().st_size, "", r.summary, r.steps, q,
+                               r.validation.warnings))
     date = options.publication_date or _dt.datetime.now(_dt.timezone.utc).date().isoformat()
     description = options.description or _default_description(cards)
     (out / ".zenodo.json").write_text(json.dumps(zenodo_metadata(options, cards, description, date), indent=2)

@@ -46,17 +46,24 @@ class ValidationReport:
 
 def validate(path: str | os.PathLike[str], *, check_payloads: bool = True) -> ValidationReport:
     """Raises NotATrace / UnsupportedVersion for files that cannot be read as traces at all."""
-    report = ValidationReport(str(path))
     with Trace(path, check=False) as trace:
-        report.version = trace.version
-        problems, present = structure_problems(trace)
-        report.problems.extend(problems)
-        _guard(_check_status, trace, report)
-        if present:
-            _guard(_check_rows, trace, report, present)
-        _guard(_check_privacy, trace, report)
-        if check_payloads and "payloads/index" in present:
-            _guard(_check_payloads, trace, report)
+        report = validate_open(trace, check_payloads=check_payloads)
+    report.path = str(path)  # as the caller spelt it
+    return report
+
+
+def validate_open(trace: Trace, *, check_payloads: bool = True) -> ValidationReport:
+    """:func:`validate` of a trace the caller already holds open (one open per command)."""
+    report = ValidationReport(str(trace.path))
+    report.version = trace.version
+    problems, present = structure_problems(trace)
+    report.problems.extend(problems)
+    _guard(_check_status, trace, report)
+    if present:
+        _guard(_check_rows, trace, report, present)
+    _guard(_check_privacy, trace, report)
+    if check_payloads and "payloads/index" in present:
+        _guard(_check_payloads, trace, report)
     return report
 
 

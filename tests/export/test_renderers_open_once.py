@@ -70,3 +70,25 @@ def test_kvcheck_reads_through_the_view_it_is_given(indexes):
         assert indexes == [id(view)]
         # control: a bare Trace gets its own view and the same answer
         assert check_kv(t, "last") == last and len(indexes) == 2
+
+
+def test_zenodo_opens_each_trace_once(tmp_path, opens):
+    traces = [TRACE, DATA / "gpu_clean.kvt.h5"]
+    out = tmp_path / "bundle"
+    result = CliRunner().invoke(cli, ["export", "zenodo", *map(str, traces), "-o", str(out),
+                                      "--creator", "Doe, Jane", "--json"])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.output)["traces"]) == 2
+    # content, validity, summary, quality and the default title from one open of each trace
+    assert sorted(opens) == sorted(map(str, traces)), opens
+    assert "KV-cache traces of " in (out / ".zenodo.json").read_text()
+
+
+def test_validate_open_matches_validate():
+    from kvtrace.format.validate import validate, validate_open
+
+    with reader.Trace(TRACE, check=False) as t:
+        held = validate_open(t)
+    fresh = validate(TRACE)
+    assert (held.valid, held.problems, held.warnings, held.version) == (
+        fresh.valid, fresh.problems, fresh.warnings, fresh.version)
