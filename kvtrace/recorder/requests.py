@@ -57,8 +57,10 @@ class Requests:
         requests, ctx = self, self.ctx
 
         def generate(*args: Any, **kwargs: Any) -> Any:
-            if ctx.active is not None or requests.closed:
-                return original(*args, **kwargs)  # re-entrant call or closed session: pass through
+            if ctx.active is not None or requests.closed or kwargs.get("cache_implementation") == "paged":
+                # re-entrant call, closed session, or transformers' switch to continuous batching
+                # (recorded request by request by recorder.serving): pass through
+                return original(*args, **kwargs)
             req = requests.begin(args, kwargs)
             if req is None:
                 return original(*args, **kwargs)

@@ -17,8 +17,12 @@ What it writes, per continuous-batching (CB) request of the recorded model:
   pool), ``free_bytes`` (``compute_free_capacity(relative=False)``), per attention-type allocator
   distinct blocks in use (over the block tables) and total, ``tokens_per_block``, ``tokens_cached`` (Σ
   position_offset of the admitted requests, which the scheduler has already advanced: the tokens
-  the cache holds once this step's forward has written them) and
+  positions the cache holds once this step's forward has written them; a sliding-window allocator
+  keeps only the window of them) and
   the running / waiting request counts.
+
+``generate(cache_implementation="paged")`` is transformers' switch to generate_batch: the generate
+wrapper passes it through, and its sequences are recorded here, one CB request each.
 
 Nothing goes to /steps, /kv or /layers: those tables describe one request's forwards through a
 transformers Cache, and the paged cache is not one (it reaches attention as ``cache=``).
@@ -28,7 +32,8 @@ for managers whose ``model`` is the recorded model; :meth:`ServingRecorder.remov
 exact originals. Written against transformers 5.23's internals (``_create_batch_processor``,
 ``cache_allocators``, ``block_table``, ``position_offset``); where one of them is missing (5.17 has
 ``group_cache_managers`` instead) the occupancy NOTE says "unsupported transformers version" rather
-than guessing numbers. The methods patched are those DESIGN.md lists as stable across 5.17 and 5.23
+than guessing numbers; where a hooked method is missing, nothing is patched and one NOTE says
+"continuous batching is not recorded: unsupported transformers version". The methods patched are those DESIGN.md lists as stable across 5.17 and 5.23
 plus ``_create_batch_processor`` (to tie a scheduler to its manager).
 """
 
@@ -85,6 +90,13 @@ class ServingRecorder:
         sched = getattr(scheduler, "Scheduler", None)
         if mgr is None or proc is None or sched is None:
             return
+        hooks = ((mgr, "add_request"), (mgr, "_create_batch_processor"), (proc, "prepare_next_batch"),
+                 (sched, "finish_request"), (sched, "clear_cancelled_requests"))
+        missing = [f"{cls.__name__}.{name}" for cls, name in hooks if name not in cls.__dict__]
+        if missing:  # all or nothing: half the hooks would write rows that never end
+            self.ctx.event(EventKind.NOTE, text=f"continuous batching is not recorded: {UNSUPPORTED} "
+                                                f"(transformers lacks {', '.join(missing)})")
+            return
         me = self
         self._wrap(mgr, "add_request", lambda orig: lambda m, *a, **k: me._add_request(orig, m, a, k))
         self._wrap(mgr, "_create_batch_processor", lambda orig: lambda m, *a, **k: me._create(orig, m, a, k))
@@ -93,8 +105,6 @@ class ServingRecorder:
         self._wrap(sched, "clear_cancelled_requests", lambda orig: lambda s, *a, **k: me._cancelled(orig, s, a, k))
 
     def _wrap(self, cls: type, name: str, make: Any) -> None:
-        if name not in cls.__dict__:
-            return  # a version without it: the hook is simply absent (the NOTEs say what is missing)
         original = cls.__dict__[name]
         wrapper = make(original)
         wrapper.__wrapped__ = original

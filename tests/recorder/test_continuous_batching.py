@@ -39,6 +39,9 @@ def llama():
     return tiny_model("llama")
 
 
+ATTENTION_TYPES = {"llama": {"full_attention"}, "gemma3_text": {"full_attention", "sliding_attention"}}
+
+
 def _occupancy(trace) -> list[dict]:
     out = []
     for e in trace.events(EventKind.NOTE):
@@ -48,7 +51,9 @@ def _occupancy(trace) -> list[dict]:
     return out
 
 
-def test_generate_batch_is_recorded_request_by_request(llama, tmp_path):
+@pytest.mark.parametrize("name", list(ATTENTION_TYPES))  # GQA llama; gemma3: sliding + full allocators
+def test_generate_batch_is_recorded_request_by_request(name, llama, tmp_path):
+    llama = llama if name == "llama" else tiny_model(name)
     path = tmp_path / "cb.kvt.h5"
     gc, cb = _configs()
     originals = (continuous_api.ContinuousBatchingManager.add_request, scheduler.Scheduler.finish_request)
@@ -80,16 +85,17 @@ def test_generate_batch_is_recorded_request_by_request(llama, tmp_path):
     assert [s["step"] for s in steps] == list(range(NEW))
     total_prompt = sum(map(len, PROMPTS))
     for s in steps:
-        alloc = s["allocators"]["full_attention"]
+        allocs = s["allocators"]
+        assert set(allocs) == ATTENTION_TYPES[name]
         assert s["running"] == 3 and s["waiting"] == 0
-        assert s["row"]["value"] == s["blocks_in_use"] == alloc["blocks_in_use"]
-        assert 0 < s["blocks_in_use"] <= alloc["blocks_total"]
+        assert s["row"]["value"] == s["blocks_in_use"] == sum(a["blocks_in_use"] for a in allocs.values())
         # exact: with nothing freed yet, every byte the pool lacks is in a block of a running request
-        assert s["pool_bytes"] - s["free_bytes"] == s["blocks_in_use"] * alloc["bytes_per_block"]
+        assert s["pool_bytes"] - s["free_bytes"] == sum(a["blocks_in_use"] * a["bytes_per_block"]
+                                                        for a in allocs.values())
         # tokens held after the step's forward: the prompts, then one more per request and step
         assert s["tokens_cached"] == total_prompt + 3 * s["step"]
-        # each request's <= 10 tokens fit in one block of tokens_per_block
-        assert s["blocks_in_use"] == 3 and alloc["tokens_per_block"] >= total_prompt // 3 + NEW
+        for a in allocs.values():  # each request's <= 10 tokens fit in one block of each allocator
+            assert a["blocks_in_use"] == 3 and a["tokens_per_block"] >= 10 and a["blocks_total"] > 3
 
     # the analyser reads such a trace without crashing and without a finding of severity >= low
     report = tmp_path / "a.json"
@@ -127,5 +133,36 @@ def test_cancelled_request_and_unrecorded_model(llama, tmp_path):
     assert r["new_tokens"] < 400
 
 
+def test_generate_paged_is_recorded_as_cb_requests(llama, tmp_path):
+    """generate(cache_implementation="paged") hands over to generate_batch: one row per sequence, no
+    generate row whose step hooks would find no Cache (before: 5 recorder errors on this call)."""
+    import torch
+
+    path = tmp_path / "paged.kvt.h5"
+    gc, cb = _configs()
+    with kvtrace.record(llama, path) as rec:
+        out = llama.generate(torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), generation_config=gc,
+                             cache_implementation="paged", continuous_batching_config=cb)
+    assert rec.recorder_errors == 0
+    t = open_trace(path)
+    reqs = t.requests()
+    assert out.shape[-1] == 4 + NEW
+    assert len(reqs) == 2 and set(reqs["batch_size"].tolist()) == {1}
+    assert set(reqs["prompt_tokens"].tolist()) == {4} and set(reqs["new_tokens"].tolist()) == {NEW}
+    assert len(_occupancy(t)) == NEW and len(t.events(EventKind.GENERATE_RETURN)) == 0
+
+
 def open_requests(rec) -> int:
     return len(rec._serving.flights)
+
+
+def test_missing_hook_is_said_not_half_patched(llama, tmp_path, monkeypatch):
+    """A transformers without one of the hooked methods: nothing is patched, one NOTE says why."""
+    monkeypatch.delattr(continuous_api.ContinuousBatchingManager, "_create_batch_processor")
+    before = continuous_api.ContinuousBatchingManager.__dict__["add_request"]
+    with kvtrace.record(llama, tmp_path / "old.kvt.h5"):
+        assert continuous_api.ContinuousBatchingManager.__dict__["add_request"] is before
+    t = open_trace(tmp_path / "old.kvt.h5")
+    notes = [t.text(e["text_off"], e["text_len"]) for e in t.events(EventKind.NOTE)]
+    assert notes == ["continuous batching is not recorded: unsupported transformers version "
+                     "(transformers lacks ContinuousBatchingManager._create_batch_processor)"]
