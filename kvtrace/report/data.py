@@ -130,7 +130,9 @@ def memory_timelines(src: Source) -> list[DeviceTimeline]:
 def kv_totals_by_device(src: Source) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Total unique KV bytes per (request, step), split by the device holding each layer.
 
-    One point per step, stamped with the last layer's time of that step."""
+    One point per step, stamped with the last layer's time of that step, and a 0 at each finished
+    request's end: the series is the KV of the request in flight, so it must not read like a leak
+    after the request (what outlives it is post_eos's finding, from the retention proof)."""
     sums: dict[tuple[int, int, int], list[int]] = {}
     for rows in iter_rows(src, "kv"):
         if not rows.size:
@@ -147,9 +149,13 @@ def kv_totals_by_device(src: Source) -> dict[int, tuple[np.ndarray, np.ndarray]]
             acc = sums.setdefault(key, [0, 0])
             acc[0] += int(round(total))
             acc[1] = max(acc[1], int(tmax))
+    ends = {int(r["request"]): int(r["end_ns"]) for r in _trace(src).requests() if int(r["end_ns"]) > 0}
     out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for dev in sorted({k[0] for k in sums}):
         items = sorted((v[1], v[0]) for k, v in sums.items() if k[0] == dev)
+        for rid in sorted({k[1] for k in sums if k[0] == dev and k[1] in ends}):
+            items.append((ends[rid], 0))
+        items.sort()
         out[dev] = (np.array([i[0] for i in items], dtype=np.int64),
                     np.array([i[1] for i in items], dtype=np.int64))
     return out

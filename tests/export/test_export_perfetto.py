@@ -90,7 +90,7 @@ def test_counters_equal_trace_values(two_devices):
         assert np.allclose([e["ts"] for e in counter], (rows["t_ns"].astype(np.int64) - t0) / 1000)
         kv = [e["args"]["bytes"] for e in ev if e["ph"] == "C" and e["name"] == "kv cache"
               and e["pid"] == device_pid(dev)]
-        assert kv == kv_by_dev[dev][1].tolist() and len(kv) == 24
+        assert kv == kv_by_dev[dev][1].tolist() and len(kv) == 24 + 2  # a 0 at each request's end
     # layers 0-1 on device 0 (sliding + full), 2-3 on device 1: same geometry, same bytes per step
     assert kv_by_dev[0][1].tolist() == kv_by_dev[1][1].tolist()
     series = {e["name"] for e in ev if e["ph"] == "C"}

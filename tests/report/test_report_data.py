@@ -41,10 +41,10 @@ def test_timeline_series_and_kv_totals(traces):
                               "allocator_inactive_split", "kv_bytes"}
         kv = names["kv_bytes"]
         # one point per step of each request, each the sum of the four layers' storage bytes
-        assert kv.values.size == 2 * 12
+        assert kv.values.size == 2 * 12 + 2  # and a 0 at each request's end (idle)
         expected = [sum(stored(layer, p + s, p if s == 0 else 1) * PER_TOKEN for layer in range(4))
                     for p in (5, 8) for s in range(12)]
-        assert kv.values.tolist() == expected
+        assert kv.values.tolist() == expected[:12] + [0] + expected[12:] + [0]
         assert np.all(np.diff(kv.t_ns) > 0)
         alloc = names["allocator_allocated"].values
         assert alloc.min() == WEIGHTS and alloc.max() == WEIGHTS + max(expected)
