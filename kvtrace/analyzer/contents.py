@@ -5,9 +5,10 @@ From the K, V, post-RoPE Q and MLA latent payloads: dead or near-dead KV heads, 
 window) with the bytes each frees, and the MLA latent spectrum. Numerics come from
 ``kvtrace.kernels`` (Triton on CUDA, the torch references on CPU: same definitions).
 
-torch is imported only inside :func:`analyze_contents`: importing this module (and
-``kvtrace.analyzer``) must work without torch. Without torch every analysis is skipped with the
-reason; thresholds and choices are documented in docs/kernels.md.
+This module never imports torch: it reaches torch and the kernels through one optional entry,
+``kvtrace.kernels.compute.open_compute``, so importing it (and ``kvtrace.analyzer``) works without
+torch. Without torch every analysis is skipped with the reason; thresholds and choices are
+documented in docs/kernels.md.
 
 Unit of analysis: one (request, layer). Dead heads and eviction use the request's last sampled
 step that holds the layer's K and V, restricted to the tokens the cache held then. Entropy uses
@@ -31,6 +32,7 @@ from kvtrace.format import schema
 from kvtrace.format.assemble import ContentsAssembler
 from kvtrace.format.reader import Trace
 from kvtrace.jsonable import plain
+from kvtrace.kernels.compute import Compute, open_compute, select_device  # noqa: F401 - select_device: this API
 
 __all__ = ["ContentsReport", "analyze_contents", "select_device"]
 
@@ -64,37 +66,6 @@ class ContentsReport:
         })
 
 
-def select_device(device: str = "auto") -> tuple[str, str]:
-    """(torch device, note) for ``device`` in auto | cuda | cpu.
-
-    ``cuda`` without a CUDA device runs on the CPU and says so in the note instead of failing:
-    the torch references compute the same numbers, only slower (decision documented in
-    docs/kernels.md). Raises ValueError for other names.
-    """
-    from kvtrace.kernels import cuda_available
-
-    if device not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"device must be auto, cuda or cpu, got {device!r}")
-    if device == "cpu":
-        return "cpu", ""
-    ok, why = cuda_available()
-    if ok:
-        return "cuda", ""
-    if device == "cuda":
-        return "cpu", f"GPU asked for but {why}: ran the torch reference on the CPU (same numbers, slower)"
-    return "cpu", f"no GPU ({why}): ran the torch reference on the CPU"
-
-
-def _backend_label(torch: Any, dev: str, backend: str) -> str:
-    from kvtrace.kernels._env import resolve_backend
-
-    probe = torch.empty(0, device=dev)
-    which = resolve_backend(backend, probe)
-    if which == "triton" and dev == "cpu":
-        return "triton-interpreter/cpu"
-    return f"{which}/{dev}"
-
-
 def analyze_contents(
     trace: Trace | str | os.PathLike[str], *, device: str = "auto", backend: str = "auto",
     heavy: int | float = 0.1, recent: int | float = 0.1, sinks: int = 4, window: int = 1020,
@@ -114,30 +85,25 @@ def analyze_contents(
 
 
 def _run(trace: Trace, device: str, backend: str, params: dict[str, Any]) -> ContentsReport:
-    from kvtrace.kernels import torch_available
-
     index = trace.payload_index() if trace.has("payloads/index") else np.zeros(0, schema.PAYLOAD_INDEX)
     if index.size == 0:
         why = ("the trace holds no sampled tensors (record with sampling={'every_n_steps': N}"
                + (", queries=True for entropy/eviction)" if not trace.meta.contains_tensor_payloads else ")"))
         return ContentsReport("skipped", why, params=params)
-    ok, why = torch_available()
-    if not ok:
-        return ContentsReport("skipped", f"{why}; the content analyses need torch (or a GPU with torch and triton)",
+    compute = open_compute(device, backend)
+    if isinstance(compute, str):
+        return ContentsReport("skipped", f"{compute}; the content analyses need torch (or a GPU with torch and triton)",
                               params=params, payloads=int(index.size))
-    import torch
-
-    dev, note = select_device(device)
-    rep = ContentsReport("ran", backend=_backend_label(torch, dev, backend), device_note=note,
+    rep = ContentsReport("ran", backend=compute.label, device_note=compute.device_note,
                          params=params, payloads=int(index.size))
-    _Analysis(trace, index, torch, dev, backend, rep).run()
+    _Analysis(trace, index, compute, rep).run()
     return rep
 
 
 class _Analysis:
-    def __init__(self, trace: Trace, index: np.ndarray, torch: Any, dev: str, backend: str,
-                 rep: ContentsReport) -> None:
-        self.trace, self.index, self.torch, self.dev, self.backend, self.rep = trace, index, torch, dev, backend, rep
+    def __init__(self, trace: Trace, index: np.ndarray, compute: Compute, rep: ContentsReport) -> None:
+        self.trace, self.index, self.k, self.rep = trace, index, compute, rep
+        self.backend = compute.backend
         self.p = rep.params
         self.layers = {int(r["layer"]): r for r in trace.layers()} if trace.has("layers") else {}
         self.kv = trace.kv() if trace.has("kv") else np.zeros(0, schema.KV)
@@ -165,7 +131,7 @@ class _Analysis:
         return self._on_device(p)
 
     def _on_device(self, p: Any) -> tuple[Any, Any]:
-        return p, self.torch.from_numpy(np.ascontiguousarray(p.to_float32())).to(self.dev)
+        return p, self.k.tensor(p.to_float32())
 
     def kv_row(self, request: int, step: int, layer: int) -> np.void | None:
         k = self.kv
@@ -205,8 +171,6 @@ class _Analysis:
     # ------------------------------------------------------------------------------ dead heads
 
     def dead_heads(self, request: int, layer: int, step: int) -> None:
-        from kvtrace.kernels.analyses import kv_head_report
-
         kvrow = self.kv_row(request, step, layer)
         first = _first_kept(kvrow)
         kp, k = self.at_step(request, step, layer, PK.KEY, first=first)
@@ -216,7 +180,7 @@ class _Analysis:
                       f"K/V payloads are not [B, H, T, D] with the same B, H, T (got {kp.shape}, {vp.shape})")
             return
         kb, vb = _dtype_bytes(kvrow, kp, vp)
-        rep = kv_head_report(k, v, layer=layer, dtype_bytes=kb, backend=self.backend)
+        rep = self.k.kv_head_report(k, v, layer=layer, dtype_bytes=kb, backend=self.backend)
         heads = [kp.head_start + i * kp.head_stride for i in range(k.shape[1])]
         B, _, T, Dk = k.shape
         per_head = B * T * (Dk * kb + v.shape[3] * vb)
@@ -233,8 +197,6 @@ class _Analysis:
     # ------------------------------------------------------------------------ attention stats
 
     def attention(self, request: int, layer: int, last: int, steps: list[int]) -> None:
-        from kvtrace.kernels.analyses import classify_entropy, h2o_eviction, streaming_eviction
-        from kvtrace.kernels.attention import attention_stats
 
         kvrow = self.kv_row(request, last, layer)
         lt = self.layer_type(layer, kvrow)
@@ -282,8 +244,8 @@ class _Analysis:
             if not ok.any():
                 continue
             used += int(ok.sum()) * q.shape[0]
-            qs = q[:, qi][:, :, self.torch.from_numpy(np.flatnonzero(ok)).to(self.dev)]
-            st = attention_stats(qs, k[:, ki], q_positions=(pos[ok] - kp.token_start).tolist(),
+            qs = q[:, qi][:, :, self.k.tensor(np.flatnonzero(ok))]
+            st = self.k.attention_stats(qs, k[:, ki], q_positions=(pos[ok] - kp.token_start).tolist(),
                                  window=window, scale=scale, backend=self.backend)
             ents.append(st.norm_entropy.double().cpu().numpy())
             nvis.append(st.n_visible.cpu().numpy())
@@ -305,7 +267,7 @@ class _Analysis:
                       f"none of the {sampled} sampled queries has all its visible keys in the sample"
                       + (" (a sliding cache keeps window - 1 tokens after the step)" if window else ""))
         if have_mass:
-            e = classify_entropy(np.concatenate(ents, axis=2), n_visible=np.concatenate(nvis), kv_heads=hk)
+            e = self.k.classify_entropy(np.concatenate(ents, axis=2), n_visible=np.concatenate(nvis), kv_heads=hk)
             g = len(e.mean_norm_entropy) // hk
             self.rep.entropy.append({
                 **{k: base[k] for k in ("request", "layer", "layer_type")}, "steps": q_steps,
@@ -319,10 +281,10 @@ class _Analysis:
             })
         plans = []
         if have_mass:
-            plans.append(h2o_eviction(mass, head_dim=Dk, dtype_bytes=kb, heavy=self.p["heavy"], recent=self.p["recent"]))
+            plans.append(self.k.h2o_eviction(mass, head_dim=Dk, dtype_bytes=kb, heavy=self.p["heavy"], recent=self.p["recent"]))
         else:
             self.skip("eviction_h2o", request, layer, "needs received attention mass from usable sampled queries")
-        plans.append(streaming_eviction(head_dim=Dk, dtype_bytes=kb, sinks=self.p["sinks"], recent=self.p["window"],
+        plans.append(self.k.streaming_eviction(head_dim=Dk, dtype_bytes=kb, sinks=self.p["sinks"], recent=self.p["window"],
                                         received=mass if have_mass else None,
                                         tokens=None if have_mass else Tk, kv_heads=None if have_mass else hk,
                                         batch=B))
@@ -341,7 +303,6 @@ class _Analysis:
     # ------------------------------------------------------------------------------------- MLA
 
     def mla(self, request: int, layer: int, steps: list[int]) -> None:
-        from kvtrace.kernels.mla import mla_spectrum
 
         if not steps:
             self.skip("mla", request, layer, "no latent (c_KV) sampled for this layer")
@@ -361,7 +322,7 @@ class _Analysis:
             return
         # K heads are nope + rope wide, V heads v_head_dim: their mean counts both (docs/kernels.md).
         head_dim = (c["qk_nope_head_dim"] + c["qk_rope_head_dim"] + c["v_head_dim"]) // 2
-        sp = mla_spectrum(lat, num_heads=c["num_attention_heads"], head_dim=head_dim,
+        sp = self.k.mla_spectrum(lat, num_heads=c["num_attention_heads"], head_dim=head_dim,
                           rope_dim=c["qk_rope_head_dim"], kv_lora_rank=r, backend=self.backend)
         d = sp.to_dict()
         eig = d.pop("eigenvalues")
@@ -375,9 +336,7 @@ def _first_kept(kvrow: np.void | None) -> int | None:
 
 
 def _means(a: _Analysis, x: Any) -> np.ndarray:
-    from kvtrace.kernels.norms import head_norms
-
-    return head_norms(x, backend=a.backend).head_mean.double().mean(dim=0).cpu().numpy()
+    return a.k.head_norms(x, backend=a.backend).head_mean.double().mean(dim=0).cpu().numpy()
 
 
 def _dtype_bytes(kvrow: np.void | None, kp: Any, vp: Any) -> tuple[int, int]:

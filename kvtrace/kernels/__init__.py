@@ -5,6 +5,8 @@ the public names below are loaded on first access. ``available()`` says whether 
 kernels can run here and, if not, why.
 
 Modules:
+    compute    the analyser's one entry: open_compute(device, backend) -> Compute | reason
+               (imports torch when called; kvtrace.analyzer imports no torch itself)
     norms      per-token / per-head L2 norms of K or V             (torch)
     attention  entropy, LSE and received mass (H2O) from samples  (torch)
     mla        Gram matrix and spectrum of MLA latents              (torch)
@@ -20,6 +22,8 @@ from typing import Any
 from kvtrace.kernels._env import available, cuda_available, torch_available, triton_available
 
 _LAZY = {
+    "Compute": "compute",
+    "open_compute": "compute",
     "HeadNorms": "norms",
     "head_norms": "norms",
     "head_norms_reference": "norms",
