@@ -97,3 +97,12 @@ def test_model_loading_is_a_library_module():
     bad = sorted(n for n in imported(PKG / "loading.py")
                  if n.split(".")[0] == "click" or n.startswith(("kvtrace.commands", "kvtrace.cli")))
     assert bad == []
+
+
+def test_kvcheck_reads_through_the_view_not_report_data():
+    # report/data imports kvcheck (the growth curves' prediction); kvcheck reads /kv through
+    # analyzer.view itself, so no import runs back up and the two modules form no cycle.
+    found = imported(PKG / "report" / "kvcheck.py")
+    assert not any(n.startswith("kvtrace.report") for n in found), found
+    assert "kvtrace.analyzer.view" in found
+    assert "kvtrace.report.kvcheck" in imported(PKG / "report" / "data.py")
