@@ -75,6 +75,9 @@ class ServingRecorder:
         self.flights: dict[tuple[int, str], _Flight] = {}  # (id(manager), CB request id) -> flight
         self.owner: dict[int, int] = {}  # id(scheduler) or id(batch processor) -> id(manager)
         self.steps: dict[int, int] = {}  # id(manager) -> CB steps recorded
+        # set on CB's loop thread while offload_requests runs: the finish_request calls it makes
+        # preempt a request (it is requeued), they do not end it
+        self.preempting = threading.local()
         self._patches: list[tuple[type, str, Any]] = []
         self.closed = False
 
@@ -85,14 +88,20 @@ class ServingRecorder:
             from transformers.generation.continuous_batching import continuous_api, scheduler
         except Exception:  # noqa: BLE001 - transformers without continuous batching: nothing to hook
             return
+        try:
+            from transformers.generation.continuous_batching import offloading_manager
+        except Exception:  # noqa: BLE001 - a version without it is reported below as unsupported
+            offloading_manager = None
+        offload = getattr(offloading_manager, "OffloadingManager", None)
         mgr = getattr(continuous_api, "ContinuousBatchingManager", None)
         proc = getattr(continuous_api, "ContinuousBatchProcessor", None)
         sched = getattr(scheduler, "Scheduler", None)
         if mgr is None or proc is None or sched is None:
             return
         hooks = ((mgr, "add_request"), (mgr, "_create_batch_processor"), (proc, "prepare_next_batch"),
-                 (sched, "finish_request"), (sched, "clear_cancelled_requests"))
-        missing = [f"{cls.__name__}.{name}" for cls, name in hooks if name not in cls.__dict__]
+                 (sched, "finish_request"), (sched, "clear_cancelled_requests"), (offload, "offload_requests"))
+        missing = [f"{getattr(cls, '__name__', 'OffloadingManager')}.{name}" for cls, name in hooks
+                   if cls is None or name not in cls.__dict__]
         if missing:  # all or nothing: half the hooks would write rows that never end
             self.ctx.event(EventKind.NOTE, text=f"continuous batching is not recorded: {UNSUPPORTED} "
                                                 f"(transformers lacks {', '.join(missing)})")
@@ -103,6 +112,7 @@ class ServingRecorder:
         self._wrap(proc, "prepare_next_batch", lambda orig: lambda p, *a, **k: me._prepare(orig, p, a, k))
         self._wrap(sched, "finish_request", lambda orig: lambda s, *a, **k: me._finish(orig, s, a, k))
         self._wrap(sched, "clear_cancelled_requests", lambda orig: lambda s, *a, **k: me._cancelled(orig, s, a, k))
+        self._wrap(offload, "offload_requests", lambda orig: lambda o, *a, **k: me._offload(orig, o, a, k))
 
     def _wrap(self, cls: type, name: str, make: Any) -> None:
         original = cls.__dict__[name]
@@ -163,13 +173,34 @@ class ServingRecorder:
         request_id = kwargs.get("request_id", args[0] if args else None)
         state = getattr(scheduler, "active_requests", {}).get(request_id) if key is not None else None
         out = orig(scheduler, *args, **kwargs)
-        if key is not None:
+        if key is not None and getattr(self.preempting, "on", False):
+            self._preempted(key, request_id, state)
+        elif key is not None:
             flight = self._pop(key, request_id)
             if flight is not None:
                 failed = getattr(getattr(state, "status", None), "name", "") == "FAILED"
                 self._end(flight.rid, Outcome.ERROR if failed else Outcome.OK, state,
                           "transformers marked the request FAILED" if failed else "")
         return out
+
+    def _offload(self, orig: Any, manager: Any, args: tuple, kwargs: dict) -> Any:
+        self.preempting.on = True
+        try:
+            return orig(manager, *args, **kwargs)
+        finally:
+            self.preempting.on = False
+
+    def _preempted(self, key: int, request_id: Any, state: Any) -> None:
+        with self.lock:
+            flight = self.flights.get((key, str(request_id)))
+            if flight is None:
+                return
+            flight.scheduled = False  # its next admission gets a "scheduled" NOTE again
+        # offload_requests sets PENDING on a request copied to the CPU pool, FINISHED on a soft reset
+        to_cpu = getattr(getattr(state, "status", None), "name", "") == "PENDING"
+        self.ctx.event(EventKind.NOTE, flight.rid, value=_new_tokens(state),
+                       text="preempted: KV offloaded to the CPU pool, requeued" if to_cpu else
+                       "preempted: soft reset (KV freed, requeued; its tokens will be recomputed)")
 
     def _cancelled(self, orig: Any, scheduler: Any, args: tuple, kwargs: dict) -> Any:
         states = orig(scheduler, *args, **kwargs)
@@ -207,7 +238,7 @@ class ServingRecorder:
             w = self.ctx.writer
             if w is None or w.closed:
                 return
-            new_tokens = len(getattr(state, "generated_tokens", None) or ())
+            new_tokens = _new_tokens(state)
             err = w.add_text(why) if why and outcome != Outcome.OK else (0, 0)
             end = monotonic_ns()
             w.update_request(rid, outcome=int(outcome), end_ns=end, new_tokens=new_tokens,
@@ -236,6 +267,18 @@ class ServingRecorder:
         occupancy.update(step=step, running=len(active), waiting=len(getattr(scheduler, "waiting_requests", {})))
         self.ctx.event(EventKind.NOTE, -1, step=step, value=int(occupancy.get("blocks_in_use", 0)),
                        text="paged cache occupancy " + json.dumps(occupancy, sort_keys=True))
+
+
+def _new_tokens(state: Any) -> int:
+    """Tokens generated for the request; after a soft reset transformers moved the earlier ones into
+    initial_tokens (past ``_true_initial_tokens``, the real prompt length)."""
+    if state is None:
+        return 0
+    n = len(getattr(state, "generated_tokens", None) or ())
+    true_initial = int(getattr(state, "_true_initial_tokens", 0) or 0)
+    if true_initial:
+        n += len(getattr(state, "initial_tokens", ())) - true_initial
+    return n
 
 
 def cache_occupancy(cache: Any, active: dict[str, Any]) -> dict[str, Any]:

@@ -166,3 +166,30 @@ def test_missing_hook_is_said_not_half_patched(llama, tmp_path, monkeypatch):
     notes = [t.text(e["text_off"], e["text_len"]) for e in t.events(EventKind.NOTE)]
     assert notes == ["continuous batching is not recorded: unsupported transformers version "
                      "(transformers lacks ContinuousBatchingManager._create_batch_processor)"]
+
+
+def test_preemption_is_an_event_not_an_end(llama, tmp_path):
+    """A 4-block pool for 4 requests growing past one block each: transformers soft-resets some
+    (finish_request + requeue inside offload_requests). Those are NOTE 'preempted' events; each
+    request still ends once, OK, with all its tokens counted."""
+    path = tmp_path / "preempt.kvt.h5"
+    gc = GenerationConfig(max_new_tokens=60, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=4, max_batch_tokens=64)
+    prompts = [*PROMPTS, [13, 14, 15]]
+    with kvtrace.record(llama, path) as rec:
+        llama.generate_batch(inputs=prompts, generation_config=gc, continuous_batching_config=cb, warmup=False)
+    assert rec.recorder_errors == 0
+    t = open_trace(path)
+    reqs = t.requests()
+    assert len(reqs) == 4 and set(reqs["outcome"].tolist()) == {Outcome.OK} and set(reqs["new_tokens"].tolist()) == {60}
+    assert sorted(t.events(EventKind.REQUEST_END)["request"].tolist()) == [0, 1, 2, 3]
+    notes = [(int(e["request"]), t.text(e["text_off"], e["text_len"])) for e in t.events(EventKind.NOTE)]
+    preempted = [r for r, text in notes if text.startswith("preempted")]
+    scheduled = [r for r, text in notes if text.startswith("scheduled")]
+    assert preempted and len(scheduled) == 4 + len(preempted)  # each preemption is followed by a re-admission
+    steps = _occupancy(t)
+    assert max(s["waiting"] for s in steps) > 0  # requeued requests wait while the pool is full
+    for s in steps:
+        a = s["allocators"]["full_attention"]
+        assert s["blocks_in_use"] <= a["blocks_total"] == 4
+        assert s["pool_bytes"] - s["free_bytes"] == s["blocks_in_use"] * a["bytes_per_block"]
