@@ -19,7 +19,9 @@ What it writes, per continuous-batching (CB) request of the recorded model:
   position_offset of the admitted requests, which the scheduler has already advanced: the tokens
   positions the cache holds once this step's forward has written them; a sliding-window allocator
   keeps only the window of them) and
-  the running / waiting request counts.
+  the running / waiting request counts, and the batch: ``batch_requests``, ``prefill_tokens`` and
+  ``decode_tokens`` (query tokens of this step's forward: prompt positions, recomputed ones after a soft reset
+  included, are prefill).
 
 ``generate(cache_implementation="paged")`` is transformers' switch to generate_batch: the generate
 wrapper passes it through, and its sequences are recorded here, one CB request each.
@@ -264,7 +266,8 @@ class ServingRecorder:
         for rid in admitted:
             self.ctx.event(EventKind.NOTE, rid, step=step, text="scheduled (admitted by the continuous-batching scheduler)")
         occupancy = cache_occupancy(getattr(processor, "cache", None), active)
-        occupancy.update(step=step, running=len(active), waiting=len(getattr(scheduler, "waiting_requests", {})))
+        occupancy.update(step=step, running=len(active), waiting=len(getattr(scheduler, "waiting_requests", {})),
+                         **batch_tokens(getattr(getattr(processor, "inputs_and_outputs", None), "requests_in_batch", None)))
         self.ctx.event(EventKind.NOTE, -1, step=step, value=int(occupancy.get("blocks_in_use", 0)),
                        text="paged cache occupancy " + json.dumps(occupancy, sort_keys=True))
 
@@ -279,6 +282,26 @@ def _new_tokens(state: Any) -> int:
     if true_initial:
         n += len(getattr(state, "initial_tokens", ())) - true_initial
     return n
+
+
+def batch_tokens(batch: Any) -> dict[str, int]:
+    """This step's query tokens split by phase, from the scheduled FutureRequestStates (5.23's
+    ``inputs_and_outputs.requests_in_batch``); empty when that is not there."""
+    if not isinstance(batch, list):
+        return {}
+    prefill = decode = 0
+    for future in batch:
+        n = int(getattr(future, "query_length", 0))
+        state = getattr(future, "state", None)
+        # status is DECODING as soon as the whole prompt is scheduled, so it cannot say the phase; the
+        # scheduler has already advanced position_offset by n: past = position_offset - n. Tokens of
+        # initial_tokens (the prompt, plus earlier output after a soft reset) are prefill (or recompute).
+        past = int(getattr(state, "position_offset", 0)) - n
+        if past >= len(getattr(state, "initial_tokens", ())):
+            decode += n
+        else:
+            prefill += n
+    return {"batch_requests": len(batch), "prefill_tokens": prefill, "decode_tokens": decode}
 
 
 def cache_occupancy(cache: Any, active: dict[str, Any]) -> dict[str, Any]:

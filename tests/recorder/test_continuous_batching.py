@@ -97,7 +97,14 @@ def test_generate_batch_is_recorded_request_by_request(name, llama, tmp_path):
         for a in allocs.values():  # each request's <= 10 tokens fit in one block of each allocator
             assert a["blocks_in_use"] == 3 and a["tokens_per_block"] >= 10 and a["blocks_total"] > 3
 
-    # the analyser reads such a trace without crashing and without a finding of severity >= low
+        # the batch: the three prompts together, then one decode token per request
+        expect = (total_prompt, 0) if s["step"] == 0 else (0, 3)
+        assert (s["batch_requests"], s["prefill_tokens"], s["decode_tokens"]) == (3, *expect)
+    _analyze_clean(path, tmp_path)
+
+
+def _analyze_clean(path, tmp_path) -> None:
+    """The analyser reads the trace without crashing and without a finding of severity >= low."""
     report = tmp_path / "a.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-m", "kvtrace.cli", "analyze", str(path), "--json-out", str(report),
@@ -193,3 +200,6 @@ def test_preemption_is_an_event_not_an_end(llama, tmp_path):
         a = s["allocators"]["full_attention"]
         assert s["blocks_in_use"] <= a["blocks_total"] == 4
         assert s["pool_bytes"] - s["free_bytes"] == s["blocks_in_use"] * a["bytes_per_block"]
+    # a prefill (new or recomputed after a soft reset) after step 0 is the preemptions' cost, visible per step
+    assert sum(s["prefill_tokens"] for s in steps[1:]) > 0
+    _analyze_clean(path, tmp_path)
