@@ -10,7 +10,9 @@ What it writes, per continuous-batching (CB) request of the recorded model:
   request FAILED); ``Scheduler.clear_cancelled_requests`` gives INTERRUPTED with the error text
   "cancelled"; a request still in flight when the recording closes gives INTERRUPTED too;
 * events: REQUEST_START when queued (add_request), a NOTE "scheduled" the first step that the
-  scheduler admits it, REQUEST_END when finished or cancelled;
+  scheduler admits it (again after each preemption), a NOTE "first token" as the batch update
+  that produced it returns (its t_ns - start_ns is the time to first token), NOTE "preempted"
+  when transformers offloads or soft-resets it, REQUEST_END when finished or cancelled;
 * per scheduler step (one ``ContinuousBatchProcessor.prepare_next_batch`` that found work), one
   NOTE event, request -1, step = the CB step index, value = blocks in use, and as text a JSON object
   with the paged cache's occupancy as the cache's own counters say: ``pool_bytes`` (the up-front
@@ -57,11 +59,12 @@ UNSUPPORTED = "unsupported transformers version"
 class _Flight:
     """One CB request in flight: its trace id and whether the scheduler admitted it yet."""
 
-    __slots__ = ("rid", "scheduled")
+    __slots__ = ("first", "rid", "scheduled")
 
     def __init__(self, rid: int) -> None:
         self.rid = rid
         self.scheduled = False
+        self.first = False  # its first token was seen (the "first token" NOTE is written)
 
 
 class ServingRecorder:
@@ -100,7 +103,7 @@ class ServingRecorder:
         sched = getattr(scheduler, "Scheduler", None)
         if mgr is None or proc is None or sched is None:
             return
-        hooks = ((mgr, "add_request"), (mgr, "_create_batch_processor"), (proc, "prepare_next_batch"),
+        hooks = ((mgr, "add_request"), (mgr, "_create_batch_processor"), (proc, "prepare_next_batch"), (proc, "update_batch"),
                  (sched, "finish_request"), (sched, "clear_cancelled_requests"), (offload, "offload_requests"))
         missing = [f"{getattr(cls, '__name__', 'OffloadingManager')}.{name}" for cls, name in hooks
                    if cls is None or name not in cls.__dict__]
@@ -114,6 +117,7 @@ class ServingRecorder:
         self._wrap(proc, "prepare_next_batch", lambda orig: lambda p, *a, **k: me._prepare(orig, p, a, k))
         self._wrap(sched, "finish_request", lambda orig: lambda s, *a, **k: me._finish(orig, s, a, k))
         self._wrap(sched, "clear_cancelled_requests", lambda orig: lambda s, *a, **k: me._cancelled(orig, s, a, k))
+        self._wrap(proc, "update_batch", lambda orig: lambda p, *a, **k: me._update(orig, p, a, k))
         self._wrap(offload, "offload_requests", lambda orig: lambda o, *a, **k: me._offload(orig, o, a, k))
 
     def _wrap(self, cls: type, name: str, make: Any) -> None:
@@ -170,6 +174,27 @@ class ServingRecorder:
                 self.ctx.error("cb-step", exc)
         return found
 
+    def _update(self, orig: Any, processor: Any, args: tuple, kwargs: dict) -> Any:
+        out = orig(processor, *args, **kwargs)
+        key = self.owner.get(id(processor))
+        if key is not None and not self.closed:
+            try:
+                for request_id, state in list(getattr(processor.scheduler, "active_requests", {}).items()):
+                    self._first_token(key, request_id, state)
+            except Exception as exc:  # noqa: BLE001
+                self.ctx.error("cb-update", exc)
+        return out
+
+    def _first_token(self, key: int, request_id: Any, state: Any, flight: _Flight | None = None) -> None:
+        """One NOTE "first token" per request, as the batch update that produced it returns (or at its
+        finish, when that token was also its last): its time minus the request's start is the TTFT."""
+        if flight is None:
+            flight = self.flights.get((key, str(request_id)))
+        if flight is None or flight.first or _new_tokens(state) == 0:
+            return
+        flight.first = True
+        self.ctx.event(EventKind.NOTE, flight.rid, text="first token")
+
     def _finish(self, orig: Any, scheduler: Any, args: tuple, kwargs: dict) -> Any:
         key = self.owner.get(id(scheduler))
         request_id = kwargs.get("request_id", args[0] if args else None)
@@ -180,6 +205,7 @@ class ServingRecorder:
         elif key is not None:
             flight = self._pop(key, request_id)
             if flight is not None:
+                self._first_token(key, request_id, state, flight)
                 failed = getattr(getattr(state, "status", None), "name", "") == "FAILED"
                 self._end(flight.rid, Outcome.ERROR if failed else Outcome.OK, state,
                           "transformers marked the request FAILED" if failed else "")

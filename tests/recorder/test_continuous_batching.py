@@ -83,6 +83,13 @@ def test_generate_batch_is_recorded_request_by_request(name, llama, tmp_path):
     steps = _occupancy(t)
     # one forward for the three prefills together, then one per further token
     assert [s["step"] for s in steps] == list(range(NEW))
+    # first token: once per request, produced by step 0's forward (after step 0's NOTE, before step 1's)
+    firsts = [e for e in t.events(EventKind.NOTE) if t.text(e["text_off"], e["text_len"]) == "first token"]
+    assert sorted(int(e["request"]) for e in firsts) == [0, 1, 2]
+    for e in firsts:
+        r = reqs[reqs["request"] == e["request"]][0]
+        assert r["start_ns"] < e["t_ns"] <= r["end_ns"]
+        assert steps[0]["row"]["t_ns"] < e["t_ns"] < steps[1]["row"]["t_ns"]
     total_prompt = sum(map(len, PROMPTS))
     for s in steps:
         allocs = s["allocators"]
@@ -194,6 +201,7 @@ def test_preemption_is_an_event_not_an_end(llama, tmp_path):
     preempted = [r for r, text in notes if text.startswith("preempted")]
     scheduled = [r for r, text in notes if text.startswith("scheduled")]
     assert preempted and len(scheduled) == 4 + len(preempted)  # each preemption is followed by a re-admission
+    assert sorted(r for r, text in notes if text == "first token") == [0, 1, 2, 3]  # once, even if recomputed
     steps = _occupancy(t)
     assert max(s["waiting"] for s in steps) > 0  # requeued requests wait while the pool is full
     for s in steps:
