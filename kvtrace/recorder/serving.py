@@ -7,7 +7,8 @@ What it writes, per continuous-batching (CB) request of the recorded model:
 * one /requests row (outcome RUNNING at ``add_request``; prompt tokens, prompt hash, and in
   gen_args the manager's string id as ``cb_request_id``), updated at the end with new tokens,
   outcome and end time: ``Scheduler.finish_request`` gives OK (ERROR when transformers marked the
-  request FAILED); ``Scheduler.clear_cancelled_requests`` gives INTERRUPTED with the error text
+  request FAILED); ``ContinuousBatchProcessor._handle_request_error`` gives ERROR with the error's
+  text; ``Scheduler.clear_cancelled_requests`` gives INTERRUPTED with the error text
   "cancelled"; a request still in flight when the recording closes gives INTERRUPTED too;
 * events: REQUEST_START when queued (add_request), a NOTE "scheduled" the first step that the
   scheduler admits it (again after each preemption), a NOTE "first token" as the batch update
@@ -50,7 +51,7 @@ from typing import Any
 
 from kvtrace.format.schema import EventKind, Outcome
 from kvtrace.format.writer import monotonic_ns
-from kvtrace.recorder.context import SessionContext
+from kvtrace.recorder.context import MAX_ERROR_TEXT, SessionContext
 from kvtrace.recorder.rows import RequestRow
 
 UNSUPPORTED = "unsupported transformers version"
@@ -103,7 +104,8 @@ class ServingRecorder:
         sched = getattr(scheduler, "Scheduler", None)
         if mgr is None or proc is None or sched is None:
             return
-        hooks = ((mgr, "add_request"), (mgr, "_create_batch_processor"), (proc, "prepare_next_batch"), (proc, "update_batch"),
+        hooks = ((mgr, "add_request"), (mgr, "_create_batch_processor"), (proc, "prepare_next_batch"),
+                 (proc, "update_batch"), (proc, "_handle_request_error"),
                  (sched, "finish_request"), (sched, "clear_cancelled_requests"), (offload, "offload_requests"))
         missing = [f"{getattr(cls, '__name__', 'OffloadingManager')}.{name}" for cls, name in hooks
                    if cls is None or name not in cls.__dict__]
@@ -117,6 +119,7 @@ class ServingRecorder:
         self._wrap(proc, "prepare_next_batch", lambda orig: lambda p, *a, **k: me._prepare(orig, p, a, k))
         self._wrap(sched, "finish_request", lambda orig: lambda s, *a, **k: me._finish(orig, s, a, k))
         self._wrap(sched, "clear_cancelled_requests", lambda orig: lambda s, *a, **k: me._cancelled(orig, s, a, k))
+        self._wrap(proc, "_handle_request_error", lambda orig: lambda p, *a, **k: me._failed(orig, p, a, k))
         self._wrap(proc, "update_batch", lambda orig: lambda p, *a, **k: me._update(orig, p, a, k))
         self._wrap(offload, "offload_requests", lambda orig: lambda o, *a, **k: me._offload(orig, o, a, k))
 
@@ -209,6 +212,19 @@ class ServingRecorder:
                 failed = getattr(getattr(state, "status", None), "name", "") == "FAILED"
                 self._end(flight.rid, Outcome.ERROR if failed else Outcome.OK, state,
                           "transformers marked the request FAILED" if failed else "")
+        return out
+
+    def _failed(self, orig: Any, processor: Any, args: tuple, kwargs: dict) -> Any:
+        """transformers fails a request (a batch's forward raised, or the loop died): ERROR, with the
+        error's text; it covers waiting requests too, which no finish_request follows."""
+        out = orig(processor, *args, **kwargs)
+        key = self.owner.get(id(processor))
+        error = kwargs.get("error", args[0] if args else None)
+        state = kwargs.get("state", args[1] if len(args) > 1 else None)
+        if key is not None:
+            flight = self._pop(key, getattr(state, "request_id", None))
+            if flight is not None:
+                self._end(flight.rid, Outcome.ERROR, state, f"{type(error).__name__}: {error}"[:MAX_ERROR_TEXT])
         return out
 
     def _offload(self, orig: Any, manager: Any, args: tuple, kwargs: dict) -> Any:

@@ -211,3 +211,31 @@ def test_preemption_is_an_event_not_an_end(llama, tmp_path):
     # a prefill (new or recomputed after a soft reset) after step 0 is the preemptions' cost, visible per step
     assert sum(s["prefill_tokens"] for s in steps[1:]) > 0
     _analyze_clean(path, tmp_path)
+
+
+def test_failed_batch_is_an_error_row(tmp_path):
+    """The model raises on its third forward: transformers fails the batch's requests, and their rows
+    say ERROR with the error's text (before any finish_request, and for no request twice)."""
+    llama = tiny_model("llama")
+    calls = []
+
+    def boom(module, args, kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("planted failure")
+
+    handle = llama.register_forward_pre_hook(boom, with_kwargs=True)
+    path = tmp_path / "fail.kvt.h5"
+    gc, cb = _configs()
+    try:
+        with kvtrace.record(llama, path) as rec:
+            llama.generate_batch(inputs=PROMPTS, generation_config=gc, continuous_batching_config=cb, warmup=False)
+    finally:
+        handle.remove()
+    assert rec.recorder_errors == 0
+    t = open_trace(path)
+    reqs = t.requests()
+    assert len(reqs) == 3 and set(reqs["outcome"].tolist()) == {Outcome.ERROR}
+    assert {t.text(r["error_off"], r["error_len"]) for r in reqs} == {"RuntimeError: planted failure"}
+    assert sorted(t.events(EventKind.REQUEST_END)["request"].tolist()) == [0, 1, 2]
+    assert set(reqs["new_tokens"].tolist()) == {2}  # the two forwards before the failure
