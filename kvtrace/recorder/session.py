@@ -44,11 +44,12 @@ the request in flight, the observers, the error count):
 * :class:`~kvtrace.recorder.observers.Observers`: live listeners (the Prometheus exporter is one,
   handed in by ``kvtrace.record``; this package imports nothing from kvtrace.export).
 
-A serving recorder (continuous batching, issue 16) is another session over the same parts: it
-keeps SessionContext, MemoryReadings, RetentionVerdict, SampleSubmission, Observers, the typed rows
-(:mod:`~kvtrace.recorder.rows`) and StepRecorder's structure read per request, and replaces only
-the entry points: the scheduler's add/finish/step calls instead of the generate wrapper, and
-several RequestStates in flight instead of ``SessionContext.active``.
+* :class:`~kvtrace.recorder.serving.ServingRecorder`: continuous batching (generate_batch, the
+  manager API, generate(cache_implementation="paged")): the manager's and scheduler's calls,
+  wrapped on the transformers classes while the session is open, write one /requests row per CB
+  request, its lifecycle events and a NOTE per scheduler step with the paged cache's occupancy
+  (issue 16, first floor; no /steps or /kv rows: the paged cache is not a transformers Cache).
+  It shares the request-id sequence with the generate wrapper.
 """
 
 from __future__ import annotations
