@@ -84,7 +84,7 @@ class ServingRecorder:
         # set on CB's loop thread while offload_requests runs: the finish_request calls it makes
         # preempt a request (it is requeued), they do not end it
         self.preempting = threading.local()
-        self._patches: list[tuple[type, str, Any]] = []
+        self._patches: list[tuple[type, str, Any, Any]] = []
         self.closed = False
 
     # ---- install / remove -----------------------------------------------------------------------
@@ -129,17 +129,25 @@ class ServingRecorder:
         wrapper.__wrapped__ = original
         wrapper.__doc__ = getattr(original, "__doc__", None)
         setattr(cls, name, wrapper)
-        self._patches.append((cls, name, original))
+        self._patches.append((cls, name, original, wrapper))
 
     def remove(self) -> None:
         """Restore the originals; requests still in flight end INTERRUPTED. Idempotent."""
         self.closed = True
-        for cls, name, original in reversed(self._patches):
-            setattr(cls, name, original)
+        for cls, name, original, wrapper in reversed(self._patches):
+            # another session's wrapper may sit on top of ours (two recordings open at once, closed in
+            # another order): then ours stays in its chain, inert (closed, no owners) until that
+            # session closes and restores past every inert wrapper below its own
+            wrapper.kvtrace_inert = True
+            if cls.__dict__.get(name) is wrapper:
+                while getattr(original, "kvtrace_inert", False):
+                    original = original.__wrapped__
+                setattr(cls, name, original)
         self._patches.clear()
         with self.lock:
             left = list(self.flights.values())
             self.flights.clear()
+            self.owner.clear()
         for flight in left:
             self._end(flight.rid, Outcome.INTERRUPTED, None, "still in flight when the recording closed")
 

@@ -239,3 +239,22 @@ def test_failed_batch_is_an_error_row(tmp_path):
     assert {t.text(r["error_off"], r["error_len"]) for r in reqs} == {"RuntimeError: planted failure"}
     assert sorted(t.events(EventKind.REQUEST_END)["request"].tolist()) == [0, 1, 2]
     assert set(reqs["new_tokens"].tolist()) == {2}  # the two forwards before the failure
+
+
+def test_two_sessions_closed_out_of_order(llama, tmp_path):
+    """Two recordings of two models open at once, the first closed first: the second still records
+    its model's CB requests, and once both are closed the transformers methods are the originals."""
+    other = tiny_model("llama", seed=1)
+    gc, cb = _configs()
+    original = continuous_api.ContinuousBatchingManager.__dict__["add_request"]
+    first = kvtrace.record(llama, tmp_path / "a.kvt.h5").start()
+    second = kvtrace.record(other, tmp_path / "b.kvt.h5").start()
+    first.close()
+    assert continuous_api.ContinuousBatchingManager.__dict__["add_request"] is not original  # second's
+    other.generate_batch(inputs=PROMPTS, generation_config=gc, continuous_batching_config=cb, warmup=False)
+    llama.generate_batch(inputs=PROMPTS[:1], generation_config=gc, continuous_batching_config=cb, warmup=False)
+    second.close()
+    assert continuous_api.ContinuousBatchingManager.__dict__["add_request"] is original
+    assert len(open_trace(tmp_path / "a.kvt.h5").requests()) == 0
+    b = open_trace(tmp_path / "b.kvt.h5").requests()
+    assert len(b) == 3 and set(b["outcome"].tolist()) == {Outcome.OK}
