@@ -32,6 +32,17 @@ if str(ROOT) not in sys.path:  # run as a script from the checkout
 
 from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests" / "analyzer"))  # the plants the detector tests use, shared
+# DUP_*: 16 KV heads x 64 so that copies (quadratic in tokens) dwarf allocator and RSS noise.
+from planted import (  # noqa: E402
+    DUP_EXTRA,
+    DUP_NEW,
+    DUP_PROMPT,
+    _patched,  # noqa: E402
+    keep_every_version,
+    trim_heap,
+)
+
 MiB = 1 << 20
 PROMPT, NEW = 6, 8
 LONG_PROMPT = 160  # tiny configs allow 256 positions; eager attention materialises 160 x 160 scores
@@ -62,19 +73,6 @@ def _record(model: Any, path: Path, **opts: Any) -> Any:
     import kvtrace
 
     return kvtrace.record(model, path, **opts)
-
-
-def trim_heap() -> None:
-    """Give freed C-heap pages back to the OS (glibc malloc_trim) before a case that is seen only
-    through process RSS: in a process that already freed a lot (a test session), new tensors reuse
-    resident free pages and RSS does not move, so the kept copies would be invisible to RSS. A real
-    user's warm process has the same blind spot; the detector then reports info, as it should."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 @contextlib.contextmanager
@@ -189,37 +187,15 @@ def plant_forward_hook(path: Path) -> Path:
 
 # ---- planted: duplication -----------------------------------------------------------------------
 
-# 16 KV heads x 64 so that copies (quadratic in tokens) dwarf allocator and RSS noise.
-DUP_EXTRA = {"num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64}
-DUP_PROMPT, DUP_NEW = 32, 96
-
-
-@contextlib.contextmanager
-def _patched(owner: Any, attr: str, make: Callable[[Any], Any]) -> Iterator[None]:
-    original = getattr(owner, attr)
-    setattr(owner, attr, make(original))
-    try:
-        yield
-    finally:
-        setattr(owner, attr, original)
-
-
 def plant_arena(path: Path) -> Path:
     """Inside the cache: each update appends the new full K/V to a growing buffer that keeps every
     earlier version, and the cache's tensors are views into it."""
-    import torch
     from transformers.cache_utils import DynamicLayer
 
     def make(update: Callable) -> Callable:
         def arena_update(self: Any, key_states: Any, value_states: Any, *a: Any, **kw: Any) -> Any:
             out = update(self, key_states, value_states, *a, **kw)
-            for name in ("keys", "values"):
-                cur = getattr(self, name)
-                old = self.__dict__.get(f"_arena_{name}")
-                flat = cur.reshape(-1)
-                arena = flat.clone() if old is None else torch.cat([old, flat])
-                self.__dict__[f"_arena_{name}"] = arena
-                setattr(self, name, arena[-flat.numel():].view(cur.shape))
+            keep_every_version(self)
             return out
         return arena_update
 

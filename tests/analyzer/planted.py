@@ -75,6 +75,21 @@ DUP_EXTRA = {"num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 6
 DUP_PROMPT, DUP_NEW = 32, 96  # 96 steps: >= 6 RSS samples at 100 Hz even at ~1 ms per step
 
 
+def keep_every_version(layer: Any) -> None:
+    """The arena plant, after a cache layer's update: append its new full K/V to a growing buffer
+    that still holds every earlier version, and point the layer's tensors into that buffer (the
+    copies live in the cache's own storage)."""
+    import torch
+
+    for name in ("keys", "values"):
+        cur = getattr(layer, name)
+        old = layer.__dict__.get(f"_arena_{name}")
+        flat = cur.reshape(-1)
+        arena = flat.clone() if old is None else torch.cat([old, flat])
+        layer.__dict__[f"_arena_{name}"] = arena
+        setattr(layer, name, arena[-flat.numel():].view(cur.shape))
+
+
 def record_duplication(path: Path, *, planted: bool = True, mode: str = "arena") -> Path:
     """A cache layer that keeps its old copies when it grows.
 
@@ -84,7 +99,6 @@ def record_duplication(path: Path, *, planted: bool = True, mode: str = "arena")
     structure; only memory telemetry shows them (allocator bytes on a GPU; on a CPU, process RSS,
     which cannot tell them from heap fragmentation).
     """
-    import torch
     from transformers.cache_utils import DynamicLayer
 
     def make(update: Callable) -> Callable:
@@ -93,13 +107,7 @@ def record_duplication(path: Path, *, planted: bool = True, mode: str = "arena")
                 self.__dict__.setdefault("_old_copies", []).append((self.keys, self.values))
             out = update(self, key_states, value_states, *a, **kw)
             if planted and mode == "arena":
-                for name in ("keys", "values"):
-                    cur = getattr(self, name)
-                    old = self.__dict__.get(f"_arena_{name}")
-                    flat = cur.reshape(-1)
-                    arena = flat.clone() if old is None else torch.cat([old, flat])
-                    self.__dict__[f"_arena_{name}"] = arena
-                    setattr(self, name, arena[-flat.numel():].view(cur.shape))
+                keep_every_version(self)
             return out
         return arena_update
 
