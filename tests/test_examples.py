@@ -1,4 +1,6 @@
-"""Every example command of README.md and of every `--help` runs here, exits 0, within a minute.
+"""Every example command of README.md and of every `--help` runs here and exits 0. How long each
+takes against the README's one-minute promise is measured by bench/bench_examples.py (tests never
+assert wall-clock times).
 
 Examples are read from the documents themselves (README ```bash blocks; lines starting with
 `kvtrace ` in each command's help), so a new example is tested without editing this file. Each
@@ -19,7 +21,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -28,8 +29,6 @@ import pytest
 from kvtrace.cli import COMMANDS, cli
 
 ROOT = Path(__file__).resolve().parent.parent
-# The promise made in README: every example finishes in under a minute on a 2-core machine.
-TIME_BUDGET_S = 60.0
 OUTPUT_OPTIONS = {"-o", "--output", "--output-dir", "--json-out", "--figures", "--prometheus-textfile"}
 NOT_RUN = {  # shell lines of README code blocks that are not kvtrace examples
     "bash scripts/": "creates a fresh virtualenv and installs torch and the extras from the network",
@@ -110,7 +109,12 @@ def _kvtrace(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def inputs(tmp_path_factory):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    d = tmp_path_factory.mktemp("example-inputs")
+    return make_inputs(tmp_path_factory.mktemp("example-inputs"))
+
+
+def make_inputs(d: Path) -> Path:
+    """Everything an example may read, in ``d``: one recorded trace, its analysis JSON, a fleet
+    export, a tiny local model directory and its config.json."""
     p = _kvtrace(["record", "--model", "preset:llama-3.1-8b", "--tiny", "--prompt", "hello", "--prompt",
                   "a second request", "--max-new-tokens", "12", "--min-new-tokens", "12", "-q",
                   "-o", "shared.kvt.h5"], d)
@@ -181,32 +185,40 @@ def _id(example: tuple[str, str]) -> str:
     return f"{example[0]}: {example[1][:80]}"
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=[_id(e) for e in EXAMPLES])
-def test_example_runs(example, inputs, tmp_path):
-    where, line = example
+def split_example(where: str, line: str) -> tuple[list[str], list[str], str | None]:
+    """(command tokens, what it is piped into, why it cannot run here or None)."""
     for prefix, reason in NOT_RUN.items():
         if line.startswith(prefix):
-            pytest.skip(f"{where}: `{line}` {reason}")
+            return [], [], f"{where}: `{line}` {reason}"
     assert line.startswith("kvtrace "), f"{where}: not a kvtrace command: {line}"
     tokens = shlex.split(line, comments=True)
     piped = tokens[tokens.index("|") + 1:] if "|" in tokens else []
     tokens = tokens[: tokens.index("|")] if piped else tokens
     if "--device" in tokens and tokens[tokens.index("--device") + 1].startswith("cuda"):
-        torch = pytest.importorskip("torch")
+        try:
+            import torch
+        except ImportError:
+            return tokens, piped, f"{where}: needs torch with CUDA"
         if not torch.cuda.is_available():
-            pytest.skip(f"{where}: needs a CUDA device")
+            return tokens, piped, f"{where}: needs a CUDA device"
     if "--dask" in tokens:  # names a running scheduler of the user's; LocalCluster runs in tests/fleet
-        pytest.skip(f"{where}: needs the dask scheduler it names ({tokens[tokens.index('--dask') + 1]})")
+        return tokens, piped, f"{where}: needs the dask scheduler it names ({tokens[tokens.index('--dask') + 1]})"
+    return tokens, piped, None
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[_id(e) for e in EXAMPLES])
+def test_example_runs(example, inputs, tmp_path):
+    where, line = example
+    tokens, piped, why_not = split_example(where, line)
+    if why_not:
+        pytest.skip(why_not)
     args = prepare(tokens, tmp_path, inputs)
-    t0 = time.monotonic()
     p = _kvtrace(args[1:], tmp_path)
-    elapsed = time.monotonic() - t0
     # --fail-on examples show the CI gate: 3 (documented: the threshold was reached) is an answer too;
     # the fleet example's two sides are different models, so its bytes per token really differ.
     ok = (0, 3) if "--fail-on" in tokens else (0,)
     assert p.returncode in ok, f"{where}: `{line}` exited {p.returncode}: {p.stderr[-2000:]}"
     assert "Traceback" not in p.stderr
-    assert elapsed < TIME_BUDGET_S, f"{where}: `{line}` took {elapsed:.0f} s"
     if piped and piped[0] == "jq":  # what is piped into jq must be JSON
         json.loads(p.stdout)
     for i in _outputs(args):  # every file or directory an example names as output was written
