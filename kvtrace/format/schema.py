@@ -27,7 +27,7 @@ import numpy as np
 
 FORMAT_NAME = "kvtrace"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 3
+FORMAT_MINOR = 4
 # The minor whose table fields and /meta attributes this reader knows exactly: files of this minor
 # or newer must have every field with its type (1.3 changed only HDF5 types and attributes).
 FIELDS_MINOR = 2
@@ -617,6 +617,8 @@ META: tuple[MetaAttr, ...] = (
     MetaAttr("contains_prompt_text", "bool", True, False),
     MetaAttr("contains_tensor_payloads", "bool", True, False),
     MetaAttr("payload_tokens", "str", False, since="1.1"),  # absent: "all" (spec §6.1)
+    # 1.4: how the model is spread over devices and processes (spec §3.1); absent: one process
+    MetaAttr("parallel_json", "json", False, since="1.4"),
 )
 META_BY_NAME: dict[str, MetaAttr] = {a.name: a for a in META}
 # Attributes of /meta: (name, required). JSON-valued ones end in _json.
