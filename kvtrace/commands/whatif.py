@@ -28,7 +28,7 @@ def _ratios(text: str) -> list[float]:
 @click.option("--policy", "policy_texts", multiple=True, metavar="NAME[:k=v,...]",
               help="Policy to replay (repeatable); default: " + " ".join(DEFAULT_POLICIES)
               + ". Names: paging, knorm, keydiff, random, streaming_llm, observed_attention, tova, snapkv, "
-              "kivi, quanto, hqq, fp8.")
+              "expected_attention, kivi, quanto, hqq, fp8.")
 @click.option("--ratio", "ratio_text", default="0.25,0.5,0.75", show_default=True, metavar="R[,R...]",
               help="Compression ratios (fraction of tokens evicted) for the eviction policies.")
 @json_options

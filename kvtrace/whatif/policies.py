@@ -56,8 +56,9 @@ class PolicyError(ValueError):
 class Policy:
     name: ClassVar[str] = ""
     family: ClassVar[str] = ""  # paging | eviction | quantization
-    needs: ClassVar[str] = ""  # sizes | K | Q and K
+    needs: ClassVar[str] = ""  # sizes | K | Q and K | Q, K and V
     doc: ClassVar[str] = ""
+    note: ClassVar[str] = ""  # where the offline version departs from the original (shown in the output)
 
     def params(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -96,11 +97,17 @@ class Paging(Policy):
 # ---------------------------------------------------------------------------------- eviction
 
 
+def n_kept(tokens: int, ratio: float) -> int:
+    """Tokens kept at compression ``ratio``: ``max(1, int(T * (1 - ratio)))`` for T > 0 (kvpress
+    utils.compute_n_kept: never empties a layer)."""
+    return max(1, int(tokens * (1 - ratio))) if tokens > 0 else 0
+
+
 def keep_top(scores: np.ndarray, ratio: float) -> np.ndarray:
-    """Keep mask [B, H, T]: the ``int(T * (1 - ratio))`` highest scores per (B, H); on ties the
-    older token wins (stable sort)."""
+    """Keep mask [B, H, T]: the :func:`n_kept` highest scores per (B, H); on ties the older token
+    wins (stable sort)."""
     T = scores.shape[-1]
-    n = int(T * (1 - ratio))
+    n = n_kept(T, ratio)
     order = np.argsort(-scores, axis=-1, kind="stable")[..., :n]
     keep = np.zeros(scores.shape, dtype=bool)
     np.put_along_axis(keep, order, True, axis=-1)
@@ -112,15 +119,16 @@ class ScorerPolicy(Policy):
     family: ClassVar[str] = "eviction"
     needs: ClassVar[str] = "K"
 
-    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+    def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
         raise NotImplementedError
 
-    def plan(self, keys: np.ndarray, ratio: float, obs: Observed | None = None) -> np.ndarray:
+    def plan(self, keys: np.ndarray, ratio: float, obs: Observed | None = None,
+             values: np.ndarray | None = None) -> np.ndarray:
         """Keep mask [B, Hk, T] at compression ``ratio`` (fraction of tokens dropped)."""
         _check(0 <= ratio < 1, self.name, f"ratio must be in [0, 1), got {ratio}")
         if ratio == 0:
             return np.ones(keys.shape[:3], dtype=bool)
-        return keep_top(self.score(keys, obs), ratio)
+        return keep_top(self.score(keys, obs, values), ratio)
 
 
 @dataclass
@@ -129,7 +137,7 @@ class Knorm(ScorerPolicy):
 
     name: ClassVar[str] = "knorm"
 
-    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+    def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
         return -np.linalg.norm(keys.astype(np.float64), axis=-1)
 
 
@@ -139,7 +147,7 @@ class KeyDiff(ScorerPolicy):
 
     name: ClassVar[str] = "keydiff"
 
-    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+    def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
         k = keys.astype(np.float64)
         n = np.linalg.norm(k, axis=-1, keepdims=True)
         unit = k / np.maximum(n, 1e-12)  # F.normalize eps
@@ -157,7 +165,7 @@ class Random(ScorerPolicy):
     name: ClassVar[str] = "random"
     seed: int = 0
 
-    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+    def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
         return np.random.default_rng(self.seed).random(keys.shape[:3])
 
 
@@ -173,10 +181,11 @@ class StreamingLLM(ScorerPolicy):
     def __post_init__(self) -> None:
         _check(self.n_sink >= 0 and self.window >= 0, self.name, "n_sink and window must be >= 0")
 
-    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+    def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
         raise AssertionError("plan() is overridden")
 
-    def plan(self, keys: np.ndarray, ratio: float, obs: Observed | None = None) -> np.ndarray:
+    def plan(self, keys: np.ndarray, ratio: float, obs: Observed | None = None,
+             values: np.ndarray | None = None) -> np.ndarray:
         T = keys.shape[2]
         if self.window:
             recent = self.window
@@ -207,7 +216,7 @@ class ObservedAttention(QueryScorer):
 
     name: ClassVar[str] = "observed_attention"
 
-    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+    def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
         obs = _need(obs, self.name)
         p, vis = obs.probs(keys)
         count = vis.sum(axis=0)
@@ -223,7 +232,7 @@ class TOVA(QueryScorer):
 
     name: ClassVar[str] = "tova"
 
-    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+    def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
         obs = _need(obs, self.name)
         last = int(np.argmax(obs.q_pos))
         p, vis = obs.subset(np.array([last])).probs(keys)
@@ -245,7 +254,7 @@ class SnapKV(QueryScorer):
         _check(self.window_size >= 1, self.name, "window_size must be >= 1")
         _check(self.kernel_size >= 1 and self.kernel_size % 2 == 1, self.name, "kernel_size must be odd and >= 1")
 
-    def score(self, keys: np.ndarray, obs: Observed | None) -> np.ndarray:
+    def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
         obs = _need(obs, self.name)
         order = np.argsort(obs.q_pos, kind="stable")[-self.window_size:]
         start = int(obs.q_pos[order].min())
@@ -255,6 +264,57 @@ class SnapKV(QueryScorer):
         s = _avg_pool(s, self.kernel_size)
         out = np.full(keys.shape[:3], KEEP)
         out[..., prefix] = _group_mean(s, keys.shape[1])
+        return out
+
+
+@dataclass
+class ExpectedAttention(QueryScorer):
+    """expected_attention_press.py (ExpectedAttentionPress.score): with the queries' mean ``mu``
+    and covariance ``S`` per query head, a key's expected attention logit is
+    ``k.mu / sqrt(d) + k^T S k / (2 d)``; softmax over the non-sink keys, mean over each KV head's
+    query heads, times ``||v||`` (``use_vnorm``); the ``n_sink`` first keys are kept.
+
+    Stand-in: kvpress takes ``mu`` and ``S`` of the *pre-RoPE* queries of the prefill and rotates
+    them by the RoPE matrix averaged over the next ``n_future_positions`` positions. A trace holds
+    *post-RoPE* queries sampled while decoding, so here the statistics of the sampled queries
+    (positions >= n_sink) stand in for the future queries as they are: already rotated at the
+    positions where they were sampled. Same scoring formula, different query statistics."""
+
+    name: ClassVar[str] = "expected_attention"
+    needs: ClassVar[str] = "Q, K and V"
+    note: ClassVar[str] = ("stand-in: statistics of the sampled post-RoPE queries replace kvpress's pre-RoPE "
+                           "prefill queries rotated by the RoPE averaged over future positions")
+    n_sink: int = 4
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.n_sink >= 0 and self.epsilon >= 0, self.name, "n_sink and epsilon must be >= 0")
+
+    def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
+        obs = _need(obs, self.name)
+        B, hk, T, d = keys.shape
+        _check(T > self.n_sink, self.name, f"needs more than n_sink={self.n_sink} keys, got {T}")
+        _check(values is not None or not self.use_vnorm, self.name, "use_vnorm needs the values")
+        q = obs.q[:, :, obs.q_pos >= self.n_sink].astype(np.float64)  # kvpress drops the first n_sink
+        _check(q.shape[2] > 0, self.name, f"needs queries at positions >= n_sink={self.n_sink}")
+        hq = q.shape[1]
+        mu = q.mean(axis=2)  # [B, Hq, d]
+        k = np.repeat(keys[:, :, self.n_sink:].astype(np.float64), hq // hk, axis=1)  # [B, Hq, n, d]
+        logits = np.einsum("bhnd,bhd->bhn", k, mu) / math.sqrt(d)
+        if self.use_covariance:
+            c = q - mu[:, :, None]
+            cov = np.einsum("bhsi,bhsj->bhij", c, c) / q.shape[2]
+            logits += np.einsum("bhni,bhij,bhnj->bhn", k, cov, k) / d / 2
+        logits -= logits.max(axis=-1, keepdims=True)
+        p = np.exp(logits)
+        s = _group_mean(p / p.sum(axis=-1, keepdims=True), hk)
+        if self.use_vnorm:
+            assert values is not None
+            s = (s + self.epsilon) * np.linalg.norm(values[:, :, self.n_sink:].astype(np.float64), axis=-1)
+        out = np.full(keys.shape[:3], KEEP)
+        out[..., self.n_sink:] = s
         return out
 
 
@@ -386,7 +446,7 @@ class FP8(Quantizer):
 
 REGISTRY: dict[str, type[Policy]] = {
     c.name: c for c in (Paging, Knorm, KeyDiff, Random, StreamingLLM, ObservedAttention, TOVA, SnapKV,
-                        KIVI, Quanto, HQQ, FP8)
+                        ExpectedAttention, KIVI, Quanto, HQQ, FP8)
 }
 
 
@@ -407,6 +467,15 @@ def parse_policy(text: str) -> Policy:
                 kwargs[key] = int(val)
             except ValueError:
                 raise PolicyError(f"{name}: {key} must be an integer, got {val!r}") from None
+        elif types[key] in ("float", float):
+            try:
+                kwargs[key] = float(val)
+            except ValueError:
+                raise PolicyError(f"{name}: {key} must be a number, got {val!r}") from None
+        elif types[key] in ("bool", bool):
+            if val.lower() not in ("true", "false", "1", "0"):
+                raise PolicyError(f"{name}: {key} must be true or false, got {val!r}")
+            kwargs[key] = val.lower() in ("true", "1")
         else:
             kwargs[key] = val
     return cls(**kwargs)

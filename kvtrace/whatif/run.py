@@ -57,6 +57,8 @@ def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ra
     for pol in policies:
         entry: dict[str, Any] = {"policy": pol.name, "label": pol.label(), "family": pol.family,
                                  "needs": pol.needs, "params": pol.params(), "results": []}
+        if pol.note:
+            entry["note"] = pol.note
         for ratio in (ratios if isinstance(pol, ScorerPolicy) and not _fixed(pol) else [None]):
             entry["results"].append(_evaluate(pol, ratio, sz, units, base, no_contents))
         doc["policies"].append(entry)
@@ -82,10 +84,10 @@ def _kept_bytes(pol: Policy, ratio: float | None, sz: source.Sizes) -> np.ndarra
     if isinstance(pol, Paging):
         return pol.tokens_allocated(sz.tokens) * bpt
     if isinstance(pol, StreamingLLM):
-        kept = np.minimum(sz.tokens, pol.n_sink + pol.window) if pol.window else (sz.tokens * (1 - ratio)).astype(np.int64)
+        kept = np.minimum(sz.tokens, pol.n_sink + pol.window) if pol.window else _n_kept(sz.tokens, ratio)
         return kept * bpt
     if isinstance(pol, ScorerPolicy):
-        return (sz.tokens * (1 - ratio)).astype(np.int64) * bpt  # int(T * (1 - ratio)), as kvpress
+        return _n_kept(sz.tokens, ratio) * bpt
     assert isinstance(pol, Quantizer)
     out = np.zeros(len(sz))
     for i in range(len(sz)):
@@ -94,6 +96,12 @@ def _kept_bytes(pol: Policy, ratio: float | None, sz: source.Sizes) -> np.ndarra
             pol.stored_bytes(t, int(sz.v_dim[i]), int(sz.v_bytes[i]), "value")
         out[i] = per_head * sz.kv_heads[i] * sz.batch[i]
     return out
+
+
+def _n_kept(tokens: np.ndarray, ratio: float | None) -> np.ndarray:
+    """policies.n_kept per row: max(1, int(T * (1 - ratio))) for T > 0, as kvpress."""
+    kept = (tokens * (1 - (ratio or 0.0))).astype(np.int64)
+    return np.where(tokens > 0, np.maximum(kept, 1), 0)
 
 
 def _evaluate(pol: Policy, ratio: float | None, sz: source.Sizes, units: list[source.Unit],
@@ -135,7 +143,7 @@ def _unit(pol: Policy, ratio: float | None, u: source.Unit, skipped: list[dict[s
     hk = u.k.shape[1]
     if isinstance(pol, ScorerPolicy):
         obs = None
-        if pol.needs == "Q and K":
+        if pol.needs.startswith("Q"):
             if u.obs_q is None:
                 reason = u.no_queries or f"no query sampled before step {u.step} to score with"
                 _skip(skipped, "all content measures", u, f"{pol.name} needs observed queries: {reason}")
@@ -144,7 +152,7 @@ def _unit(pol: Policy, ratio: float | None, u: source.Unit, skipped: list[dict[s
         if u.latent:
             _skip(skipped, "attention_mass_recall", u, u.no_queries)
             return {}
-        keep = pol.plan(u.k, ratio if ratio is not None else 0.0, obs)
+        keep = pol.plan(u.k, ratio if ratio is not None else 0.0, obs, u.v)
         row["kept_tokens_per_head"] = keep.sum(axis=(0, 2)).tolist()
         if vis is None:
             _skip(skipped, "attention_mass_recall", u, u.no_queries)

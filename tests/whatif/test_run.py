@@ -12,7 +12,8 @@ from kvtrace.whatif.run import run_whatif
 
 DATA = Path(__file__).parents[1] / "data" / "gpu_contents"
 LLAMA, GEMMA = DATA / "llama.kvt.h5", DATA / "gemma3_text.kvt.h5"
-EVICT = ["knorm", "keydiff", "random", "streaming_llm", "observed_attention", "tova", "snapkv:window_size=4"]
+EVICT = ["knorm", "keydiff", "random", "streaming_llm", "observed_attention", "tova", "snapkv:window_size=4",
+         "expected_attention:n_sink=2"]
 
 
 def _run(path, names, ratios=(0.5,)):

@@ -1,0 +1,160 @@
+"""Our offline scorers against NVIDIA kvpress's own ``score`` methods on the same tensors.
+
+kvpress 0.5.5 pins transformers < 5.3, so it is not a dependency: CI installs it best effort with
+``pip install --no-deps --target /tmp/kvpress kvpress==0.5.5`` and this module imports only the
+press modules (their package ``__init__`` pulls optional dependencies), from ``$KVPRESS_PATH`` or
+/tmp/kvpress. Without it every test here skips and says why; the formulas are also checked without
+kvpress on hand-built cases in test_policies.py / test_expected_attention.py.
+
+What is compared: for each press and compression ratio, kvpress's scores [B, Hk, T] equal ours
+(float64, rtol 1e-9) wherever both score a key, and the keep-set of kvpress's own
+``topk(compute_n_kept(T, ratio))`` equals ours. kvpress scores keys in a prefill: queries at every
+position, attention given as the eager attention matrix (the path kvpress takes with
+``attn_implementation="eager"``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvtrace.whatif import parse_policy
+from kvtrace.whatif.policies import Observed, keep_top, n_kept
+
+torch = pytest.importorskip("torch")
+
+KVPRESS = Path(os.environ.get("KVPRESS_PATH", "/tmp/kvpress"))
+
+
+def _press(module: str, cls: str):
+    """A press class, imported without running kvpress/__init__.py (its optional imports)."""
+    root = KVPRESS / "kvpress"
+    if not (root / "presses" / f"{module}.py").is_file():
+        pytest.skip(f"kvpress not installed at {KVPRESS} (pip install --no-deps --target {KVPRESS} kvpress==0.5.5)")
+    if str(KVPRESS) not in sys.path:
+        sys.path.insert(0, str(KVPRESS))
+    for name, path in (("kvpress", root), ("kvpress.presses", root / "presses")):
+        if name not in sys.modules:
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [str(path)]
+            sys.modules[name] = pkg
+    try:
+        return getattr(importlib.import_module(f"kvpress.presses.{module}"), cls)
+    except ImportError as exc:
+        pytest.skip(f"kvpress press {module} does not import beside this transformers: {exc}")
+
+
+B, HK, G, T, D = 2, 2, 2, 24, 8
+HQ = HK * G
+RATIOS = (0.25, 0.5, 0.75)
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    rng = np.random.default_rng(7)
+    q = rng.normal(size=(B, HQ, T, D))
+    k = rng.normal(size=(B, HK, T, D))
+    v = rng.normal(size=(B, HK, T, D))
+    k[0, 1, 9] *= 4  # a loud key and a heavy hitter so the policies disagree
+    q[..., 0] += 2.0
+    k[..., 5, 0] += 3.0
+    return q, k, v
+
+
+def _eager_attention(q, k):
+    """Causal softmax(q k^T / sqrt(d)) [B, Hq, T, T], what an eager prefill hands kvpress."""
+    kk = np.repeat(k, G, axis=1)
+    logits = np.einsum("bhqd,bhkd->bhqk", q, kk) / math.sqrt(D)
+    logits = np.where(np.tril(np.ones((T, T), bool)), logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+def _module():
+    return SimpleNamespace(head_dim=D, config=SimpleNamespace(num_attention_heads=HQ, num_key_value_heads=HK))
+
+
+def _obs(q):
+    return Observed(q, np.arange(T), np.arange(T), None, 1 / math.sqrt(D))
+
+
+def _t(x):
+    return torch.from_numpy(np.ascontiguousarray(x)).double()
+
+
+def _kvpress_keep(scores, ratio):
+    idx = scores.topk(n_kept(T, ratio), dim=-1).indices.numpy()
+    keep = np.zeros(scores.shape, bool)
+    np.put_along_axis(keep, idx, True, axis=-1)
+    return keep
+
+
+def _compare(theirs, ours, ratio, scored):
+    np.testing.assert_allclose(ours[..., scored], theirs.numpy()[..., scored], rtol=1e-9, atol=1e-12)
+    assert (keep_top(ours, ratio) == _kvpress_keep(theirs, ratio)).all()
+
+
+CASES = [  # (our policy, kvpress module, class, kvpress kwargs, scored keys)
+    ("knorm", "knorm_press", "KnormPress", {}, slice(None)),
+    ("keydiff", "keydiff_press", "KeyDiffPress", {}, slice(None)),
+    ("observed_attention", "observed_attention_press", "ObservedAttentionPress", {}, slice(None)),
+    ("tova", "tova_press", "TOVAPress", {}, slice(0, T - 1)),  # both keep the last token
+    ("snapkv:window_size=6,kernel_size=5", "snapkv_press", "SnapKVPress", {"window_size": 6, "kernel_size": 5},
+     slice(0, T - 6)),
+]
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("policy,module,cls,kw,scored", CASES, ids=[c[0].split(":")[0] for c in CASES])
+def test_scorer_matches_kvpress(tensors, policy, module, cls, kw, scored, ratio):
+    q, k, v = tensors
+    press = _press(module, cls)(compression_ratio=ratio, **kw)
+    theirs = press.score(_module(), _t(np.zeros((B, T, 1))), _t(k), _t(v), _t(_eager_attention(q, k)), {})
+    ours = parse_policy(policy).score(k, _obs(q), v)
+    _compare(theirs, ours, ratio, scored)
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_streaming_llm_matches_kvpress(tensors, ratio):
+    _, k, v = tensors
+    press = _press("streaming_llm_press", "StreamingLLMPress")(compression_ratio=ratio, n_sink=3)
+    theirs = press.score(_module(), None, _t(k), _t(v), None, {})
+    ours = parse_policy("streaming_llm:n_sink=3").plan(k, ratio)
+    assert (ours == (theirs.numpy() > 0)).all()  # kvpress scores 1 = kept, 0 = pruned: no ties to break
+    assert (ours == _kvpress_keep(theirs, ratio)).all()
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("cov,vnorm", [(True, True), (False, True), (True, False)])
+def test_expected_attention_formula_matches_kvpress(tensors, ratio, cov, vnorm):
+    """The scoring formula only: kvpress's query statistics (pre-RoPE prefill queries rotated by
+    the averaged future RoPE) are replaced by ours (the sampled post-RoPE queries at positions >=
+    n_sink) on both sides -- that replacement is the documented stand-in, not a formula."""
+    q, k, v = tensors
+    press = _press("expected_attention_press", "ExpectedAttentionPress")(
+        compression_ratio=ratio, n_sink=2, use_covariance=cov, use_vnorm=vnorm)
+    qs = q[:, :, 2:]
+    mu = qs.mean(axis=2)
+    c = qs - mu[:, :, None]
+    press.get_query_statistics = lambda module, h: (_t(mu), _t(np.einsum("bhsi,bhsj->bhij", c, c) / qs.shape[2]) if cov else None)
+    theirs = press.score(_module(), None, _t(k), _t(v), None, {})
+    ours = parse_policy(f"expected_attention:n_sink=2,use_covariance={cov},use_vnorm={vnorm}").score(k, _obs(q), v)
+    _compare(theirs, ours, ratio, slice(2, None))
+    assert np.isinf(ours[..., :2]).all()  # kvpress pads the sinks with max + 1: always kept
+
+
+def test_n_kept_matches_kvpress_compute_n_kept():
+    _press("knorm_press", "KnormPress")
+    from kvpress.utils import compute_n_kept
+
+    for t in (1, 2, 3, 7, 24, 100):
+        for r in (0.0, 0.1, 0.5, 0.9, 0.99):
+            assert n_kept(t, r) == compute_n_kept(t, r)
