@@ -67,6 +67,7 @@ import torch
 
 from kvtrace.format.storage import StorageFault, hold_sigxfsz, release_sigxfsz
 from kvtrace.format.writer import TraceWriter
+from kvtrace.recorder import parallel
 from kvtrace.recorder.context import SessionContext
 from kvtrace.recorder.observers import ObserverFactory, RecorderObserver
 from kvtrace.recorder.options import (
@@ -106,7 +107,7 @@ class Recorder:
         every = opts.structure_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"structure_every must be an integer >= 1, got {every!r}")
-        self.path = check_writable(path)
+        self.path = check_writable(parallel.rank_path(path))  # one file per tensor-parallel rank
         live: list[RecorderObserver] = []
         if opts.prometheus is not None or opts.prometheus_textfile is not None:
             if observer_factory is None:
@@ -314,6 +315,9 @@ class Recorder:
         }
         if self.sampling is not None:
             meta["payload_tokens"] = self.sampling.tokens
+        shard = parallel.describe(model)  # device map / tensor-parallel rank (spec §3.1)
+        if shard is not None:
+            meta["parallel_json"] = shard
         meta.update(telemetry.versions())
         return meta
 
