@@ -46,6 +46,10 @@ Variants (recorder options, or mechanism-isolation patches; see ``VARIANTS``):
                instead of 20, the flusher every 50 ms instead of 1 s, the structure every step
                instead of every 8th): its cost at the default rate is (ratio - 1) / N, resolvable
                where the plain variant's cost is below the run-to-run noise
+  lo_*         leave-one-out: the defaults minus one mechanism (lo_telemetry: no telemetry thread,
+               lo_flusher: flusher at 60 s, lo_retention: no retention tracking, lo_structure: the
+               structure only at prefill and the last step, lo_hooks: no step hooks at all); its
+               drop from "recorder" is that mechanism's share, interactions included
   memhist      torch.cuda.memory._record_memory_history() (anchor; own process)
   profiler     torch.profiler.profile(profile_memory=True) (anchor; own process)
 
@@ -95,16 +99,25 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "m_structure_x8": {"options": {**_BARE, "structure_every": 1}, "patch": ("notelemetry",), "amplify": 8},
     "m_retention_x8": {"options": {**_BARE, "structure_every": 1, "retention": True}, "patch": ("notelemetry",),
                        "amplify": 8},
+    # Leave-one-out: the default recorder minus one mechanism; its drop from "recorder" is what that
+    # mechanism costs inside the whole (interactions included), at the default rates.
+    "lo_telemetry": {"options": {}, "patch": ("notelemetry",)},
+    "lo_flusher": {"options": {"flush_interval_s": 60.0}},
+    "lo_retention": {"options": {"retention": False}},
+    "lo_structure": {"options": {"structure_every": 10**9}},
+    "lo_hooks": {"options": {}, "patch": ("nohooks",)},
     "aa": {},  # nothing attached: an A/A pair, the harness's own noise floor and order bias
     "memhist": {"anchor": True},
     "profiler": {"anchor": True},
 }
 MECHANISMS = ("bare", "m_hooks", "m_structure", "m_retention", "m_flusher", "m_telemetry", "m_nvml",
               "m_allocator", "recorder", "full_exit")
+LEAVE_ONE_OUT = ("aa", "recorder", "bare", "lo_telemetry", "lo_flusher", "lo_retention", "lo_structure", "lo_hooks")
 AMPLIFIED = ("bare", "m_nvml_x25", "m_allocator_x25", "m_flusher_x20", "m_structure_x8", "m_retention_x8")
 
 # Shapes: (name, batch, prompt tokens, new tokens).
 SHAPES = {"b1": (1, 128, 128), "b16": (16, 1024, 64), "b1s": (1, 128, 64), "tiny": (1, 16, 12)}
+SAVE_GAPS = False  # set in the worker from the job's "gaps"
 GPU_MODELS = {"pythia-1.4b": None, "gpt-oss-20b": 6}  # preset -> layers kept (None: all)
 
 
@@ -119,6 +132,8 @@ def suite_jobs(suite: str, pairs: int | None) -> list[dict[str, Any]]:
         return [_job(m, s, ["aa", "recorder", "sampling32"], pairs or 12) for m in GPU_MODELS for s in ("b1", "b16")]
     if suite == "mechanisms":
         return [_job("pythia-1.4b", "b1", list(MECHANISMS), pairs or 8)]
+    if suite == "leave_one_out":
+        return [_job("pythia-1.4b", "b16", list(LEAVE_ONE_OUT), pairs or 10)]
     if suite == "amplified":
         return [_job("pythia-1.4b", "b1s", list(AMPLIFIED), pairs or 5)]
     if suite == "anchors":
@@ -322,6 +337,8 @@ def run_generate(model: Any, variant: str, ids: Any, new: int, trace_dir: Path, 
            # the median step is robust to a few stalled steps; the mean is what the caller pays
            "decode_median_step_s": statistics.median(gaps) / 1e9 if gaps else None,
            "main_cpu_s": cpu[0] / 1e9 if cpu else None, **info}
+    if SAVE_GAPS:  # per-step times (us), for phase analyses (structure steps, telemetry ticks)
+        out["gaps_us"] = [round((b - a) / 1e3) for a, b in zip(clock.times, clock.times[1:], strict=False)]
     if decode is not None:  # generate outside the decode loop: prefill + per-request begin/finish work
         out["outside_decode_s"] = out["generate_s"] - decode * (steps - 1)
     if variant not in ("base", "aa"):
@@ -346,6 +363,8 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
     import kvtrace
 
+    global SAVE_GAPS
+    SAVE_GAPS = bool(job.get("gaps"))
     device = job.get("device", "cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench_overhead: no CUDA device (use --device cpu for a smoke run)")
@@ -468,7 +487,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="gpu", help="gpu, mechanisms, anchors or smoke (comma-separated)")
+    p.add_argument("--suite", default="gpu", help="gpu, mechanisms, leave_one_out, amplified, anchors or smoke (comma-separated)")
     p.add_argument("--models", default=None, help="restrict to these presets (comma-separated)")
     p.add_argument("--shapes", default=None, help="restrict to these shapes (b1, b16)")
     p.add_argument("--variants", default=None, help="override the variants of recorder jobs")
@@ -481,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="generate", choices=sorted(WORKLOADS))
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--quiet", action="store_true", help="no per-pair log lines")
+    p.add_argument("--gaps", action="store_true", help="keep every run's per-step times in the JSON")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -510,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             print(f"bench_overhead: unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)
             return 64
-        j.update(device=args.device, workload=args.workload, log=not args.quiet, code="after")
+        j.update(device=args.device, workload=args.workload, log=not args.quiet, code="after", gaps=args.gaps)
         if args.budget_s:
             j["budget_s"] = args.budget_s
     if args.before:  # each job's 'before' twin runs right after it (same machine state)

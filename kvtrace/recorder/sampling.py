@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -141,6 +142,17 @@ def encode_samples(jobs: list[_Job], level: int) -> list[EncodedPayload]:
     ]
 
 
+def default_workers() -> int:
+    """Payload worker threads: half the CPUs this process may run on, 2 to 8. Each one shuffles
+    and compresses with the GIL released, so they run in parallel; the other half of the CPUs
+    stays with the model's thread and everything else on the host."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 2
+    return max(2, min(8, cpus // 2))
+
+
 class _WriterStopped(Exception):
     """The writer stopped on a storage fault: the queued samples are discarded."""
 
@@ -148,7 +160,7 @@ class _WriterStopped(Exception):
 class PayloadSampler:
     """Selects, copies and (in background threads) writes sampled tensors."""
 
-    def __init__(self, writer: TraceWriter, settings: SamplingSettings, *, workers: int = 2) -> None:
+    def __init__(self, writer: TraceWriter, settings: SamplingSettings, *, workers: int | None = None) -> None:
         self.writer = writer
         self.settings = settings
         self.written = 0
@@ -178,7 +190,7 @@ class PayloadSampler:
         self._stats: dict[str, int] | None = None
         self._workers = [
             threading.Thread(target=self._work, name=f"kvtrace-payload-{i}", daemon=True)
-            for i in range(max(1, workers))
+            for i in range(max(1, default_workers() if workers is None else workers))
         ]
         for worker in self._workers:
             worker.start()
