@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvtrace.analyzer.expect import Expectation, build_expectation
+from kvtrace.analyzer.ranks import shard_config
 from kvtrace.analyzer.view import TraceView
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
@@ -161,7 +162,7 @@ class ReplayContext:
         retention = trace.retention()
         self.events = events[np.argsort(events["t_ns"], kind="stable")] if events.size else events
         self.kv_rows = view.nrows("kv")
-        self.expectation: Expectation = build_expectation(self.meta.model_config, self.layers_table, view.kv_head(64))
+        self.expectation: Expectation = build_expectation(shard_config(self.meta), self.layers_table, view.kv_head(64))
         steps_by = _by_request(steps)
         ev_by = _by_request(self.events[self.events["request"] >= 0]) if events.size else {}
         rd_by = _by_request(readings[readings["request"] >= 0]) if readings.size else {}

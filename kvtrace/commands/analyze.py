@@ -45,7 +45,7 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
     --json prints the report as JSON (spec/analysis-json.md) instead of the terminal view;
     --json-out FILE also writes it to FILE. Sizes are printed in binary units (KiB = 1024 bytes).
     """
-    from kvtrace.analyzer import TraceView, detector_names, document, get_detectors
+    from kvtrace.analyzer import TraceView, detector_names, document, get_detectors, rankset
     from kvtrace.analyzer import analyze as run_analysis
     from kvtrace.analyzer.base import Severity
     from kvtrace.analyzer.terminal import console_for, render
@@ -72,11 +72,14 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
     to_stdout_json = as_json
     console = console_for(sys.stderr if to_stdout_json else None)
     reports = []
+    ranks = rankset.RankCollector()  # tensor-parallel rank traces of one run are also read as one
     error_code = 0
     for path in traces:
         try:
             with Trace(path) as t:  # opened once: the detectors and the content analyses read it
-                report = run_analysis(TraceView(t), detectors or None)
+                view = TraceView(t)
+                report = run_analysis(view, detectors or None)
+                ranks.add(view, report)
                 if gpu or contents:
                     report.contents = _contents(t, gpu)
         except TraceError as exc:
@@ -86,11 +89,24 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
         reports.append(report)
         if not to_stdout_json:
             render(report, console, show_info=not quiet)
+    rank_sets = ranks.finish()
+    for note in ranks.notes:
+        click.echo(f"kvtrace: note: {note}", err=True)
+    for rs in rank_sets:
+        if rs.ranks.missing:
+            click.echo(f"kvtrace: warning: {rankset.missing_message(rs.ranks)}", err=True)
+        if not to_stdout_json:
+            rankset.render(rs, console, show_info=not quiet)
     if as_json or json_out is not None:
-        write_json(document(reports), json_out, as_json=as_json)
+        doc = document(reports)
+        if rank_sets:  # spec/analysis-json.md: RANK_SET
+            doc["rank_sets"] = [rs.to_dict() for rs in rank_sets]
+        write_json(doc, json_out, as_json=as_json)
     if error_code:
         sys.exit(error_code)
-    if fail_on and any(r.reaches(Severity.parse(fail_on)) for r in reports):
+    threshold = Severity.parse(fail_on) if fail_on else None
+    if threshold is not None and (any(r.reaches(threshold) for r in reports)
+                                  or any(rs.reaches(threshold) for rs in rank_sets)):
         sys.exit(exitcodes.FINDINGS)
 
 

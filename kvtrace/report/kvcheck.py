@@ -18,6 +18,7 @@ from typing import Literal
 import numpy as np
 
 from kvtrace.analyzer.expect import STATIC_TYPES, recorded_k_heads
+from kvtrace.analyzer.ranks import shard_config
 from kvtrace.analyzer.view import TraceView
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
@@ -68,7 +69,7 @@ def predictor(source: TraceView | Trace) -> Callable[[np.void, int], tuple[int, 
     from kvtrace import geometry
 
     view = TraceView.of(source)
-    config = view.meta.model_config
+    config = shard_config(view.meta)  # a tensor-parallel rank holds its share of the KV heads
     if not config:
         raise Unpredictable("the trace stores no model config")
     sample = view.kv_head(_MLA_SAMPLE_ROWS) if view.has("kv") and view.nrows("kv") else None

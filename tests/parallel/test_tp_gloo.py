@@ -1,0 +1,98 @@
+"""Tensor parallel on the CPU (transformers tp_plan="auto", gloo, 2 ranks): each rank records its own
+trace and `kvtrace analyze run.rank*.kvt.h5` reads them as one recording."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import h5py
+
+from kvtrace.format.reader import Trace
+from tests.cli_run import run_main
+
+
+def _ranks(tp_run):
+    return [str(tp_run / f"run.rank{r}.kvt.h5") for r in (0, 1)]
+
+
+def test_each_rank_records_its_shard(tp_run):
+    metas = []
+    for r, path in enumerate(_ranks(tp_run)):
+        with Trace(path) as t:
+            par = t.meta.extra["parallel"]
+            kv = t.kv()
+        metas.append(par)
+        assert par["mode"] == "tensor_parallel" and par["rank"] == r and par["world_size"] == 2
+        assert par["backend"] == "gloo" and par["run_id"] == "tp-cpu-test"
+        assert par["kv_heads_total"] == 4 and par["kv_heads_local"] == 2
+        assert "model.layers.*.self_attn.k_proj" in par["tp_plan"]
+        assert set(kv["k_shape"][:, 1].tolist()) == {2}  # the cache holds 2 of the 4 heads
+    assert not (tp_run / "run.kvt.h5").exists()  # no rank wrote the untemplated path
+
+
+def test_analyze_reads_the_ranks_as_one(tp_run, capsys):
+    code, out, err = run_main(["analyze", *_ranks(tp_run), "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    (rs,) = doc["rank_sets"]
+    assert rs["world_size"] == 2 and rs["missing_ranks"] == [] and rs["ranks_present"] == [0, 1]
+    assert rs["model_kv_heads_per_layer"] == 4 and rs["kv_heads_sum"] == 4
+    for req in rs["requests"]:  # per-rank bytes add up to the model's at the same tokens
+        by_rank = list(req["final_kv_bytes_by_rank"].values())
+        assert len(by_rank) == 2 and by_rank[0] == by_rank[1]
+        assert req["final_kv_bytes_sum"] == req["model_kv_bytes"] and req["adds_up"] is True
+    kinds = {f["kind"]: f for f in rs["findings"]}
+    assert kinds["rank_retention"]["ranks"] == [1] and kinds["rank_retention"]["severity"] == "critical"
+    assert "kv_imbalance" not in kinds and "kv_heads_mismatch" not in kinds and "kv_bytes_mismatch" not in kinds
+    # each rank's own report: measured against its shard (no density mismatch), retention only on rank 1
+    reports = {r["trace"]["parallel"]["rank"]: r for r in doc["reports"]}
+    for rank, rep in reports.items():
+        found = {(f["detector"], f["kind"]) for f in rep["findings"]}
+        assert ("cache_density", "density_mismatch") not in found
+        assert (("post_eos", "retained_after_request") in found) == (rank == 1)
+
+
+def test_fail_on_sees_rank_set_findings(tp_run, capsys):
+    code, _, _ = run_main(["analyze", *_ranks(tp_run), "--fail-on", "critical", "-q"], capsys)
+    assert code == 3
+
+
+def test_one_rank_alone_is_one_trace_with_a_note(tp_run, capsys):
+    code, out, err = run_main(["analyze", _ranks(tp_run)[0], "--json"], capsys)
+    assert code == 0
+    assert "rank_sets" not in json.loads(out)
+    assert "rank 0 of 2" in err and "run.rank*.kvt.h5" in err
+
+
+def _set_parallel(path, **changes):
+    with h5py.File(path, "r+") as f:
+        par = json.loads(f["meta"].attrs["parallel_json"])
+        par.update(changes)
+        f["meta"].attrs["parallel_json"] = json.dumps(par, sort_keys=True)
+
+
+def test_missing_rank_is_named(tp_run, tmp_path, capsys):
+    """Ranks 0 and 2 of a world of 3: rank 1's file is not given."""
+    a, b = tmp_path / "run.rank0.kvt.h5", tmp_path / "run.rank2.kvt.h5"
+    shutil.copy(_ranks(tp_run)[0], a)
+    shutil.copy(_ranks(tp_run)[1], b)
+    _set_parallel(a, world_size=3)
+    _set_parallel(b, world_size=3, rank=2)
+    code, out, err = run_main(["analyze", str(a), str(b), "--json"], capsys)
+    assert code == 0
+    (rs,) = json.loads(out)["rank_sets"]
+    assert rs["missing_ranks"] == [1]
+    missing = [f for f in rs["findings"] if f["kind"] == "missing_ranks"]
+    assert missing and missing[0]["ranks"] == [1] and missing[0]["severity"] == "critical"
+    assert "rank trace(s) 1 of world size 3 not given" in err
+
+
+def test_calc_tp_agrees_with_each_rank(tp_run, capsys):
+    for path in _ranks(tp_run):
+        code, out, err = run_main(["calc", "--trace", path, "--context", "64", "--gpu-memory", "1GiB", "--tp", "2",
+                                   "--json"], capsys)
+        assert code == 0, err
+        doc = json.loads(out)
+        assert doc["trace_check"]["equal"] is True
+        assert doc["kv_heads_per_rank"] == {"full": 2}
