@@ -26,6 +26,8 @@ COMMANDS: dict[str, str] = {
     "calc": "kvtrace.commands.calc:calc",
     "whatif": "kvtrace.commands.whatif:whatif",
     "fleet": "kvtrace.commands.fleet:fleet",
+    "serve": "kvtrace.commands.serve:serve",
+    "loadtest": "kvtrace.commands.loadtest:loadtest",
 }
 
 

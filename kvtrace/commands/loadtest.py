@@ -1,0 +1,164 @@
+"""`kvtrace loadtest`: the four-phase KV-cache diagnosis against an OpenAI-compatible endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import click
+
+from kvtrace import exitcodes
+from kvtrace.commands.common import fail, guarded
+from kvtrace.commands.outputs import json_options
+from kvtrace.errors import Unavailable
+
+FAIL_LEVELS = ("warning", "critical")
+
+
+def base_url(url: str) -> str:
+    """http(s)://host[:port][/prefix] without a trailing slash or /v1 (the routes are added)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise click.BadParameter(f"{url!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)", param_hint="URL")
+    try:
+        parts.port  # noqa: B018 - raises for a port that is not a number
+    except ValueError as exc:
+        raise click.BadParameter(f"{url!r}: {exc}", param_hint="URL") from None
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[:-3]
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def default_table(trace: str | None) -> str | None:
+    """Beside the trace: run.kvt.h5 -> run.latency.csv."""
+    if trace is None:
+        return None
+    name = Path(trace).name
+    for suffix in (".kvt.h5", ".h5", ".hdf5"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    return str(Path(trace).with_name(name + ".latency.csv"))
+
+
+@click.command("loadtest")
+@click.argument("url", metavar="URL")
+@click.option("--phases", default="baseline,single,concurrent,long", show_default=True,
+              help="Phases to run, comma-separated, always in protocol order.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Requests sent at once in the concurrent phase.")
+@click.option("--tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Prompt length (words, about one token each) of the single and concurrent phases.")
+@click.option("--long-tokens", type=click.IntRange(min=1), default=16384, show_default=True,
+              help="Prompt length of the long-context phase.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens to generate per request at most (the request's max_tokens).")
+@click.option("--baseline-s", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="How long the idle baseline phase lasts.")
+@click.option("--api", type=click.Choice(["completions", "chat"]), default="completions", show_default=True,
+              help="/v1/completions (the prompt as is) or /v1/chat/completions (one user message).")
+@click.option("--model", default=None, metavar="NAME", help="The request's model field (default: omitted; "
+              "servers pinned to one model, as kvtrace serve, need none).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
+              show_default=True, help="Seconds a request may wait for its next bytes (and 10 s at most to connect).")
+@click.option("--poll", "poll_s", type=click.FloatRange(min=0.01), default=0.25, show_default=True,
+              help="Seconds between live samples of GET /kvtrace/status (kvtrace serve only).")
+@click.option("--trace", default=None, type=click.Path(dir_okay=False), metavar="TRACE",
+              help="The recording of this server (kvtrace serve -o TRACE): read after the run for the "
+                   "recorder's numbers per phase (a running server's trace is read as of its last flush).")
+@click.option("-o", "--output", default=None, type=click.Path(dir_okay=False), metavar="LATENCY_CSV",
+              help="Per-request latency table (CSV). Default: beside --trace (run.kvt.h5 -> run.latency.csv); "
+                   "without --trace, none is written.")
+@click.option("--fail-on", type=click.Choice(FAIL_LEVELS), default=None,
+              help="Exit 3 when a phase's verdict reaches this level.")
+@json_options
+@guarded
+def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: int, max_tokens: int,
+             baseline_s: float, api: str, model: str | None, timeout_s: float, poll_s: float, trace: str | None,
+             output: str | None, fail_on: str | None, as_json: bool, json_out: str | None) -> None:
+    """Drive URL (an OpenAI-compatible server) through the four-phase KV-cache diagnosis.
+
+    \b
+    Phases (seed 001's diagnostic steps): baseline (idle --baseline-s), single (one request of
+    --tokens), concurrent (--concurrency requests of --tokens at once), long (one of --long-tokens).
+    Requests stream, so TTFT and inter-token latency are what a client sees.
+    \b
+    Examples:
+      kvtrace serve ./my-llama -o run.kvt.h5 --continuous-batching &
+      kvtrace loadtest http://127.0.0.1:8000 --trace run.kvt.h5      # writes run.latency.csv
+      kvtrace loadtest http://gpu-host:8000 --phases single,concurrent --concurrency 64 -o lat.csv
+    \b
+    Against kvtrace serve it posts a phase marker into the recording before each phase (POST
+    /kvtrace/phase; a 404 means another server: latency table only) and samples GET /kvtrace/status.
+    Each phase gets a verdict against the alert thresholds: KV pool use and device memory use
+    (warning 80 %, critical 90 %), fragmentation (warning > 2 GiB), requests in flight (warning at
+    80 % of the requests that fit), context length (warning at 2x the run's average); each check
+    names its source or says "not measured". Exit codes: 0 done (whatever the verdicts, unless
+    --fail-on), 3 a verdict reached --fail-on, 64 bad option or URL, 69 the server cannot be
+    reached or is unhealthy before the first phase (or httpx is missing).
+    """
+    cfg_url = base_url(url)
+    try:
+        from kvtrace.serving.client import ServerUnreachable
+        from kvtrace.serving.drive import DriveConfig, ServerUnhealthy, drive
+    except ImportError as exc:
+        raise Unavailable(f"loadtest needs httpx ({exc}); install kvtrace[serve]") from None
+    from kvtrace.commands.outputs import check_json_out, check_output, write_json
+    from kvtrace.serving.phases import build_phases
+
+    try:
+        plan = build_phases([p.strip() for p in phases.split(",") if p.strip()], concurrency=concurrency,
+                            tokens=tokens, long_tokens=long_tokens, baseline_s=baseline_s)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--phases") from None
+    if not plan:
+        raise click.BadParameter("no phase named", param_hint="--phases")
+    table = output or default_table(trace)
+    inputs = [trace] if trace else []
+    if table is not None:
+        check_output(table, option="-o", inputs=inputs, others=[("--json-out", json_out)])
+    check_json_out(json_out, inputs=inputs)
+    if trace is not None and not Path(trace).is_file():
+        raise click.BadParameter(f"{trace}: no such file", param_hint="--trace")
+    cfg = DriveConfig(cfg_url, plan, api=api, max_tokens=max_tokens, model=model, timeout_s=timeout_s,
+                      poll_s=poll_s)
+    try:
+        result = asyncio.run(drive(cfg))
+    except (ServerUnreachable, ServerUnhealthy) as exc:
+        fail(f"cannot load-test {cfg_url}: {exc}", exitcodes.UNAVAILABLE)
+        return
+    facts = None
+    if trace is not None:
+        time.sleep(1.5)  # the recorder flushes every second: let the last phase reach the file
+        facts = read_facts(trace)
+    from kvtrace.serving.latency import write_csv
+    from kvtrace.serving.report import document, print_run
+    from kvtrace.serving.verdict import judge
+
+    verdicts = judge(result.runs, facts, max_tokens)
+    rows = [r for run in result.runs for r in run.results]
+    if table is not None:
+        try:
+            write_csv(rows, table)
+        except OSError as exc:
+            fail(f"cannot write {table}: {exc.strerror or exc}", exitcodes.CANNOT_WRITE)
+    if not as_json:
+        print_run(result, verdicts, trace, table)
+    write_json(document(result, verdicts, trace, table), json_out, as_json=as_json)
+    if fail_on is not None:
+        from kvtrace.serving.verdict import LEVELS
+
+        if any(v.level in LEVELS and LEVELS.index(v.level) >= LEVELS.index(fail_on) for v in verdicts):
+            raise SystemExit(exitcodes.FINDINGS)
+
+
+def read_facts(trace: str) -> Any:
+    from kvtrace.format.reader import Trace
+    from kvtrace.serving.tracefacts import phase_facts
+
+    with Trace(trace) as t:
+        return phase_facts(t)

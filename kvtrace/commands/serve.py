@@ -1,0 +1,119 @@
+"""`kvtrace serve`: transformers' OpenAI-compatible server, in-process, recorded into a trace."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from kvtrace import exitcodes
+from kvtrace.commands.common import fail, guarded
+from kvtrace.errors import BadOption, CannotWrite, TraceIncomplete, Unavailable
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def check_model(model: str) -> None:
+    """A preset has no tokenizer to serve; a path must be a model directory. Anything else is a hub
+    id, which transformers resolves from the local cache (offline it never downloads)."""
+    if model.startswith("preset:"):
+        raise click.BadParameter("presets cannot be served: transformers serve loads a model directory with a "
+                                 "tokenizer (save_pretrained a model and its tokenizer, then pass the directory)",
+                                 param_hint="MODEL")
+    looks_like_path = model.startswith((".", "/", "~")) or os.path.exists(model)
+    if looks_like_path:
+        path = os.path.expanduser(model)
+        if not os.path.isdir(path):
+            raise click.BadParameter(f"{model}: no such model directory", param_hint="MODEL")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise click.BadParameter(f"{model}: not a model directory (no config.json)", param_hint="MODEL")
+
+
+@click.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("model", metavar="MODEL")
+@click.option("-o", "--output", required=True, type=click.Path(), metavar="TRACE", help="Trace file to write.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind (loopback unless clients on other hosts must reach it).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Port to bind.")
+@click.option("--telemetry-hz", type=click.FloatRange(min=0, min_open=True, max=1000), default=5.0,
+              show_default=True, help="Rate of the recorder's background sampler (NVML, allocator, RSS).")
+@click.option("--no-nvml", is_flag=True, help="Do not poll NVML.")
+@click.option("--force", is_flag=True, help="Replace an existing -o file (never one of the inputs).")
+@click.option("--quiet", "-q", is_flag=True, help="Print only errors (transformers and uvicorn still log).")
+@click.argument("serve_args", nargs=-1, type=click.UNPROCESSED, metavar="[TRANSFORMERS SERVE OPTIONS]...")
+@guarded
+def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no_nvml: bool, force: bool,
+          quiet: bool, serve_args: tuple[str, ...]) -> None:
+    """Serve MODEL with transformers' own server (`transformers serve`) and record it into TRACE.
+
+    \b
+    Examples:
+      kvtrace serve ./my-llama -o serve.kvt.h5 --continuous-batching
+      kvtrace serve ./my-llama -o serve.kvt.h5 --port 8011 --continuous-batching --cb-num-blocks 256
+      kvtrace loadtest http://127.0.0.1:8000 --trace serve.kvt.h5    # in another shell
+    Options after MODEL that kvtrace does not know go to `transformers serve` unchanged
+    (--continuous-batching, --device, --dtype, --attn-implementation, --cb-*). The server binds
+    127.0.0.1 unless --host says otherwise. Besides the OpenAI-compatible routes (/v1/chat/completions,
+    /v1/completions, /health) it answers POST /kvtrace/phase {"name": ...} (a phase marker in the
+    trace) and GET /kvtrace/status (requests recorded, paged-cache pool and free bytes, running and
+    waiting requests). Ctrl-C or SIGTERM stops it: open requests are drained, the trace is closed
+    complete, and the exit code is 0. Needs kvtrace[serve]. An existing -o file is refused (exit 64)
+    unless --force.
+    """
+    check_model(model)
+    from kvtrace.commands.outputs import check_output
+
+    check_output(output, option="-o", inputs=[model] if os.path.exists(model) else [], refuse_existing=True,
+                 force=force)
+    try:
+        from transformers.utils.import_utils import is_serve_available
+
+        from kvtrace.recorder.session import CannotWriteOutput, check_writable
+    except ImportError as exc:
+        raise Unavailable(f"serving needs torch and transformers ({exc}); install kvtrace[serve]") from None
+    if not is_serve_available():
+        raise Unavailable("transformers serve needs fastapi, uvicorn and openai: install kvtrace[serve]")
+    try:
+        check_writable(output)
+    except CannotWriteOutput as exc:
+        raise CannotWrite(str(exc)) from None
+    from kvtrace.commands.record import check_bindable
+
+    check_bindable(host, port)  # a busy port fails now, not after the model load (exit 69)
+
+    def say(msg: str) -> None:
+        if not quiet:
+            click.echo(msg, err=True)
+
+    if host not in LOOPBACK:
+        say(f"warning: binding {host}: the server (no authentication) is reachable from other hosts")
+    from kvtrace.serving.runner import Stopped
+    from kvtrace.serving.runner import serve as run_server
+
+    settings = {"cli": {"command": "serve", "model": model, "host": host, "port": port,
+                        "serve_args": list(serve_args)}}
+    options = {"telemetry_hz": telemetry_hz, "nvml": not no_nvml, "settings_extra": settings}
+    try:
+        outcome = run_server(model, output, host=host, port=port, serve_args=list(serve_args),
+                             record_options=options,
+                             on_ready=lambda url: say(f"serving {model} at {url} (phase markers: POST "
+                                                      f"{url}/kvtrace/phase); recording to {output}; "
+                                                      f"Ctrl-C or SIGTERM stops"))
+    except Stopped as exc:
+        fail(f"{exc}; no trace written", exitcodes.INTERRUPTED)
+        return
+    except (click.exceptions.ClickException, click.exceptions.Exit, BadOption):
+        raise
+    except (OSError, ValueError, RuntimeError, ImportError) as exc:
+        # transformers could not load the model (missing files, not cached offline, bad --dtype...)
+        raise Unavailable(f"cannot serve {model}: {type(exc).__name__}: {exc}") from None
+    if not outcome.recording_started:  # uvicorn gave up (it logs why) before the model was served
+        raise Unavailable(f"the server did not start (see the log above); no trace written to {output}")
+    if outcome.storage_failure is not None:
+        raise TraceIncomplete(f"{output}: trace incomplete, writing stopped early "
+                              f"({outcome.storage_failure.describe()}); it holds everything up to its last flush")
+    phases = ", ".join(name for name, _ in outcome.phases) or "none"
+    say(f"stopped by {outcome.stopped_by or 'the server'}; trace {output}: {outcome.requests} request(s), "
+        f"phase markers ({outcome.phase_events}): {phases}")
+    if outcome.recorder_errors:
+        say(f"warning: {outcome.recorder_errors} recorder error(s) were caught and recorded (RECORDER_ERROR events)")

@@ -1,0 +1,161 @@
+"""Run the phase protocol against one endpoint: markers, requests, live samples, health.
+
+Per phase: post the phase marker (``POST /kvtrace/phase``; a 404 means the server is not
+``kvtrace serve`` and no marker is tried again), send the phase's requests (at most ``concurrency``
+in flight), meanwhile poll ``GET /kvtrace/status`` every ``poll_s`` when the server has it (the
+paged cache's pool, free bytes, running and waiting requests), then read ``/health``. After the
+last phase an "end" marker closes the last window in the trace."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvtrace.serving.client import (
+    RequestResult,
+    ServerUnreachable,
+    get_json,
+    post_json,
+    request_body,
+    stream_request,
+)
+from kvtrace.serving.phases import END_MARKER, Phase, prompt
+from kvtrace.serving.tracefacts import Group, groups_from_occupancy, sample_from_occupancy
+
+
+class ServerUnhealthy(Exception):
+    """The server answers but /health is not 200 before the first phase."""
+
+
+@dataclass
+class DriveConfig:
+    url: str  # base URL, no trailing slash
+    phases: list[Phase]
+    api: str = "completions"
+    max_tokens: int = 64
+    model: str | None = None
+    timeout_s: float = 600.0  # per request (connect, read gaps)
+    poll_s: float = 0.25
+
+
+@dataclass
+class PhaseRun:
+    phase: Phase
+    start_s: float
+    end_s: float = 0.0
+    results: list[RequestResult] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)  # live /kvtrace/status samples
+    groups: list[Group] = field(default_factory=list)
+    status_unavailable: str | None = None  # why the live paged-cache numbers are absent
+    marker: str = "not sent"  # "PHASE", "NOTE", "unsupported (404)", "failed: ..."
+    health: int | None = None  # /health status code after the phase (None: no answer)
+    health_error: str = ""  # why there was no answer
+
+
+@dataclass
+class DriveResult:
+    url: str
+    runs: list[PhaseRun]
+    markers: bool  # the server took phase markers
+    live_status: bool  # the server offered /kvtrace/status
+    started_unix: float
+
+
+async def _sample_status(client: httpx.AsyncClient, url: str, run: PhaseRun, t0: float) -> None:
+    code, body = await get_json(client, url + "/kvtrace/status")
+    if code != 200 or not isinstance(body, dict):
+        run.status_unavailable = f"/kvtrace/status answered {code}"
+        return
+    occ = body.get("paged_cache") or {}
+    sample = sample_from_occupancy(time.monotonic_ns(), occ)
+    if sample is None:
+        run.status_unavailable = str(occ.get("unavailable", "no paged-cache numbers"))
+        return
+    run.samples.append(sample)
+    run.groups = groups_from_occupancy(occ)
+    run.status_unavailable = None
+
+
+async def _poll(client: httpx.AsyncClient, url: str, run: PhaseRun, t0: float, every: float,
+                stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            await _sample_status(client, url, run, t0)
+        except ServerUnreachable:
+            pass  # the requests' own rows say when the server goes away
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=every)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _mark(client: httpx.AsyncClient, url: str, name: str) -> str:
+    code, body = await post_json(client, url + "/kvtrace/phase", {"name": name})
+    if code == 200 and isinstance(body, dict):
+        return str(body.get("event", "marked"))
+    if code in (404, 405):
+        return "unsupported (404)"
+    return f"failed: HTTP {code}"
+
+
+async def drive(cfg: DriveConfig) -> DriveResult:
+    """Run every phase; raises ServerUnreachable / ServerUnhealthy before the first one."""
+    concurrency = max([p.concurrency for p in cfg.phases] + [1])
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 10.0))
+    t0 = time.perf_counter()
+    started = time.time()
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        code, _ = await get_json(client, cfg.url + "/health")
+        if code != 200:
+            raise ServerUnhealthy(f"{cfg.url}/health answered HTTP {code}")
+        code, _ = await get_json(client, cfg.url + "/kvtrace/status")
+        live = code == 200
+        markers = True
+        runs: list[PhaseRun] = []
+        seq = 0
+        for phase in cfg.phases:
+            run = PhaseRun(phase, time.perf_counter() - t0)
+            if markers:
+                run.marker = await _mark(client, cfg.url, phase.name)
+                markers = not run.marker.startswith("unsupported")
+            stop = asyncio.Event()
+            poller = asyncio.create_task(_poll(client, cfg.url, run, t0, cfg.poll_s, stop)) if live else None
+            if not live:
+                run.status_unavailable = "the server has no /kvtrace/status (not kvtrace serve)"
+            if phase.requests == 0:
+                await asyncio.sleep(phase.idle_s)
+            else:
+                gate = asyncio.Semaphore(phase.concurrency)
+
+                async def one(i: int, seed: int, phase: Phase = phase, gate: asyncio.Semaphore = gate) -> RequestResult:
+                    async with gate:
+                        body = request_body(cfg.api, prompt(phase.prompt_tokens, seed), cfg.max_tokens, cfg.model)
+                        return await stream_request(client, cfg.url, cfg.api, body, phase=phase.name, index=i,
+                                                    prompt_words=phase.prompt_tokens, t0=t0)
+
+                run.results = list(await asyncio.gather(*(one(i, seq + i) for i in range(phase.requests))))
+                seq += phase.requests
+            if poller is not None:
+                stop.set()
+                await poller
+                try:  # one sample after the phase: what it left behind
+                    await _sample_status(client, cfg.url, run, t0)
+                except ServerUnreachable:
+                    pass
+            try:
+                run.health, _ = await get_json(client, cfg.url + "/health")
+            except ServerUnreachable as exc:
+                run.health, run.health_error = None, str(exc)
+            run.end_s = time.perf_counter() - t0
+            runs.append(run)
+        if markers and runs:
+            try:
+                await _mark(client, cfg.url, END_MARKER)
+            except ServerUnreachable:
+                pass
+    return DriveResult(cfg.url, runs, markers, live, started)

@@ -1,0 +1,82 @@
+"""The routes ``kvtrace serve`` adds to transformers' FastAPI app:
+
+* ``POST /kvtrace/phase`` ``{"name": "..."}``: a phase marker in the recording (the load test's
+  phase boundaries), answered ``{"phase": name, "t_ns": ...}``;
+* ``GET /kvtrace/status``: what the recorder and the continuous-batching cache say now (requests
+  recorded, the paged pool's bytes and free bytes, running / waiting requests), read from the
+  objects themselves; a number that cannot be read is absent with the reason, never guessed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+MAX_PHASE_NAME = 200
+
+
+class PhaseMarker:
+    """Writes phase markers through the recording's ``mark_phase`` (format 1.4 PHASE events) when
+    the recorder has one, else as a NOTE event "phase: NAME" (the 1.3 fallback)."""
+
+    def __init__(self, recording: Any) -> None:
+        self.recording = recording
+        self.current: str | None = None
+        self.marks: list[tuple[str, int]] = []
+
+    @property
+    def kind(self) -> str:
+        return "PHASE" if callable(getattr(self.recording, "mark_phase", None)) else "NOTE"
+
+    def mark(self, name: str) -> int:
+        t_ns = time.monotonic_ns()
+        mark = getattr(self.recording, "mark_phase", None)
+        if callable(mark):
+            mark(name)
+        else:  # recorder without phase events: the session context's NOTE is the one event it writes
+            from kvtrace.format.schema import EventKind
+
+            self.recording._ctx.event(EventKind.NOTE, text=f"phase: {name}")
+        self.current = name
+        self.marks.append((name, t_ns))
+        return t_ns
+
+
+def live_status(recording: Any, generation_state: Any, marker: PhaseMarker) -> dict[str, Any]:
+    """The recorder's and the paged cache's numbers now (transformers 5.23 attribute names)."""
+    out: dict[str, Any] = {"recording": str(getattr(recording, "path", "")), "phase": marker.current,
+                           "phase_events": marker.kind, "requests_recorded": int(recording.requests),
+                           "recorder_errors": int(recording.recorder_errors)}
+    cb = getattr(getattr(generation_state, "_cb_manager", None), "_cb", None)
+    processor = getattr(cb, "batch_processor", None)
+    if processor is None:
+        out["paged_cache"] = {"unavailable": "no continuous-batching cache (serve without --continuous-batching, "
+                                             "or no request has started it yet)"}
+        return out
+    from kvtrace.recorder.serving import cache_occupancy
+
+    scheduler = getattr(processor, "scheduler", None)
+    try:  # the CB loop mutates these dicts on its own thread: a copy can race; say so rather than guess
+        active = dict(getattr(scheduler, "active_requests", {}))
+        occupancy = cache_occupancy(getattr(processor, "cache", None), active)
+        occupancy.update(running=len(active), waiting=len(getattr(scheduler, "waiting_requests", {})))
+    except RuntimeError as exc:
+        occupancy = {"unavailable": f"read raced with the scheduler ({exc}); ask again"}
+    out["paged_cache"] = occupancy
+    return out
+
+
+def add_routes(app: Any, recording: Any, generation_state: Any, marker: PhaseMarker) -> None:
+    from fastapi import HTTPException
+
+    @app.post("/kvtrace/phase")
+    def phase(body: dict) -> dict[str, Any]:
+        name = body.get("name") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name.strip() or len(name) > MAX_PHASE_NAME:
+            raise HTTPException(status_code=422, detail=f"body must be {{\"name\": a non-empty string of at most "
+                                                        f"{MAX_PHASE_NAME} characters}}")
+        return {"phase": name, "t_ns": marker.mark(name), "event": marker.kind}
+
+    @app.get("/kvtrace/status")
+    def status() -> dict[str, Any]:
+        return live_status(recording, generation_state, marker)

@@ -1,0 +1,141 @@
+"""``kvtrace serve``: transformers' own ``transformers serve`` (its typer command
+``transformers.cli.serve.Serve``, transformers 5.23) run in this process with ``kvtrace.record``
+attached to the model it loads.
+
+How it attaches: ``Serve`` preloads the pinned model (``force_model``) in its ``ModelManager`` and
+then calls ``transformers.cli.serving.server.build_server``. For the duration of the run that
+function is wrapped: the wrapper starts the recording on the loaded model (before uvicorn accepts a
+connection, so no request is missed) and adds kvtrace's routes (:mod:`kvtrace.serving.routes`).
+
+How it ends: uvicorn catches SIGINT and SIGTERM, drains open connections, runs the app's shutdown
+and then re-raises the signal it caught; the handlers installed here take that re-raise as "stop
+requested", so :func:`serve` returns normally, after stopping transformers' continuous-batching
+worker and closing the recording (requests still in flight end INTERRUPTED). The trace is then
+complete. A signal before the server is up aborts the load (:class:`Stopped`).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtrace.errors import BadOption
+from kvtrace.serving.routes import PhaseMarker, add_routes
+
+_USAGE_ERRORS = {"UsageError", "NoSuchOption", "BadParameter", "MissingParameter", "BadOptionUsage",
+                 "BadArgumentUsage"}
+
+
+class Stopped(Exception):
+    """SIGINT / SIGTERM arrived before the server was serving (during the model load)."""
+
+
+@dataclass
+class ServeOutcome:
+    """What a finished :func:`serve` run did."""
+
+    stopped_by: str | None = None  # "SIGTERM" / "SIGINT", or None when uvicorn stopped on its own
+    requests: int = 0  # requests the recording holds
+    recorder_errors: int = 0
+    storage_failure: Any = None  # kvtrace.format.storage.StorageFault when the trace stopped early
+    phases: list[tuple[str, int]] = field(default_factory=list)  # (name, monotonic ns) marked
+    phase_events: str = ""  # "PHASE" or "NOTE" (how the markers were written)
+    recording_started: bool = False
+
+
+def serve_command() -> Any:
+    """transformers' ``serve`` as a click command (typer builds it from ``Serve``'s signature)."""
+    import typer
+    from transformers.cli.serve import Serve
+
+    app = typer.Typer(add_completion=False)
+    app.command(name="serve")(Serve)
+    return typer.main.get_command(app)
+
+
+def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
+          serve_args: Sequence[str] = (), record_options: dict[str, Any] | None = None,
+          on_ready: Callable[[str], None] | None = None) -> ServeOutcome:
+    """Run the server until SIGINT/SIGTERM, recording into ``trace``. ``serve_args``: further
+    ``transformers serve`` options (``--continuous-batching``, ``--cb-num-blocks 64``, ...).
+    ``on_ready(url)`` is called once the recording runs, just before uvicorn binds."""
+    from transformers.cli.serving import server as server_module
+
+    import kvtrace
+
+    outcome = ServeOutcome()
+    state: dict[str, Any] = {"serving": False}
+    recording: dict[str, Any] = {}
+    original_build = server_module.build_server
+
+    def build_server(model_manager: Any, *args: Any, **kwargs: Any) -> Any:
+        app = original_build(model_manager, *args, **kwargs)
+        loaded = list(model_manager.loaded_models.values())
+        if len(loaded) != 1:  # force_model preloads exactly one
+            raise RuntimeError(f"expected the one pinned model to be loaded, found {len(loaded)}")
+        timed = loaded[0]
+        opts = dict(record_options or {})
+        opts.setdefault("model_id", model)
+        opts.setdefault("tokenizer", getattr(timed.processor, "tokenizer", timed.processor))
+        rec = kvtrace.record(timed.model, trace, **opts)
+        rec.start()
+        recording["rec"] = rec
+        recording["generation_state"] = kwargs.get("generation_state")
+        marker = PhaseMarker(rec)
+        recording["marker"] = marker
+        outcome.recording_started = True
+        add_routes(app, rec, kwargs.get("generation_state"), marker)
+        state["serving"] = True
+        if on_ready is not None:
+            on_ready(f"http://{host}:{port}")
+        return app
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        outcome.stopped_by = signal.Signals(signum).name
+        if not state["serving"]:
+            raise Stopped(f"stopped by {outcome.stopped_by} before the server was up")
+        # uvicorn re-raises the signal it handled after its graceful shutdown: nothing left to do
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {}
+    if in_main:
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    server_module.build_server = build_server
+    try:
+        command = serve_command()
+        try:
+            command.main(args=[model, "--host", host, "--port", str(port), *serve_args],
+                         prog_name="kvtrace serve", standalone_mode=False)
+        except Exception as exc:
+            # typer carries its own copy of click: its usage errors are not click's classes
+            if type(exc).__name__ in _USAGE_ERRORS and hasattr(exc, "format_message"):
+                raise BadOption(f"transformers serve: {exc.format_message()}", "TRANSFORMERS SERVE OPTIONS") from None
+            raise
+    finally:
+        server_module.build_server = original_build
+        _finish(recording, outcome)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return outcome
+
+
+def _finish(recording: dict[str, Any], outcome: ServeOutcome) -> None:
+    """Stop transformers' CB worker (its in-flight requests are then cancelled), close the trace."""
+    rec = recording.get("rec")
+    if rec is None:
+        return
+    generation_state = recording.get("generation_state")
+    try:
+        if generation_state is not None:
+            generation_state.shutdown()
+    finally:
+        rec.close()
+        marker = recording["marker"]
+        outcome.phases = list(marker.marks)
+        outcome.phase_events = marker.kind
+        outcome.requests = rec.requests
+        outcome.recorder_errors = rec.recorder_errors
+        outcome.storage_failure = rec.storage_failure

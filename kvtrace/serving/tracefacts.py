@@ -1,0 +1,176 @@
+"""The recorder's numbers for each load-test phase, read from a trace (no torch).
+
+A phase's window runs from its marker to the next marker (the load test posts a final "end"
+marker) or to the trace's last row. Markers are PHASE events (format 1.4) or, from a recorder that
+has no ``mark_phase``, NOTE events "phase: NAME". Paged-cache occupancy comes from the /sched and
+/sched_groups tables (1.4) when the trace has rows there, else from the recorder's NOTE events
+"paged cache occupancy {...}" (the first serving floor). Device memory comes from /telemetry/nvml,
+fragmentation (reserved - allocated) from /telemetry/allocator. What a trace lacks stays None,
+with the reason in ``absent``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtrace.format.schema import EventKind
+
+OCCUPANCY_PREFIX = "paged cache occupancy "
+PHASE_NOTE_PREFIX = "phase: "
+
+
+@dataclass
+class Group:
+    """One attention type's share of the pool."""
+
+    layer_type: str
+    blocks_total: int
+    tokens_per_block: int
+    bytes_per_block: int
+    window: int = -1  # sliding window in tokens; -1 none or unknown (then the whole context counts)
+
+    def bytes_for(self, context: int) -> int:
+        """Bytes of this group's blocks one request of ``context`` tokens holds."""
+        tokens = min(context, self.window) if self.window > 0 else context
+        return -(-tokens // max(self.tokens_per_block, 1)) * self.bytes_per_block
+
+
+def capacity(pool_bytes: int, groups: list[Group], context: int) -> int | None:
+    """Requests of ``context`` tokens the pool holds at once (None without the pool's geometry)."""
+    per_request = sum(g.bytes_for(context) for g in groups)
+    if pool_bytes <= 0 or per_request <= 0 or any(g.tokens_per_block <= 0 or g.bytes_per_block <= 0 for g in groups):
+        return None
+    return pool_bytes // per_request
+
+
+def groups_from_occupancy(occ: dict[str, Any]) -> list[Group]:
+    """Groups from the recorder's occupancy JSON (the NOTE event and /kvtrace/status)."""
+    return [Group(name.replace("_attention", ""), int(a.get("blocks_total", -1)), int(a.get("tokens_per_block", -1)),
+                  int(a.get("bytes_per_block", -1))) for name, a in occ.get("allocators", {}).items()]
+
+
+def sample_from_occupancy(t_ns: int, occ: dict[str, Any]) -> dict[str, Any] | None:
+    if "pool_bytes" not in occ or "free_bytes" not in occ:
+        return None
+    return {"t_ns": t_ns, "pool": int(occ["pool_bytes"]), "free": int(occ["free_bytes"]),
+            "running": int(occ.get("running", 0)), "waiting": int(occ.get("waiting", 0))}
+
+
+def apply_occupancy(f: PhaseFacts, window: list[dict[str, Any]], groups: list[Group], source: str) -> None:
+    """Fill ``f``'s paged-cache peaks from the samples that fall in its window."""
+    f.occupancy_source = source
+    f.groups = groups
+    f.pool_bytes = max(s["pool"] for s in window)
+    uses = [(s["pool"] - s["free"]) / s["pool"] for s in window if s["pool"] > 0]
+    f.pool_use_peak = max(uses) if uses else None
+    f.running_peak = max(s["running"] for s in window)
+    f.waiting_peak = max(s["waiting"] for s in window)
+    f.in_flight_peak = max(s["running"] + s["waiting"] for s in window)
+
+
+@dataclass
+class PhaseFacts:
+    name: str
+    t_start: int
+    t_end: int
+    occupancy_source: str | None = None  # "/sched" or "occupancy NOTE events"
+    pool_bytes: int | None = None
+    pool_use_peak: float | None = None  # max (pool - free) / pool over the window
+    in_flight_peak: int | None = None  # max running + waiting
+    running_peak: int | None = None
+    waiting_peak: int | None = None
+    groups: list[Group] = field(default_factory=list)
+    device_use_peak: float | None = None  # max NVML used / total
+    fragmentation_peak: int | None = None  # max allocator reserved - allocated, bytes
+    absent: dict[str, str] = field(default_factory=dict)
+
+
+def phase_markers(trace: Any) -> list[tuple[str, int]]:
+    """(name, t_ns) of every phase marker, in time order."""
+    out: list[tuple[str, int]] = []
+    kind = getattr(EventKind, "PHASE", None)
+    if kind is not None:
+        for e in trace.events(kind):
+            out.append((trace.text(int(e["text_off"]), int(e["text_len"])), int(e["t_ns"])))
+    for e in trace.events(EventKind.NOTE):
+        text = trace.text(int(e["text_off"]), int(e["text_len"]))
+        if text.startswith(PHASE_NOTE_PREFIX):
+            out.append((text[len(PHASE_NOTE_PREFIX):], int(e["t_ns"])))
+    return sorted(out, key=lambda m: m[1])
+
+
+def _occupancy_rows(trace: Any) -> tuple[str | None, list[dict[str, Any]], list[Group]]:
+    """(source, samples with t_ns/pool/free/running/waiting, pool groups)."""
+    sched = trace.sched() if hasattr(trace, "sched") and trace.has("sched") else None
+    if sched is not None and len(sched):
+        groups_rows = trace.sched_groups()
+        groups: list[Group] = []
+        if len(groups_rows):
+            last = groups_rows[groups_rows["step"] == groups_rows["step"].max()]
+            from kvtrace.format.schema import LayerType
+
+            for g in last:
+                groups.append(Group(LayerType(int(g["layer_type"])).name.lower(), int(g["blocks_total"]),
+                                    int(g["tokens_per_block"]), int(g["bytes_per_block"]), int(g["window"])))
+        samples = [{"t_ns": int(r["t_ns"]), "pool": int(r["pool_bytes"]), "free": int(r["free_bytes"]),
+                    "running": int(r["running"]), "waiting": int(r["waiting"])} for r in sched]
+        return "/sched", samples, groups
+    samples, groups = [], []
+    for e in trace.events(EventKind.NOTE):
+        text = trace.text(int(e["text_off"]), int(e["text_len"]))
+        if not text.startswith(OCCUPANCY_PREFIX):
+            continue
+        try:
+            occ = json.loads(text[len(OCCUPANCY_PREFIX):])
+        except ValueError:
+            continue
+        sample = sample_from_occupancy(int(e["t_ns"]), occ)
+        if sample is not None:
+            samples.append(sample)
+            groups = groups_from_occupancy(occ)
+    return ("occupancy NOTE events" if samples else None), samples, groups
+
+
+def phase_facts(trace: Any) -> list[PhaseFacts]:
+    """One PhaseFacts per marked phase (the "end" marker only closes the last window)."""
+    from kvtrace.serving.phases import END_MARKER
+
+    markers = phase_markers(trace)
+    source, samples, groups = _occupancy_rows(trace)
+    nvml = trace.nvml() if trace.nrows("telemetry/nvml") else None
+    alloc = trace.allocator() if trace.nrows("telemetry/allocator") else None
+    out = []
+    for i, (name, t0) in enumerate(markers):
+        if name == END_MARKER:
+            continue
+        t1 = markers[i + 1][1] if i + 1 < len(markers) else np.iinfo(np.int64).max
+        f = PhaseFacts(name, t0, t1)
+        window = [s for s in samples if t0 <= s["t_ns"] < t1]
+        if window:
+            apply_occupancy(f, window, groups, f"trace {source}")
+        else:
+            f.absent["paged_cache"] = ("no continuous-batching scheduler step recorded in this phase" if samples
+                                       else "the trace holds no paged-cache occupancy (not served with "
+                                            "--continuous-batching, or no request reached the scheduler)")
+        if nvml is None:
+            f.absent["device_memory"] = "the trace holds no NVML readings (no GPU, or recorded with --no-nvml)"
+        else:
+            rows = nvml[(nvml["t_ns"] >= t0) & (nvml["t_ns"] < t1)]
+            rows = rows[rows["total_bytes"] > 0]
+            if len(rows):
+                f.device_use_peak = float((rows["used_bytes"] / rows["total_bytes"]).max())
+            else:
+                f.absent["device_memory"] = "no NVML reading fell inside this phase"
+        if alloc is None:
+            f.absent["fragmentation"] = "the trace holds no allocator readings (no CUDA allocator on this device)"
+        else:
+            rows = alloc[(alloc["t_ns"] >= t0) & (alloc["t_ns"] < t1)]
+            if len(rows):
+                f.fragmentation_peak = int((rows["reserved_bytes"] - rows["allocated_bytes"]).max())
+            else:
+                f.absent["fragmentation"] = "no allocator reading fell inside this phase"
+        out.append(f)
+    return out

@@ -1,0 +1,151 @@
+"""Per-phase verdicts against the alert thresholds of the diagnosis (seed document 001, "The Alert
+Thresholds"): memory use warning at 80 %, critical at 90 %; fragmentation (reserved - allocated)
+warning above 2 GiB; requests in flight warning at 80 % of the most that fit; context length
+warning at 2x the average. Each check says where its number comes from, or "not measured" and why:
+nothing is estimated where it was not seen.
+
+Sources, best first: the trace (``--trace``: every scheduler step, NVML and allocator readings),
+then the live samples of ``GET /kvtrace/status`` (kvtrace serve only, every ``--poll`` seconds, so
+a peak between two samples can be missed), then the client's own view (token counts, status)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtrace.serving.drive import PhaseRun
+from kvtrace.serving.tracefacts import PhaseFacts, apply_occupancy, capacity
+from kvtrace.units import format_bytes
+
+MEMORY_WARNING, MEMORY_CRITICAL = 0.80, 0.90
+FRAGMENTATION_WARNING = 2 * 1024**3
+CONCURRENCY_WARNING = 0.80
+CONTEXT_SPIKE = 2.0
+
+LEVELS = ("ok", "warning", "critical")  # "not measured" ranks below all of them
+
+
+@dataclass
+class Check:
+    name: str
+    level: str  # ok, warning, critical, not measured
+    value: str  # as printed ("" when not measured)
+    rule: str
+    source: str  # where the number comes from, or why it is not measured
+
+
+@dataclass
+class PhaseVerdict:
+    phase: str
+    level: str  # the worst measured level, or "not measured"
+    checks: list[Check]
+
+
+def _level(value: float, warning: float, critical: float | None = None) -> str:
+    if critical is not None and value >= critical:
+        return "critical"
+    return "warning" if value >= warning else "ok"
+
+
+def worst(levels: list[str]) -> str:
+    measured = [lv for lv in levels if lv in LEVELS]
+    return max(measured, key=LEVELS.index) if measured else "not measured"
+
+
+def _occupancy(run: PhaseRun, facts: PhaseFacts | None) -> tuple[PhaseFacts | None, str]:
+    """Paged-cache peaks from the trace when it has them, else from the live samples."""
+    if facts is not None and facts.pool_use_peak is not None:
+        return facts, f"{facts.occupancy_source}, every scheduler step"
+    if run.samples:
+        live = PhaseFacts(run.phase.name, 0, 0)
+        apply_occupancy(live, run.samples, run.groups, "live")
+        return live, f"live GET /kvtrace/status ({len(run.samples)} samples)"
+    why = [run.status_unavailable or "no live samples"]
+    if facts is not None and "paged_cache" in facts.absent:
+        why.append(f"trace: {facts.absent['paged_cache']}")
+    elif facts is None:
+        why.append("no --trace given")
+    return None, "; ".join(why)
+
+
+def judge_phase(run: PhaseRun, facts: PhaseFacts | None, history: list[int], max_tokens: int) -> PhaseVerdict:
+    """``history``: context tokens of every request of the run so far, this phase's included."""
+    checks: list[Check] = []
+    occ, occ_source = _occupancy(run, facts)
+    rule = f"warning >= {MEMORY_WARNING:.0%}, critical >= {MEMORY_CRITICAL:.0%}"
+    if occ is not None and occ.pool_use_peak is not None:
+        checks.append(Check("kv_pool_use", _level(occ.pool_use_peak, MEMORY_WARNING, MEMORY_CRITICAL),
+                            f"{occ.pool_use_peak:.1%} of {format_bytes(occ.pool_bytes or 0)}", rule, occ_source))
+    else:
+        checks.append(Check("kv_pool_use", "not measured", "", rule, occ_source))
+    if facts is not None and facts.device_use_peak is not None:
+        checks.append(Check("device_memory_use", _level(facts.device_use_peak, MEMORY_WARNING, MEMORY_CRITICAL),
+                            f"{facts.device_use_peak:.1%}", rule, "trace /telemetry/nvml (used / total)"))
+    else:
+        why = facts.absent.get("device_memory", "") if facts is not None else "needs the trace's NVML readings (--trace)"
+        checks.append(Check("device_memory_use", "not measured", "", rule, why))
+    frag_rule = f"warning > {format_bytes(FRAGMENTATION_WARNING)}"
+    if facts is not None and facts.fragmentation_peak is not None:
+        level = "warning" if facts.fragmentation_peak > FRAGMENTATION_WARNING else "ok"
+        checks.append(Check("fragmentation", level, format_bytes(facts.fragmentation_peak), frag_rule,
+                            "trace /telemetry/allocator (reserved - allocated, peak)"))
+    else:
+        why = facts.absent.get("fragmentation", "") if facts is not None else "needs the trace's allocator readings (--trace)"
+        checks.append(Check("fragmentation", "not measured", "", frag_rule, why))
+    checks.append(_concurrency(run, occ, occ_source, max_tokens))
+    checks.append(_context(run, history))
+    failed = [r for r in run.results if not r.ok]
+    if run.results:
+        checks.append(Check("requests", "critical" if failed else "ok", f"{len(run.results) - len(failed)}/"
+                            f"{len(run.results)} ok", "critical if any fails",
+                            "client" + (f" (first failure: {failed[0].status})" if failed else "")))
+    health = run.health
+    checks.append(Check("health", "ok" if health == 200 else "critical",
+                        f"no answer ({run.health_error})" if health is None else f"HTTP {health}", "critical unless 200",
+                        "GET /health after the phase"))
+    return PhaseVerdict(run.phase.name, worst([c.level for c in checks]), checks)
+
+
+def _concurrency(run: PhaseRun, occ: PhaseFacts | None, source: str, max_tokens: int) -> Check:
+    rule = f"warning at >= {CONCURRENCY_WARNING:.0%} of the requests that fit"
+    if occ is None or occ.in_flight_peak is None:
+        return Check("concurrency", "not measured", "", rule, source)
+    prompt_tokens = max([r.prompt_tokens if r.prompt_tokens >= 0 else r.prompt_words for r in run.results] +
+                        [run.phase.prompt_tokens])
+    context = prompt_tokens + max_tokens
+    fit = capacity(occ.pool_bytes or 0, occ.groups, context)
+    if fit is None:
+        return Check("concurrency", "not measured", "", rule, f"{source}; the pool's block geometry is unknown")
+    if fit == 0:
+        return Check("concurrency", "critical", f"{occ.in_flight_peak} in flight; not one request of {context} "
+                     f"tokens fits", rule, source)
+    share = occ.in_flight_peak / fit
+    return Check("concurrency", _level(share, CONCURRENCY_WARNING),
+                 f"{occ.in_flight_peak} in flight of {fit} that fit at {context} tokens ({share:.0%})", rule,
+                 f"{source}; fit = pool / blocks of one request")
+
+
+def _context(run: PhaseRun, history: list[int]) -> Check:
+    rule = f"warning at >= {CONTEXT_SPIKE:g}x the run's average context"
+    mine = [r.context_tokens for r in run.results if r.ok]
+    if not mine or not history:
+        return Check("context_spike", "not measured", "", rule, "no completed request in this phase")
+    mean = sum(history) / len(history)
+    ratio = max(mine) / mean if mean > 0 else 0.0
+    return Check("context_spike", _level(ratio, CONTEXT_SPIKE), f"max {max(mine)} tokens = {ratio:.2f}x the average "
+                 f"{mean:.0f}", rule, "client: prompt + output tokens (server usage when reported)")
+
+
+def judge(runs: list[PhaseRun], facts: list[PhaseFacts] | None, max_tokens: int) -> list[PhaseVerdict]:
+    """One verdict per phase; ``facts``: the trace's numbers by phase name (None: no trace)."""
+    by_name = {f.name: f for f in facts or []}
+    history: list[int] = []
+    out = []
+    for run in runs:
+        history += [r.context_tokens for r in run.results if r.ok]
+        mine = by_name.get(run.phase.name)
+        if facts is not None and mine is None:
+            why = "the trace holds no marker for this phase (the server took no phase markers)"
+            mine = PhaseFacts(run.phase.name, 0, 0, absent=dict.fromkeys(("paged_cache", "device_memory",
+                                                                          "fragmentation"), why))
+        out.append(judge_phase(run, mine, list(history), max_tokens))
+    return out
