@@ -1,0 +1,376 @@
+"""What-if replay measures on torch tensors: keep-set attention (mass recall, output error) and
+quantise-dequantise error, each as a Triton kernel and a plain-torch reference of the same
+semantics (kvtrace.whatif.numerics is the float64 numpy definition both are tested against).
+
+Shapes: queries ``[B, Hq, Tq, D]``, keys ``[B, Hk, T, D]``, values ``[B, Hk, T, Dv]``; query head
+``h`` reads KV head ``h // (Hq // Hk)``. Key ``j`` sits at position ``k_start + j``; query ``i`` at
+``q_positions[i]``. Key ``j`` is visible to a query at ``pos`` iff ``k_start + j <= pos`` (when
+``causal``) and ``k_start + j > pos - window`` (when ``window`` is set).
+
+Keep-sets: ``keep`` ``[S, B, Hk, T]`` (bool or int8; nonzero = kept), S candidate sets evaluated in
+one pass. Per set, query head and query (``[S, B, Hq, Tq]`` each):
+* ``recall`` = the full attention's mass on the kept keys (0 where nothing is visible);
+* ``error`` = ``||o' - o|| / ||o||``, ``o'`` the attention output renormalised over the kept
+  visible keys (0 where none is kept), ``o`` over all visible keys (NaN where ``||o|| = 0``).
+
+Backends: ``triton`` (one pass over the keys for all sets, memory O(rows * sets), never a
+rows x keys matrix), ``torch`` (materialises the ``[B, Hq, Tq, T]`` scores once and a softmax per
+set; float64 by default, the exact reference). ``auto``: triton for CUDA tensors, else torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtrace.kernels._env import resolve_backend
+
+__all__ = [
+    "QuantSpec", "keep_measures", "keep_measures_reference", "keep_measures_triton", "output_error",
+    "quant_error", "quant_error_reference", "quant_error_triton", "quant_roundtrip",
+]
+
+_LIMIT = 2**29  # the kernels add positions and windows in int32
+
+
+@dataclass(frozen=True)
+class _Attn:
+    B: int
+    Hq: int
+    Hk: int
+    Tq: int
+    T: int
+    group: int
+    scale: float
+    positions: torch.Tensor  # int64 [Tq]
+    k_start: int
+    window: int | None
+    causal: bool
+
+
+def _geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions, k_start: int,
+              window: int | None, scale: float | None, causal: bool) -> _Attn:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D [B, H, T, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, Hq, Tq, D = q.shape
+    Bk, Hk, T, Dk = k.shape
+    if Bk != B or Dk != D or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"{Hq} query heads do not divide into {Hk} KV heads")
+    if window is not None and int(window) < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+    if q_positions is None:
+        pos = torch.arange(k_start + T - Tq, k_start + T, device=q.device)
+    else:
+        pos = torch.as_tensor(q_positions, device=q.device).to(torch.int64).reshape(-1)
+        if pos.numel() != Tq:
+            raise ValueError(f"{pos.numel()} query positions for {Tq} queries")
+    return _Attn(B, Hq, Hk, Tq, T, Hq // Hk, float(D ** -0.5 if scale is None else scale), pos,
+                 int(k_start), None if window is None else int(window), bool(causal))
+
+
+def _visible(g: _Attn, device: torch.device) -> torch.Tensor:
+    """[Tq, T] bool visibility (numerics.visible_mask)."""
+    kp = (g.k_start + torch.arange(g.T, device=device))[None, :]
+    qp = g.positions.to(device)[:, None]
+    vis = kp <= qp if g.causal else torch.ones(g.Tq, g.T, dtype=torch.bool, device=device)
+    if g.window:
+        vis = vis & (kp > qp - g.window)
+    return vis
+
+
+def _keep_sets(keep: torch.Tensor, g: _Attn) -> torch.Tensor:
+    if keep.dim() != 4 or tuple(keep.shape[1:]) != (g.B, g.Hk, g.T):
+        raise ValueError(f"keep must be [S, {g.B}, {g.Hk}, {g.T}], got {tuple(keep.shape)}")
+    return keep
+
+
+def _masked_softmax(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim where ``mask``; all-zero rows where nothing is masked in."""
+    x = logits.masked_fill(~mask, float("-inf"))
+    top = x.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    e = torch.where(mask, torch.exp(x - top), torch.zeros_like(x))
+    s = e.sum(dim=-1, keepdim=True)
+    return torch.where(s > 0, e / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(e))
+
+
+def _rel_error(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    num = torch.linalg.vector_norm(approx - exact, dim=-1)
+    den = torch.linalg.vector_norm(exact, dim=-1)
+    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.full_like(num, float("nan")))
+
+
+def keep_measures_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
+    q_positions: torch.Tensor | Sequence[int] | None = None, k_start: int = 0, window: int | None = None,
+    scale: float | None = None, causal: bool = True, dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(recall, error) ``[S, B, Hq, Tq]`` by materialising the scores ``[B, Hq, Tq, T]`` once and a
+    softmax per keep-set, in ``dtype`` (float64: the exact reference; float32: eager torch)."""
+    g = _geometry(q, k, v, q_positions, k_start, window, scale, causal)
+    keep = _keep_sets(keep, g)
+    kk = k.to(dtype).repeat_interleave(g.group, dim=1)
+    vv = v.to(dtype).repeat_interleave(g.group, dim=1)
+    logits = torch.matmul(q.to(dtype), kk.transpose(-1, -2)) * g.scale
+    vis = _visible(g, q.device)[None, None].expand_as(logits)
+    p = _masked_softmax(logits, vis)
+    o = torch.matmul(p, vv)
+    recall, error = [], []
+    for s in range(keep.shape[0]):
+        kept = (keep[s] != 0).repeat_interleave(g.group, dim=1)[:, :, None, :]
+        recall.append((p * kept).sum(dim=-1))
+        error.append(_rel_error(torch.matmul(_masked_softmax(logits, vis & kept), vv), o))
+    if not recall:
+        empty = torch.zeros(0, g.B, g.Hq, g.Tq, dtype=dtype, device=q.device)
+        return empty, empty.clone()
+    return torch.stack(recall), torch.stack(error)
+
+
+# ------------------------------------------------------------------------------ Triton path
+
+
+def _kernel_dtype(*xs: torch.Tensor) -> torch.dtype:
+    dt = xs[0].dtype
+    for x in xs[1:]:
+        dt = torch.promote_types(dt, x.dtype)
+    return dt if dt in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
+
+
+def _last_contig(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    x = x.to(dt)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _split_plan(g: _Attn, n_sets: int, device: torch.device, num_splits: int | None) -> tuple[int, int]:
+    from kvtrace.kernels._triton_whatif import split_unit
+
+    unit = split_unit()
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        base = g.B * g.Hq * -(-g.Tq // 16) * -(-n_sets // 4)
+        want = -(-2 * sms // max(base, 1))
+        num_splits = max(1, min(want, -(-g.T // 1024)))  # at least ~1k keys per split
+    per = -(-g.T // max(1, num_splits))
+    per = max(unit, -(-per // unit) * unit)
+    return -(-g.T // per), per
+
+
+def _states_triton(q, k, v, keep_all, g: _Attn, num_splits: int | None):
+    """Merged per-set softmax states (m, l, o) ``[S1, B, Hq, Tq]`` (o: ``x Dv``) over the keys
+    each set keeps, ``keep_all`` [S1, B, Hk, T] int8 (set 0 = keep everything)."""
+    from kvtrace.kernels import _triton_whatif as tw
+
+    if abs(g.k_start) >= _LIMIT or g.T >= _LIMIT or (g.Tq and int(g.positions.abs().max()) >= _LIMIT):
+        raise ValueError("positions and lengths must be below 2**29 for the Triton path")
+    window = None if g.window is None else min(g.window, _LIMIT)
+    dt = _kernel_dtype(q, k)
+    q, k = _last_contig(q, dt), _last_contig(k, dt)
+    v = _last_contig(v, v.dtype if v.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32)
+    dev, S1, Dv = q.device, keep_all.shape[0], v.shape[3]
+    rows = S1 * g.B * g.Hq * g.Tq
+    if rows == 0 or g.T == 0:
+        z = torch.zeros(S1, g.B, g.Hq, g.Tq, dtype=torch.float32, device=dev)
+        return z - float("inf"), z, torch.zeros(*z.shape, Dv, dtype=torch.float32, device=dev)
+    n_splits, per = _split_plan(g, S1, dev, num_splits)
+    pm = torch.empty(rows * n_splits, dtype=torch.float32, device=dev)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(rows * n_splits * Dv, dtype=torch.float32, device=dev)
+    tw.run_keep(q, k, v, keep_all, g.positions.to(torch.int32).contiguous(), pm, pl, pacc, group=g.group,
+                scale=g.scale, k_start=g.k_start, window=window, causal=g.causal, keys_per_split=per,
+                n_splits=n_splits)
+    pm = pm.view(S1, g.B, g.Hq, g.Tq, n_splits)
+    pl = pl.view_as(pm)
+    pacc = pacc.view(S1, g.B, g.Hq, g.Tq, n_splits, Dv)
+    m = pm.amax(dim=-1)
+    m_use = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w = torch.exp(pm - m_use[..., None])  # 0 for splits that used no key (pm = -inf)
+    lsum = (w * pl).sum(dim=-1)
+    acc = (w[..., None] * pacc).sum(dim=-2)
+    o = torch.where(lsum[..., None] > 0, acc / torch.where(lsum > 0, lsum, torch.ones_like(lsum))[..., None],
+                    torch.zeros_like(acc))
+    return m, lsum, o
+
+
+def _with_full(keep: torch.Tensor) -> torch.Tensor:
+    k8 = (keep != 0).to(torch.int8)
+    return torch.cat([torch.ones_like(k8[:1]), k8]).contiguous()
+
+
+def keep_measures_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
+    q_positions: torch.Tensor | Sequence[int] | None = None, k_start: int = 0, window: int | None = None,
+    scale: float | None = None, causal: bool = True, num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(recall, error) ``[S, B, Hq, Tq]`` fp32 from one Triton pass over the keys for all sets."""
+    g = _geometry(q, k, v, q_positions, k_start, window, scale, causal)
+    keep = _keep_sets(keep, g)
+    m, lsum, o = _states_triton(q, k, v, _with_full(keep), g, num_splits)
+    m0, l0, o0 = m[:1], lsum[:1], o[:1]
+    ok = (lsum[1:] > 0) & (l0 > 0)
+    shift = torch.where(ok, m[1:] - m0, torch.zeros_like(m[1:]))  # finite wherever ok
+    recall = torch.where(ok, torch.exp(shift) * lsum[1:] / torch.where(l0 > 0, l0, torch.ones_like(l0)),
+                         torch.zeros_like(shift))
+    return recall, _rel_error(o[1:], o0.expand_as(o[1:]))
+
+
+def keep_measures(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
+    q_positions: torch.Tensor | Sequence[int] | None = None, k_start: int = 0, window: int | None = None,
+    scale: float | None = None, causal: bool = True, backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(recall, error) ``[S, B, Hq, Tq]`` for S keep-sets (module docstring)."""
+    kw = dict(q_positions=q_positions, k_start=k_start, window=window, scale=scale, causal=causal)
+    if resolve_backend(backend, q) == "triton":
+        return keep_measures_triton(q, k, v, keep, **kw)
+    return keep_measures_reference(q, k, v, keep, **kw)
+
+
+def output_error(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor, *,
+    q_positions: torch.Tensor | Sequence[int] | None = None, k_start: int = 0, window: int | None = None,
+    scale: float | None = None, causal: bool = True, backend: str = "auto",
+) -> torch.Tensor:
+    """``||o' - o|| / ||o||`` ``[B, Hq, Tq]`` of attention over (k2, v2) (e.g. dequantised)
+    against (k, v), every visible key kept."""
+    g = _geometry(q, k, v, q_positions, k_start, window, scale, causal)
+    if k2.shape != k.shape or v2.shape != v.shape:
+        raise ValueError("k2, v2 must have the shapes of k, v")
+    if resolve_backend(backend, q) == "triton":
+        ones = torch.ones(1, g.B, g.Hk, g.T, dtype=torch.int8, device=q.device)
+        o = _states_triton(q, k, v, ones, g, None)[2][0]
+        o2 = _states_triton(q, k2, v2, ones, g, None)[2][0]
+        return _rel_error(o2, o)
+    dt = torch.float64
+    vis = _visible(g, q.device)
+
+    def out(kx: torch.Tensor, vx: torch.Tensor) -> torch.Tensor:
+        logits = torch.matmul(q.to(dt), kx.to(dt).repeat_interleave(g.group, dim=1).transpose(-1, -2)) * g.scale
+        p = _masked_softmax(logits, vis[None, None].expand_as(logits))
+        return torch.matmul(p, vx.to(dt).repeat_interleave(g.group, dim=1))
+
+    return _rel_error(out(k2, v2), out(k, v))
+
+
+# ------------------------------------------------------------------------------ quantisation
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One quantise-dequantise round trip of K or V ``[B, H, T, D]``.
+
+    ``kind`` "minmax": asymmetric round-to-nearest with a scale and zero per group of ``group``
+    consecutive elements along ``axis`` ("channel": groups of channels within a token, the
+    quanto/HQQ layout and KIVI values; "token": groups of tokens within a channel, KIVI keys), the
+    last group possibly shorter. ``kind`` "fp8": nearest fp8 value with ``man`` mantissa bits,
+    minimum normal exponent ``emin``, saturating at ``top``. The last ``residual`` tokens stay
+    exact (full-precision window)."""
+
+    kind: str = "minmax"
+    bits: int = 8
+    axis: str = "channel"
+    group: int = 64
+    residual: int = 0
+    man: int = 3
+    emin: int = -6
+    top: float = 448.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("minmax", "fp8"):
+            raise ValueError(f"kind must be minmax or fp8, got {self.kind!r}")
+        if self.axis not in ("channel", "token"):
+            raise ValueError(f"axis must be channel or token, got {self.axis!r}")
+        if self.kind == "minmax" and not (1 <= self.bits <= 8 and self.group >= 1):
+            raise ValueError(f"minmax needs 1 <= bits <= 8 and group >= 1, got {self.bits}, {self.group}")
+        if self.residual < 0:
+            raise ValueError(f"residual must be >= 0, got {self.residual}")
+
+
+def _minmax(x: torch.Tensor, bits: int, dim: int, group: int) -> torch.Tensor:
+    x = x.movedim(dim, -1)
+    out = torch.empty_like(x)
+    levels = (1 << bits) - 1
+    for s in range(0, x.shape[-1], group):
+        g = x[..., s:s + group]
+        lo = g.amin(dim=-1, keepdim=True)
+        scale = (g.amax(dim=-1, keepdim=True) - lo) / levels
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        out[..., s:s + group] = torch.clamp(torch.round((g - lo) / safe), 0, levels) * scale + lo
+    return out.movedim(-1, dim)
+
+
+def _fp8(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    x = torch.clamp(x, -spec.top, spec.top)
+    ax = x.abs()
+    e = torch.floor(torch.log2(torch.where(ax > 0, ax, torch.ones_like(ax))))
+    quantum = torch.exp2(torch.clamp(e, min=spec.emin) - spec.man)
+    return torch.clamp(torch.round(x / quantum) * quantum, -spec.top, spec.top)
+
+
+def quant_roundtrip(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Dequantised ``x`` [B, H, T, D] in ``dtype`` (the plain-torch reference round trip)."""
+    out = x.to(dtype).clone()
+    T = x.shape[2]
+    n = T - min(spec.residual, T)
+    if n > 0:
+        part = out[:, :, :n]
+        if spec.kind == "fp8":
+            out[:, :, :n] = _fp8(part, spec)
+        else:
+            out[:, :, :n] = _minmax(part, spec.bits, 2 if spec.axis == "token" else 3, spec.group)
+    return out
+
+
+def _per_head(x: torch.Tensor, xq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(MSE, mean cosine over tokens) per head, over the batch, tokens (and channels)."""
+    a, b = x.to(torch.float64), xq.to(torch.float64)
+    mse = ((a - b) ** 2).mean(dim=(0, 2, 3))
+    na, nb = torch.linalg.vector_norm(a, dim=-1), torch.linalg.vector_norm(b, dim=-1)
+    ok = (na > 0) & (nb > 0)
+    cos = torch.where(ok, (a * b).sum(-1) / torch.where(ok, na * nb, torch.ones_like(na)), torch.zeros_like(na))
+    n = ok.sum(dim=(0, 2)).to(torch.float64)
+    return mse, torch.where(n > 0, cos.sum(dim=(0, 2)) / n.clamp(min=1), torch.full_like(n, float("nan")))
+
+
+def quant_error_reference(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.float64
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(MSE, cosine) per head ``[H]`` float64, by materialising the round trip in ``dtype``."""
+    return _per_head(x, quant_roundtrip(x, spec, dtype))
+
+
+def quant_error_triton(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(MSE, cosine) per head ``[H]`` float64 from the fused kernel (the dequantised tensor stays
+    in registers; per-program partial sums are added in float64)."""
+    from kvtrace.kernels import _triton_whatif as tw
+
+    if x.dim() != 4:
+        raise ValueError(f"x must be [B, H, T, D], got {tuple(x.shape)}")
+    B, H, T, D = x.shape
+    x = _last_contig(x, _kernel_dtype(x))
+    n = T - min(spec.residual, T)
+    sse = torch.zeros(H, dtype=torch.float64, device=x.device)
+    cos = torch.zeros_like(sse)
+    cnt = torch.zeros_like(sse)
+    if n > 0 and D > 0:
+        mode = tw.MODE_FP8 if spec.kind == "fp8" else tw.MODE_TOKEN_GROUPS if spec.axis == "token" else tw.MODE_CHANNEL_GROUPS
+        n_prog, chunk = tw.quant_grid(n, mode, spec.group)
+        parts = torch.empty(3, B * H * n_prog, dtype=torch.float32, device=x.device)
+        tw.run_quant(x, parts[0], parts[1], parts[2], Tn=n, mode=mode, group=spec.group, chunk=chunk,
+                     bits=spec.bits, fp8=(spec.man, spec.emin, spec.top))
+        sums = parts.view(3, B, H, n_prog).to(torch.float64).sum(dim=(1, 3))
+        sse, cos, cnt = sums[0], sums[1], sums[2]
+    if n < T:  # residual tokens are exact: error 0, cosine 1 wherever the token is not all zero
+        res = (x[:, :, n:].float().pow(2).sum(-1) > 0).sum(dim=(0, 2)).to(torch.float64)
+        cos, cnt = cos + res, cnt + res
+    mse = sse / max(B * T * D, 1) if B * T * D else torch.full_like(sse, float("nan"))
+    return mse, torch.where(cnt > 0, cos / cnt.clamp(min=1), torch.full_like(cnt, float("nan")))
+
+
+def quant_error(x: torch.Tensor, spec: QuantSpec, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(MSE, mean cosine) per head ``[H]`` of ``spec``'s round trip of ``x`` [B, H, T, D]."""
+    if resolve_backend(backend, x) == "triton":
+        return quant_error_triton(x, spec)
+    return quant_error_reference(x, spec)

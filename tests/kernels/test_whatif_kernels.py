@@ -1,0 +1,198 @@
+"""What-if kernels (kvtrace/kernels/whatif.py): Triton == plain torch == numerics.py (float64).
+
+The Triton kernels run on CUDA when there is a GPU, else in Triton's CPU interpreter (tiny
+shapes; tests/conftest.py sets TRITON_INTERPRET). The torch references compute in float64 and must
+match numerics.py to 1e-12 (same formulas, different summation order). Triton tolerances, from
+fp32 arithmetic:
+  recall   atol 1e-5: a softmax sum over <= 100 keys in fp32 (each term ~1e-7 relative), values in [0, 1];
+  error    atol 1e-5, rtol 1e-4: a ratio of norms of fp32 outputs (each ~1e-6 relative with
+           3xTF32 or IEEE dots); errors of interest are >= 1e-3;
+  MSE      rtol 2e-4: dequantised values carry ~1e-7 |x| of fp32 rounding against a quantisation
+           step >= range / 255, so the MSE moves by <= ~2 * 255 * 1e-7 relative; a rounding flip
+           at a tie changes the squared error only to second order; fp8 is exact in fp32;
+  cosine   atol 1e-6: per-token cosines from fp32 sums of <= 64 products.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvtrace.kernels import whatif as W  # noqa: E402
+from kvtrace.whatif import numerics as N  # noqa: E402
+from kvtrace.whatif.policies import FP8, HQQ, KIVI, Quanto  # noqa: E402
+
+EXACT = dict(atol=1e-12, rtol=1e-10)
+RECALL = dict(atol=1e-5, rtol=0)
+ERROR = dict(atol=1e-5, rtol=1e-4)
+
+
+def _case(seed: int, B=1, Hq=4, Hk=2, Tq=5, T=40, D=16, Dv=8, S=3, q_pos=None, k_start=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, Hq, Tq, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hk, T, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hk, T, Dv)).astype(np.float32)
+    keep = rng.random((S, B, Hk, T)) < 0.5
+    pos = np.asarray(q_pos if q_pos is not None else k_start + T - Tq + np.arange(Tq))
+    return q, k, v, keep, pos
+
+
+def _numpy_sets(q, k, v, keep, pos, k_start, window, scale):
+    vis = N.visible_mask(pos, k_start + np.arange(k.shape[2]), window)
+    out = [N.keep_measures(q, k, v, vis, scale, keep[s]) for s in range(keep.shape[0])]
+    return np.stack([r for r, _ in out]), np.stack([e for _, e in out])
+
+
+def _t(x, dev):
+    return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
+
+
+def _close(got, want, tol):
+    np.testing.assert_allclose(got, want, equal_nan=True, **tol)
+
+
+CASES = [
+    # GQA group 2, causal, queries at the last positions
+    dict(seed=0),
+    # group 4 (MQA-like), sliding window 8, keys starting at position 100, sampled query positions
+    # including one before the first key (nothing visible: recall 0, error NaN)
+    dict(seed=1, Hq=4, Hk=1, q_pos=[99, 103, 110, 120, 139], k_start=100, window=8),
+    # no GQA, batch 2, head dims not powers of two, 37 keys (ragged last tile), 5 sets
+    dict(seed=2, B=2, Hq=2, Hk=2, T=37, D=12, Dv=20, S=5, window=16),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_keep_measures_triton_torch_numpy_agree(case, tri_device):
+    case = dict(case)
+    window = case.pop("window", None)
+    q, k, v, keep, pos = _case(**case)
+    ks, scale = case.get("k_start", 0), q.shape[-1] ** -0.5
+    want_r, want_e = _numpy_sets(q, k, v, keep, pos, ks, window, scale)
+    kw = dict(q_positions=pos, k_start=ks, window=window)
+    ref_r, ref_e = W.keep_measures_reference(*(torch.from_numpy(x) for x in (q, k, v, keep)), **kw)
+    _close(ref_r.numpy(), want_r, EXACT)
+    _close(ref_e.numpy(), want_e, EXACT)
+    got_r, got_e = W.keep_measures_triton(*(_t(x, tri_device) for x in (q, k, v, keep)), **kw)
+    assert got_r.shape == want_r.shape and got_r.dtype == torch.float32
+    _close(got_r.cpu().numpy(), want_r, RECALL)
+    _close(got_e.cpu().numpy(), want_e, ERROR)
+    if "q_pos" in case:  # the query before the first key sees nothing
+        assert np.all(got_r.cpu().numpy()[..., 0] == 0) and np.all(np.isnan(got_e.cpu().numpy()[..., 0]))
+
+
+def test_key_splits_merge_to_the_same_answer(tri_device):
+    q, k, v, keep, pos = _case(3, T=70, Tq=3)
+    want_r, want_e = _numpy_sets(q, k, v, keep, pos, 0, None, q.shape[-1] ** -0.5)
+    args = [_t(x, tri_device) for x in (q, k, v, keep)]
+    r, e = W.keep_measures_triton(*args, q_positions=pos, num_splits=3)
+    _close(r.cpu().numpy(), want_r, RECALL)
+    _close(e.cpu().numpy(), want_e, ERROR)
+
+
+def test_planted_heavy_hitter_and_far_below_max_keep_sets(tri_device):
+    """Key 3 takes almost all the mass. Set 0 keeps everything (recall 1, error 0); set 1 drops
+    key 3; set 2 keeps only keys whose scores are ~120 nats below it, where exp underflows fp32
+    against the full row's max: a per-set running max still gives the exact renormalised output."""
+    T, D = 32, 16
+    q = np.zeros((1, 1, 1, D), np.float32)
+    q[..., 0] = 1.0
+    k = np.zeros((1, 1, T, D), np.float32)
+    k[0, 0, :, 1] = 1.0
+    k[0, 0, 3, 0] = 480.0  # score 480 / 4 = 120 above every other key
+    v = np.random.default_rng(4).standard_normal((1, 1, T, 8)).astype(np.float32)
+    keep = np.ones((3, 1, 1, T), bool)
+    keep[1, 0, 0, 3] = False
+    keep[2] = False
+    keep[2, 0, 0, [5, 9]] = True
+    pos = np.array([T - 1])
+    want_r, want_e = _numpy_sets(q, k, v, keep, pos, 0, None, 0.25)
+    r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (q, k, v, keep)), q_positions=pos)
+    r, e = r.cpu().numpy(), e.cpu().numpy()
+    assert r[0, 0, 0, 0] == pytest.approx(1.0, abs=1e-6) and e[0, 0, 0, 0] == pytest.approx(0.0, abs=1e-6)
+    assert r[1, 0, 0, 0] < 1e-40 + 1e-6 and r[2, 0, 0, 0] < 1e-6
+    o_full = v[0, 0, 3]
+    o_kept = v[0, 0, [5, 9]].mean(axis=0)
+    assert e[2, 0, 0, 0] == pytest.approx(np.linalg.norm(o_kept - o_full) / np.linalg.norm(o_full), rel=1e-5)
+    _close(e, want_e, ERROR)
+
+
+def test_bf16_inputs_match_the_reference_on_the_same_values(tri_device):
+    q, k, v, keep, pos = _case(5, T=33)
+    qb, kb, vb = (torch.from_numpy(x).to(torch.bfloat16) for x in (q, k, v))
+    ref_r, ref_e = W.keep_measures_reference(qb, kb, vb, torch.from_numpy(keep), q_positions=pos)
+    got_r, got_e = W.keep_measures_triton(qb.to(tri_device), kb.to(tri_device), vb.to(tri_device),
+                                          _t(keep, tri_device), q_positions=pos)
+    _close(got_r.cpu().numpy(), ref_r.numpy(), RECALL)
+    _close(got_e.cpu().numpy(), ref_e.numpy(), ERROR)
+
+
+def test_output_error_of_dequantised_kv(tri_device):
+    q, k, v, _, pos = _case(6, Hq=4, Hk=2, T=36)
+    pol = KIVI(nbits=2, group_size=8, residual_length=4)
+    k2, v2 = pol.roundtrip(k, "key"), pol.roundtrip(v, "value")
+    vis = N.visible_mask(pos, np.arange(k.shape[2]), 12)
+    want = N.output_error(q, k, v, k2, v2, vis, q.shape[-1] ** -0.5)
+    assert np.nanmin(want) > 1e-3  # 2-bit error is visible, so the comparison is meaningful
+    ref = W.output_error(*(torch.from_numpy(x) for x in (q, k, v, k2, v2)), q_positions=pos, window=12, backend="torch")
+    _close(ref.numpy(), want, EXACT)
+    got = W.output_error(*(_t(x.astype(np.float32), tri_device) for x in (q, k, v, k2, v2)), q_positions=pos,
+                         window=12, backend="triton")
+    _close(got.cpu().numpy(), want, ERROR)
+
+
+QUANT = [
+    (KIVI(nbits=2, group_size=8, residual_length=7), "key", W.QuantSpec(bits=2, axis="token", group=8, residual=7)),
+    (KIVI(nbits=4, group_size=6, residual_length=7), "value", W.QuantSpec(bits=4, axis="channel", group=6, residual=7)),
+    (KIVI(nbits=8, group_size=32, residual_length=0), "key", W.QuantSpec(bits=8, axis="token", group=32)),
+    (Quanto(nbits=4, q_group_size=16, residual_length=10), "key", W.QuantSpec(bits=4, group=16, residual=10)),
+    (HQQ(nbits=1, q_group_size=64, residual_length=0), "value", W.QuantSpec(bits=1, group=64)),
+    (FP8(fmt="e4m3"), "key", W.QuantSpec(kind="fp8", man=3, emin=-6, top=448.0)),
+    (FP8(fmt="e5m2"), "value", W.QuantSpec(kind="fp8", man=2, emin=-14, top=57344.0)),
+]
+
+
+@pytest.mark.parametrize("pol,which,spec", QUANT, ids=lambda x: getattr(x, "name", str(x)))
+def test_quant_error_triton_torch_numpy_agree(pol, which, spec, tri_device):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 3, 50, 20)).astype(np.float32)
+    x[0, 1, :, 4] *= 40.0  # an outlier channel
+    x[1, 2, 3] = 0.0  # an all-zero token: no cosine
+    x[0, 0, 0, 0] = 1e3  # saturates e4m3 (448)
+    x2 = pol.roundtrip(x, which)
+    per = [N.reconstruction(x[:, h], x2[:, h]) for h in range(x.shape[1])]
+    want_m, want_c = np.array([m for m, _ in per]), np.array([c for _, c in per])
+    np.testing.assert_allclose(W.quant_roundtrip(torch.from_numpy(x), spec).numpy(), x2, **EXACT)
+    ref_m, ref_c = W.quant_error_reference(torch.from_numpy(x), spec)
+    _close(ref_m.numpy(), want_m, EXACT)
+    _close(ref_c.numpy(), want_c, EXACT)
+    got_m, got_c = W.quant_error_triton(_t(x, tri_device), spec)
+    _close(got_m.cpu().numpy(), want_m, dict(rtol=2e-4, atol=0))
+    _close(got_c.cpu().numpy(), want_c, dict(atol=1e-6, rtol=0))
+
+
+def test_quant_error_outlier_channel_costs_per_token_more_than_per_channel(tri_device):
+    """The KIVI argument: a key channel with a large offset ruins per-token groups (one scale per
+    token spans it: ~5.4 in float64) but not per-channel groups (~0.16)."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((1, 1, 64, 32)).astype(np.float32)
+    x[..., 5] += 100.0
+    t = _t(x, tri_device)
+    per_token = W.quant_error_triton(t, W.QuantSpec(bits=2, axis="channel", group=32))[0]
+    per_channel = W.quant_error_triton(t, W.QuantSpec(bits=2, axis="token", group=32))[0]
+    assert float(per_token[0]) > 20 * float(per_channel[0])
+
+
+def test_dispatch_and_bad_input():
+    q, k, v, keep, pos = _case(9)
+    args = [torch.from_numpy(x) for x in (q, k, v, keep)]
+    r, _ = W.keep_measures(*args, q_positions=pos, backend="torch")
+    assert r.dtype == torch.float64 and r.shape == (3, 1, 4, 5)
+    with pytest.raises(ValueError, match="keep must be"):
+        W.keep_measures(*args[:3], args[3][:, :, :1], q_positions=pos, backend="torch")
+    with pytest.raises(ValueError, match="do not divide"):
+        W.keep_measures(args[0][:, :3], *args[1:], q_positions=pos, backend="torch")
+    with pytest.raises(ValueError, match="kind"):
+        W.QuantSpec(kind="int3")
