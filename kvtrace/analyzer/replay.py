@@ -7,7 +7,7 @@ Everything is read once, lazily, from the trace's tables; nothing here imports t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -93,9 +93,20 @@ class RequestTimeline:
     events: np.ndarray
     readings: dict[int, np.void]  # label -> last reading row with that label
     retention: np.ndarray
+    # (label, device) -> last reading row: a model spread over devices has one row per device
+    readings_on: dict[tuple[int, int], np.void] = field(default_factory=dict)
 
     def reading(self, label: schema.ReadingLabel) -> np.void | None:
         return self.readings.get(int(label))
+
+    def reading_at(self, label: schema.ReadingLabel, device: int) -> np.void | None:
+        """The reading with this label taken on ``device`` (None when there is none)."""
+        return self.readings_on.get((int(label), int(device)))
+
+    @property
+    def reading_devices(self) -> list[int]:
+        """Devices the request's labelled readings were taken on."""
+        return sorted({d for _, d in self.readings_on})
 
     @property
     def end_or_last_ns(self) -> int:
@@ -175,8 +186,10 @@ class ReplayContext:
             srows = steps_by.get(rid, steps[:0])
             srows = srows[np.argsort(srows["step"], kind="stable")]
             rd: dict[int, np.void] = {}
+            rd_on: dict[tuple[int, int], np.void] = {}
             for row in rd_by.get(rid, readings[:0]):
                 rd[int(row["label"])] = row
+                rd_on[(int(row["label"]), int(row["device"]))] = row
             try:
                 outcome = schema.Outcome(int(r["outcome"]))
             except ValueError:
@@ -185,7 +198,7 @@ class ReplayContext:
                 rid, outcome, int(r["batch_size"]), int(r["prompt_tokens"]), int(r["new_tokens"]),
                 int(r["eos_step"]), int(r["start_ns"]), int(r["end_ns"]), srows,
                 _grid(krows),
-                ev_by.get(rid, events[:0]), rd, ret_by.get(rid, retention[:0]),
+                ev_by.get(rid, events[:0]), rd, ret_by.get(rid, retention[:0]), rd_on,
             ))
         self.requests.sort(key=lambda t: (t.start_ns, t.request))
         self.unattributed_readings = readings[readings["request"] < 0] if readings.size else readings

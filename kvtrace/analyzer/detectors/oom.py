@@ -16,6 +16,7 @@ from kvtrace.analyzer.base import Detector, Finding, ev, register
 from kvtrace.analyzer.detectors._common import device_cap
 from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.format import schema
+from kvtrace.labels import device_where
 from kvtrace.memory_errors import is_cpu_oom_text
 from kvtrace.units import format_bytes
 
@@ -26,6 +27,19 @@ _SCALE = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "T
           "KB": 1000, "MB": 1000**2, "GB": 1000**3}
 # A cap "binds" when it is below the device (or host) memory by more than rounding.
 CAP_BELOW_TOTAL = 0.99
+
+
+# torch's CUDA OOM message names the device that failed: "... GPU 1 has a total capacity of ..."
+_GPU = re.compile(r"\bGPU (\d+) has a total capacity")
+
+
+def failed_device(ctx: ReplayContext, text: str, recorded: int) -> int:
+    """The device an OOM happened on: the one torch's message names when the trace knows it (a
+    model spread over GPUs fails on any of them), else the event's device."""
+    m = _GPU.search(text or "")
+    if m is not None and int(m.group(1)) in ctx.gpu_devices:
+        return int(m.group(1))
+    return recorded
 
 
 def _bytes(m: re.Match | None) -> int | None:
@@ -69,8 +83,9 @@ class Oom(Detector):
         for e in oom_events:
             rid = int(e["request"])
             req = next((r for r in ctx.requests if r.request == rid), None)
-            out.append(self._one(ctx, req, int(e["t_ns"]), int(e["step"]),
-                                 ctx.trace.text(int(e["text_off"]), int(e["text_len"])), int(e["device"])))
+            text = ctx.trace.text(int(e["text_off"]), int(e["text_len"]))
+            out.append(self._one(ctx, req, int(e["t_ns"]), int(e["step"]), text,
+                                 failed_device(ctx, text, int(e["device"]))))
             handled.add(rid)
         for req in ctx.requests:  # an OOM outcome without its event (e.g. the event was lost)
             if req.outcome == schema.Outcome.OOM and req.request not in handled:
@@ -122,6 +137,8 @@ class Oom(Detector):
             cause += (f"; the failed allocation alone ({format_bytes(want)}) is larger than the "
                       f"{'device' if device >= 0 else 'host memory'} ({format_bytes(total)})")
         where = f"request {req.request}" if req is not None else "outside any request"
+        if len(ctx.gpu_devices) > 1:  # a model spread over GPUs: say which one ran out
+            where += f" on {device_where(device)}"
         at = f", step {step}" if step >= 0 else ""
         asked = f" asking for {format_bytes(want)}" if want is not None else ""
         held = (f"{format_bytes(alloc)} allocated, {format_bytes(reserved)} reserved, "
@@ -180,7 +197,8 @@ class Oom(Detector):
     def _state(ctx: ReplayContext, req: RequestTimeline | None, t: int, device: int) -> dict[str, int]:
         """Allocator state at the OOM: the AT_OOM reading, else the nearest earlier sample."""
         if req is not None:
-            r = req.reading(schema.ReadingLabel.AT_OOM)
+            r = req.reading_at(schema.ReadingLabel.AT_OOM, device)
+            r = r if r is not None else req.reading(schema.ReadingLabel.AT_OOM)
             if r is not None and int(r["allocated_bytes"]) >= 0:
                 return {"allocated": int(r["allocated_bytes"]), "reserved": int(r["reserved_bytes"]),
                         "split": int(r["inactive_split_bytes"])}

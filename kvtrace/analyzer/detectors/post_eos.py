@@ -20,6 +20,7 @@ from kvtrace.analyzer.detectors._common import layers_phrase
 from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.analyzer.stats import ramp
 from kvtrace.format import schema
+from kvtrace.labels import device_where
 from kvtrace.units import format_bytes
 
 R = schema.ReadingLabel
@@ -47,6 +48,24 @@ def _retained_by(req: RequestTimeline, field_name: str) -> int | None:
     if base is None or after is None or int(base[field_name]) < 0 or int(after[field_name]) < 0:
         return None
     return int(after[field_name]) - int(base[field_name])
+
+
+def _per_device_retained(req: RequestTimeline) -> dict[int, int] | None:
+    """{device: allocated after - baseline} when the request's readings cover two or more GPUs
+    (a model spread over devices); the recorder's own bytes come off their device. None otherwise."""
+    devices = [d for d in req.reading_devices if d >= 0]
+    if len(devices) < 2:
+        return None
+    out: dict[int, int] = {}
+    for d in devices:
+        base = req.reading_at(R.BASELINE, d)
+        after = next((req.reading_at(lbl, d) for lbl in _AFTER if req.reading_at(lbl, d) is not None), None)
+        if base is None or after is None or int(base["allocated_bytes"]) < 0 or int(after["allocated_bytes"]) < 0:
+            return None
+        own_row = req.reading_at(R.RECORDER_OWN, d)
+        own_bytes = max(int(own_row["allocated_bytes"]), 0) if own_row is not None else 0
+        out[d] = int(after["allocated_bytes"]) - int(base["allocated_bytes"]) - own_bytes
+    return out
 
 
 def retention_summary(ctx: ReplayContext, req: RequestTimeline) -> tuple[int, list[int], list[str]]:
@@ -115,6 +134,9 @@ class PostEos(Detector):
                     source = label
                     retained = a - b - (own_bytes if field_name == "allocated_bytes" else 0)
                     break
+        split = _per_device_retained(req)
+        if split is not None:  # a model over several GPUs: each device against its own baseline
+            source, retained = "allocator allocated bytes", sum(split.values())
         if source is None:
             if not ctx.has_retention_tracking():
                 return None
@@ -176,6 +198,11 @@ class PostEos(Detector):
             share = f"{ratio:.1f}x" if ratio >= 2 else f"{ratio:.0%} of"
             msg = (f"Request {req.request} kept {format_bytes(retained)} ({share} its "
                    f"{format_bytes(peak)} peak KV) {after_what}, by {source}; {attribution}{one_time}.")
+        device = int(base["device"]) if base is not None else None
+        if split is not None:
+            device = max(split, key=lambda d: (split[d], -d))  # the device that kept the most
+            msg = msg[:-1] + " (" + ", ".join(f"{device_where(d)} {format_bytes(max(b, 0))}"
+                                             for d, b in sorted(split.items())) + ")."
         evidence = {
             "retained_bytes": ev(retained, "bytes"),
             "peak_kv_bytes": ev(peak, "bytes"),
@@ -188,7 +215,7 @@ class PostEos(Detector):
         return self.finding(
             kind,
             score, msg, evidence=evidence, requests=[req.request], layers=kv_layers,
-            device=int(base["device"]) if base is not None else None,
+            device=device,
         ) if (score > 0 or kv_alive or retained > 0) else None
 
 

@@ -43,8 +43,12 @@ class RankFinding(Finding):
 
     ranks: list[int] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.ranks = sorted({int(r) for r in self.ranks})
+
     def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "ranks": sorted({int(r) for r in self.ranks})}
+        return {**super().to_dict(), "ranks": self.ranks}
 
 
 def _f(kind: str, score: float, message: str, ranks: list[int], **kw: Any) -> RankFinding:
