@@ -1,6 +1,7 @@
 """A tiny model directory that `transformers serve` (and so `kvtrace serve`) loads offline: random
 llama weights from kvtrace.testing_models plus a word-level tokenizer built here in code, with a
-chat template. One word of the vocabulary is one token, so a prompt of N words is N tokens."""
+chat template. Its vocabulary holds the load test's prompt words (kvtrace.serving.phases.WORDS), one
+token each, so a prompt of N words is N tokens and two prompts differ from their first token."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvtrace.serving.phases import WORDS
 from kvtrace.testing_models import TINY_VOCAB, tiny_model
 
 SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2: the tiny models' pad / bos / eos
@@ -19,24 +21,25 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% e
 
 
 def tiny_tokenizer():
-    """A PreTrainedTokenizerFast over TINY_VOCAB words ("w3" ... "w255", plus the role names),
-    whitespace pre-tokenised; unknown words map to "w3"."""
+    """A PreTrainedTokenizerFast over TINY_VOCAB words (specials, role names, the load test's words,
+    then "wN" fillers), whitespace pre-tokenised; unknown words map to "<unk>"."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = SPECIALS + ["user", "assistant", "system"]
+    words = [*SPECIALS, "<unk>", "user", "assistant", "system", *WORDS]
     words += [f"w{i}" for i in range(len(words), TINY_VOCAB)]
+    assert len(words) == TINY_VOCAB == len(set(words))
     vocab = {w: i for i, w in enumerate(words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w6"))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="w6")
+                                   unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
 def save_tiny_server_model(path: Path) -> Path:
-    """Save tiny llama (2 layers, GQA 4/2 heads, 256 positions) and its tokenizer to ``path``."""
+    """Save tiny llama (2 layers, GQA 4/2 heads, 1,024 positions) and its tokenizer to ``path``."""
     model = tiny_model("llama", max_position_embeddings=1024)
     model.generation_config.eos_token_id = 2
     model.save_pretrained(path)

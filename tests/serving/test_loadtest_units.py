@@ -1,0 +1,211 @@
+"""kvtrace loadtest / serve without a server: URL and option errors, an unreachable server, the
+phase plan, the pool-capacity rule, per-phase verdicts on planted numbers, and the trace's phase
+windows (PHASE events and the NOTE fallback, NVML and allocator readings per window)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("httpx", reason="the serving packages (kvtrace[serve]) are not installed")
+
+from cli_run import run_main  # noqa: E402
+from serve_helpers import free_port  # noqa: E402
+
+from kvtrace import exitcodes  # noqa: E402
+from kvtrace.format import schema  # noqa: E402
+from kvtrace.format.schema import EventKind  # noqa: E402
+from kvtrace.serving.client import RequestResult, percentile  # noqa: E402
+from kvtrace.serving.drive import PhaseRun  # noqa: E402
+from kvtrace.serving.phases import Phase, build_phases, prompt  # noqa: E402
+from kvtrace.serving.tracefacts import Group, PhaseFacts, capacity, phase_facts  # noqa: E402
+from kvtrace.serving.verdict import judge  # noqa: E402
+
+GiB = 1024**3
+
+
+def test_bad_url_is_a_usage_error(capsys):
+    code, _, err = run_main(["loadtest", "ftp://example.org"], capsys)
+    assert code == exitcodes.USAGE and "not an http(s) URL" in err and err.count("\n") == 1
+
+
+def test_unknown_phase_is_a_usage_error(capsys):
+    code, _, err = run_main(["loadtest", "http://127.0.0.1:1", "--phases", "single,warmup"], capsys)
+    assert code == exitcodes.USAGE and "unknown phase(s) warmup" in err
+
+
+def test_server_down_is_one_line_and_exit_69(capsys):
+    port = free_port()  # nothing listens there
+    code, out, err = run_main(["loadtest", f"http://127.0.0.1:{port}", "--phases", "single"], capsys)
+    assert code == exitcodes.UNAVAILABLE
+    assert err.startswith(f"kvtrace: cannot load-test http://127.0.0.1:{port}: ") and err.count("\n") == 1
+    assert out == ""
+
+
+def test_serve_refuses_presets_and_non_model_directories(tmp_path, capsys):
+    code, _, err = run_main(["serve", "preset:llama-3.1-8b", "-o", str(tmp_path / "t.kvt.h5")], capsys)
+    assert code == exitcodes.USAGE and "presets cannot be served" in err
+    code, _, err = run_main(["serve", str(tmp_path), "-o", str(tmp_path / "t.kvt.h5")], capsys)
+    assert code == exitcodes.USAGE and "no config.json" in err
+    code, _, err = run_main(["serve", str(tmp_path / "absent"), "-o", str(tmp_path / "t.kvt.h5")], capsys)
+    assert code == exitcodes.USAGE and "no such model directory" in err
+    assert not (tmp_path / "t.kvt.h5").exists()
+
+
+def test_phase_plan_keeps_protocol_order_and_prompts_differ_from_the_first_word():
+    plan = build_phases(["long", "baseline", "concurrent"], concurrency=4, tokens=32, long_tokens=128, baseline_s=2)
+    assert [p.name for p in plan] == ["baseline", "concurrent", "long"]
+    assert plan[1] == Phase("concurrent", 4, 4, 32) and plan[2].prompt_tokens == 128 and plan[0].idle_s == 2
+    firsts = [prompt(5, seed).split()[0] for seed in range(64)]
+    assert len(set(firsts)) == 64  # no shared prefix: prefix caching cannot fold concurrent requests
+    assert len(prompt(2048, 3).split()) == 2048
+
+
+def test_percentile_matches_numpy():
+    xs = [0.3, 0.1, 0.7, 0.2, 0.9]
+    for q in (0, 50, 95, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert percentile([], 50) == -1
+
+
+def test_capacity_counts_whole_blocks_and_the_sliding_window():
+    full = Group("full", 64, 16, 4096)
+    assert capacity(1024 * 1024, [full], 36) == 1024 * 1024 // (3 * 4096)  # 36 tokens -> 3 blocks of 16
+    sliding = Group("sliding", 64, 16, 4096, window=8)
+    assert sliding.bytes_for(1000) == 4096  # a window of 8 fits one block whatever the context
+    assert capacity(1024 * 1024, [full, sliding], 36) == 1024 * 1024 // (4 * 4096)
+    assert capacity(1024 * 1024, [Group("full", -1, -1, -1)], 36) is None
+
+
+def _run(name: str, *, samples=(), results=(), health=200, prompt_tokens=32) -> PhaseRun:
+    run = PhaseRun(Phase(name, len(results), max(len(results), 1), prompt_tokens), 0.0, 1.0)
+    run.samples = [{"t_ns": i, "pool": p, "free": f, "running": r, "waiting": w} for i, (p, f, r, w) in enumerate(samples)]
+    run.groups = [Group("full", 100, 16, 1000)]  # 100 blocks of 1000 B: pool 100,000 B
+    run.results = list(results)
+    run.health = health
+    return run
+
+
+def _req(prompt_tokens: int, out: int = 4, status: str = "ok") -> RequestResult:
+    return RequestResult("p", 0, status, prompt_tokens, prompt_tokens, out, 0.0, 0.1, 0.01, 0.01, 0.02, 0.2)
+
+
+def _checks(verdict):
+    return {c.name: c for c in verdict.checks}
+
+
+def test_verdicts_on_planted_numbers():
+    pool = 100_000
+    runs = [
+        _run("single", samples=[(pool, pool - 50_000, 1, 0)], results=[_req(32)]),  # 50 %: ok
+        _run("concurrent", samples=[(pool, pool - 85_000, 9, 0)], results=[_req(32)] * 3),  # 85 %: warning
+        _run("long", samples=[(pool, pool - 95_000, 1, 3)], results=[_req(128, status="http 503")], health=503),
+    ]
+    single, concurrent, long = judge(runs, None, max_tokens=4)
+    assert single.level == "ok" and _checks(single)["kv_pool_use"].level == "ok"
+    c = _checks(concurrent)
+    assert c["kv_pool_use"].level == "warning" and "85.0%" in c["kv_pool_use"].value
+    assert c["kv_pool_use"].source.startswith("live GET /kvtrace/status")
+    # 36 tokens -> 3 blocks of 1000 B per request: 33 fit in 100,000 B; 9 in flight is 27 %: ok
+    assert c["concurrency"].level == "ok" and "9 in flight of 33" in c["concurrency"].value
+    assert c["device_memory_use"].level == "not measured" and "--trace" in c["device_memory_use"].source
+    ch = _checks(long)
+    assert ch["kv_pool_use"].level == "critical"
+    assert ch["requests"].level == "critical" and "http 503" in ch["requests"].source
+    assert ch["health"].level == "critical" and long.level == "critical"
+    assert ch["context_spike"].level == "not measured"  # its one request failed: no context to compare
+
+
+def test_concurrency_and_context_spike_thresholds():
+    pool = 100_000
+    busy = _run("concurrent", samples=[(pool, 0, 25, 2)], results=[_req(32)] * 2)  # 27 in flight of 33: 82 %
+    long = _run("long", samples=[(pool, pool, 1, 0)], results=[_req(100)])
+    v_busy, v_long = judge([busy, long], None, max_tokens=4)
+    assert _checks(v_busy)["concurrency"].level == "warning"
+    # contexts 36, 36, 104: mean 58.7, max 104 = 1.77x: below the 2x rule
+    assert _checks(v_long)["context_spike"].level == "ok"
+    spike = _run("long", results=[_req(200)])
+    assert _checks(judge([busy, spike], None, max_tokens=4)[1])["context_spike"].level == "warning"  # 204 vs 92
+
+
+def test_trace_numbers_win_and_missing_markers_say_so():
+    run = _run("single", samples=[(100_000, 100_000, 1, 0)], results=[_req(32)])
+    facts = PhaseFacts("single", 0, 10, occupancy_source="trace /sched", pool_bytes=100_000, pool_use_peak=0.92,
+                       in_flight_peak=1, running_peak=1, waiting_peak=0, groups=run.groups,
+                       device_use_peak=0.5, fragmentation_peak=3 * GiB)
+    c = _checks(judge([run], [facts], max_tokens=4)[0])
+    assert c["kv_pool_use"].level == "critical" and c["kv_pool_use"].source.startswith("trace /sched")
+    assert c["device_memory_use"].level == "ok" and c["fragmentation"].level == "warning"
+    other = _checks(judge([run], [], max_tokens=4)[0])  # a trace without this phase's marker
+    assert "no marker for this phase" in other["fragmentation"].source
+
+
+class FakeTrace:
+    """The reader calls phase_facts makes, over rows of the real dtypes."""
+
+    def __init__(self, events: list[tuple[int, int, str]], nvml=(), alloc=()):
+        self.texts: list[str] = []
+        ev = np.zeros(len(events), schema.EVENTS)
+        for i, (kind, t, text) in enumerate(events):
+            ev[i]["kind"], ev[i]["t_ns"] = kind, t
+            ev[i]["text_off"], ev[i]["text_len"] = len(self.texts), 1
+            self.texts.append(text)
+        self.ev = ev
+        self.nv = np.zeros(len(nvml), schema.NVML)
+        for i, (t, used, total) in enumerate(nvml):
+            self.nv[i]["t_ns"], self.nv[i]["used_bytes"], self.nv[i]["total_bytes"] = t, used, total
+        self.al = np.zeros(len(alloc), schema.ALLOCATOR)
+        for i, (t, allocated, reserved) in enumerate(alloc):
+            self.al[i]["t_ns"], self.al[i]["allocated_bytes"], self.al[i]["reserved_bytes"] = t, allocated, reserved
+
+    def events(self, kind=None):
+        return self.ev if kind is None else self.ev[self.ev["kind"] == int(kind)]
+
+    def text(self, off, length):
+        return self.texts[off]
+
+    def has(self, name):
+        return False
+
+    def nrows(self, table):
+        return {"telemetry/nvml": len(self.nv), "telemetry/allocator": len(self.al)}[table]
+
+    def nvml(self):
+        return self.nv
+
+    def allocator(self):
+        return self.al
+
+
+def _occ(pool: int, free: int, running: int, waiting: int) -> str:
+    return "paged cache occupancy " + json.dumps({
+        "pool_bytes": pool, "free_bytes": free, "running": running, "waiting": waiting,
+        "allocators": {"full_attention": {"blocks_total": 10, "tokens_per_block": 16, "bytes_per_block": 100}}})
+
+
+def test_phase_windows_from_note_markers_and_occupancy_notes():
+    note = int(EventKind.NOTE)
+    t = FakeTrace([(note, 100, "phase: single"), (note, 150, _occ(1000, 400, 1, 0)),
+                   (note, 200, "phase: concurrent"), (note, 250, _occ(1000, 100, 3, 2)),
+                   (note, 260, _occ(1000, 700, 1, 0)), (note, 300, "phase: end")],
+                  nvml=[(120, 10, 100), (210, 85, 100), (400, 99, 100)],  # the last one is after "end"
+                  alloc=[(120, 1, 2), (230, 1, 3 * GiB)])
+    single, concurrent = phase_facts(t)
+    assert (single.name, single.t_start, single.t_end) == ("single", 100, 200)
+    assert single.pool_use_peak == pytest.approx(0.6) and single.in_flight_peak == 1
+    assert single.device_use_peak == pytest.approx(0.10) and single.fragmentation_peak == 1
+    assert concurrent.pool_use_peak == pytest.approx(0.9) and concurrent.in_flight_peak == 5
+    assert concurrent.waiting_peak == 2 and concurrent.occupancy_source == "trace occupancy NOTE events"
+    assert concurrent.device_use_peak == pytest.approx(0.85)
+    assert concurrent.fragmentation_peak == 3 * GiB - 1
+    assert concurrent.groups == [Group("full", 10, 16, 100)]
+
+
+def test_phase_without_occupancy_or_telemetry_says_why():
+    t = FakeTrace([(int(EventKind.NOTE), 100, "phase: baseline")])
+    (baseline,) = phase_facts(t)
+    assert baseline.pool_use_peak is None and "no paged-cache occupancy" in baseline.absent["paged_cache"]
+    assert "no NVML readings" in baseline.absent["device_memory"]
+    assert "no allocator readings" in baseline.absent["fragmentation"]

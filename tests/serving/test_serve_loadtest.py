@@ -1,0 +1,143 @@
+"""kvtrace serve + kvtrace loadtest with a real server on 127.0.0.1 (issue 16): a tiny llama saved
+with a word-level tokenizer, served on CPU in a subprocess, load-tested with tiny phases, stopped
+with SIGTERM; then the trace (requests, phase markers, validity) and the latency table are checked.
+Also against plain `transformers serve` (no kvtrace routes: latency table only)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serving packages (kvtrace[serve]) are not installed")
+pytest.importorskip("uvicorn", reason="the serving packages (kvtrace[serve]) are not installed")
+pytest.importorskip("httpx", reason="the serving packages (kvtrace[serve]) are not installed")
+
+from serve_helpers import free_port, kvtrace_cmd, save_tiny_server_model, server_env, wait_healthy  # noqa: E402
+
+from kvtrace.format.reader import Trace  # noqa: E402
+from kvtrace.format.schema import EventKind, Outcome  # noqa: E402
+
+PHASES = ["--concurrency", "3", "--tokens", "32", "--long-tokens", "128", "--max-tokens", "4", "--baseline-s", "0.3",
+          "--timeout", "60"]
+N_REQUESTS = 1 + 3 + 1  # single, concurrent, long
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_server_model(tmp_path_factory.mktemp("tiny-served"))
+
+
+def _start(cmd: list[str], port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_env())
+    wait_healthy(f"http://127.0.0.1:{port}", proc)
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> tuple[int, str]:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"server did not stop on SIGTERM within 60 s:\n{out}") from None
+    return proc.returncode, out
+
+
+def _loadtest(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(kvtrace_cmd("loadtest", *args), capture_output=True, text=True, env=server_env(),
+                          timeout=180)
+
+
+def _phase_names(t: Trace) -> list[str]:
+    from kvtrace.serving.tracefacts import phase_markers
+
+    return [name for name, _ in phase_markers(t)]
+
+
+@pytest.mark.slow
+def test_kvtrace_serve_continuous_batching_loadtest_then_sigterm(model_dir, tmp_path):
+    port = free_port()
+    trace = tmp_path / "served.kvt.h5"
+    proc = _start(kvtrace_cmd("serve", str(model_dir), "-o", str(trace), "--port", str(port), "--no-nvml",
+                              "--continuous-batching", "--device", "cpu", "--cb-num-blocks", "64",
+                              "--cb-block-size", "16"), port)
+    try:
+        run = _loadtest(f"http://127.0.0.1:{port}", *PHASES, "--trace", str(trace),
+                        "--json-out", str(tmp_path / "run.json"))
+    finally:
+        rc, out = _stop(proc)
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert rc == 0, out
+    assert "stopped by SIGTERM" in out and f"{N_REQUESTS} request(s)" in out
+
+    # the trace: complete, valid, every request OK, one marker per phase plus "end"
+    v = subprocess.run(kvtrace_cmd("validate", str(trace)), capture_output=True, text=True, env=server_env())
+    assert v.returncode == 0, v.stdout + v.stderr
+    with Trace(trace) as t:
+        assert t.complete
+        reqs = t.requests()
+        assert len(reqs) == N_REQUESTS
+        assert set(reqs["outcome"].tolist()) == {int(Outcome.OK)}
+        assert sorted(reqs["prompt_tokens"].tolist()) == [32, 32, 32, 32, 128]
+        assert reqs["new_tokens"].tolist() == [4] * N_REQUESTS
+        assert _phase_names(t) == ["baseline", "single", "concurrent", "long", "end"]
+        assert len(t.events(EventKind.REQUEST_END)) == N_REQUESTS
+
+    # the latency table beside the trace: one row per request, streamed tokens timed
+    rows = list(csv.DictReader(open(tmp_path / "served.latency.csv", encoding="utf-8")))
+    assert [r["phase"] for r in rows] == ["single", "concurrent", "concurrent", "concurrent", "long"]
+    assert {r["status"] for r in rows} == {"ok"}
+    assert [int(r["prompt_tokens"]) for r in rows] == [32, 32, 32, 32, 128]  # the server's usage counts
+    assert all(int(r["output_tokens"]) == 4 for r in rows)
+    assert all(0 <= float(r["ttft_s"]) <= float(r["e2e_s"]) for r in rows)
+
+    # verdicts: the paged pool's numbers come from the trace; device memory is not measured on CPU
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert [p["phase"]["name"] for p in doc["phases"]] == ["baseline", "single", "concurrent", "long"]
+    assert doc["markers"] and doc["live_status"]
+    checks = {p["phase"]["name"]: {c["name"]: c for c in p["checks"]} for p in doc["phases"]}
+    for name in ("single", "concurrent", "long"):
+        pool = checks[name]["kv_pool_use"]
+        assert pool["level"] == "ok" and pool["source"].startswith("trace "), pool
+        assert checks[name]["concurrency"]["level"] == "ok", checks[name]["concurrency"]
+        assert checks[name]["device_memory_use"]["level"] == "not measured"
+        assert checks[name]["requests"]["value"] == ("3/3 ok" if name == "concurrent" else "1/1 ok")
+    # the long request (128 + 4 tokens) is >= 2x the run's average context (36, 36, 36, 36, 132): a spike
+    assert checks["long"]["context_spike"]["level"] == "warning"
+    assert checks["single"]["context_spike"]["level"] == "ok"
+    assert checks["baseline"]["context_spike"]["level"] == "not measured"
+
+
+@pytest.mark.slow
+def test_loadtest_against_plain_transformers_serve(model_dir, tmp_path):
+    """No /kvtrace routes: the phase markers are refused (404), the latency table is still written, and
+    every threshold that needs the server's numbers says "not measured"."""
+    port = free_port()
+    proc = _start([sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_dir), "--port",
+                   str(port), "--host", "127.0.0.1", "--device", "cpu"], port)
+    table = tmp_path / "plain.csv"
+    try:
+        run = _loadtest(f"http://127.0.0.1:{port}/v1", "--phases", "single,concurrent", *PHASES, "-o", str(table),
+                        "--api", "chat", "--json")
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert run.returncode == 0, run.stderr + run.stdout
+    doc = json.loads(run.stdout)
+    assert not doc["markers"] and not doc["live_status"]
+    assert doc["phases"][0]["marker"] == "unsupported (404)"
+    rows = list(csv.DictReader(open(table, encoding="utf-8")))
+    assert len(rows) == 4 and {r["status"] for r in rows} == {"ok"}
+    assert all(int(r["output_tokens"]) >= 1 for r in rows)
+    for phase in doc["phases"]:
+        checks = {c["name"]: c for c in phase["checks"]}
+        assert checks["kv_pool_use"]["level"] == "not measured"
+        assert "not kvtrace serve" in checks["kv_pool_use"]["source"]
+        assert checks["requests"]["level"] == "ok"
+        assert checks["health"]["level"] == "ok"
