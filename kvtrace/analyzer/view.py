@@ -11,6 +11,7 @@ numpy and kvtrace.format only: no torch.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from functools import cached_property
 from typing import Any
@@ -132,3 +133,93 @@ class TraceView:
             rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return rows if step is None else rows[rows["step"] == step]
 
+
+    # ---- continuous batching (format 1.4; empty arrays for older traces) ------------------------
+
+    @cached_property
+    def sched(self) -> np.ndarray:
+        """/sched: one row per scheduler step (schema.SCHED)."""
+        return self.trace.sched()
+
+    @cached_property
+    def sched_groups(self) -> np.ndarray:
+        """/sched_groups: per step and cache group (schema.SCHED_GROUPS)."""
+        return self.trace.sched_groups()
+
+    @cached_property
+    def _blocks(self) -> np.ndarray:
+        return self.trace.blocks()
+
+    def blocks(self, request: int | None = None, step: int | None = None, manager: int | None = None) -> np.ndarray:
+        """/blocks rows (schema.BLOCKS), optionally of one request, step and manager."""
+        rows = self._blocks
+        mask = np.ones(rows.shape[0], dtype=bool)
+        for column, value in (("request", request), ("step", step), ("manager", manager)):
+            if value is not None:
+                mask &= rows[column] == value
+        return rows if mask.all() else rows[mask]
+
+    @cached_property
+    def serving_events(self) -> np.ndarray:
+        """The /events rows of continuous batching: request start/end, EOS and the 1.4 kinds."""
+        events = self.trace.events()
+        return events[np.isin(events["kind"], SERVING_EVENT_KINDS)]
+
+    @cached_property
+    def phases(self) -> np.ndarray:
+        """Load-test phase markers (PHASE events) in time order: index, name, t_ns (PHASES dtype)."""
+        rows = self.serving_events
+        rows = rows[rows["kind"] == int(schema.EventKind.PHASE)]
+        out = np.zeros(rows.shape[0], dtype=PHASES)
+        for i, e in enumerate(np.sort(rows, order="t_ns")):
+            out[i] = (int(e["value"]), self.text(int(e["text_off"]), int(e["text_len"])), int(e["t_ns"]))
+        return out
+
+    @cached_property
+    def cb_requests(self) -> np.ndarray:
+        """One row per continuous-batching request (CB_REQUESTS dtype): arrival (queued), first admission,
+        first token, end, outcome and what happened in between, joined from /requests and /events.
+        Times are monotonic ns; 0 where it did not happen (never admitted, no token)."""
+        reqs = self.requests
+        ev = self.serving_events
+        out = []
+        for r in reqs:
+            args = _json_object(self.text(int(r["gen_args_off"]), int(r["gen_args_len"])))
+            if "cb_request_id" not in args:
+                continue
+            mine = ev[ev["request"] == int(r["request"])]
+
+            def first(kind: schema.EventKind, rows: np.ndarray = mine) -> int:
+                t = rows["t_ns"][rows["kind"] == int(kind)]
+                return int(t.min()) if t.size else 0
+
+            def total(kind: schema.EventKind, rows: np.ndarray = mine) -> int:
+                return int(rows["value"][rows["kind"] == int(kind)].sum())
+
+            out.append((int(r["request"]), int(args.get("manager", 0)), int(r["outcome"]), int(r["prompt_tokens"]),
+                        int(r["new_tokens"]), int(r["start_ns"]), first(schema.EventKind.SCHEDULED),
+                        first(schema.EventKind.FIRST_TOKEN), int(r["end_ns"]),
+                        int(np.sum(mine["kind"] == int(schema.EventKind.PREEMPTED))),
+                        total(schema.EventKind.PREEMPTED), total(schema.EventKind.PREFIX_HIT)))
+        return np.array(out, dtype=CB_REQUESTS)
+
+
+SERVING_EVENT_KINDS = [int(k) for k in (
+    schema.EventKind.REQUEST_START, schema.EventKind.REQUEST_END, schema.EventKind.EOS,
+    schema.EventKind.SCHEDULED, schema.EventKind.FIRST_TOKEN, schema.EventKind.PREEMPTED,
+    schema.EventKind.PREFIX_HIT, schema.EventKind.BLOCK_EVICTED, schema.EventKind.OFFLOADED,
+    schema.EventKind.PHASE)]
+PHASES = np.dtype([("index", "<i8"), ("name", "U128"), ("t_ns", "<u8")])
+CB_REQUESTS = np.dtype([
+    ("request", "<u4"), ("manager", "<u2"), ("outcome", "u1"), ("prompt_tokens", "<u4"), ("new_tokens", "<u4"),
+    ("arrival_ns", "<u8"), ("admitted_ns", "<u8"), ("first_token_ns", "<u8"), ("end_ns", "<u8"),
+    ("preemptions", "<u4"), ("preempted_tokens", "<u8"), ("prefix_hit_tokens", "<u8"),
+])
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

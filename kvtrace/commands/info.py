@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import textwrap
+from typing import Any
 
 import click
 
@@ -78,6 +79,7 @@ def _print(s: dict) -> None:
     echo(f"rows       kv {rows['kv']}, steps {rows['steps']}, events {rows['events']}, "
                f"nvml {rows['telemetry/nvml']}, allocator {rows['telemetry/allocator']}, "
                f"process {rows['telemetry/process']}")
+    _print_serving(s.get("serving"), echo)
     kind = "incremental: new tokens per sample" if s["payloads"]["tokens"] == "new" else "whole samples"
     echo(f"payloads   {s['payloads']['count']} sampled tensors ({kind}), "
                f"{format_bytes(s['payloads']['stored_bytes'])} stored (compressed)")
@@ -86,3 +88,19 @@ def _print(s: dict) -> None:
     for line in s.get("privacy_mismatches", ()):  # decided from the contents; the flag is wrong
         click.echo(f"warning: {line} (the trace is invalid: see 'kvtrace validate')", err=True)
     echo("(sizes in binary units: KiB = 1024 B)")
+
+
+def _print_serving(sv: dict | None, echo: Any) -> None:
+    """Continuous batching (format 1.4 /sched): two lines, or none for a trace without it."""
+    if not sv:
+        return
+    if sv["steps"]:
+        usage = (f", peak use {sv['peak_block_usage']:.1%} of blocks" if sv["peak_block_usage"] is not None else "")
+        if sv["peak_token_usage"] is not None:
+            usage += f" ({sv['peak_token_usage']:.1%} of tokens)"
+        pool = format_bytes(sv["pool_bytes"]) if sv["pool_bytes"] >= 0 else "unknown"
+        echo(f"serving    {sv['steps']} scheduler steps ({sv['managers']} manager(s)), pool {pool}{usage}, "
+             f"peak {sv['peak_running']} running / {sv['peak_waiting']} waiting; {sv['preemptions']} preemptions, "
+             f"prefix hits {sv['prefix_hit_tokens']} tokens, {sv['evicted_blocks']} cached blocks evicted")
+    if sv["phases"]:
+        echo(f"phases     {', '.join(sv['phases'])}")

@@ -395,6 +395,24 @@ class Trace:
     def process(self) -> np.ndarray:
         return self.table("telemetry/process")
 
+    def optional_table(self, name: str) -> np.ndarray:
+        """An optional table (e.g. the 1.4 continuous-batching tables), empty with this reader's dtype
+        when the trace predates it."""
+        return self.table(name) if self.has(name) else np.zeros(0, schema.TABLES[name][0])
+
+    def sched(self) -> np.ndarray:
+        """/sched: one row per continuous-batching scheduler step (1.4; empty for older traces)."""
+        return self.optional_table("sched")
+
+    def sched_groups(self) -> np.ndarray:
+        """/sched_groups: per step and cache group (1.4; empty for older traces)."""
+        return self.optional_table("sched_groups")
+
+    def blocks(self, request: int | None = None) -> np.ndarray:
+        """/blocks: per step, running request and cache group (1.4; empty for older traces)."""
+        rows = self.optional_table("blocks")
+        return rows if request is None else rows[rows["request"] == request]
+
     def text(self, offset: int, length: int) -> str:
         """A string from the text heap ('' for length 0)."""
         if length == 0:

@@ -138,6 +138,14 @@ class EventKind(enum.IntEnum):
     EXCEPTION = 13
     INTERRUPT = 14
     NOTE = 15
+    # continuous batching (1.4): the request's step is its manager's scheduler step (/sched)
+    SCHEDULED = 16  # admitted by the scheduler (again after a preemption); value: admissions so far
+    FIRST_TOKEN = 17  # the batch update that produced its first token returned; t_ns - start_ns = TTFT
+    PREEMPTED = 18  # its KV left the GPU to make room (soft reset or CPU offload); value: tokens it held
+    PREFIX_HIT = 19  # prompt tokens served from cached blocks at admission; value: tokens
+    BLOCK_EVICTED = 20  # cached (unreferenced, reusable) blocks returned to the pool; value: blocks
+    OFFLOADED = 21  # a preempted request's blocks copied to the CPU swap pool; value: bytes
+    PHASE = 22  # a load-test phase begins (kvtrace loadtest, Recorder.mark_phase); value: index, text: name
 
 
 class ReadingLabel(enum.IntEnum):
@@ -277,7 +285,8 @@ _COMMON_DOCS = {
 
 def _row_name(table: str) -> str:
     base = {"telemetry/nvml": "Nvml", "telemetry/allocator": "Allocator", "telemetry/process": "Process",
-            "payloads/index": "PayloadIndex", "kv": "Kv", "status": "Status"}.get(table, table.capitalize().rstrip("s"))
+            "payloads/index": "PayloadIndex", "kv": "Kv", "status": "Status",
+            "sched_groups": "SchedGroup"}.get(table, table.capitalize().rstrip("s"))
     return f"{base}Row"
 
 
@@ -370,7 +379,7 @@ EVENTS_TABLE = Table(
         Column('step', '<i4', na=-1, units='step', doc='-1 if not tied to a step'),
         Column('layer', '<i4', na=-1, units='index', doc='-1 if not tied to a layer'),
         Column('device', '<i2', na=-1, units='ordinal', doc='-1 CPU / not tied'),
-        Column('value', '<i8', units='kind-specific', doc="decode_step: the step; dropped_samples: count dropped; recorder_error: 1 at the first occurrence of each distinct error in a request, then one more event at request end with the request's total when above 1; note: kind-specific count (e.g. retention rows written); gc: objects collected; oom: bytes requested if known, else -1"),
+        Column('value', '<i8', units='kind-specific', doc="decode_step: the step; dropped_samples: count dropped; recorder_error: 1 at the first occurrence of each distinct error in a request, then one more event at request end with the request's total when above 1; note: kind-specific count (e.g. retention rows written); gc: objects collected; oom: bytes requested if known, else -1; scheduled: admissions so far; preempted: tokens whose KV it held; prefix_hit: tokens matched; block_evicted: blocks; offloaded: bytes; phase: phase index"),
         Column('text_off', '<u8', text='text_len', units='text ref', doc='optional detail (e.g. an exception summary)'),
         Column('text_len', '<u4', units='bytes', doc=''),
     ),
@@ -490,6 +499,68 @@ STOP_TABLE = Table(
     ),
 )
 
+SCHED_TABLE = Table(
+    'sched',
+    'one row per continuous-batching scheduler step (1.4)',
+    (
+        Column('t_ns', '<u8', units='ns', doc="the step's batch was scheduled (its forward follows)"),
+        Column('manager', '<u2', units='index', doc='continuous-batching manager of the session, 0, 1, … in order of creation'),
+        Column('step', '<u4', units='step', doc="that manager's scheduler step, 0, 1, 2…"),
+        Column('batch_requests', '<u4', units='requests', doc="requests in this step's batch"),
+        Column('prefill_tokens', '<u4', units='tokens', doc='query tokens at prompt positions (recomputed ones after a soft reset included)'),
+        Column('decode_tokens', '<u4', units='tokens', doc='query tokens at generated positions'),
+        Column('running', '<u4', units='requests', doc='requests admitted and not finished (they hold cache)'),
+        Column('waiting', '<u4', units='requests', doc='requests queued, not admitted (preempted ones included)'),
+        Column('starved', '<i4', na=-1, units='requests', doc='running requests the scheduler could not give the blocks they needed; -1 if unknown'),
+        Column('max_batch_tokens', '<i8', na=-1, units='tokens', doc="the scheduler's token budget per step; -1 if unknown"),
+        Column('pool_bytes', '<i8', na=-1, units='bytes', doc='the paged KV pool allocated up front (its padding/trash sectors excluded); -1 if unknown'),
+        Column('free_bytes', '<i8', na=-1, units='bytes', doc='free capacity as the cache itself reports it; -1 if unknown'),
+        Column('valid_bytes', '<i8', na=-1, units='bytes', doc="KV bytes holding valid tokens: Σ over groups of `tokens_valid` × the group's bytes per token; -1 if unknown"),
+        Column('blocks_in_use', '<i8', na=-1, units='blocks', doc="distinct blocks in the running requests' block tables, all groups; -1 if unknown"),
+        Column('blocks_cached', '<i8', na=-1, units='blocks', doc='unreferenced blocks kept for prefix reuse (evictable), all groups; -1 if unknown'),
+        Column('tokens_cached', '<i8', na=-1, units='tokens', doc="Σ sequence positions of the running requests once this step's forward has run; -1 if unknown"),
+        Column('prefix_hit_tokens', '<i8', units='tokens', doc="prompt tokens served from cached blocks by this step's admissions"),
+        Column('prefix_hit_blocks', '<i8', units='blocks', doc='blocks those hits shared, all groups'),
+        Column('evicted_blocks', '<i8', units='blocks', doc='cached blocks evicted while scheduling this step'),
+        Column('preempted', '<u4', units='requests', doc='requests preempted (soft reset or offloaded) while scheduling this step'),
+    ),
+    required=False,
+)
+SCHED_GROUPS_TABLE = Table(
+    'sched_groups',
+    'one row per (scheduler step, cache group): one attention type\'s share of the paged cache (1.4)',
+    (
+        Column('manager', '<u2', units='index', doc='as in /sched'),
+        Column('step', '<u4', units='step', doc='as in /sched'),
+        Column('group', 'u1', units='index', doc='cache group: one per attention type (transformers 5.23: allocator index; 5.17: group index)'),
+        Column('layer_type', 'u1', enum=LayerType, doc='attention type of its layers (full, sliding)'),
+        Column('layers', '<u2', units='layers', doc='decoder layers whose KV the group holds'),
+        Column('window', '<i8', na=-1, units='tokens', doc='sliding window; -1 if none'),
+        Column('tokens_per_block', '<i8', units='tokens', doc='sequence positions one block holds for one request (the page size)'),
+        Column('bytes_per_block', '<i8', units='bytes', doc="one block: those positions' K and V in every layer of the group"),
+        Column('blocks_total', '<i8', na=-1, units='blocks', doc='blocks of this size the pool holds; -1 if unknown'),
+        Column('blocks_in_use', '<i8', units='blocks', doc="distinct blocks in the running requests' block tables"),
+        Column('blocks_cached', '<i8', na=-1, units='blocks', doc='unreferenced blocks kept for prefix reuse; -1 if the version has none'),
+        Column('blocks_free', '<i8', na=-1, units='blocks', doc='free blocks the group holds (5.23: in its sectors; 5.17: its free list); -1 if unknown'),
+        Column('tokens_valid', '<i8', units='tokens', doc='Σ over running requests of `/blocks.tokens_valid`'),
+    ),
+    required=False,
+)
+BLOCKS_TABLE = Table(
+    'blocks',
+    "one row per (scheduler step, running request, cache group): the request's blocks (1.4)",
+    (
+        Column('manager', '<u2', units='index', doc='as in /sched'),
+        Column('step', '<u4', units='step', doc='as in /sched'),
+        Column('request', '<u4', units='id', doc='request id (/requests)'),
+        Column('group', 'u1', units='index', doc='as in /sched_groups'),
+        Column('blocks', '<u4', units='blocks', doc='blocks in its block table'),
+        Column('blocks_shared', '<u4', units='blocks', doc='of those, blocks another running request also references (prefix sharing, forks)'),
+        Column('tokens_valid', '<u8', units='tokens', doc='positions whose KV the group holds for it once the forward has run (sliding: at most the window)'),
+    ),
+    required=False,
+)
+
 # ---- derived: numpy dtypes and row types (the names the rest of kvtrace uses) ---------------
 
 REQUESTS = REQUESTS_TABLE.dtype
@@ -507,6 +578,10 @@ DEVICES = DEVICES_TABLE.dtype
 STATUS = STATUS_TABLE.dtype
 # /stop (1.2): why the writer stopped before closing, stamped in place after a storage failure.
 STOP = STOP_TABLE.dtype
+# continuous batching (1.4): optional tables, absent from older traces
+SCHED = SCHED_TABLE.dtype
+SCHED_GROUPS = SCHED_GROUPS_TABLE.dtype
+BLOCKS = BLOCKS_TABLE.dtype
 
 RequestRow = REQUESTS_TABLE.row
 LayerRow = LAYERS_TABLE.row
@@ -522,6 +597,9 @@ PayloadIndexRow = PAYLOAD_INDEX_TABLE.row
 DeviceRow = DEVICES_TABLE.row
 StatusRow = STATUS_TABLE.row
 StopRow = STOP_TABLE.row
+SchedRow = SCHED_TABLE.row
+SchedGroupRow = SCHED_GROUPS_TABLE.row
+BlockRow = BLOCKS_TABLE.row
 
 # A payload's description: the /payloads/index columns that say what a sampled tensor is (the
 # rest say where its chunks are). reader.Payload and writer.EncodedPayload carry these fields.
@@ -553,6 +631,7 @@ def payload_description(row: Any) -> dict[str, Any]:
 TABLE_DECLS: dict[str, Table] = {t.name: t for t in (
     REQUESTS_TABLE, LAYERS_TABLE, KV_TABLE, STEPS_TABLE, EVENTS_TABLE, READINGS_TABLE, RETENTION_TABLE,
     NVML_TABLE, ALLOCATOR_TABLE, PROCESS_TABLE, PAYLOAD_INDEX_TABLE, DEVICES_TABLE,
+    SCHED_TABLE, SCHED_GROUPS_TABLE, BLOCKS_TABLE,
 )}
 # name -> (dtype, required), the form readers and the writer iterate.
 TABLES: dict[str, tuple[np.dtype, bool]] = {name: (t.dtype, t.required) for name, t in TABLE_DECLS.items()}

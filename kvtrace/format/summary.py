@@ -28,6 +28,15 @@ def stopped(trace: Trace) -> dict[str, Any] | None:
 
 
 def summarize(trace: Trace) -> dict[str, Any]:
+    """The info document; ``serving`` only for traces with continuous batching (older outputs unchanged)."""
+    out = _summary(trace)
+    sv = serving(trace)
+    if sv is not None:
+        out["serving"] = sv
+    return out
+
+
+def _summary(trace: Trace) -> dict[str, Any]:
     meta = trace.meta
     held = trace.stored_contents()
     requests = trace.requests()
@@ -69,7 +78,38 @@ def summarize(trace: Trace) -> dict[str, Any]:
         "requests": {"count": int(requests.shape[0]), "outcomes": outcomes,
                      "new_tokens": int(np.sum(requests["new_tokens"], dtype=np.int64))},
         "layers": {"count": int(layers.shape[0]), "types": layer_types},
-        "rows": {name: trace.nrows(name) for name in schema.TABLES},
+        # optional tables (the 1.4 continuous-batching ones) only where the trace has them
+        "rows": {name: trace.nrows(name) for name, (_, required) in schema.TABLES.items()
+                 if required or trace.has(name)},
         "payloads": {"count": trace.nrows("payloads/index"), "stored_bytes": payload_bytes,
                      "tokens": meta.payload_tokens},
+    }
+
+
+def serving(trace: Trace) -> dict[str, Any] | None:
+    """Continuous batching at a glance (1.4 tables, spec §4.15), or None when the trace has none:
+    steps, the pool, peak block- and token-level use, peak running/waiting, preemptions, prefix
+    hits, evictions, and the load-test phases named in /events."""
+    sched = trace.sched()
+    phase_rows = trace.events(schema.EventKind.PHASE) if trace.has("events") else np.zeros(0, schema.EVENTS)
+    phases = [trace.text(int(e["text_off"]), int(e["text_len"])) for e in np.sort(phase_rows, order="t_ns")]
+    if not sched.size and not phases:
+        return None
+    pool = sched["pool_bytes"].astype(np.int64)
+    known = (pool > 0) & (sched["free_bytes"] >= 0)
+    used = (pool - sched["free_bytes"])[known]
+    valid = known & (sched["valid_bytes"] >= 0)
+    return {
+        "steps": int(sched.size),
+        "managers": int(np.unique(sched["manager"]).size),
+        "pool_bytes": int(pool.max()) if sched.size else -1,
+        "peak_used_bytes": int(used.max()) if used.size else -1,
+        "peak_block_usage": float((used / pool[known]).max()) if used.size else None,
+        "peak_token_usage": float((sched["valid_bytes"][valid] / pool[valid]).max()) if valid.any() else None,
+        "peak_running": int(sched["running"].max()) if sched.size else 0,
+        "peak_waiting": int(sched["waiting"].max()) if sched.size else 0,
+        "preemptions": int(sched["preempted"].sum(dtype=np.int64)),
+        "prefix_hit_tokens": int(sched["prefix_hit_tokens"].sum(dtype=np.int64)),
+        "evicted_blocks": int(sched["evicted_blocks"].sum(dtype=np.int64)),
+        "phases": phases,
     }

@@ -120,7 +120,7 @@ def _check_rows(trace: Trace, report: ValidationReport, present: set[str]) -> No
                 if name == "requests":
                     request_ids = np.concatenate([request_ids, rows["request"]])
                     running += int(np.sum(rows["outcome"] == schema.Outcome.RUNNING))
-                if name in ("kv", "steps", "payloads/index") and rows.size:
+                if name in ("kv", "steps", "payloads/index", "blocks") and rows.size:
                     referenced[name] = np.union1d(referenced.get(name, request_ids[:0]), rows["request"])
         except TraceError as exc:
             seen.add(_short(exc))
@@ -162,6 +162,12 @@ def _check_block(name: str, rows: np.ndarray, text_len: int, seen: set[str]) -> 
             seen.add("/kv has rows keeping more tokens than seen")
         if np.any(rows["bytes_valid"] > rows["bytes_allocated"]):
             seen.add("/kv has rows with more valid than allocated bytes")
+    if name == "sched" and rows.size:  # continuous batching (1.4, spec §4.15); -1: not recorded
+        known = (rows["pool_bytes"] >= 0) & (rows["free_bytes"] >= 0)
+        if np.any(known & (rows["free_bytes"] > rows["pool_bytes"])):
+            seen.add("/sched has rows with more free than pool bytes")
+    if name == "blocks" and rows.size and np.any(rows["blocks_shared"] > rows["blocks"]):
+        seen.add("/blocks has rows sharing more blocks than they hold")
 
 
 def _goes_backwards(trace: Trace, table: str) -> bool:
