@@ -24,42 +24,80 @@ def _ratios(text: str) -> list[float]:
 
 
 @click.command("whatif")
-@click.argument("trace", type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
+@click.argument("trace", type=click.Path(), required=False)  # a directory is "not a trace" (exit 2)
 @click.option("--policy", "policy_texts", multiple=True, metavar="NAME[:k=v,...]",
               help="Policy to replay (repeatable); default: " + " ".join(DEFAULT_POLICIES)
               + ". Names: paging, knorm, keydiff, random, streaming_llm, observed_attention, tova, snapkv, "
               "expected_attention, kivi, quanto, hqq, fp8.")
 @click.option("--ratio", "ratio_text", default="0.25,0.5,0.75", show_default=True, metavar="R[,R...]",
               help="Compression ratios (fraction of tokens evicted) for the eviction policies.")
+@click.option("--rerun", "rerun_model", metavar="MODEL",
+              help="Also measure quality: a teacher-forced pass of MODEL (local directory or preset:NAME) over "
+              "--text with each policy applied to its KV cache; perplexity and KL against the unchanged cache.")
+@click.option("--text", "text_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="With --rerun: the text to score (UTF-8).")
+@click.option("--max-tokens", type=click.IntRange(2, 1 << 20), default=256, show_default=True,
+              help="With --rerun: score at most this many tokens of --text.")
+@click.option("--tiny", is_flag=True, help="With --rerun preset:NAME: shrink the preset as 'record --tiny'.")
+@click.option("--rerun-device", default="cpu", show_default=True, metavar="DEVICE",
+              help="With --rerun: where the model runs (cpu, cuda, cuda:N, auto).")
 @json_options
 @guarded
-def whatif(trace: str, policy_texts: tuple[str, ...], ratio_text: str, as_json: bool, json_out: str | None) -> None:
+def whatif(trace: str | None, policy_texts: tuple[str, ...], ratio_text: str, rerun_model: str | None,
+           text_file: str | None, max_tokens: int, tiny: bool, rerun_device: str, as_json: bool,
+           json_out: str | None) -> None:
     """What paging, eviction or KV quantisation would save on TRACE and what it would cost in
     attention: bytes from the recorded sizes, attention mass recall and output error from sampled
     K/V/Q (offline proxies, not model quality). Without sampled tensors only bytes are reported.
+    With --rerun MODEL --text FILE (TRACE optional) the same policies are also applied to the
+    model's cache in a teacher-forced pass: perplexity and KL divergence (quality).
 
     \b
     Examples:
       kvtrace whatif run.kvt.h5
       kvtrace whatif run.kvt.h5 --policy snapkv:window_size=32 --policy kivi:nbits=2 --ratio 0.5
       kvtrace whatif run.kvt.h5 --json | jq '.policies[].results[].overall'
+      kvtrace whatif --rerun ./my-model --text wiki.txt --policy knorm --policy kivi:nbits=4
     """
-    from kvtrace.format.reader import Trace
     from kvtrace.whatif import PolicyError, parse_policy
-    from kvtrace.whatif.run import run_whatif
 
     ratios = _ratios(ratio_text)
     try:
         policies = [parse_policy(p) for p in (policy_texts or DEFAULT_POLICIES)]
     except PolicyError as exc:
         raise click.BadParameter(str(exc), param_hint="--policy") from None
-    check_json_out(json_out, (trace,))
-    with Trace(trace) as t:
-        doc = run_whatif(t, policies, ratios)
-    doc = {"trace": trace, **doc}
+    if trace is None and rerun_model is None:
+        raise click.UsageError("give a TRACE, or --rerun MODEL --text FILE (or both)")
+    if (rerun_model is None) != (text_file is None):
+        raise click.UsageError("--rerun MODEL and --text FILE go together")
+    if tiny and rerun_model is None:
+        raise click.UsageError("--tiny only applies to --rerun preset:NAME")
+    check_json_out(json_out, [p for p in (trace, text_file) if p])
+    doc: dict[str, Any] = {"trace": trace}
+    if trace is not None:
+        from kvtrace.format.reader import Trace
+        from kvtrace.whatif.run import run_whatif
+
+        with Trace(trace) as t:
+            doc.update(run_whatif(t, policies, ratios))
+    else:
+        from kvtrace.whatif.run import SCHEMA
+
+        doc["kvtrace_whatif"] = SCHEMA
+    if rerun_model is not None:
+        from kvtrace.jsonable import plain
+        from kvtrace.loading import resolve_device
+        from kvtrace.whatif.rerun import rerun_quality
+
+        assert text_file is not None
+        doc["rerun"] = plain(rerun_quality(rerun_model, text_file, policies, ratios, device=resolve_device(rerun_device),
+                                           max_tokens=max_tokens, tiny=tiny))
     write_json(doc, json_out, as_json=as_json)
     if not as_json:
-        _print(doc)
+        if trace is not None:
+            _print(doc)
+        if "rerun" in doc:
+            _print_rerun(doc["rerun"])
 
 
 def _f(x: Any, fmt: str = "{:.3f}") -> str:
@@ -97,3 +135,35 @@ def _print(doc: dict[str, Any]) -> None:
             "output err: ||o'-o||/||o|| (needs Q, K and V); cos: K/V reconstruction (needs K, V)")
     for reason, n in skipped.items():
         c.print(f"[dim]skipped {n}x: {reason}[/dim]")
+
+
+def _print_rerun(r: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from kvtrace.analyzer.terminal import console_for
+
+    c = console_for()
+    c.print(f"quality by rerun: {r['model']} over {r['text']} ({r['tokens']} tokens); reference perplexity "
+            f"{r['reference']['perplexity']:.4g}")
+    c.print(f"[dim]{r['note']}[/dim]")
+    if r.get("warning"):
+        c.print(f"[yellow]{r['warning']}[/yellow]")
+    t = Table(show_edge=False)
+    for col in ("policy", "ratio", "perplexity", "change", "KL mean", "KL max", "top-1 same", "full-layer tokens"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for p in r["policies"]:
+        if p.get("skipped"):
+            t.add_row(p["label"], "-", "-", "-", "-", "-", "-", f"skipped: {p['skipped']}")
+        for x in p["results"]:
+            if x.get("skipped"):
+                t.add_row(p["label"], _f(x["ratio"], "{:.2f}"), "-", "-", "-", "-", "-", f"skipped: {x['skipped']}")
+                continue
+            kept = (f"{x['full_layer_tokens_final']:.0f} of {x['tokens_seen']}"
+                    if "full_layer_tokens_final" in x else "-")
+            t.add_row(p["label"], _f(x["ratio"], "{:.2f}"), _f(x["perplexity"], "{:.4g}"),
+                      _f(x["perplexity_change_pct"], "{:+.2f}%"), _f(x["kl_mean"], "{:.3g}"),
+                      _f(x["kl_max"], "{:.3g}"), _f(x["top1_agreement"], "{:.1%}"), kept)
+    c.print(t)
+    if r.get("sliding_layers"):
+        c.print(f"[dim]{r['sliding_layers']} sliding-window layers keep their window unpressed (eviction applies "
+                "to full-attention layers; quantisation to all)[/dim]")

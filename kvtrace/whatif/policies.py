@@ -21,7 +21,7 @@ import numpy as np
 
 from kvtrace.whatif.numerics import FP8_FORMATS, attention_probs, quantize_minmax, round_fp8, visible_mask
 
-__all__ = ["Observed", "Policy", "PolicyError", "REGISTRY", "parse_policy", "keep_top"]
+__all__ = ["Observed", "Policy", "PolicyError", "REGISTRY", "parse_policy", "keep_top", "keep_first", "n_kept"]
 
 # Always kept: scores of tokens a policy must not drop (the observation window, unscored keys).
 KEEP = np.inf
@@ -106,8 +106,11 @@ def n_kept(tokens: int, ratio: float) -> int:
 def keep_top(scores: np.ndarray, ratio: float) -> np.ndarray:
     """Keep mask [B, H, T]: the :func:`n_kept` highest scores per (B, H); on ties the older token
     wins (stable sort)."""
-    T = scores.shape[-1]
-    n = n_kept(T, ratio)
+    return keep_first(scores, n_kept(scores.shape[-1], ratio))
+
+
+def keep_first(scores: np.ndarray, n: int) -> np.ndarray:
+    """Keep mask [B, H, T] of the ``n`` highest scores per (B, H), older token first on ties."""
     order = np.argsort(-scores, axis=-1, kind="stable")[..., :n]
     keep = np.zeros(scores.shape, dtype=bool)
     np.put_along_axis(keep, order, True, axis=-1)
@@ -128,7 +131,13 @@ class ScorerPolicy(Policy):
         _check(0 <= ratio < 1, self.name, f"ratio must be in [0, 1), got {ratio}")
         if ratio == 0:
             return np.ones(keys.shape[:3], dtype=bool)
-        return keep_top(self.score(keys, obs, values), ratio)
+        return self.keep_n(keys, n_kept(keys.shape[2], ratio), obs, values)
+
+    def keep_n(self, keys: np.ndarray, n: int, obs: Observed | None = None,
+               values: np.ndarray | None = None) -> np.ndarray:
+        """Keep mask [B, Hk, T] of the ``n`` tokens per head this policy keeps (the rerun's
+        per-step budget)."""
+        return keep_first(self.score(keys, obs, values), n)
 
 
 @dataclass
@@ -188,12 +197,16 @@ class StreamingLLM(ScorerPolicy):
              values: np.ndarray | None = None) -> np.ndarray:
         T = keys.shape[2]
         if self.window:
-            recent = self.window
-        else:
-            _check(0 <= ratio < 1, self.name, f"ratio must be in [0, 1), got {ratio}")
-            recent = int(T * (1 - ratio)) - self.n_sink  # kvpress: prune [n_sink, n_sink + n_pruned)
+            return self.keep_n(keys, self.n_sink + self.window)
+        _check(0 <= ratio < 1, self.name, f"ratio must be in [0, 1), got {ratio}")
+        return self.keep_n(keys, int(T * (1 - ratio)))  # kvpress: prune [n_sink, n_sink + n_pruned)
+
+    def keep_n(self, keys: np.ndarray, n: int, obs: Observed | None = None,
+               values: np.ndarray | None = None) -> np.ndarray:
+        """The ``n_sink`` oldest tokens and the ``n - n_sink`` most recent ones."""
+        T = keys.shape[2]
         pos = np.arange(T)
-        keep = (pos < self.n_sink) | (pos >= T - max(recent, 0))
+        keep = (pos < self.n_sink) | (pos >= T - max(n - self.n_sink, 0))
         return np.broadcast_to(keep, keys.shape[:3]).copy()
 
 

@@ -48,7 +48,7 @@ def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ra
     units = list(source.units(trace))
     base = _totals(sz, sz.allocated)
     doc: dict[str, Any] = {
-        "kvtrace_whatif": SCHEMA, "note": NOTE, "needs": NEEDS, "ratios": ratios,
+        "kvtrace_whatif": SCHEMA, "kind": "proxy", "note": NOTE, "needs": NEEDS, "ratios": ratios,
         "baseline": {"layout": "the trace's own", "bytes_peak": base[0], "bytes_mean": base[1],
                      "valid_peak": _totals(sz, sz.valid)[0], "kv_rows": len(sz)},
         "sampled_units": len(units), "policies": [],

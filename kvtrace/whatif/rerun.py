@@ -1,0 +1,314 @@
+"""Quality by rerun: a teacher-forced pass of a model over a text with a what-if policy applied to
+its KV cache at every step, scored by perplexity and the KL divergence of the next-token
+distributions against the same pass with the cache unchanged (``kvtrace whatif --rerun``).
+
+These are *quality* measures (the model's own outputs change); the offline measures of
+kvtrace.whatif.run are *proxies*. torch and transformers are imported inside the functions.
+
+How the policy is applied (:class:`PolicyLayer`, a transformers ``DynamicLayer`` that replaces
+each dynamic / sliding-window layer of a ``DynamicCache``):
+
+* the text is fed one token per forward, so every step is a decode step with one query;
+* **eviction**: after a step's attention, a full-attention layer that holds more than
+  ``n_kept(seen, ratio)`` tokens (kvpress's budget, ``seen`` = tokens the layer has seen) keeps
+  that many per KV head by the policy's scores; evicted tokens are gone for every later step.
+  Query-based policies score with the post-RoPE queries of the steps before this one (captured through
+  transformers' attention interface, kvtrace.recorder.qcapture). Sliding-window layers keep their
+  window unpressed (their KV is bounded already; stated in the output);
+* **quantisation**: K/V are kept at full precision and every step attends to the policy's
+  round trip of the whole cache (the last ``residual`` tokens exact). A real quantised cache
+  re-quantises values it already dequantised; that compounding is not modelled;
+* the reference pass runs through the same layer with no policy, so a no-op policy gives
+  exactly the reference logits (KL 0).
+
+Masks: a layer's kept keys are presented to the mask builder as the most recent contiguous
+positions (``get_mask_sizes``), so with one query per step every kept key is visible and RoPE
+positions come from ``get_seq_length`` = tokens seen.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtrace.errors import BadOption, Unavailable
+from kvtrace.whatif import policies as P
+from kvtrace.whatif.policies import Observed, Policy, PolicyError, n_kept
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["NOTE", "rerun_quality", "teacher_forced_logprobs"]
+
+NOTE = ("quality: teacher-forced rerun of the model over the text, one token per step, the policy applied to "
+        "the KV cache at every step; perplexity and KL(reference || policy) of the next-token distributions "
+        "against the same pass with the cache unchanged")
+RANDOM_NOTE = "the model has random weights: these numbers only prove the mechanics, not a policy's quality"
+
+
+@dataclass
+class _Applied:
+    """A policy at one ratio as the cache layers apply it."""
+
+    policy: Policy | None
+    ratio: float | None
+
+    @property
+    def evicts(self) -> bool:
+        return isinstance(self.policy, P.ScorerPolicy) and (self.ratio or 0) > 0 or \
+            isinstance(self.policy, P.StreamingLLM) and self.policy.window > 0
+
+    def budget(self, seen: int) -> int:
+        pol = self.policy
+        if isinstance(pol, P.StreamingLLM) and pol.window:
+            return min(seen, pol.n_sink + pol.window)
+        return n_kept(seen, self.ratio or 0.0)
+
+
+def _layer_class() -> type:
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    class PolicyLayer(DynamicLayer):
+        """A dynamic cache layer that applies a what-if policy (see the module docstring).
+        ``keys``/``values`` hold what the cache keeps (full precision); ``pos`` [B, Hk, T] the
+        absolute position of each kept token per head."""
+
+        is_croppable = False
+
+        def __init__(self, applied: _Applied, window: int | None, scale: float) -> None:
+            super().__init__()
+            self.applied = applied
+            self.window = window
+            self.is_sliding = window is not None
+            self.scale = scale
+            self.seen = 0
+            self.pos: torch.Tensor | None = None
+            self.queries: list[np.ndarray] = []  # [B, Hq, 1, D] per step, for query-based policies
+            self.kept_log: list[int] = []
+            self.unscored = 0  # steps over budget that the policy could not score yet
+
+        def get_seq_length(self) -> int:
+            return self.seen
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            held = 0 if self.keys is None or not self.is_initialized else int(self.keys.shape[-2])
+            return held + query_length, self.seen - held
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if key_states.shape[-2] != 1:
+                raise RuntimeError("the what-if rerun feeds one token per step")
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+                self.pos = torch.zeros((*key_states.shape[:2], 0), dtype=torch.long, device=key_states.device)
+            new_pos = torch.full((*key_states.shape[:2], 1), self.seen, dtype=torch.long, device=key_states.device)
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            self.pos = torch.cat([self.pos, new_pos], dim=-1)
+            self.seen += 1
+            keys, values = self.keys, self.values
+            if isinstance(self.applied.policy, P.Quantizer):
+                keys, values = self._roundtrip(keys, "key"), self._roundtrip(values, "value")
+            # What the next step will find: trimmed after this step's attention, as transformers' own
+            # sliding layer does, so the mask built before the next forward (get_mask_sizes) matches.
+            if self.window is not None and self.keys.shape[-2] > self.window - 1:
+                held = self.keys.shape[-2]
+                self._select(torch.arange(held - self.window + 1, held, device=self.keys.device)
+                             .expand(*self.keys.shape[:2], -1))
+            elif self.applied.evicts and self.window is None and self.keys.shape[-2] > self.applied.budget(self.seen):
+                self._evict(self.applied.budget(self.seen))
+            self.kept_log.append(int(self.keys.shape[-2]))  # what the cache holds between steps
+            return keys, values
+
+        def _roundtrip(self, x: torch.Tensor, which: str) -> torch.Tensor:
+            pol = self.applied.policy
+            assert isinstance(pol, P.Quantizer)
+            out = pol.roundtrip(x.detach().double().cpu().numpy(), which)
+            return torch.from_numpy(out).to(device=x.device, dtype=x.dtype)
+
+        def _select(self, idx: torch.Tensor) -> None:
+            """Keep, per (batch, KV head), the tokens at ``idx`` [B, Hk, n] (ascending)."""
+            g = idx.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
+            self.keys = self.keys.gather(2, g)
+            self.values = self.values.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, self.values.shape[-1]))
+            self.pos = self.pos.gather(2, idx)
+
+        def _evict(self, n: int) -> None:
+            pol = self.applied.policy
+            assert isinstance(pol, P.ScorerPolicy)
+            k = self.keys.detach().double().cpu().numpy()
+            v = self.values.detach().double().cpu().numpy()
+            pos = self.pos.cpu().numpy()
+            if pol.needs.startswith("Q") and not self.queries:
+                return  # nothing observed yet to score with: keep all until the next step
+            keep = np.zeros(k.shape[:3], dtype=bool)
+            try:
+                if not pol.needs.startswith("Q") or (pos == pos[:1, :1]).all():  # positions shared by all heads
+                    keep = pol.keep_n(k, n, self._observed(pos[0, 0]), v)
+                else:  # heads kept different tokens: score each KV head with its own positions
+                    hk = k.shape[1]
+                    q = np.concatenate(self.queries, axis=2)
+                    g = q.shape[1] // hk
+                    for b in range(k.shape[0]):
+                        for h in range(hk):
+                            obs = Observed(q[b:b + 1, h * g:(h + 1) * g],
+                                           np.arange(self.seen - q.shape[2], self.seen), pos[b, h], None, self.scale)
+                            keep[b, h] = pol.keep_n(k[b:b + 1, h:h + 1], n, obs, v[b:b + 1, h:h + 1])[0, 0]
+            except PolicyError:  # too few keys or queries to score yet (e.g. T <= n_sink): keep all
+                self.unscored += 1
+                return
+            idx = np.sort(np.argsort(~keep, axis=-1, kind="stable")[..., :n], axis=-1)
+            self._select(torch.from_numpy(idx).to(self.keys.device))
+
+        def _observed(self, k_pos: np.ndarray) -> Observed | None:
+            if not self.queries:
+                return None
+            q = np.concatenate(self.queries, axis=2)
+            return Observed(q, np.arange(self.seen - q.shape[2], self.seen), k_pos, None, self.scale)
+
+    return PolicyLayer
+
+
+def _scales(model: Any) -> dict[int, float]:
+    """Softmax scale of each attention layer (module.scaling; 1/sqrt(head_dim) otherwise)."""
+    out: dict[int, float] = {}
+    for m in model.modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int) and idx not in out and hasattr(m, "head_dim"):
+            s = getattr(m, "scaling", None)
+            out[idx] = float(s) if isinstance(s, (int, float)) else 1 / math.sqrt(int(m.head_dim))
+    return out
+
+
+def _policy_cache(model: Any, applied: _Applied) -> tuple[Any, list[Any]]:
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=model.config)
+    if not cache.layers:
+        raise Unavailable("what-if rerun: the model's config gives no cache layers to wrap")
+    cls = _layer_class()
+    scales = _scales(model)
+    wrapped = []
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicSlidingWindowLayer:
+            new = cls(applied, int(layer.sliding_window), scales.get(i, 1.0))
+        elif type(layer) is DynamicLayer:
+            new = cls(applied, None, scales.get(i, 1.0))
+        else:
+            raise Unavailable(f"what-if rerun: cache layer {i} is a {type(layer).__name__}; only dynamic and "
+                              "sliding-window layers can be wrapped")
+        cache.layers[i] = new
+        wrapped.append(new)
+    return cache, wrapped
+
+
+def teacher_forced_logprobs(model: Any, ids: torch.Tensor, policy: Policy | None = None,
+                            ratio: float | None = None) -> tuple[np.ndarray, list[Any]]:
+    """Next-token log-probabilities [N, V] (float64) of a one-token-per-step pass over ``ids``
+    [1, N] with ``policy`` applied to the cache; and the wrapped cache layers."""
+    import torch
+
+    applied = _Applied(policy, ratio)
+    cache, layers = _policy_cache(model, applied)
+    capture = None
+    if isinstance(policy, P.ScorerPolicy) and policy.needs.startswith("Q") and applied.evicts:
+        from kvtrace.recorder.qcapture import QueryCapture
+
+        def keep_query(layer: int, q: torch.Tensor) -> None:
+            layers[layer].queries.append(q.detach().double().cpu().numpy())
+
+        capture = QueryCapture(model, keep_query)
+        capture.install()
+    rows = []
+    try:
+        with torch.no_grad():
+            for t in range(ids.shape[1]):
+                out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                rows.append(torch.log_softmax(out.logits[0, -1].double(), dim=-1).cpu().numpy())
+    finally:
+        if capture is not None:
+            capture.restore()
+    if capture is not None and capture.errors:
+        raise RuntimeError(f"query capture failed {capture.errors}x: {capture.last_error}")
+    return np.stack(rows), layers
+
+
+def _measures(ref: np.ndarray, got: np.ndarray, ids: np.ndarray) -> dict[str, float]:
+    """Perplexity of the text and KL(ref || got) over the positions that predict a next token."""
+    nxt = ids[1:]
+    nll = -got[np.arange(len(nxt)), nxt]
+    kl = (np.exp(ref[:-1]) * (ref[:-1] - got[:-1])).sum(axis=-1)
+    ppl_ref = float(np.exp(-ref[np.arange(len(nxt)), nxt].mean()))
+    ppl = float(np.exp(nll.mean()))
+    return {"perplexity": ppl, "perplexity_change_pct": 100 * (ppl / ppl_ref - 1),
+            "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+            "top1_agreement": float((ref[:-1].argmax(-1) == got[:-1].argmax(-1)).mean())}
+
+
+def _kept(layers: list[Any]) -> dict[str, Any]:
+    full = [x for x in layers if x.window is None]
+    if not full:
+        return {}
+    final = [x.kept_log[-1] for x in full]
+    return {"full_layer_tokens_final": float(np.mean(final)), "tokens_seen": full[0].seen,
+            "full_layer_tokens_mean": float(np.mean([np.mean(x.kept_log) for x in full])),
+            "steps_unscored": int(sum(x.unscored for x in full))}
+
+
+def rerun_quality(model_spec: str, text_path: str | Path, policies: list[Policy], ratios: list[float], *,
+                  device: str = "cpu", max_tokens: int = 256, tiny: bool = False) -> dict[str, Any]:
+    """The ``rerun`` section of the what-if document (spec/whatif-json.md)."""
+    from kvtrace.loading import encode, load_model
+
+    try:
+        text = Path(text_path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadOption(f"--text {text_path}: cannot read it ({exc})", option="--text") from None
+    shrink: dict[str, Any] = {"layers": None, "width": None, "vocab": None}
+    if tiny:
+        if not model_spec.startswith("preset:"):
+            raise BadOption("--tiny only applies to --rerun preset:NAME", option="--tiny")
+        from kvtrace import presets
+
+        try:
+            s = presets.tiny_shrink_args(model_spec.split(":", 1)[1])
+        except KeyError as exc:
+            raise BadOption(str(exc).strip("'\""), option="--rerun") from None
+        shrink = {"layers": s["layers"], "width": s["width_scale"], "vocab": s["vocab"]}
+    loaded = load_model(model_spec, device=device, dtype="auto", **shrink)
+    ids = encode(loaded.tokenizer, text, str(loaded.model.device))[:, :max_tokens]
+    if ids.shape[1] < 2:
+        raise BadOption(f"--text {text_path}: needs at least 2 tokens, got {ids.shape[1]}", option="--text")
+    ref, ref_layers = teacher_forced_logprobs(loaded.model, ids)
+    flat = ids[0].cpu().numpy()
+    doc: dict[str, Any] = {
+        "kind": "quality", "note": NOTE, "model": loaded.model_id, "model_note": loaded.note,
+        "text": str(text_path), "tokens": int(ids.shape[1]),
+        "sliding_layers": sum(x.window is not None for x in ref_layers),
+        "reference": {"perplexity": _measures(ref, ref, flat)["perplexity"]},
+        "policies": [],
+    }
+    if model_spec.startswith("preset:"):
+        doc["warning"] = RANDOM_NOTE
+    for pol in policies:
+        entry: dict[str, Any] = {"policy": pol.name, "label": pol.label(), "family": pol.family, "results": []}
+        if isinstance(pol, P.Paging):
+            entry["skipped"] = "paging changes where K/V live, not their values: quality is unchanged by construction"
+        else:
+            fixed = not isinstance(pol, P.ScorerPolicy) or isinstance(pol, P.StreamingLLM) and pol.window > 0
+            for ratio in ([None] if fixed else ratios):
+                try:
+                    got, layers = teacher_forced_logprobs(loaded.model, ids, pol, ratio)
+                except PolicyError as exc:
+                    entry["results"].append({"ratio": ratio, "skipped": str(exc)})
+                    continue
+                entry["results"].append({"ratio": ratio, **_measures(ref, got, flat), **_kept(layers)})
+        doc["policies"].append(entry)
+    return doc

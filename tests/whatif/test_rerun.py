@@ -1,0 +1,115 @@
+"""Quality by rerun (kvtrace.whatif.rerun) on tiny random-weight models, CPU. Random weights make
+the numbers prove the mechanics only (no policy is "good" here): the no-op is exact, a harsher
+setting moves the distribution more, the cache holds what the policy says."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from cli_run import run_main
+
+from kvtrace.whatif import parse_policy
+from kvtrace.whatif.policies import n_kept
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvtrace.testing_models import TINY_WINDOW, tiny_model, tiny_prompt  # noqa: E402
+from kvtrace.whatif.rerun import _measures, teacher_forced_logprobs  # noqa: E402
+
+N = 24
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama"), tiny_prompt(N)
+
+
+def _plain(model, ids):
+    from transformers import DynamicCache
+
+    cache, rows = DynamicCache(config=model.config), []
+    with torch.no_grad():
+        for t in range(ids.shape[1]):
+            out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            rows.append(torch.log_softmax(out.logits[0, -1].double(), dim=-1).numpy())
+    return np.stack(rows)
+
+
+def test_reference_is_the_plain_cache_and_ratio_zero_is_exact(llama):
+    model, ids = llama
+    ref, layers = teacher_forced_logprobs(model, ids)
+    np.testing.assert_array_equal(ref, _plain(model, ids))  # the wrapper itself changes nothing
+    flat = ids[0].numpy()
+    for name in ("knorm", "snapkv:window_size=4"):
+        got, _ = teacher_forced_logprobs(model, ids, parse_policy(name), 0.0)
+        m = _measures(ref, got, flat)
+        assert m["kl_mean"] == 0.0 and m["kl_max"] == 0.0 and m["perplexity_change_pct"] == 0.0
+    got, _ = teacher_forced_logprobs(model, ids, parse_policy("kivi:residual_length=128"))  # all residual: no-op
+    assert _measures(ref, got, flat)["kl_max"] == 0.0
+
+
+def test_harsher_settings_cost_more_and_the_cache_holds_the_budget(llama):
+    model, ids = llama
+    ref, _ = teacher_forced_logprobs(model, ids)
+    flat = ids[0].numpy()
+    kl = {}
+    for r in (0.25, 0.75):
+        got, layers = teacher_forced_logprobs(model, ids, parse_policy("knorm"), r)
+        kl[r] = _measures(ref, got, flat)["kl_mean"]
+        assert [x.kept_log[-1] for x in layers] == [n_kept(N, r)] * 2
+        assert all(b <= n_kept(t + 1, r) for x in layers for t, b in enumerate(x.kept_log))
+    assert 0 < kl[0.25] < kl[0.75]
+    q = {b: _measures(ref, teacher_forced_logprobs(model, ids, parse_policy(f"kivi:nbits={b},residual_length=0"))[0],
+                      flat)["kl_mean"] for b in (2, 8)}
+    assert 0 < q[8] < q[2] / 100
+
+
+def test_query_policies_use_captured_queries(llama):
+    model, ids = llama
+    ref, _ = teacher_forced_logprobs(model, ids)
+    keeps = {}
+    for name in ("observed_attention", "tova", "snapkv:window_size=4", "expected_attention:n_sink=2"):
+        got, layers = teacher_forced_logprobs(model, ids, parse_policy(name), 0.5)
+        assert _measures(ref, got, ids[0].numpy())["kl_mean"] > 0
+        assert [x.kept_log[-1] for x in layers] == [n_kept(N, 0.5)] * 2
+        assert all(len(x.queries) == N for x in layers)  # one post-RoPE query per step and layer
+        keeps[name] = tuple(layers[0].pos[0, 0].tolist())
+    assert len(set(keeps.values())) > 1  # the policies disagree on what to keep
+    from transformers.modeling_utils import AttentionInterface
+
+    assert not any(k.startswith("kvtrace_q") for k in AttentionInterface._global_mapping)  # capture removed
+
+
+def test_sliding_hybrid_keeps_windows_and_presses_full_layers():
+    model, ids = tiny_model("gemma3_text", attn_implementation="eager"), tiny_prompt(20)
+    ref, layers = teacher_forced_logprobs(model, ids)
+    np.testing.assert_array_equal(ref, _plain(model, ids))
+    got, layers = teacher_forced_logprobs(model, ids, parse_policy("knorm"), 0.5)
+    assert [x.kept_log[-1] for x in layers] == [TINY_WINDOW - 1, TINY_WINDOW - 1, n_kept(20, 0.5)]
+    assert _measures(ref, got, ids[0].numpy())["kl_mean"] > 0
+
+
+def test_cli_rerun_json(capsys, tmp_path, llama):
+    model, _ = llama
+    model.save_pretrained(tmp_path / "m")
+    text = tmp_path / "t.txt"
+    text.write_text("a short text to score, token by token")
+    out = tmp_path / "r.json"
+    code, printed, _ = run_main(["whatif", "--rerun", str(tmp_path / "m"), "--text", str(text), "--policy", "knorm",
+                                 "--policy", "paging", "--ratio", "0,0.5", "--max-tokens", "16",
+                                 "--json-out", str(out)], capsys)
+    assert code == 0 and "quality by rerun" in printed
+    doc = json.loads(out.read_text())
+    r = doc["rerun"]
+    assert doc["trace"] is None and r["kind"] == "quality" and r["tokens"] == 16
+    knorm = r["policies"][0]["results"]
+    assert [x["ratio"] for x in knorm] == [0.0, 0.5] and knorm[0]["kl_mean"] == 0 and knorm[1]["kl_mean"] > 0
+    assert "unchanged by construction" in r["policies"][1]["skipped"]
+    assert run_main(["whatif", "--rerun", str(tmp_path / "m")], capsys)[0] == 64  # no --text
+    assert run_main(["whatif"], capsys)[0] == 64
+    assert run_main(["whatif", "--rerun", str(tmp_path / "m"), "--text", str(tmp_path / "none.txt")], capsys)[0] == 64
+    code, _, err = run_main(["whatif", "--rerun", str(tmp_path / "nope"), "--text", str(text)], capsys)
+    assert code != 0 and err.count("\n") == 1
