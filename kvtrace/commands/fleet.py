@@ -27,10 +27,10 @@ def fleet_modules(*names: str) -> list[Any]:
         raise Unavailable(missing_dependency(exc)) from None
 
 
-def _connect(directory: str) -> Any:
+def _connect(directory: str, tables: tuple[str, ...] | None = None) -> Any:
     (query,) = fleet_modules("query")
     try:
-        return query.connect(directory)
+        return query.connect(directory, query.TABLE_NAMES if tables is None else tables)
     except query.FleetError as exc:
         fail(str(exc), exitcodes.UNREADABLE)
 
@@ -95,7 +95,7 @@ def summary(directory: str, group_by: str, sql: str | None, as_json: bool, json_
     retention and fragmentation rates, KV bytes per token; or run --sql."""
     check_json_out(json_out, (directory,))
     (query,) = fleet_modules("query")
-    con = _connect(directory)
+    con = _connect(directory, query.tables_named(sql) if sql else query.SUMMARY_TABLES)
     keys = [k.strip() for k in group_by.split(",") if k.strip()]
     try:
         results = {"result": query.run_sql(con, sql)} if sql else query.summary(con, keys)

@@ -198,6 +198,8 @@ def export_parquet(paths: Iterable[str], out_dir: str | os.PathLike[str], *, job
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest = load_manifest(out)
+    # rows written under another fleet schema lack columns the views expect: export them again
+    force = force or manifest.get("fleet_schema_version") != FLEET_SCHEMA_VERSION
     todo, skipped, failed = plan(paths, out, manifest, force)
     result = ExportResult(out, skipped=skipped, failed=failed)
     for entry in skipped:

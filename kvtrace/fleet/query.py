@@ -7,6 +7,8 @@ known schema, so queries never fail on a missing table.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from kvtrace.fleet.tables import TABLE_NAMES, empty_schema
+from kvtrace.fleet.tables import TABLE_NAMES, TRACES_SCHEMA, empty_schema
 
 # Non-informational findings (severity >= low) of these detectors mark a trace as retaining or
 # fragmenting; the detectors' own calibration (docs/detectors.md) decides what reaches "low".
@@ -30,8 +32,15 @@ def _sql_string(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def connect(directory: str | Path) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with one view per fleet table."""
+def tables_named(sql: str) -> tuple[str, ...]:
+    """The fleet tables whose names appear as words in ``sql``: the views a query can reference.
+    Binding a view reads the footer of every file it globs, so views nobody queries are not made."""
+    words = set(re.findall(r"[A-Za-z_]\w*", sql.lower()))
+    return tuple(n for n in TABLE_NAMES if n in words)
+
+
+def connect(directory: str | Path, tables: Iterable[str] = TABLE_NAMES) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with one view per fleet table in ``tables`` (default: all)."""
     d = Path(directory)
     if not d.is_dir():
         raise FleetError(f"{d}: not a directory (export traces with 'kvtrace export parquet TRACES -o {d}')")
@@ -39,13 +48,24 @@ def connect(directory: str | Path) -> duckdb.DuckDBPyConnection:
         raise FleetError(f"{d}: no exported traces (no traces/*.parquet); run 'kvtrace export parquet' first")
     con = duckdb.connect(":memory:")
     for name in TABLE_NAMES:
+        if name not in tables:
+            continue
         if any((d / name).glob("*.parquet")):
             glob = _sql_string(str(d / name / "*.parquet"))
-            con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet({glob}, union_by_name = true)")
+            # traces (one row per trace) is read once into memory: every view query would read
+            # all its files again, and the summary and diff query it several times
+            kind = "TEMP TABLE" if name == "traces" else "VIEW"
+            con.execute(f"CREATE {kind} {name} AS SELECT * FROM read_parquet({glob}, union_by_name = true)")
         else:
             empty = pa.Table.from_batches([], schema=empty_schema(name))
             con.register(f"_empty_{name}", empty)
             con.execute(f"CREATE VIEW {name} AS SELECT * FROM _empty_{name}")
+    if "traces" in tables:
+        have = set(trace_columns(con))
+        missing = [f.name for f in TRACES_SCHEMA if f.name not in have]
+        if missing:  # written by an older kvtrace (fleet schema 1.0): the summary cannot run on it
+            raise FleetError(f"{d}: exported by an older kvtrace (traces lacks {missing[0]}); "
+                             f"run 'kvtrace export parquet TRACES -o {d}' again to update it")
     return con
 
 
@@ -83,49 +103,44 @@ def _in(names: tuple[str, ...]) -> str:
     return "(" + ", ".join(_sql_string(n) for n in names) + ")"
 
 
+# The tables the default summary reads: only `traces`, whose per-trace aggregates (spec/fleet.md)
+# summarise the others, so a summary over N traces opens N small files, not 4 N.
+SUMMARY_TABLES = ("traces",)
+
+
 def summary(con: duckdb.DuckDBPyConnection, keys: list[str]) -> dict[str, QueryResult]:
     """The default summary, one row per combination of ``keys`` (columns of traces)."""
     check_keys(con, keys)
     k = ", ".join(f't."{key}"' for key in keys)
     sel = f"{k}, " if keys else ""
+    by = f"{k}, " if keys else ""
     group = f"GROUP BY {k}" if keys else ""
     order = f"ORDER BY {k}" if keys else ""
+
+    def flagged(detectors: tuple[str, ...]) -> str:
+        # a list comprehension, not a lambda: the lambda syntax changed between DuckDB 1.x and 2.0
+        return (f"avg(CASE WHEN len([f FOR f IN t.findings_by IF f.severity_rank >= 1 "
+                f"AND f.detector IN {_in(detectors)}]) > 0 THEN 1.0 ELSE 0.0 END)")
+
     groups = run_sql(con, f"""
-        WITH r AS (
-            SELECT trace_id, count(*) AS requests,
-                   sum(batch_size::BIGINT * (prompt_tokens + new_tokens)) AS tokens,
-                   sum(retained_allocated_bytes) AS retained_bytes,
-                   count(retained_allocated_bytes) AS retained_measured,
-                   max(peak_allocated_bytes) AS peak_allocated_bytes
-            FROM requests GROUP BY trace_id),
-        f AS (
-            SELECT trace_id,
-                   count(*) FILTER (WHERE severity_rank >= 1) AS findings,
-                   count(*) FILTER (WHERE severity_rank >= 1 AND detector IN {_in(RETENTION_DETECTORS)}) AS ret,
-                   count(*) FILTER (WHERE severity_rank >= 1 AND detector IN {_in(FRAGMENTATION_DETECTORS)}) AS frag
-            FROM findings GROUP BY trace_id),
-        kv AS (
-            SELECT trace_id, sum(bytes_valid) AS kv_bytes, sum(tokens_kept * k_shape[1]) AS kv_tokens
-            FROM kv GROUP BY trace_id)
         SELECT {sel}count(*) AS traces,
-               coalesce(sum(r.requests), 0)::BIGINT AS requests,
-               coalesce(sum(r.tokens), 0)::BIGINT AS tokens,
-               coalesce(sum(f.findings), 0)::BIGINT AS findings,
-               avg(CASE WHEN coalesce(f.ret, 0) > 0 THEN 1.0 ELSE 0.0 END) AS retention_rate,
-               avg(CASE WHEN coalesce(f.frag, 0) > 0 THEN 1.0 ELSE 0.0 END) AS fragmentation_rate,
-               sum(r.retained_bytes)::BIGINT AS retained_bytes,
-               max(r.peak_allocated_bytes)::BIGINT AS max_peak_allocated_bytes,
-               sum(kv.kv_bytes)::DOUBLE / nullif(sum(kv.kv_tokens), 0) AS kv_bytes_per_token_layer
-        FROM traces t LEFT JOIN r USING (trace_id) LEFT JOIN f USING (trace_id) LEFT JOIN kv USING (trace_id)
-        {group} {order}""")
+               coalesce(sum(t.requests), 0)::BIGINT AS requests,
+               coalesce(sum(t.tokens), 0)::BIGINT AS tokens,
+               coalesce(sum(t.findings_low), 0)::BIGINT AS findings,
+               {flagged(RETENTION_DETECTORS)} AS retention_rate,
+               {flagged(FRAGMENTATION_DETECTORS)} AS fragmentation_rate,
+               sum(t.retained_allocated_bytes)::BIGINT AS retained_bytes,
+               max(t.max_peak_allocated_bytes)::BIGINT AS max_peak_allocated_bytes,
+               sum(t.kv_bytes_valid)::DOUBLE / nullif(sum(t.kv_tokens), 0) AS kv_bytes_per_token_layer
+        FROM traces t {group} {order}""")
     findings = run_sql(con, f"""
-        SELECT {sel}f.detector, f.severity, count(*) AS findings, count(DISTINCT f.trace_id) AS traces
-        FROM findings f JOIN traces t USING (trace_id)
-        GROUP BY {k + ', ' if keys else ''}f.detector, f.severity, f.severity_rank
-        ORDER BY {k + ', ' if keys else ''}f.severity_rank DESC, f.detector""")
+        SELECT {sel}f.detector, f.severity, sum(f.findings)::BIGINT AS findings, count(*) AS traces
+        FROM traces t, unnest(t.findings_by) AS u(f)
+        GROUP BY {by}f.detector, f.severity, f.severity_rank
+        ORDER BY {by}f.severity_rank DESC, f.detector""")
     per_token = run_sql(con, f"""
-        SELECT {sel}kv.layer_type, min(kv.bytes_per_token) AS min_bytes_per_token,
-               max(kv.bytes_per_token) AS max_bytes_per_token, count(DISTINCT kv.trace_id) AS traces
-        FROM kv JOIN traces t USING (trace_id) WHERE kv.bytes_per_token IS NOT NULL
-        GROUP BY {k + ', ' if keys else ''}kv.layer_type ORDER BY {k + ', ' if keys else ''}kv.layer_type""")
+        SELECT {sel}l.layer_type, min(l.min_bytes_per_token) AS min_bytes_per_token,
+               max(l.max_bytes_per_token) AS max_bytes_per_token, count(*) AS traces
+        FROM traces t, unnest(t.kv_layer_types) AS u(l)
+        GROUP BY {by}l.layer_type ORDER BY {by}l.layer_type""")
     return {"groups": groups, "findings": findings, "kv_bytes_per_token": per_token}

@@ -18,7 +18,9 @@ import pyarrow as pa
 from kvtrace.fleet.source import TABLES, TraceData
 from kvtrace.format import schema
 
-FLEET_SCHEMA_VERSION = "1.0"
+# 1.1: per-trace aggregates in `traces` (the summary reads that one table). A directory written
+# under another version is exported again in full (export.plan).
+FLEET_SCHEMA_VERSION = "1.1"
 
 SEVERITY_RANK = {"info": 0, "low": 1, "medium": 2, "high": 3, "critical": 4}
 
@@ -64,6 +66,14 @@ TRACES_SCHEMA = pa.schema([
     ("requests", pa.int64()), ("steps", pa.int64()), ("kv_rows", pa.int64()), ("payloads", pa.int64()),
     ("analysed", pa.bool_()), ("analysis_error", pa.string()), ("findings", pa.int64()),
     ("max_severity", pa.string()), ("max_score", pa.float64()),
+    # Per-trace aggregates of the other tables, so the default summary reads only `traces`.
+    ("max_severity_rank", pa.int8()), ("findings_low", pa.int64()), ("tokens", pa.int64()),
+    ("retained_allocated_bytes", pa.int64()), ("max_peak_allocated_bytes", pa.int64()),
+    ("kv_bytes_valid", pa.int64()), ("kv_tokens", pa.int64()),
+    ("findings_by", pa.list_(pa.struct([("detector", pa.string()), ("severity", pa.string()),
+                                        ("severity_rank", pa.int8()), ("findings", pa.int64())]))),
+    ("kv_layer_types", pa.list_(pa.struct([("layer_type", pa.string()), ("min_bytes_per_token", pa.float64()),
+                                           ("max_bytes_per_token", pa.float64())]))),
 ])
 
 # Every table of the fleet directory, in the order views are created.
@@ -146,7 +156,41 @@ def _findings(data: TraceData, trace_id: str) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=FINDINGS_SCHEMA)
 
 
-def _traces(data: TraceData, trace_id: str) -> pa.Table:
+def _aggregates(requests: pa.Table, kv: pa.Table, findings: pa.Table) -> dict[str, Any]:
+    """The `traces` columns that summarise the trace's other tables (spec/fleet.md)."""
+    req = {c: requests.column(c).to_numpy(zero_copy_only=False) for c in
+           ("batch_size", "prompt_tokens", "new_tokens")}
+    tokens = int((req["batch_size"].astype(np.int64) * (req["prompt_tokens"].astype(np.int64)
+                                                          + req["new_tokens"])).sum())
+    retained = [v for v in requests.column("retained_allocated_bytes").to_pylist() if v is not None]
+    peaks = [v for v in requests.column("peak_allocated_bytes").to_pylist() if v is not None]
+    by: dict[tuple[str, str, int], int] = {}
+    ranks = findings.column("severity_rank").to_pylist()
+    for det, sev, rank in zip(findings.column("detector").to_pylist(), findings.column("severity").to_pylist(),
+                              ranks, strict=True):
+        by[(det, sev, rank)] = by.get((det, sev, rank), 0) + 1
+    layer_types: dict[str, list[float]] = {}
+    for lt, v in zip(kv.column("layer_type").to_pylist(), kv.column("bytes_per_token").to_pylist(), strict=True):
+        if v is not None and v == v:  # NaN: no kept tokens
+            layer_types.setdefault(lt, []).append(v)
+    kv_tokens = 0
+    if kv.num_rows:
+        batch = np.array([s[0] if s else 1 for s in kv.column("k_shape").to_pylist()], np.int64)
+        kv_tokens = int((kv.column("tokens_kept").to_numpy().astype(np.int64) * np.maximum(batch, 1)).sum())
+    return {
+        "max_severity_rank": max(ranks, default=None), "findings_low": sum(1 for r in ranks if r >= 1),
+        "tokens": tokens, "retained_allocated_bytes": sum(retained) if retained else None,
+        "max_peak_allocated_bytes": max(peaks, default=None),
+        "kv_bytes_valid": int(kv.column("bytes_valid").to_numpy().astype(np.int64).sum()) if kv.num_rows else None,
+        "kv_tokens": kv_tokens if kv.num_rows else None,
+        "findings_by": [{"detector": d, "severity": s, "severity_rank": r, "findings": n}
+                        for (d, s, r), n in sorted(by.items(), key=lambda kv_: (-kv_[0][2], kv_[0][0]))],
+        "kv_layer_types": [{"layer_type": lt, "min_bytes_per_token": min(v), "max_bytes_per_token": max(v)}
+                           for lt, v in sorted(layer_types.items())],
+    }
+
+
+def _traces(data: TraceData, trace_id: str, aggregates: dict[str, Any]) -> pa.Table:
     ident, a = data.identity, data.analysis
     gpus = [d for d in data.devices if d["device"] >= 0] or data.devices
     summary = a["summary"] if a else {}
@@ -159,7 +203,7 @@ def _traces(data: TraceData, trace_id: str) -> pa.Table:
         "kv_rows": len(data.tables["kv"]), "payloads": len(data.tables["payloads"]),
         "analysed": a is not None, "analysis_error": data.analysis_error,
         "findings": summary.get("findings"), "max_severity": summary.get("max_severity"),
-        "max_score": summary.get("max_score"),
+        "max_score": summary.get("max_score"), **aggregates,
     }
     return pa.Table.from_pylist([row], schema=TRACES_SCHEMA)
 
@@ -167,10 +211,12 @@ def _traces(data: TraceData, trace_id: str) -> pa.Table:
 def trace_tables(data: TraceData) -> dict[str, pa.Table]:
     """Every fleet table for one trace (tables may have zero rows)."""
     tid = data.identity["trace_id"]
-    out = {"traces": _traces(data, tid), "requests": _requests(data, tid), "kv": _kv(data, tid),
+    out = {"requests": _requests(data, tid), "kv": _kv(data, tid),
            "events": _events(data, tid), "telemetry": _telemetry(data, tid), "findings": _findings(data, tid)}
     for name in ("layers", "steps", "readings", "retention", "payloads"):
         out[name] = structured(name, data.tables[name], tid)
+    # last: export_one writes in this order, and a trace counts as exported once its traces file exists
+    out["traces"] = _traces(data, tid, _aggregates(out["requests"], out["kv"], out["findings"]))
     return out
 
 

@@ -111,3 +111,58 @@ def test_noisy_verdicts_with_controls():
     # a significant shift smaller than min_effect of the median is not called a change
     big = np.linspace(1e9, 1.001e9, 50)
     assert compare_noisy("m", "bytes", big, big + 1e5, alpha=0.05, min_effect=0.05, level=0.95)["verdict"] == "unchanged"
+
+
+def test_summary_aggregates_equal_the_tables_they_summarise(fleet_dir, tmp_path, capsys):
+    """The summary reads only traces; its per-trace aggregates equal SQL over the full tables."""
+    import shutil
+
+    from kvtrace.fleet.query import connect, run_sql
+
+    con = connect(fleet_dir)
+    one = lambda sql: run_sql(con, sql).rows[0][0]  # noqa: E731
+    assert one("SELECT sum(tokens) FROM traces") == one(
+        "SELECT sum(batch_size::BIGINT * (prompt_tokens + new_tokens)) FROM requests")
+    assert one("SELECT sum(findings_low) FROM traces") == one("SELECT count(*) FROM findings WHERE severity_rank >= 1")
+    assert one("SELECT sum(retained_allocated_bytes) FROM traces") == one(
+        "SELECT sum(retained_allocated_bytes) FROM requests") == 6 << 20
+    assert one("SELECT sum(f.findings) FROM traces, unnest(findings_by) AS u(f)") == one("SELECT count(*) FROM findings")
+    assert one("SELECT sum(kv_bytes_valid) / sum(kv_tokens) FROM traces") == one(
+        "SELECT sum(bytes_valid) / sum(tokens_kept * k_shape[1]) FROM kv")
+    # only traces/ is needed: the same summary from a copy holding nothing else
+    only = tmp_path / "only-traces"
+    shutil.copytree(fleet_dir / "traces", only / "traces")
+    _, full = _json(capsys, "fleet", str(fleet_dir), "--group-by", "transformers_version", "--json")
+    _, slim = _json(capsys, "fleet", str(only), "--group-by", "transformers_version", "--json")
+    assert full == slim and full["findings"] and full["kv_bytes_per_token"]
+
+
+def test_older_fleet_schema_is_refused_then_reexported(tmp_path, versions, capsys):
+    import json as _json_mod
+
+    import pyarrow.parquet as pq
+
+    from kvtrace.fleet.export import MANIFEST, export_parquet
+
+    out = tmp_path / "old"
+    export_parquet([str(versions["5.17.0"][0])], out)
+    f = next((out / "traces").glob("*.parquet"))
+    pq.write_table(pq.read_table(f).drop_columns(["findings_by", "kv_layer_types"]), f)  # a 1.0 traces file
+    manifest = _json_mod.loads((out / MANIFEST).read_text())
+    manifest["fleet_schema_version"] = "1.0"
+    (out / MANIFEST).write_text(_json_mod.dumps(manifest))
+    code, doc = _json(capsys, "fleet", str(out))
+    assert code == exitcodes.UNREADABLE and "export parquet" in doc["err"] and len(doc["err"].splitlines()) == 1
+    again = export_parquet([str(versions["5.17.0"][0])], out)  # unchanged input, but an older schema
+    assert len(again.exported) == 1 and not again.skipped
+    code, _ = _json(capsys, "fleet", str(out))
+    assert code == 0
+
+
+def test_sql_creates_only_the_views_it_names(fleet_dir):
+    from kvtrace.fleet.query import connect, tables_named
+
+    assert tables_named("SELECT kv_bytes_valid FROM traces JOIN findings USING (trace_id)") == ("traces", "findings")
+    con = connect(fleet_dir, tables_named("select count(*) from KV"))
+    names = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+    assert names == {"kv"}
