@@ -69,12 +69,14 @@ class _Tokens(click.ParamType):
 @click.option("--preset", default=None, help="A built-in model preset (see 'kvtrace presets').")
 @click.option("--config", "config_path", type=click.Path(exists=False), default=None,
               help="A Hugging Face config.json (or a directory holding one).")
-@click.option("--trace", "trace_path", type=click.Path(), default=None,  # a directory: not a trace (2)
-              help="A recorded trace: its model config, cache dtype, and a check of measured vs predicted KV.")
+@click.option("--trace", "trace_paths", type=click.Path(), multiple=True,  # a directory: not a trace (2)
+              help="A recorded trace: its model config, cache dtype, and a check of measured vs predicted KV. "
+                   "Repeat it with every rank trace of a tensor-parallel run to check --tp against each rank.")
 @click.option("--context", "context", type=_Tokens(), required=True, help="Tokens per request (8192, 128k).")
 @click.option("--gpu-memory", "gpu_memory", type=_Size(), required=True,
               help="Memory of one GPU: 80GiB, 80G (binary), 141GB (decimal), or bytes.")
-@click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1), help="Tensor-parallel degree.")
+@click.option("--tp", default=None, type=click.IntRange(min=1),
+              help="Tensor-parallel degree [default: 1, or the world size of the rank traces given].")
 @click.option("--kv-dtype", type=click.Choice(sorted(KV_DTYPES)), default=None,
               help="Cache element type [default: bf16, or the trace's].")
 @click.option("--weight-dtype", type=click.Choice(sorted(WEIGHT_DTYPES)), default=None,
@@ -92,8 +94,8 @@ class _Tokens(click.ParamType):
 @json_options
 @click.option("--quiet", "-q", is_flag=True, help="Print only FITS / DOES NOT FIT.")
 @guarded
-def calc(preset: str | None, config_path: str | None, trace_path: str | None, context: int, gpu_memory: int,
-         tp: int, kv_dtype: str | None, weight_dtype: str | None, batch: int | None, reserve: float, cache_kind: str,
+def calc(preset: str | None, config_path: str | None, trace_paths: tuple[str, ...], context: int, gpu_memory: int,
+         tp: int | None, kv_dtype: str | None, weight_dtype: str | None, batch: int | None, reserve: float, cache_kind: str,
          encoder_len: int | None, mla_cache: str, as_json: bool, json_out: str | None, quiet: bool) -> None:
     """Plan capacity: exact KV bytes per token and per request (windows, MLA latents, KV
     sharing, fp8 KV), weight bytes, and for a context length, GPU memory and tensor-parallel
@@ -110,11 +112,15 @@ def calc(preset: str | None, config_path: str | None, trace_path: str | None, co
     """
     from kvtrace import calc as planner
 
+    trace_path = trace_paths[0] if trace_paths else None
     sources = [s for s in (preset, config_path, trace_path) if s is not None]
     if len(sources) != 1:
         raise click.UsageError("give exactly one of --preset, --config, --trace")
-    check_json_out(json_out, [s for s in (config_path, trace_path) if s is not None])
+    check_json_out(json_out, [s for s in (config_path, *trace_paths) if s is not None])
     check = None
+    ranks = _rank_traces(trace_paths)  # None unless the traces are tensor-parallel ranks
+    if tp is None:
+        tp = ranks.world_size or len(ranks.members) if ranks is not None else 1
     preset_name = preset
     if trace_path is not None:
         config, label, trace_kv_bytes, check = _from_trace(trace_path)
@@ -142,6 +148,8 @@ def calc(preset: str | None, config_path: str | None, trace_path: str | None, co
     doc = plan.to_dict()
     if check is not None:
         doc["trace_check"] = check
+    if ranks is not None:
+        doc["rank_check"] = _rank_check(ranks, plan)
     write_json(doc, json_out, as_json=as_json)
     if as_json:
         return
@@ -151,6 +159,8 @@ def calc(preset: str | None, config_path: str | None, trace_path: str | None, co
         click.echo(planner.format_plan(plan))
         if check is not None:
             click.echo(_format_check(check))
+        if ranks is not None:
+            click.echo(_format_rank_check(doc["rank_check"]))
 
 
 def _known_preset(name: str | None) -> str | None:
@@ -221,3 +231,64 @@ def _format_check(check: dict[str, Any]) -> str:
     layers = ", ".join(f"layer {m['layer']} {m['measured_bytes']} vs {m['predicted_bytes']} B"
                        for m in check["mismatched_layers"][:6])
     return head + f"DIFFERENT ({layers})"
+
+
+def _rank_traces(paths: tuple[str, ...]) -> Any:
+    """The RankSet of the --trace files when they are ranks of one tensor-parallel run; None for one
+    trace that is not a rank. Several traces that are not the ranks of one run: a usage error."""
+    from kvtrace.analyzer.ranks import group, rank_trace
+    from kvtrace.analyzer.view import TraceView
+    from kvtrace.format.reader import Trace
+
+    members = []
+    for path in paths:
+        with Trace(path) as t:
+            member = rank_trace(TraceView(t))
+        if member is None and len(paths) > 1:
+            raise click.UsageError(f"{path} is not a tensor-parallel rank trace: several --trace must be the rank "
+                                   "traces of one run")
+        if member is not None:
+            members.append(member)
+    if not members:
+        return None
+    sets = group(members)
+    if len(sets) > 1:
+        raise click.UsageError(f"the --trace files belong to {len(sets)} runs ({', '.join(s.run_id for s in sets)}); "
+                               "give the ranks of one run")
+    return sets[0]
+
+
+def _rank_check(rs: Any, plan: Any) -> dict[str, Any]:
+    """--tp against the rank traces: KV heads per layer each rank holds, and each rank's KV bytes at
+    its last request's last step against the plan's share of the model's bytes at those tokens."""
+    planned_heads = max(plan.kv_heads_per_rank.values(), default=0)
+    share = plan.kv_bytes_per_request / plan.kv_bytes_per_request_total if plan.kv_bytes_per_request_total else 0.0
+    rows = []
+    for m in rs.members:
+        rid = max(m.requests) if m.requests else None
+        model = rs.model_kv_bytes(rid) if rid is not None else None
+        measured = m.requests[rid][3] if rid is not None else None
+        predicted = int(round(model * share)) if model is not None else None
+        rows.append({"rank": m.rank, "path": m.path, "request": rid, "kv_heads_recorded": m.kv_heads_recorded,
+                     "kv_heads_planned": planned_heads, "measured_bytes": measured, "predicted_bytes": predicted,
+                     "equal": (measured == predicted and m.kv_heads_recorded == planned_heads)
+                     if predicted is not None else None})
+    return {"tp": plan.tp, "world_size": rs.world_size, "run_id": rs.run_id, "missing_ranks": rs.missing,
+            "ranks": rows, "agrees": bool(rows) and plan.tp == rs.world_size and not rs.missing
+            and all(r["equal"] for r in rows)}
+
+
+def _format_rank_check(rc: dict[str, Any]) -> str:
+    from kvtrace.units import format_bytes
+
+    lines = [f"  rank check: --tp {rc['tp']} against run {rc['run_id']} (world size {rc['world_size']}): "
+             + ("agrees" if rc["agrees"] else "DIFFERS")]
+    if rc["missing_ranks"]:
+        lines.append(f"    rank trace(s) {', '.join(map(str, rc['missing_ranks']))} not given")
+    for r in rc["ranks"]:
+        got = format_bytes(r["measured_bytes"]) if r["measured_bytes"] is not None else "?"
+        want = format_bytes(r["predicted_bytes"]) if r["predicted_bytes"] is not None else "?"
+        lines.append(f"    rank {r['rank']}: {r['kv_heads_recorded']} KV heads/layer (plan {r['kv_heads_planned']}), "
+                     f"KV {got} (plan {want}) at request {r['request']}: "
+                     + {True: "equal", False: "DIFFERENT", None: "not checked"}[r["equal"]])
+    return "\n".join(lines)

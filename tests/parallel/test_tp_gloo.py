@@ -89,10 +89,31 @@ def test_missing_rank_is_named(tp_run, tmp_path, capsys):
 
 
 def test_calc_tp_agrees_with_each_rank(tp_run, capsys):
-    for path in _ranks(tp_run):
+    for path in _ranks(tp_run):  # one rank: the trace check is against its shard
         code, out, err = run_main(["calc", "--trace", path, "--context", "64", "--gpu-memory", "1GiB", "--tp", "2",
                                    "--json"], capsys)
         assert code == 0, err
         doc = json.loads(out)
         assert doc["trace_check"]["equal"] is True
         assert doc["kv_heads_per_rank"] == {"full": 2}
+    both = [a for p in _ranks(tp_run) for a in ("--trace", p)]
+    code, out, err = run_main(["calc", *both, "--context", "64", "--gpu-memory", "1GiB", "--json"], capsys)
+    assert code == 0, err
+    rc = json.loads(out)["rank_check"]  # --tp defaults to the world size of the rank traces
+    assert rc["tp"] == 2 and rc["agrees"] is True
+    assert [(r["rank"], r["kv_heads_recorded"], r["measured_bytes"] == r["predicted_bytes"]) for r in rc["ranks"]] == [
+        (0, 2, True), (1, 2, True)]
+    code, out, err = run_main(["calc", *both, "--context", "64", "--gpu-memory", "1GiB", "--tp", "4"], capsys)
+    assert code == 0 and "rank check: --tp 4" in out and "DIFFERS" in out
+
+
+def test_calc_refuses_traces_of_other_kinds(tp_run, tmp_path, capsys):
+    import kvtrace
+    from kvtrace.testing_models import tiny_model, tiny_prompt
+
+    m = tiny_model("llama")
+    with kvtrace.record(m, tmp_path / "single.kvt.h5"):
+        m.generate(tiny_prompt(4), max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    code, _, err = run_main(["calc", "--trace", _ranks(tp_run)[0], "--trace", str(tmp_path / "single.kvt.h5"),
+                             "--context", "64", "--gpu-memory", "1GiB"], capsys)
+    assert code == 64 and "not a tensor-parallel rank trace" in err
