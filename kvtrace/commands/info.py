@@ -15,27 +15,80 @@ from kvtrace.units import format_bytes
 
 
 @click.command("info")
-@click.argument("trace", type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
+@click.argument("traces", nargs=-1, required=True, type=click.Path())  # a directory: "not a trace" (exit 2)
 @json_options
 @guarded
-def info(trace: str, as_json: bool, json_out: str | None) -> None:
-    """Show what TRACE holds: requests, structure reads, layers, sources, sizes.
+def info(traces: tuple[str, ...], as_json: bool, json_out: str | None) -> None:
+    """Show what each of TRACES holds: requests, structure reads, layers, sources, sizes, and how
+    the model was spread over devices or tensor-parallel ranks. The rank traces of one
+    tensor-parallel run (run.rank*.kvt.h5) are also summarised as one run.
 
     \b
     Examples:
       kvtrace info run.kvt.h5
       kvtrace info run.kvt.h5 --json | jq .requests
+      kvtrace info run.rank*.kvt.h5        # one block per rank, then the run
+    --json with one trace prints its summary; with several, {"traces": [...], "rank_sets": [...]}.
     """
+    from kvtrace.analyzer.ranks import group, parallel_of, rank_trace
+    from kvtrace.analyzer.view import TraceView
     from kvtrace.format.reader import Trace
     from kvtrace.format.summary import summarize
 
-    check_json_out(json_out, (trace,))
-    with Trace(trace) as t:
-        summary = summarize(t)
-    write_json(summary, json_out, as_json=as_json)
+    check_json_out(json_out, traces)
+    summaries, members = [], []
+    for trace in traces:
+        with Trace(trace) as t:
+            summary = summarize(t)
+            par = parallel_of(t.meta)
+            if par is not None:  # spec §3.1; absent: one process, the devices of the rows
+                summary["parallel"] = par
+                member = rank_trace(TraceView(t))
+                if member is not None:
+                    members.append(member)
+        summaries.append(summary)
+    sets = [rs for rs in group(members) if len(traces) > 1]
+    doc = summaries[0] if len(traces) == 1 else {"traces": summaries, "rank_sets": [rs.to_dict() for rs in sets]}
+    write_json(doc, json_out, as_json=as_json)
     if as_json:
         return
-    _print(summary)
+    for i, summary in enumerate(summaries):
+        if i:
+            click.echo()
+        _print(summary)
+    for rs in sets:
+        click.echo()
+        _print_rank_set(rs.to_dict())
+
+
+def _print_parallel(par: dict | None, echo: Any) -> None:
+    """One line for /meta parallel_json: the rank of a tensor-parallel run, or the device map."""
+    if not par:
+        return
+    if par.get("mode") == "tensor_parallel":
+        heads = (f", {par['kv_heads_local']} of {par['kv_heads_total']} KV heads per layer"
+                 if par.get("kv_heads_local") and par.get("kv_heads_total") else "")
+        echo(f"parallel   tensor parallel: rank {par.get('rank')} of {par.get('world_size')} "
+             f"({par.get('backend') or 'backend unknown'}), run {par.get('run_id') or 'unknown'}{heads}")
+        return
+    placed: dict[str, int] = {}
+    for place in (par.get("device_map") or {}).values():
+        placed[str(place)] = placed.get(str(place), 0) + 1
+    where = ", ".join(f"{d} {n} module{'s' if n != 1 else ''}" for d, n in sorted(placed.items()))
+    echo(f"parallel   {par.get('mode')}: {where or 'no map recorded'}")
+
+
+def _print_rank_set(d: dict) -> None:
+    missing = f"; MISSING rank(s) {', '.join(map(str, d['missing_ranks']))}" if d["missing_ranks"] else ""
+    click.echo(f"run {d['run_id']}  tensor parallel, world size {d['world_size']}, ranks "
+               f"{', '.join(map(str, d['ranks_present']))}{missing}")
+    for p in d["problems"]:
+        click.echo(f"  problem: {p}")
+    if d["model_kv_heads_per_layer"]:
+        click.echo(f"  KV heads per layer: ranks hold {d['kv_heads_sum']} in all, the model has "
+                   f"{d['model_kv_heads_per_layer']} ({d['expected_kv_heads_per_rank']} per rank expected)")
+    for r in d["ranks"]:
+        click.echo(f"  rank {r['rank']}  {r['path']}: {r['requests']} requests, peak KV {format_bytes(r['peak_kv_bytes'])}")
 
 
 def _print(s: dict) -> None:
@@ -60,6 +113,7 @@ def _print(s: dict) -> None:
         for d in s["devices"]:
             total = format_bytes(d["total_memory_bytes"]) if d["total_memory_bytes"] >= 0 else "unknown"
             echo(f"device     {device_text(d['index'], d['name'])} ({total})")
+    _print_parallel(s.get("parallel"), echo)
     sources = ", ".join(
         f"{k}={'yes' if (v.get('available') if isinstance(v, dict) else v) else 'no'}"
         for k, v in sorted(s["sources"].items())
