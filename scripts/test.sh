@@ -6,7 +6,7 @@ VENV="${KVTRACE_VENV:-.venv}"
 python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q torch==2.13.0   # the local CPU build; plain `torch` pulls CUDA
-"$VENV/bin/python" -m pip install -q -e ".[record,gpu,report,test,fleet]"
+"$VENV/bin/python" -m pip install -q -e ".[record,gpu,report,test,fleet,serve]"
 # hqq (HQQ QuantizedCache backend) is published only as an sdist; DISABLE_CUDA=1 skips building its
 # optional CUDA kernels. Best effort: without it the HQQ cache test skips and says why.
 DISABLE_CUDA=1 "$VENV/bin/python" -m pip install -q hqq==0.2.8.post1 torch==2.13.0 \

@@ -106,7 +106,7 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
         from kvtrace.serving.client import ServerUnreachable
         from kvtrace.serving.drive import DriveConfig, ServerUnhealthy, drive
     except ImportError as exc:
-        raise Unavailable(f"loadtest needs httpx ({exc}); install kvtrace[serve]") from None
+        raise Unavailable(f"loadtest needs httpx ({exc}): pip install httpx (kvtrace[serve] has it)") from None
     from kvtrace.commands.outputs import check_json_out, check_output, write_json
     from kvtrace.serving.phases import build_phases
 

@@ -50,6 +50,7 @@ class PhaseRun:
     results: list[RequestResult] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)  # live /kvtrace/status samples
     groups: list[Group] = field(default_factory=list)
+    after: dict[str, Any] | None = None  # the live sample taken once the phase's requests ended
     status_unavailable: str | None = None  # why the live paged-cache numbers are absent
     marker: str = "not sent"  # "PHASE", "NOTE", "unsupported (404)", "failed: ..."
     health: int | None = None  # /health status code after the phase (None: no answer)
@@ -65,7 +66,7 @@ class DriveResult:
     started_unix: float
 
 
-async def _sample_status(client: httpx.AsyncClient, url: str, run: PhaseRun, t0: float) -> None:
+async def _sample_status(client: httpx.AsyncClient, url: str, run: PhaseRun, t0: float, *, after: bool = False) -> None:
     code, body = await get_json(client, url + "/kvtrace/status")
     if code != 200 or not isinstance(body, dict):
         run.status_unavailable = f"/kvtrace/status answered {code}"
@@ -76,6 +77,8 @@ async def _sample_status(client: httpx.AsyncClient, url: str, run: PhaseRun, t0:
         run.status_unavailable = str(occ.get("unavailable", "no paged-cache numbers"))
         return
     run.samples.append(sample)
+    if after:
+        run.after = sample
     run.groups = groups_from_occupancy(occ)
     run.status_unavailable = None
 
@@ -144,7 +147,7 @@ async def drive(cfg: DriveConfig) -> DriveResult:
                 stop.set()
                 await poller
                 try:  # one sample after the phase: what it left behind
-                    await _sample_status(client, cfg.url, run, t0)
+                    await _sample_status(client, cfg.url, run, t0, after=True)
                 except ServerUnreachable:
                     pass
             try:

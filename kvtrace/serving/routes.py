@@ -42,8 +42,33 @@ class PhaseMarker:
         return t_ns
 
 
+def _read_cache(cache: Any, active: dict[str, Any]) -> dict[str, Any]:
+    """The paged cache's own counters through the recorder's version adapter (format 1.4's
+    ``serving_cache.adapter_for``), else the first floor's ``cache_occupancy``; never guessed."""
+    try:
+        from kvtrace.recorder.serving_cache import adapter_for
+    except ImportError:
+        adapter_for = None
+    if adapter_for is not None:
+        adapter = adapter_for()
+        if adapter is None or not adapter.matches(cache):
+            return {"unavailable": "unsupported transformers version (no paged-cache adapter for this layout)"}
+        state = adapter.read(cache)
+        groups = {f"{g.layer_type.name.lower()}_{g.group}": {
+            "blocks_in_use": g.blocks_in_use, "blocks_total": g.blocks_total, "blocks_cached": g.blocks_cached,
+            "tokens_per_block": g.tokens_per_block, "bytes_per_block": g.bytes_per_block, "window": g.window}
+            for g in state.groups}
+        return {"pool_bytes": state.pool_bytes, "free_bytes": state.free_bytes,
+                "blocks_in_use": sum(g.blocks_in_use for g in state.groups), "allocators": groups,
+                "tokens_cached": sum(int(getattr(r, "position_offset", 0)) for r in active.values())}
+    from kvtrace.recorder.serving import cache_occupancy  # the first serving floor
+
+    return cache_occupancy(cache, active)
+
+
 def live_status(recording: Any, generation_state: Any, marker: PhaseMarker) -> dict[str, Any]:
-    """The recorder's and the paged cache's numbers now (transformers 5.23 attribute names)."""
+    """The recorder's and the paged cache's numbers now (transformers' CB manager as
+    ``transformers serve`` 5.23 holds it: ``GenerationState._cb_manager._cb.batch_processor``)."""
     out: dict[str, Any] = {"recording": str(getattr(recording, "path", "")), "phase": marker.current,
                            "phase_events": marker.kind, "requests_recorded": int(recording.requests),
                            "recorder_errors": int(recording.recorder_errors)}
@@ -53,15 +78,14 @@ def live_status(recording: Any, generation_state: Any, marker: PhaseMarker) -> d
         out["paged_cache"] = {"unavailable": "no continuous-batching cache (serve without --continuous-batching, "
                                              "or no request has started it yet)"}
         return out
-    from kvtrace.recorder.serving import cache_occupancy
-
     scheduler = getattr(processor, "scheduler", None)
-    try:  # the CB loop mutates these dicts on its own thread: a copy can race; say so rather than guess
+    try:  # the CB loop mutates these on its own thread: a read can race; say so rather than guess
         active = dict(getattr(scheduler, "active_requests", {}))
-        occupancy = cache_occupancy(getattr(processor, "cache", None), active)
+        occupancy = _read_cache(getattr(processor, "cache", None), active)
         occupancy.update(running=len(active), waiting=len(getattr(scheduler, "waiting_requests", {})))
-    except RuntimeError as exc:
-        occupancy = {"unavailable": f"read raced with the scheduler ({exc}); ask again"}
+    except Exception as exc:  # noqa: BLE001 - a status read must not fail the route
+        occupancy = {"unavailable": f"read failed, possibly racing the scheduler ({type(exc).__name__}: {exc}); "
+                                    f"ask again"}
     out["paged_cache"] = occupancy
     return out
 

@@ -49,14 +49,17 @@ def capacity(pool_bytes: int, groups: list[Group], context: int) -> int | None:
 def groups_from_occupancy(occ: dict[str, Any]) -> list[Group]:
     """Groups from the recorder's occupancy JSON (the NOTE event and /kvtrace/status)."""
     return [Group(name.replace("_attention", ""), int(a.get("blocks_total", -1)), int(a.get("tokens_per_block", -1)),
-                  int(a.get("bytes_per_block", -1))) for name, a in occ.get("allocators", {}).items()]
+                  int(a.get("bytes_per_block", -1)), int(a.get("window", -1)))
+            for name, a in occ.get("allocators", {}).items()]
 
 
 def sample_from_occupancy(t_ns: int, occ: dict[str, Any]) -> dict[str, Any] | None:
     if "pool_bytes" not in occ or "free_bytes" not in occ:
         return None
+    cached = [int(a.get("blocks_cached", -1)) for a in occ.get("allocators", {}).values()]
     return {"t_ns": t_ns, "pool": int(occ["pool_bytes"]), "free": int(occ["free_bytes"]),
-            "running": int(occ.get("running", 0)), "waiting": int(occ.get("waiting", 0))}
+            "running": int(occ.get("running", 0)), "waiting": int(occ.get("waiting", 0)),
+            "in_use": int(occ.get("blocks_in_use", -1)), "cached": sum(c for c in cached if c > 0)}
 
 
 def apply_occupancy(f: PhaseFacts, window: list[dict[str, Any]], groups: list[Group], source: str) -> None:

@@ -92,6 +92,8 @@ def judge_phase(run: PhaseRun, facts: PhaseFacts | None, history: list[int], max
         why = facts.absent.get("fragmentation", "") if facts is not None else "needs the trace's allocator readings (--trace)"
         checks.append(Check("fragmentation", "not measured", "", frag_rule, why))
     checks.append(_concurrency(run, occ, occ_source, max_tokens))
+    if run.results:
+        checks.append(_released(run))
     checks.append(_context(run, history))
     failed = [r for r in run.results if not r.ok]
     if run.results:
@@ -122,6 +124,25 @@ def _concurrency(run: PhaseRun, occ: PhaseFacts | None, source: str, max_tokens:
     return Check("concurrency", _level(share, CONCURRENCY_WARNING),
                  f"{occ.in_flight_peak} in flight of {fit} that fit at {context} tokens ({share:.0%})", rule,
                  f"{source}; fit = pool / blocks of one request")
+
+
+def _released(run: PhaseRun) -> Check:
+    """Seed 001, step 2: once the requests completed, the KV they held must be back in the pool.
+    Blocks kept unreferenced for prefix reuse are evictable: they are named, not flagged."""
+    rule = "warning if blocks stay referenced once every request ended"
+    after = run.after
+    if after is None or after.get("in_use", -1) < 0:
+        return Check("kv_released", "not measured", "", rule, run.status_unavailable or
+                     "needs kvtrace serve's /kvtrace/status after the phase")
+    source = "live GET /kvtrace/status after the phase"
+    if after["running"] + after["waiting"] > 0:
+        return Check("kv_released", "not measured", "", rule, f"{source}: {after['running'] + after['waiting']} "
+                     "request(s) still in flight (another client?)")
+    cached = f", {after['cached']} cached for prefix reuse" if after.get("cached", 0) > 0 else ""
+    if after["in_use"] > 0:
+        return Check("kv_released", "warning", f"{after['in_use']} block(s) still in use with no request running"
+                     f"{cached}", rule, source)
+    return Check("kv_released", "ok", f"0 blocks in use{cached}", rule, source)
 
 
 def _context(run: PhaseRun, history: list[int]) -> Check:

@@ -130,6 +130,23 @@ def test_concurrency_and_context_spike_thresholds():
     assert _checks(judge([busy, spike], None, max_tokens=4)[1])["context_spike"].level == "warning"  # 204 vs 92
 
 
+def test_kv_released_after_the_phase():
+    def after(in_use, cached, running=0):
+        run = _run("single", samples=[(1000, 500, 1, 0)], results=[_req(32)])
+        run.after = {"t_ns": 9, "pool": 1000, "free": 1000, "running": running, "waiting": 0, "in_use": in_use,
+                     "cached": cached}
+        return _checks(judge([run], None, max_tokens=4)[0])["kv_released"]
+
+    ok = after(0, 2)
+    assert ok.level == "ok" and ok.value == "0 blocks in use, 2 cached for prefix reuse"
+    leak = after(3, 0)
+    assert leak.level == "warning" and leak.value.startswith("3 block(s) still in use")
+    assert after(3, 0, running=1).level == "not measured"  # someone else's request holds them
+    plain = _run("single", results=[_req(32)])
+    plain.status_unavailable = "the server has no /kvtrace/status (not kvtrace serve)"
+    assert _checks(judge([plain], None, max_tokens=4)[0])["kv_released"].level == "not measured"
+
+
 def test_trace_numbers_win_and_missing_markers_say_so():
     run = _run("single", samples=[(100_000, 100_000, 1, 0)], results=[_req(32)])
     facts = PhaseFacts("single", 0, 10, occupancy_source="trace /sched", pool_bytes=100_000, pool_use_peak=0.92,

@@ -108,6 +108,10 @@ def test_kvtrace_serve_continuous_batching_loadtest_then_sigterm(model_dir, tmp_
         assert checks[name]["concurrency"]["level"] == "ok", checks[name]["concurrency"]
         assert checks[name]["device_memory_use"]["level"] == "not measured"
         assert checks[name]["requests"]["value"] == ("3/3 ok" if name == "concurrent" else "1/1 ok")
+        # the live sample after the phase: the requests' blocks are back in the pool
+        assert checks[name]["kv_released"]["level"] == "ok", checks[name]["kv_released"]
+        assert checks[name]["kv_released"]["value"].startswith("0 blocks in use")
+    assert all(p["live_samples"] >= 1 and p["live_unavailable"] is None for p in doc["phases"][1:])
     # the long request (128 + 4 tokens) is >= 2x the run's average context (36, 36, 36, 36, 132): a spike
     assert checks["long"]["context_spike"]["level"] == "warning"
     assert checks["single"]["context_spike"]["level"] == "ok"
