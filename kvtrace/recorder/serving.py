@@ -1,30 +1,28 @@
-"""The serving part of the recorder (issue 16, first floor): continuous batching
-(``model.generate_batch``, ``init_continuous_batching`` / ``ContinuousBatchingManager``) recorded
-into the existing tables, without a format change.
+"""The serving part of the recorder (issue 16): continuous batching (``model.generate_batch``,
+``init_continuous_batching`` / ``ContinuousBatchingManager``, ``generate(cache_implementation="paged")``,
+``transformers serve --continuous-batching``) recorded into /requests, /events and the 1.4 tables
+/sched, /sched_groups and /blocks (spec §4.15-4.17).
 
 What it writes, per continuous-batching (CB) request of the recorded model:
 
-* one /requests row (outcome RUNNING at ``add_request``; prompt tokens, prompt hash, and in
-  gen_args the manager's string id as ``cb_request_id``), updated at the end with new tokens,
-  outcome and end time: ``Scheduler.finish_request`` gives OK (ERROR when transformers marked the
-  request FAILED); ``ContinuousBatchProcessor._handle_request_error`` gives ERROR with the error's
-  text; ``Scheduler.clear_cancelled_requests`` gives INTERRUPTED with the error text
-  "cancelled"; a request still in flight when the recording closes gives INTERRUPTED too;
-* events: REQUEST_START when queued (add_request), a NOTE "scheduled" the first step that the
-  scheduler admits it (again after each preemption), a NOTE "first token" as the batch update
-  that produced it returns (its t_ns - start_ns is the time to first token), NOTE "preempted"
-  when transformers offloads or soft-resets it, REQUEST_END when finished or cancelled;
-* per scheduler step (one ``ContinuousBatchProcessor.prepare_next_batch`` that found work), one
-  NOTE event, request -1, step = the CB step index, value = blocks in use, and as text a JSON object
-  with the paged cache's occupancy as the cache's own counters say: ``pool_bytes`` (the up-front
-  pool), ``free_bytes`` (``compute_free_capacity(relative=False)``), per attention-type allocator
-  distinct blocks in use (over the block tables) and total, ``tokens_per_block``, ``tokens_cached`` (Σ
-  position_offset of the admitted requests, which the scheduler has already advanced: the tokens
-  positions the cache holds once this step's forward has written them; a sliding-window allocator
-  keeps only the window of them) and
-  the running / waiting request counts, and the batch: ``batch_requests``, ``prefill_tokens`` and
-  ``decode_tokens`` (query tokens of this step's forward: prompt positions, recomputed ones after a soft reset
-  included, are prefill).
+* one /requests row (outcome RUNNING at ``add_request``, batch size 1; prompt tokens, prompt hash, and
+  in gen_args the manager's string id as ``cb_request_id`` and the manager's index as ``manager``),
+  updated at the end with new tokens, EOS step, outcome and end time: ``Scheduler.finish_request``
+  gives OK (ERROR when transformers marked the request FAILED);
+  ``ContinuousBatchProcessor._handle_request_error`` gives ERROR with the error's text;
+  ``Scheduler.clear_cancelled_requests`` gives INTERRUPTED with the error text "cancelled"; a request
+  still in flight when the recording closes gives INTERRUPTED too;
+* events (their ``step`` is the manager's scheduler step): REQUEST_START when queued (the arrival),
+  SCHEDULED the step the scheduler admits it (again after each preemption; value = admissions so far),
+  PREFIX_HIT when ``search_prefix_match`` serves prompt tokens from cached blocks (value = tokens),
+  FIRST_TOKEN as the batch update that produced its first token returns (its t_ns − start_ns is the
+  time to first token), PREEMPTED when transformers offloads or soft-resets it to make room (value =
+  the positions it held; OFFLOADED follows with the bytes copied when they went to the CPU swap
+  pool), EOS when its last token is an end-of-sequence token, REQUEST_END when finished or cancelled;
+  and BLOCK_EVICTED (request −1, value = blocks) when cached prefix blocks go back to the pool;
+* per scheduler step (one ``ContinuousBatchProcessor.prepare_next_batch`` that found work): one /sched
+  row, one /sched_groups row per cache group and one /blocks row per running request and group, from
+  the cache's own counters as the version adapter reads them (:mod:`kvtrace.recorder.serving_cache`).
 
 ``generate(cache_implementation="paged")`` is transformers' switch to generate_batch: the generate
 wrapper passes it through, and its sequences are recorded here, one CB request each.
@@ -34,18 +32,19 @@ transformers Cache, and the paged cache is not one (it reaches attention as ``ca
 
 The hooks wrap methods on the transformers classes for the duration of the recording, and act only
 for managers whose ``model`` is the recorded model; :meth:`ServingRecorder.remove` restores the
-exact originals. Written against transformers 5.23's internals (``_create_batch_processor``,
-``cache_allocators``, ``block_table``, ``position_offset``); where one of them is missing (5.17 has
-``group_cache_managers`` instead) the occupancy NOTE says "unsupported transformers version" rather
-than guessing numbers; where a hooked method is missing, nothing is patched and one NOTE says
-"continuous batching is not recorded: unsupported transformers version". The methods patched are those DESIGN.md lists as stable across 5.17 and 5.23
-plus ``_create_batch_processor`` (to tie a scheduler to its manager).
+exact originals. The methods wrapped are those DESIGN.md lists as stable across 5.17 and 5.23
+(manager, processor, scheduler, offloading manager, ``PagedAttentionCache.search_prefix_match``) plus
+``_create_batch_processor`` (to tie a scheduler and a cache to their manager) and the adapter's
+eviction method. Where a hooked method is missing, nothing is patched; where the cache layout is
+unknown, requests and scheduler steps are recorded but not the cache (its /sched columns are -1): both say "unsupported transformers version" in a
+NOTE and in one line on stderr, never an empty recording without a word.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import threading
 from typing import Any
 
@@ -53,24 +52,48 @@ from kvtrace.format.schema import EventKind, Outcome
 from kvtrace.format.writer import monotonic_ns
 from kvtrace.recorder.context import MAX_ERROR_TEXT, SessionContext
 from kvtrace.recorder.rows import RequestRow
+from kvtrace.recorder.serving_cache import (
+    UNSUPPORTED,
+    CacheAdapter,
+    StepCounts,
+    adapter_for,
+    batch_tokens,
+    step_rows,
+    transformers_version,
+)
 
-UNSUPPORTED = "unsupported transformers version"
+__all__ = ["UNSUPPORTED", "ServingRecorder", "batch_tokens"]
 
 
 class _Flight:
-    """One CB request in flight: its trace id and whether the scheduler admitted it yet."""
+    """One CB request in flight: its trace id, whether the scheduler admitted it (since its last
+    preemption), how often, and whether its first token was seen."""
 
-    __slots__ = ("first", "rid", "scheduled")
+    __slots__ = ("admissions", "first", "rid", "scheduled")
 
     def __init__(self, rid: int) -> None:
         self.rid = rid
         self.scheduled = False
-        self.first = False  # its first token was seen (the "first token" NOTE is written)
+        self.admissions = 0
+        self.first = False  # its first token was seen (the FIRST_TOKEN event is written)
+
+
+class _Manager:
+    """What the recorder keeps per CB manager of the recorded model."""
+
+    __slots__ = ("adapter", "cache", "counts", "index", "steps")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.steps = 0  # scheduler steps recorded (the next step's index)
+        self.counts = StepCounts()
+        self.adapter: CacheAdapter | None = None  # None: this cache's layout is not known
+        self.cache: Any = None
 
 
 class ServingRecorder:
-    """Continuous-batching hooks of one session. ``next_id`` / ``take_id`` share the session's
-    request-id sequence with the generate wrapper (ids stay unique in /requests)."""
+    """Continuous-batching hooks of one session. ``take_id`` shares the session's request-id sequence
+    with the generate wrapper (ids stay unique in /requests)."""
 
     def __init__(self, model: Any, ctx: SessionContext, salt: bytes, take_id: Any) -> None:
         self.model = model
@@ -79,19 +102,23 @@ class ServingRecorder:
         self.take_id = take_id
         self.lock = threading.Lock()  # add_request runs on the caller's thread, the rest on CB's loop
         self.flights: dict[tuple[int, str], _Flight] = {}  # (id(manager), CB request id) -> flight
-        self.owner: dict[int, int] = {}  # id(scheduler) or id(batch processor) -> id(manager)
-        self.steps: dict[int, int] = {}  # id(manager) -> CB steps recorded
+        # id(scheduler), id(batch processor), id(cache), id(eviction target) -> id(manager)
+        self.owner: dict[int, int] = {}
+        self.managers: dict[int, _Manager] = {}  # id(manager) -> its state
         # set on CB's loop thread while offload_requests runs: the finish_request calls it makes
         # preempt a request (it is requeued), they do not end it
         self.preempting = threading.local()
+        self.adapter: CacheAdapter | None = None
         self._patches: list[tuple[type, str, Any, Any]] = []
+        self._said: set[str] = set()
+        self._phases = 0
         self.closed = False
 
     # ---- install / remove -----------------------------------------------------------------------
 
     def install(self) -> None:
         try:
-            from transformers.generation.continuous_batching import continuous_api, scheduler
+            from transformers.generation.continuous_batching import cache, continuous_api, scheduler
         except Exception:  # noqa: BLE001 - transformers without continuous batching: nothing to hook
             return
         try:
@@ -102,17 +129,23 @@ class ServingRecorder:
         mgr = getattr(continuous_api, "ContinuousBatchingManager", None)
         proc = getattr(continuous_api, "ContinuousBatchProcessor", None)
         sched = getattr(scheduler, "Scheduler", None)
+        paged = getattr(cache, "PagedAttentionCache", None)
         if mgr is None or proc is None or sched is None:
             return
-        hooks = ((mgr, "add_request"), (mgr, "_create_batch_processor"), (proc, "prepare_next_batch"),
-                 (proc, "update_batch"), (proc, "_handle_request_error"),
-                 (sched, "finish_request"), (sched, "clear_cancelled_requests"), (offload, "offload_requests"))
-        missing = [f"{getattr(cls, '__name__', 'OffloadingManager')}.{name}" for cls, name in hooks
+        self.adapter = adapter_for()
+        hooks = [(mgr, "add_request"), (mgr, "_create_batch_processor"), (proc, "prepare_next_batch"),
+                 (proc, "update_batch"), (proc, "_handle_request_error"), (sched, "finish_request"),
+                 (sched, "clear_cancelled_requests"), (offload, "offload_requests"), (paged, "search_prefix_match")]
+        missing = [f"{getattr(cls, '__name__', '?')}.{name}" for cls, name in hooks
                    if cls is None or name not in cls.__dict__]
         if missing:  # all or nothing: half the hooks would write rows that never end
-            self.ctx.event(EventKind.NOTE, text=f"continuous batching is not recorded: {UNSUPPORTED} "
-                                                f"(transformers lacks {', '.join(missing)})")
+            self._unsupported(f"continuous batching is not recorded: {UNSUPPORTED} {transformers_version()} "
+                              f"(transformers lacks {', '.join(missing)})")
             return
+        if self.adapter is None:
+            self._unsupported(f"continuous batching is recorded without its paged cache (/sched cache columns -1, no /blocks): "
+                              f"{UNSUPPORTED} {transformers_version()} (no known cache layout: neither 5.23's "
+                              f"cache_allocators nor 5.17's BlockManager)")
         me = self
         self._wrap(mgr, "add_request", lambda orig: lambda m, *a, **k: me._add_request(orig, m, a, k))
         self._wrap(mgr, "_create_batch_processor", lambda orig: lambda m, *a, **k: me._create(orig, m, a, k))
@@ -122,6 +155,22 @@ class ServingRecorder:
         self._wrap(proc, "_handle_request_error", lambda orig: lambda p, *a, **k: me._failed(orig, p, a, k))
         self._wrap(proc, "update_batch", lambda orig: lambda p, *a, **k: me._update(orig, p, a, k))
         self._wrap(offload, "offload_requests", lambda orig: lambda o, *a, **k: me._offload(orig, o, a, k))
+        self._wrap(paged, "search_prefix_match", lambda orig: lambda c, *a, **k: me._prefix(orig, c, a, k))
+        hook = self.adapter.eviction_hook() if self.adapter is not None else None
+        if hook is not None and hook[1] in hook[0].__dict__:
+            self._wrap(hook[0], hook[1], lambda orig: lambda t, *a, **k: me._evict(orig, t, a, k))
+
+    def _unsupported(self, text: str) -> None:
+        """Say it once per session: a NOTE in the trace and one line on stderr."""
+        if text in self._said:
+            return
+        self._said.add(text)
+        self.ctx.event(EventKind.NOTE, text=text)
+        try:
+            sys.stderr.write(f"kvtrace: warning: {text}\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001, S110 - stderr closed: the NOTE is in the trace
+            pass
 
     def _wrap(self, cls: type, name: str, make: Any) -> None:
         original = cls.__dict__[name]
@@ -151,10 +200,33 @@ class ServingRecorder:
         for flight in left:
             self._end(flight.rid, Outcome.INTERRUPTED, None, "still in flight when the recording closed")
 
+    # ---- phase markers --------------------------------------------------------------------------
+
+    def mark_phase(self, name: str, index: int | None = None) -> int:
+        """A PHASE event (value = index, text = name) now; ``index`` defaults to one past the last."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("a phase needs a non-empty name")
+        w = self.ctx.writer
+        if w is None or w.closed or self.closed:
+            raise RuntimeError("mark_phase: the recording is not open")
+        with self.lock:
+            index = self._phases if index is None else int(index)
+            self._phases = index + 1
+        self._event(EventKind.PHASE, value=index, text=name[:MAX_ERROR_TEXT])
+        w.flush_soon()
+        return index
+
     # ---- hooks (each calls the original first or last and never raises on its own account) ------
 
     def _ours(self, manager: Any) -> bool:
         return not self.closed and getattr(manager, "model", None) is self.model
+
+    def _manager(self, key: int) -> _Manager:
+        """The manager's state, numbered in order of first sight (caller holds the lock)."""
+        m = self.managers.get(key)
+        if m is None:
+            m = self.managers[key] = _Manager(len(self.managers))
+        return m
 
     def _add_request(self, orig: Any, manager: Any, args: tuple, kwargs: dict) -> Any:
         request_id = orig(manager, *args, **kwargs)
@@ -170,10 +242,27 @@ class ServingRecorder:
     def _create(self, orig: Any, manager: Any, args: tuple, kwargs: dict) -> Any:
         processor = orig(manager, *args, **kwargs)
         if self._ours(manager):
-            with self.lock:
-                self.owner[id(processor)] = id(manager)
-                self.owner[id(getattr(processor, "scheduler", None))] = id(manager)
+            try:
+                self._register(id(manager), processor)
+            except Exception as exc:  # noqa: BLE001
+                self.ctx.error("cb-create", exc)
         return processor
+
+    def _register(self, key: int, processor: Any) -> None:
+        cache = getattr(processor, "cache", None)
+        adapter = self.adapter if self.adapter is not None and self.adapter.matches(cache) else None
+        with self.lock:
+            m = self._manager(key)
+            m.cache, m.adapter, m.steps, m.counts = cache, adapter, 0, StepCounts()
+            self.owner[id(processor)] = key
+            self.owner[id(getattr(processor, "scheduler", None))] = key
+            self.owner[id(cache)] = key
+            if adapter is not None:
+                self.owner[id(adapter.eviction_target(cache))] = key
+        if adapter is None and self.adapter is not None:
+            self._unsupported(f"continuous batching is recorded without its paged cache (/sched cache columns -1, no /blocks): "
+                              f"{UNSUPPORTED} {transformers_version()} ({type(cache).__name__} is not the "
+                              f"{self.adapter.label})")
 
     def _prepare(self, orig: Any, processor: Any, args: tuple, kwargs: dict) -> Any:
         found = orig(processor, *args, **kwargs)
@@ -196,15 +285,19 @@ class ServingRecorder:
                 self.ctx.error("cb-update", exc)
         return out
 
+    def _last_step(self, key: int) -> int:
+        m = self.managers.get(key)
+        return m.steps - 1 if m is not None and m.steps else -1
+
     def _first_token(self, key: int, request_id: Any, state: Any, flight: _Flight | None = None) -> None:
-        """One NOTE "first token" per request, as the batch update that produced it returns (or at its
-        finish, when that token was also its last): its time minus the request's start is the TTFT."""
+        """One FIRST_TOKEN per request, as the batch update that produced it returns (or at its finish,
+        when that token was also its last): its time minus the request's start is the TTFT."""
         if flight is None:
             flight = self.flights.get((key, str(request_id)))
         if flight is None or flight.first or _new_tokens(state) == 0:
             return
         flight.first = True
-        self.ctx.event(EventKind.NOTE, flight.rid, text="first token")
+        self._event(EventKind.FIRST_TOKEN, flight.rid, step=self._last_step(key))
 
     def _finish(self, orig: Any, scheduler: Any, args: tuple, kwargs: dict) -> Any:
         key = self.owner.get(id(scheduler))
@@ -218,8 +311,11 @@ class ServingRecorder:
             if flight is not None:
                 self._first_token(key, request_id, state, flight)
                 failed = getattr(getattr(state, "status", None), "name", "") == "FAILED"
+                eos_step = -1 if failed else _eos_step(state)
+                if eos_step >= 0:
+                    self._event(EventKind.EOS, flight.rid, step=self._last_step(key), value=eos_step)
                 self._end(flight.rid, Outcome.ERROR if failed else Outcome.OK, state,
-                          "transformers marked the request FAILED" if failed else "")
+                          "transformers marked the request FAILED" if failed else "", eos_step=eos_step)
         return out
 
     def _failed(self, orig: Any, processor: Any, args: tuple, kwargs: dict) -> Any:
@@ -235,24 +331,73 @@ class ServingRecorder:
                 self._end(flight.rid, Outcome.ERROR, state, f"{type(error).__name__}: {error}"[:MAX_ERROR_TEXT])
         return out
 
-    def _offload(self, orig: Any, manager: Any, args: tuple, kwargs: dict) -> Any:
+    def _offload(self, orig: Any, offloader: Any, args: tuple, kwargs: dict) -> Any:
         self.preempting.on = True
+        self.preempting.offloader = offloader
         try:
-            return orig(manager, *args, **kwargs)
+            return orig(offloader, *args, **kwargs)
         finally:
             self.preempting.on = False
+            self.preempting.offloader = None
 
     def _preempted(self, key: int, request_id: Any, state: Any) -> None:
         with self.lock:
             flight = self.flights.get((key, str(request_id)))
-            if flight is None:
+            m = self.managers.get(key)
+            if flight is None or m is None:
                 return
-            flight.scheduled = False  # its next admission gets a "scheduled" NOTE again
+            flight.scheduled = False  # its next admission is a SCHEDULED event again
+            m.counts.preempted += 1
+        step = m.steps
         # offload_requests sets PENDING on a request copied to the CPU pool, FINISHED on a soft reset
         to_cpu = getattr(getattr(state, "status", None), "name", "") == "PENDING"
-        self.ctx.event(EventKind.NOTE, flight.rid, value=_new_tokens(state),
-                       text="preempted: KV offloaded to the CPU pool, requeued" if to_cpu else
-                       "preempted: soft reset (KV freed, requeued; its tokens will be recomputed)")
+        held = int(getattr(state, "position_offset", 0) or 0)
+        self._event(EventKind.PREEMPTED, flight.rid, step=step, value=held,
+                       text="offloaded to the CPU swap pool, requeued" if to_cpu else
+                       "soft reset: KV freed, requeued; its tokens will be recomputed")
+        if to_cpu and m.adapter is not None:
+            try:
+                copied = m.adapter.offloaded_bytes(getattr(self.preempting, "offloader", None), m.cache, str(request_id))
+            except Exception as exc:  # noqa: BLE001
+                self.ctx.error("cb-offload", exc)
+                copied = -1
+            self._event(EventKind.OFFLOADED, flight.rid, step=step, value=copied)
+
+    def _prefix(self, orig: Any, cache: Any, args: tuple, kwargs: dict) -> Any:
+        tokens = orig(cache, *args, **kwargs)
+        key = self.owner.get(id(cache))
+        if key is not None and tokens and not self.closed:
+            try:
+                request_id = kwargs.get("request_id", args[0] if args else None)
+                with self.lock:
+                    m = self.managers[key]
+                    flight = self.flights.get((key, str(request_id)))
+                    blocks = m.adapter.prefix_blocks(cache, int(tokens)) if m.adapter is not None else 0
+                    m.counts.prefix_hit_tokens += int(tokens)
+                    m.counts.prefix_hit_blocks += blocks
+                self._event(EventKind.PREFIX_HIT, flight.rid if flight is not None else -1, step=m.steps,
+                               value=int(tokens), text=f"{blocks} cached blocks shared")
+            except Exception as exc:  # noqa: BLE001
+                self.ctx.error("cb-prefix", exc)
+        return tokens
+
+    def _evict(self, orig: Any, target: Any, args: tuple, kwargs: dict) -> Any:
+        key = self.owner.get(id(target))
+        m = self.managers.get(key) if key is not None else None
+        adapter = m.adapter if m is not None else None
+        before = adapter.cached_total(target) if adapter is not None else 0
+        out = orig(target, *args, **kwargs)
+        if adapter is not None and not self.closed:
+            try:
+                evicted = before - adapter.cached_total(target)
+                if evicted > 0:
+                    with self.lock:
+                        m.counts.evicted_blocks += evicted
+                    self._event(EventKind.BLOCK_EVICTED, step=m.steps, value=evicted,
+                                   text="cached prefix blocks returned to the pool")
+            except Exception as exc:  # noqa: BLE001
+                self.ctx.error("cb-evict", exc)
+        return out
 
     def _cancelled(self, orig: Any, scheduler: Any, args: tuple, kwargs: dict) -> Any:
         states = orig(scheduler, *args, **kwargs)
@@ -264,6 +409,27 @@ class ServingRecorder:
                     self._end(flight.rid, Outcome.INTERRUPTED, state, "cancelled")
         return states
 
+    # ---- live observers ---------------------------------------------------------------------------
+
+    def _event(self, kind: EventKind, request: int = -1, *, step: int = -1, value: int = 0, text: str = "",
+               t: int | None = None) -> None:
+        """A serving event into /events, and to the observers that listen for them."""
+        t = monotonic_ns() if t is None else t
+        self.ctx.event(kind, request, step=step, value=value, text=text, t=t)
+        self._tell("on_serving_event", kind, request, value, t)
+
+    def _tell(self, method: str, *args: Any) -> None:
+        """Optional observer methods (``on_serving_step(sched_row, group_rows)``, ``on_serving_event(kind,
+        request, value, t_ns)``): called on the observers that define them; a failure is a recorder error."""
+        for obs in self.ctx.observers:
+            fn = getattr(obs, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - a listener never breaks serving
+                self.ctx.error(f"{getattr(obs, 'name', type(obs).__name__)}: {method}", exc)
+
     # ---- rows -----------------------------------------------------------------------------------
 
     def _begin(self, key: int, request_id: str, ids: list[int], max_new: Any) -> None:
@@ -272,10 +438,12 @@ class ServingRecorder:
             return
         raw = b"".join(int(t).to_bytes(8, "little", signed=True) for t in ids)
         digest = hashlib.sha256(self.salt + raw).hexdigest().encode()
-        gen = w.add_text(json.dumps({"cb_request_id": request_id, "max_new_tokens": max_new}, default=str))
         with self.lock:
+            index = self._manager(key).index
             rid = self.take_id()
             self.flights[(key, request_id)] = _Flight(rid)
+        gen = w.add_text(json.dumps({"cb_request_id": request_id, "manager": index, "max_new_tokens": max_new},
+                                    default=str))
         start = monotonic_ns()
         w.begin_request(RequestRow(rid, int(Outcome.RUNNING), 1, len(ids), 0, -1, start, 0, digest, 0, 0, *gen))
         self.ctx.event(EventKind.REQUEST_START, rid, t=start, text=f"queued (continuous batching {request_id})")
@@ -285,7 +453,7 @@ class ServingRecorder:
         with self.lock:
             return self.flights.pop((key, str(request_id)), None)
 
-    def _end(self, rid: int, outcome: Outcome, state: Any, why: str) -> None:
+    def _end(self, rid: int, outcome: Outcome, state: Any, why: str, *, eos_step: int = -1) -> None:
         try:
             w = self.ctx.writer
             if w is None or w.closed:
@@ -293,7 +461,7 @@ class ServingRecorder:
             new_tokens = _new_tokens(state)
             err = w.add_text(why) if why and outcome != Outcome.OK else (0, 0)
             end = monotonic_ns()
-            w.update_request(rid, outcome=int(outcome), end_ns=end, new_tokens=new_tokens,
+            w.update_request(rid, outcome=int(outcome), end_ns=end, new_tokens=new_tokens, eos_step=eos_step,
                              error_off=err[0], error_len=err[1])
             self.ctx.event(EventKind.REQUEST_END, rid, value=int(outcome), t=end, text=why)
             w.flush_soon()
@@ -302,24 +470,43 @@ class ServingRecorder:
             self.ctx.error("cb-request-end", exc)
 
     def _step(self, key: int, processor: Any) -> None:
+        w = self.ctx.writer
+        if w is None or w.closed:
+            return
         scheduler = getattr(processor, "scheduler", None)
         active = dict(getattr(scheduler, "active_requests", {}))
         with self.lock:
-            step = self.steps.get(key, 0)
-            self.steps[key] = step + 1
-            admitted = []
+            m = self._manager(key)
+            step, m.steps = m.steps, m.steps + 1
+            counts, m.counts = m.counts, StepCounts()
+            admitted: list[_Flight] = []
+            rids: dict[str, int] = {}
             for request_id in active:
                 flight = self.flights.get((key, str(request_id)))
-                if flight is not None and not flight.scheduled:
+                if flight is None:
+                    continue
+                rids[str(request_id)] = flight.rid
+                if not flight.scheduled:
                     flight.scheduled = True
-                    admitted.append(flight.rid)
-        for rid in admitted:
-            self.ctx.event(EventKind.NOTE, rid, step=step, text="scheduled (admitted by the continuous-batching scheduler)")
-        occupancy = cache_occupancy(getattr(processor, "cache", None), active)
-        occupancy.update(step=step, running=len(active), waiting=len(getattr(scheduler, "waiting_requests", {})),
-                         **batch_tokens(getattr(getattr(processor, "inputs_and_outputs", None), "requests_in_batch", None)))
-        self.ctx.event(EventKind.NOTE, -1, step=step, value=int(occupancy.get("blocks_in_use", 0)),
-                       text="paged cache occupancy " + json.dumps(occupancy, sort_keys=True))
+                    flight.admissions += 1
+                    admitted.append(flight)
+        t = monotonic_ns()
+        for flight in admitted:
+            self._event(EventKind.SCHEDULED, flight.rid, step=step, value=flight.admissions, t=t)
+        state = m.adapter.read(m.cache) if m.adapter is not None else None
+        starved = getattr(scheduler, "starved_requests", None)
+        sched, groups, blocks = step_rows(
+            t, m.index, step, state, active, rids,
+            batch_tokens(getattr(getattr(processor, "inputs_and_outputs", None), "requests_in_batch", None)),
+            counts, waiting=len(getattr(scheduler, "waiting_requests", {})),
+            starved=len(starved) if isinstance(starved, list) else -1,
+            max_batch_tokens=int(getattr(processor, "max_batch_tokens", -1) or -1))
+        w.append("sched", sched)
+        if groups:
+            w.append("sched_groups", groups)
+        if blocks:
+            w.append("blocks", blocks)
+        self._tell("on_serving_step", sched, groups)
 
 
 def _new_tokens(state: Any) -> int:
@@ -334,41 +521,8 @@ def _new_tokens(state: Any) -> int:
     return n
 
 
-def batch_tokens(batch: Any) -> dict[str, int]:
-    """This step's query tokens split by phase, from the scheduled FutureRequestStates (5.23's
-    ``inputs_and_outputs.requests_in_batch``); empty when that is not there."""
-    if not isinstance(batch, list):
-        return {}
-    prefill = decode = 0
-    for future in batch:
-        n = int(getattr(future, "query_length", 0))
-        state = getattr(future, "state", None)
-        # status is DECODING as soon as the whole prompt is scheduled, so it cannot say the phase; the
-        # scheduler has already advanced position_offset by n: past = position_offset - n. Tokens of
-        # initial_tokens (the prompt, plus earlier output after a soft reset) are prefill (or recompute).
-        past = int(getattr(state, "position_offset", 0)) - n
-        if past >= len(getattr(state, "initial_tokens", ())):
-            decode += n
-        else:
-            prefill += n
-    return {"batch_requests": len(batch), "prefill_tokens": prefill, "decode_tokens": decode}
-
-
-def cache_occupancy(cache: Any, active: dict[str, Any]) -> dict[str, Any]:
-    """The paged cache's own counters (transformers 5.23 layout), or ``{"unavailable": ...}``."""
-    allocators = getattr(cache, "cache_allocators", None)
-    if not isinstance(allocators, dict) or not hasattr(cache, "compute_free_capacity"):
-        return {"unavailable": UNSUPPORTED + " (no cache_allocators: the 5.17 layout is not read yet)"}
-    per_type: dict[str, dict[str, int]] = {}
-    in_use = 0
-    for name, alloc in allocators.items():
-        # distinct blocks: with prefix sharing one block sits in several requests' tables
-        used = len({b for blocks in getattr(alloc, "block_table", {}).values() for b in blocks})
-        in_use += used
-        per_type[str(name)] = {"blocks_in_use": used, "blocks_total": int(getattr(alloc, "num_blocks", -1)),
-                               "tokens_per_block": int(getattr(alloc, "tokens_per_block", -1)),
-                               "bytes_per_block": int(getattr(alloc, "bytes_per_block", -1))}
-    pool = int(cache.num_sectors * cache.bytes_per_sector)
-    return {"pool_bytes": pool, "free_bytes": int(cache.compute_free_capacity(relative=False)),
-            "blocks_in_use": in_use, "allocators": per_type,
-            "tokens_cached": sum(int(getattr(s, "position_offset", 0)) for s in active.values())}
+def _eos_step(state: Any) -> int:
+    """Index of the request's last token (the step that produced it) when it is an EOS token, else -1."""
+    tokens = getattr(state, "generated_tokens", None) or ()
+    eos = getattr(state, "_eos_token_ids", None) or ()
+    return len(tokens) - 1 if tokens and tokens[-1] in eos else -1

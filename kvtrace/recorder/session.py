@@ -200,6 +200,13 @@ class Recorder:
             self._ctx.writer.close()
         self._release_sigxfsz()
 
+    def mark_phase(self, name: str, index: int | None = None) -> int:
+        """Mark the start of a load-test phase (``kvtrace loadtest``: baseline, single, concurrent,
+        long, ...): one PHASE event now, value = ``index``, text = ``name`` (format 1.4). ``index``
+        defaults to one past the last marked (0 first); returns the index written. Thread-safe;
+        RuntimeError when the recording is not open, ValueError for an empty name."""
+        return self._serving.mark_phase(name, index)
+
     def _take_request_id(self) -> int:
         """The next request id, shared by generate calls and continuous-batching requests."""
         rid = self._requests.count

@@ -1,0 +1,155 @@
+"""What the serving recorder reads from a paged KV cache at each scheduler step, whatever the
+transformers internals behind it, and the /sched, /sched_groups and /blocks rows built from it
+(format 1.4, spec §4.15-4.17).
+
+The paged cache changed shape between transformers generations: one adapter per generation
+(:mod:`kvtrace.recorder.serving_v523`, :mod:`kvtrace.recorder.serving_v517`) reads the cache's own
+counters into a :class:`CacheState`; nothing here recomputes what the cache can say itself.
+:func:`adapter_for` picks the adapter by the installed transformers' modules, and :meth:`matches`
+checks each cache the manager builds, so an unknown layout is said (a NOTE, one stderr line),
+never recorded as zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvtrace.format.schema import BlockRow, LayerType, SchedGroupRow, SchedRow
+
+UNSUPPORTED = "unsupported transformers version"
+
+
+@dataclass
+class GroupState:
+    """One cache group (the layers of one attention type), as its allocator counts it."""
+
+    group: int
+    layer_type: LayerType
+    layers: int
+    window: int  # -1: full attention
+    tokens_per_block: int  # sequence positions of one request per block
+    bytes_per_block: int
+    blocks_total: int
+    blocks_in_use: int  # distinct blocks over the block tables
+    blocks_cached: int  # -1: the version keeps none
+    blocks_free: int  # -1: not per group in this version
+    tables: dict[str, list[int]]  # CB request id -> its block ids (the allocator's own table, read only)
+    shared: set[int] = field(default_factory=set)  # block ids referenced by more than one request
+
+    def tokens_held(self, position: int) -> int:
+        """Positions whose KV the group keeps for a request at sequence position ``position``."""
+        return min(position, self.window) if self.window > 0 else position
+
+
+@dataclass
+class CacheState:
+    pool_bytes: int
+    free_bytes: int
+    groups: list[GroupState]
+
+
+class CacheAdapter(Protocol):
+    """Reads one transformers generation's paged cache. ``eviction_hook`` names the method whose
+    calls may evict cached prefix blocks (class, method name) and ``eviction_target`` the object
+    that method runs on for a given cache; ``cached_total`` counts cached blocks on that object."""
+
+    label: str
+
+    def matches(self, cache: Any) -> bool: ...
+    def read(self, cache: Any) -> CacheState: ...
+    def eviction_hook(self) -> tuple[type, str] | None: ...
+    def eviction_target(self, cache: Any) -> Any: ...
+    def cached_total(self, target: Any) -> int: ...
+    def prefix_blocks(self, cache: Any, tokens: int) -> int: ...
+    def offloaded_bytes(self, offloader: Any, cache: Any, request_id: str) -> int: ...
+
+
+def adapter_for() -> CacheAdapter | None:
+    """The adapter of the installed transformers' continuous-batching internals, or None."""
+    from kvtrace.recorder import serving_v517, serving_v523
+
+    for module in (serving_v523, serving_v517):
+        adapter = module.load()
+        if adapter is not None:
+            return adapter
+    return None
+
+
+def transformers_version() -> str:
+    try:
+        import transformers
+
+        return str(transformers.__version__)
+    except Exception:  # noqa: BLE001 - the version is only named in a message
+        return "unknown"
+
+
+# ---- rows ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepCounts:
+    """What happened while one step was scheduled, counted by the hooks (reset after each row)."""
+
+    prefix_hit_tokens: int = 0
+    prefix_hit_blocks: int = 0
+    evicted_blocks: int = 0
+    preempted: int = 0
+
+
+def step_rows(t_ns: int, manager: int, step: int, state: CacheState | None, active: dict[str, Any],
+              rids: dict[str, int], batch: dict[str, int], counts: StepCounts, *, waiting: int, starved: int,
+              max_batch_tokens: int) -> tuple[SchedRow, list[SchedGroupRow], list[BlockRow]]:
+    """The rows of one step. ``active``: the scheduler's running requests (CB id -> RequestState, whose
+    position_offset the scheduler has already advanced past this step's tokens); ``rids``: CB id ->
+    trace request id for the requests this session recorded (others count in the totals only)."""
+    groups: list[SchedGroupRow] = []
+    blocks: list[BlockRow] = []
+    valid_bytes = in_use = cached = 0
+    for g in state.groups if state is not None else ():
+        tokens_valid = 0
+        for cb_id, req in active.items():
+            table = g.tables.get(cb_id)
+            if not table:
+                continue
+            held = g.tokens_held(int(getattr(req, "position_offset", 0)))
+            tokens_valid += held
+            rid = rids.get(cb_id)
+            if rid is not None:
+                shared = sum(1 for b in table if b in g.shared) if g.shared else 0
+                blocks.append(BlockRow(manager, step, rid, g.group, len(table), shared, held))
+        valid_bytes += tokens_valid * g.bytes_per_block // g.tokens_per_block
+        in_use += g.blocks_in_use
+        cached += max(g.blocks_cached, 0)
+        groups.append(SchedGroupRow(manager, step, g.group, int(g.layer_type), g.layers, g.window, g.tokens_per_block,
+                                    g.bytes_per_block, g.blocks_total, g.blocks_in_use, g.blocks_cached,
+                                    g.blocks_free, tokens_valid))
+    known = state is not None
+    tokens = sum(int(getattr(r, "position_offset", 0)) for r in active.values())
+    sched = SchedRow(t_ns, manager, step, batch.get("batch_requests", 0), batch.get("prefill_tokens", 0),
+                     batch.get("decode_tokens", 0), len(active), waiting, starved, max_batch_tokens,
+                     state.pool_bytes if known else -1, state.free_bytes if known else -1,
+                     valid_bytes if known else -1, in_use if known else -1, cached if known else -1, tokens,
+                     counts.prefix_hit_tokens, counts.prefix_hit_blocks, counts.evicted_blocks, counts.preempted)
+    return sched, groups, blocks
+
+
+def batch_tokens(batch: Any) -> dict[str, int]:
+    """This step's query tokens split by phase, from the scheduled FutureRequestStates
+    (``inputs_and_outputs.requests_in_batch`` in 5.17 and 5.23); empty when that is not there."""
+    if not isinstance(batch, list):
+        return {}
+    prefill = decode = 0
+    for future in batch:
+        n = int(getattr(future, "query_length", 0))
+        state = getattr(future, "state", None)
+        # status is DECODING as soon as the whole prompt is scheduled, so it cannot say the phase; the
+        # scheduler has already advanced position_offset by n: past = position_offset - n. Tokens of
+        # initial_tokens (the prompt, plus earlier output after a soft reset) are prefill (or recompute).
+        past = int(getattr(state, "position_offset", 0)) - n
+        if past >= len(getattr(state, "initial_tokens", ())):
+            decode += n
+        else:
+            prefill += n
+    return {"batch_requests": len(batch), "prefill_tokens": prefill, "decode_tokens": decode}

@@ -1,0 +1,249 @@
+"""Exact accounting of the continuous-batching tables (format 1.4): at every recorded scheduler step
+the /sched, /sched_groups and /blocks rows equal what the paged cache itself reports at that moment
+(transformers 5.23: ``compute_free_capacity``, ``num_sectors × bytes_per_sector``, each allocator's
+``block_table``, ``ledger.cached_blocks`` and ``pool.count_free_blocks``), read by a probe that
+wraps ``prepare_next_batch`` beneath the recorder, so both see the same state. GQA llama with prefix
+sharing and a cached-block eviction; gemma3 (sliding + full allocators) past its window; the
+soft-reset preemption path. Plus phase markers and the unsupported-layout messages. CPU, tiny
+models, a few seconds each."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers.generation.continuous_batching.cache_allocators")  # the 5.23 layout
+
+from transformers import GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+from transformers.generation.continuous_batching import continuous_api  # noqa: E402
+
+import kvtrace  # noqa: E402
+from kvtrace.analyzer.view import TraceView  # noqa: E402
+from kvtrace.format.reader import open_trace  # noqa: E402
+from kvtrace.format.schema import EventKind, LayerType, Outcome  # noqa: E402
+from kvtrace.format.validate import validate  # noqa: E402
+from kvtrace.testing_models import tiny_model  # noqa: E402
+
+PAGE = 16
+
+
+class Probe:
+    """What the cache says after each prepare_next_batch that found work, in the cache's own terms."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.steps: list[dict] = []
+        proc = continuous_api.ContinuousBatchProcessor
+        original = proc.__dict__["prepare_next_batch"]
+        probe = self
+
+        def prepare(processor, *args, **kwargs):
+            found = original(processor, *args, **kwargs)
+            if found:
+                probe.steps.append(probe.read(processor))
+            return found
+
+        monkeypatch.setattr(proc, "prepare_next_batch", prepare)  # before recording: the recorder wraps it
+
+    @staticmethod
+    def read(processor) -> dict:
+        cache = processor.cache
+        groups = {}
+        for alloc in cache.cache_allocators.values():
+            groups[alloc.index] = {
+                "tables": {rid: len(blocks) for rid, blocks in alloc.block_table.items()},
+                "distinct": len({b for blocks in alloc.block_table.values() for b in blocks}),
+                "cached": len(alloc.ledger.cached_blocks), "free": cache.pool.count_free_blocks(alloc.index),
+                "bytes_per_block": alloc.bytes_per_block, "tokens_per_page": alloc.tokens_per_page,
+                "window": getattr(alloc, "sliding_window", -1)}
+        return {"pool": cache.num_sectors * cache.bytes_per_sector,
+                "free": cache.compute_free_capacity(relative=False),
+                "positions": {rid: s.position_offset for rid, s in processor.scheduler.active_requests.items()},
+                "waiting": len(processor.scheduler.waiting_requests), "groups": groups}
+
+
+def _cb_ids(t) -> dict[int, str]:
+    view = TraceView(t)
+    return {int(r["request"]): json.loads(t.text(r["gen_args_off"], r["gen_args_len"]))["cb_request_id"]
+            for r in view.requests}
+
+
+def assert_equal_to_cache(path, probe: Probe) -> None:
+    """Every /sched, /sched_groups and /blocks row against the probe's reading of the same step."""
+    t = open_trace(path)
+    sched, groups, blocks = t.sched(), t.sched_groups(), t.blocks()
+    assert sched.size == len(probe.steps) and sched["step"].tolist() == list(range(len(probe.steps)))
+    cb_of = _cb_ids(t)
+    for row, live in zip(sched, probe.steps, strict=True):
+        step = int(row["step"])
+        assert (row["pool_bytes"], row["free_bytes"]) == (live["pool"], live["free"])
+        assert row["running"] == len(live["positions"]) and row["waiting"] == live["waiting"]
+        assert row["tokens_cached"] == sum(live["positions"].values())
+        mine = groups[groups["step"] == step]
+        assert sorted(mine["group"].tolist()) == sorted(live["groups"])
+        used = 0
+        for g in mine:
+            lg = live["groups"][int(g["group"])]
+            assert (g["blocks_in_use"], g["blocks_cached"], g["blocks_free"]) == (lg["distinct"], lg["cached"], lg["free"])
+            assert (g["bytes_per_block"], g["tokens_per_block"]) == (lg["bytes_per_block"], lg["tokens_per_page"])
+            used += (int(g["blocks_in_use"]) + int(g["blocks_cached"])) * int(g["bytes_per_block"])
+            rows = blocks[(blocks["step"] == step) & (blocks["group"] == g["group"])]
+            got = {cb_of[int(b["request"])]: int(b["blocks"]) for b in rows}
+            assert got == {rid: n for rid, n in lg["tables"].items() if n}
+            for b in rows:  # tokens held: all positions, or the window's worth for a sliding group
+                pos = live["positions"][cb_of[int(b["request"])]]
+                assert b["tokens_valid"] == (min(pos, lg["window"]) if lg["window"] > 0 else pos)
+                assert b["blocks"] * lg["tokens_per_page"] >= b["tokens_valid"]
+            assert g["tokens_valid"] == int(rows["tokens_valid"].sum())
+        # the identity the spec states: what the pool lacks is in blocks in use or cached
+        assert row["pool_bytes"] - row["free_bytes"] == used
+        assert row["blocks_in_use"] == int(mine["blocks_in_use"].sum())
+        assert row["valid_bytes"] == sum(int(g["tokens_valid"]) * int(g["bytes_per_block"]) // int(g["tokens_per_block"])
+                                         for g in mine)
+    assert validate(path).valid
+
+
+def _gc(new: int) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def test_llama_prefix_hit_and_eviction_match_the_cache(monkeypatch, tmp_path):
+    """A finishes and leaves 3 complete 16-token blocks cached; B shares them (prefix hit 48 tokens);
+    C's 100-token prompt needs the pool, so the scheduler evicts B's cached blocks."""
+    probe = Probe(monkeypatch)
+    llama = tiny_model("llama")  # 4 query heads, 2 KV heads
+    path = tmp_path / "prefix.kvt.h5"
+    prefix = list(range(3, 51))
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=8, max_batch_tokens=128)
+    with kvtrace.record(llama, path) as rec:
+        manager = llama.init_continuous_batching(generation_config=_gc(4), continuous_batching_config=cb)
+        manager.start()
+        try:
+            for prompt in (prefix + [60, 61], prefix + [70, 71, 72], list(range(100, 200))):
+                rid = manager.add_request(prompt, max_new_tokens=4)
+                assert manager.get_result(rid, timeout=60) is not None
+        finally:
+            manager.stop(block=True)
+    assert rec.recorder_errors == 0
+    assert_equal_to_cache(path, probe)
+    t = open_trace(path)
+    hits = t.events(EventKind.PREFIX_HIT)
+    assert hits["request"].tolist() == [1] and hits["value"].tolist() == [48]
+    sched = t.sched()
+    assert sched["prefix_hit_tokens"].sum() == 48 and sched["prefix_hit_blocks"].sum() == 48 // PAGE
+    evicted = t.events(EventKind.BLOCK_EVICTED)
+    assert evicted["value"].tolist() == [3] and sched["evicted_blocks"].sum() == 3
+    # the eviction is counted in the row of the step whose scheduling made it
+    assert sched["evicted_blocks"][sched["step"] == evicted["step"][0]].tolist() == [3]
+    cb_rows = TraceView(t).cb_requests
+    assert cb_rows["prefix_hit_tokens"].tolist() == [0, 48, 0] and set(cb_rows["outcome"].tolist()) == {Outcome.OK}
+    assert np.all(cb_rows["arrival_ns"] < cb_rows["admitted_ns"]) and np.all(cb_rows["admitted_ns"] < cb_rows["first_token_ns"])
+    assert np.all(cb_rows["first_token_ns"] <= cb_rows["end_ns"])
+
+
+def test_gemma3_sliding_and_full_groups_match_the_cache(monkeypatch, tmp_path):
+    """gemma3_text: a sliding (window 8) and a full allocator. Requests grow past the window and past
+    a block: the sliding group holds at most the window, the full group every position."""
+    probe = Probe(monkeypatch)
+    gemma = tiny_model("gemma3_text")
+    path = tmp_path / "gemma.kvt.h5"
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=32, max_batch_tokens=64)
+    prompts = [list(range(3, 13)), list(range(20, 23)), list(range(30, 48))]
+    with kvtrace.record(gemma, path) as rec:
+        gemma.generate_batch(inputs=prompts, generation_config=_gc(12), continuous_batching_config=cb, warmup=False)
+    assert rec.recorder_errors == 0
+    assert_equal_to_cache(path, probe)
+    t = open_trace(path)
+    groups = t.sched_groups()
+    sliding = groups[groups["layer_type"] == int(LayerType.SLIDING)]
+    full = groups[groups["layer_type"] == int(LayerType.FULL)]
+    assert set(sliding["window"].tolist()) == {gemma.config.sliding_window} and set(full["window"].tolist()) == {-1}
+    blocks = t.blocks()
+    window = gemma.config.sliding_window
+    for b in blocks:
+        kind = int(groups[(groups["step"] == b["step"]) & (groups["group"] == b["group"])]["layer_type"][0])
+        if kind == LayerType.SLIDING:
+            assert b["tokens_valid"] <= window and b["blocks"] == math.ceil(b["tokens_valid"] / PAGE)
+    # last step (11): positions 21, 14, 29 -> full blocks 2, 1, 2 of 16 tokens; sliding: 8 tokens, 1 block each
+    last = blocks[blocks["step"] == 11]
+    assert int(blocks["step"].max()) == 11 and sorted(last["blocks"].tolist()) == [1, 1, 1, 1, 2, 2]
+    assert sorted(last["tokens_valid"].tolist()) == [8, 8, 8, 14, 21, 29]
+
+
+def test_preemption_accounting(monkeypatch, tmp_path):
+    """Soft resets on a 4-block pool: every step still matches the cache, each PREEMPTED event is
+    counted in its step's row, and each is followed by a new admission."""
+    probe = Probe(monkeypatch)
+    llama = tiny_model("llama")
+    path = tmp_path / "preempt.kvt.h5"
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=4, max_batch_tokens=64)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15]]
+    with kvtrace.record(llama, path) as rec:
+        llama.generate_batch(inputs=prompts, generation_config=_gc(40), continuous_batching_config=cb, warmup=False)
+    assert rec.recorder_errors == 0
+    assert_equal_to_cache(path, probe)
+    t = open_trace(path)
+    preempted = t.events(EventKind.PREEMPTED)
+    sched = t.sched()
+    assert preempted.size and int(sched["preempted"].sum()) == preempted.size
+    for step in set(preempted["step"].tolist()):
+        assert sched["preempted"][sched["step"] == step].tolist() == [int(np.sum(preempted["step"] == step))]
+    assert np.all(preempted["value"] > 0)  # the positions each held
+    cb_rows = TraceView(t).cb_requests
+    assert int(cb_rows["preemptions"].sum()) == preempted.size
+    assert sorted(t.events(EventKind.SCHEDULED)["value"].tolist())[-1] >= 2  # a re-admission counts up
+
+
+def test_mark_phase(tmp_path):
+    llama = tiny_model("llama")
+    path = tmp_path / "phases.kvt.h5"
+    rec = kvtrace.record(llama, path).start()
+    assert rec.mark_phase("baseline") == 0
+    assert rec.mark_phase("single") == 1
+    assert rec.mark_phase("long", index=7) == 7
+    with pytest.raises(ValueError):
+        rec.mark_phase("")
+    rec.close()
+    with pytest.raises(RuntimeError, match="not open"):
+        rec.mark_phase("late")
+    phases = TraceView(open_trace(path)).phases
+    assert phases["name"].tolist() == ["baseline", "single", "long"] and phases["index"].tolist() == [0, 1, 7]
+
+
+def test_unknown_cache_layout_is_said_not_recorded_as_zeros(monkeypatch, tmp_path, capfd):
+    """A cache the adapter does not recognise: requests and scheduler steps are recorded, the cache's
+    columns are -1 (not recorded, never zeros), and a NOTE plus one stderr line say 'unsupported
+    transformers version'."""
+    from kvtrace.recorder import serving_v523
+
+    monkeypatch.setattr(serving_v523.V523, "matches", lambda self, cache: False)
+    llama = tiny_model("llama")
+    path = tmp_path / "unknown.kvt.h5"
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=16, max_batch_tokens=64)
+    with kvtrace.record(llama, path):
+        llama.generate_batch(inputs=[[1, 2, 3]], generation_config=_gc(3), continuous_batching_config=cb, warmup=False)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if "unsupported transformers version" in line]
+    assert len(lines) == 1 and lines[0].startswith("kvtrace: warning: continuous batching is recorded without its paged cache")
+    t = open_trace(path)
+    notes = [t.text(e["text_off"], e["text_len"]) for e in t.events(EventKind.NOTE)]
+    assert notes == [lines[0][len("kvtrace: warning: "):]]
+    assert len(t.requests()) == 1 and t.requests()["outcome"][0] == Outcome.OK
+    sched = t.sched()
+    assert sched.size == 3 and sched["running"].tolist() == [1, 1, 1]  # the scheduler's side is version-free
+    for column in ("pool_bytes", "free_bytes", "valid_bytes", "blocks_in_use", "blocks_cached"):
+        assert set(sched[column].tolist()) == {-1}, column
+    assert t.sched_groups().size == 0 and t.blocks().size == 0
+
+
+def test_no_known_generation_is_said_at_start(monkeypatch, tmp_path, capfd):
+    from kvtrace.recorder import serving
+
+    monkeypatch.setattr(serving, "adapter_for", lambda: None)
+    with kvtrace.record(tiny_model("llama"), tmp_path / "none.kvt.h5"):
+        pass
+    err = [line for line in capfd.readouterr().err.splitlines() if "unsupported transformers version" in line]
+    assert len(err) == 1 and "neither 5.23's cache_allocators nor 5.17's BlockManager" in err[0]
