@@ -12,7 +12,9 @@ size rows x keys x sets is formed: memory O(rows * sets * splits * Dv).
 
 ``_quant_kernel`` -- min-max (or fp8) quantise-dequantise of K or V in registers, returning per
 (batch * head, program) the sum of squared errors and the sum and count of per-token cosines; the
-dequantised tensor never reaches memory.
+dequantised tensor never reaches memory. Rounding and sums are float64 (numerics.py's formula):
+the kernel is memory-bound, and fp32 would break the many rounding ties of bf16/fp16-grid data
+differently from the reference.
 
 Precision: scores are fp32 dots (16-bit inputs: exact products, fp32 accumulation; fp32 inputs:
 ``tf32x3``, about fp32 accuracy, on the GPU); ``p @ V`` takes fp32 ``p`` and fp32 ``V`` with
@@ -123,21 +125,32 @@ def _keep_kernel(
     tl.store(PACC + out[:, None] * DV + offs_dv[None, :], acc, mask=r_valid[:, None] & dv_valid[None, :])
 
 
-def _keep_configs() -> list:
-    # (BLOCK_M, SETS, BLOCK_N, warps, stages): 16-128 rows of fp32 state against 32-64 keys a
-    # step. fp32 inputs (the replay's) take 3xTF32 dots, whose operand splits need ~70-200 KiB of
-    # shared memory at D = 128 (AOT-compiled for sm_90): smaller tiles and one stage are offered
-    # too, and the autotuner skips what does not fit.
-    specs = [(16, 4, 64, 4, 2), (16, 4, 32, 4, 1), (16, 8, 32, 8, 1), (32, 2, 64, 4, 2), (16, 2, 32, 4, 2),
-             (16, 1, 32, 4, 1)]
+def _keep_configs(block_m: int | None = None) -> list:
+    """Configs (BLOCK_M, SETS, BLOCK_N, warps, stages): 16-128 rows of fp32 state against 32-64 keys
+    a step. fp32 inputs (the replay's) take 3xTF32 dots, whose operand splits need ~70-200 KiB of
+    shared memory at D = 128 (AOT-compiled for sm_90): smaller tiles and one stage are offered
+    too, and the autotuner skips what does not fit. With few queries (``block_m`` 1-8: decode
+    steps sample one query per sequence) the rows are mostly keep-sets."""
+    if block_m is None:
+        specs = [(16, 4, 64, 4, 2), (16, 4, 32, 4, 1), (16, 8, 32, 8, 1), (32, 2, 64, 4, 2), (16, 2, 32, 4, 2),
+                 (16, 1, 32, 4, 1)]
+    else:
+        bm = block_m
+        specs = [(bm, 16 // bm, 64, 4, 2), (bm, 16 // bm, 32, 4, 1), (bm, 32 // bm, 64, 4, 2),
+                 (bm, 32 // bm, 32, 4, 1), (bm, 64 // bm, 32, 8, 1)]
     return [triton.Config({"BLOCK_M": bm, "SETS": sets, "BLOCK_N": bn}, num_warps=w, num_stages=st)
             for bm, sets, bn, w, st in specs]
 
 
+def small_block_m(Tq: int) -> int | None:
+    """BLOCK_M for few queries (1, 2, 4 or 8), None for the general configs."""
+    return triton.next_power_of_2(max(Tq, 1)) if Tq <= 8 else None
+
+
 @cache
-def _tuned_keep():
+def _tuned_keep(block_m: int | None):
     # Tuned per head dims (and dtype, which the autotuner adds to the key); lengths hardly matter.
-    return triton.autotune(configs=_keep_configs(), key=["BLOCK_D", "BLOCK_DV"])(_keep_kernel)
+    return triton.autotune(configs=_keep_configs(block_m), key=["BLOCK_D", "BLOCK_DV"])(_keep_kernel)
 
 
 def split_unit() -> int:
@@ -172,11 +185,12 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
     flags = dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, DOT_F32=dot_f32, PREC_QK=prec_qk,
                  PREC_PV=prec_pv, ROUNDED=not interpreting(), BLOCK_D=block_d, BLOCK_DV=block_dv)
     if interpreting():
-        nq = triton.cdiv(Tq, INTERP_BLOCK_M)
-        grid = (nq * triton.cdiv(S, INTERP_SETS), B * Hq, n_splits)
-        _keep_kernel[grid](*args(), **flags, BLOCK_M=INTERP_BLOCK_M, SETS=INTERP_SETS, BLOCK_N=INTERP_BLOCK_N)
+        bm = min(INTERP_BLOCK_M, triton.next_power_of_2(max(Tq, 1)))
+        sets = max(INTERP_SETS, 16 // bm)
+        grid = (triton.cdiv(Tq, bm) * triton.cdiv(S, sets), B * Hq, n_splits)
+        _keep_kernel[grid](*args(), **flags, BLOCK_M=bm, SETS=sets, BLOCK_N=INTERP_BLOCK_N)
         return
-    kernel = _tuned_keep()
+    kernel = _tuned_keep(small_block_m(Tq))
     kernel[lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]) * triton.cdiv(S, meta["SETS"]), B * Hq, n_splits)](
         *args(), **flags)
 
@@ -199,6 +213,7 @@ def _rint(y):
 
 @triton.jit
 def _dequant(x, lo, hi, levels):
+    """numerics.quantize_minmax's formula, in the precision of its inputs."""
     scale = (hi - lo) / levels
     safe = tl.where(scale > 0, scale, 1.0)
     qv = tl.minimum(tl.maximum(_rint((x - lo) / safe), 0.0), levels)
@@ -220,8 +235,8 @@ def _fp8(x, MAN: tl.constexpr, EMIN: tl.constexpr, TOP: tl.constexpr):
 
 @triton.jit(do_not_specialize=["Tn", "group", "chunk"])
 def _quant_kernel(
-    X, SSE, COS, CNT, Hn, Tn, D, group, chunk, levels, sxb, sxh, sxt,
-    MODE: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr, TOP: tl.constexpr,
+    X, SSE, COS, CNT, Hn, Tn, D, group, chunk, sxb, sxh, sxt,
+    LEVELS: tl.constexpr, MODE: tl.constexpr, MAN: tl.constexpr, EMIN: tl.constexpr, TOP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -245,9 +260,12 @@ def _quant_kernel(
             c_lo = tl.minimum(c_lo, tl.min(tl.where(ok, x, float("inf")), axis=0))
             c_hi = tl.maximum(c_hi, tl.max(tl.where(ok, x, float("-inf")), axis=0))
 
-    sse = tl.zeros([BLOCK_T], dtype=tl.float32)
-    cos = tl.zeros([BLOCK_T], dtype=tl.float32)
-    cnt = tl.zeros([BLOCK_T], dtype=tl.float32)
+    # Errors are taken in float64, as numerics.py does: recorded K/V sit on a coarse (bf16/fp16)
+    # grid where (x - lo) / scale often lands near a rounding tie, which fp32 and float64 break
+    # differently (a whole quantum apart: first order in the cosine).
+    sse = tl.zeros([BLOCK_T], dtype=tl.float64)
+    cos = tl.zeros([BLOCK_T], dtype=tl.float64)
+    cnt = tl.zeros([BLOCK_T], dtype=tl.float64)
     for start in range(t0, t1, BLOCK_T):
         offs_t = start + tl.arange(0, BLOCK_T)
         t_valid = offs_t < t1
@@ -262,18 +280,19 @@ def _quant_kernel(
                 g_hi = tl.max(tl.where(in_g[None, :], x, float("-inf")), axis=1)
                 lo = tl.where(in_g[None, :], g_lo[:, None], lo)
                 hi = tl.where(in_g[None, :], g_hi[:, None], hi)
-            xq = _dequant(x, lo, hi, levels)
+            xq = _dequant(x.to(tl.float64), lo.to(tl.float64), hi.to(tl.float64), LEVELS)
         elif MODE == 1:
-            xq = _dequant(x, c_lo[None, :], c_hi[None, :], levels)
+            xq = _dequant(x.to(tl.float64), c_lo.to(tl.float64)[None, :], c_hi.to(tl.float64)[None, :], LEVELS)
         else:
-            xq = _fp8(x, MAN, EMIN, TOP)
+            xq = _fp8(x, MAN, EMIN, TOP).to(tl.float64)  # exact in fp32 (scaling by powers of two)
+        x64 = x.to(tl.float64)
         xq = tl.where(ok, xq, 0.0)
-        diff = x - xq
+        diff = x64 - xq
         sse += tl.sum(diff * diff, axis=1)
-        na = tl.sum(x * x, axis=1)
+        na = tl.sum(x64 * x64, axis=1)
         nb = tl.sum(xq * xq, axis=1)
         good = t_valid & (na > 0) & (nb > 0)
-        c = tl.sum(x * xq, axis=1) / (tl.sqrt(tl.where(good, na, 1.0)) * tl.sqrt(tl.where(good, nb, 1.0)))
+        c = tl.sum(x64 * xq, axis=1) / (tl.sqrt(tl.where(good, na, 1.0)) * tl.sqrt(tl.where(good, nb, 1.0)))
         cos += tl.where(good, c, 0.0)
         cnt += tl.where(good, 1.0, 0.0)
     out = pid_bh.to(tl.int64) * tl.num_programs(0) + pid
@@ -292,15 +311,15 @@ def quant_grid(Tn: int, mode: int, group: int) -> tuple[int, int]:
 
 def run_quant(x, sse, cos, cnt, *, Tn, mode, group, chunk, bits, fp8=(3, -6, 448.0)) -> None:
     """Launch ``_quant_kernel`` over the first ``Tn`` tokens of x [B, H, T, D] (last dim
-    contiguous); sse/cos/cnt fp32 [B * H * programs] outputs."""
+    contiguous); sse/cos/cnt float64 [B * H * programs] outputs."""
     B, H, _, D = x.shape
     n_prog = sse.numel() // (B * H)
     block_d = max(16, triton.next_power_of_2(D))
     block_t = INTERP_BLOCK_T if interpreting() else max(1, min(64, 8192 // block_d))
     man, emin, top = fp8
     _quant_kernel[(n_prog, B * H)](
-        x, sse, cos, cnt, H, Tn, D, max(1, int(group)), int(chunk), float((1 << bits) - 1),
+        x, sse, cos, cnt, H, Tn, D, max(1, int(group)), int(chunk),
         x.stride(0), x.stride(1), x.stride(2),
-        MODE=mode, MAN=int(man), EMIN=int(emin), TOP=float(top), BLOCK_T=block_t, BLOCK_D=block_d,
+        LEVELS=float((1 << bits) - 1), MODE=mode, MAN=int(man), EMIN=int(emin), TOP=float(top), BLOCK_T=block_t, BLOCK_D=block_d,
         num_warps=4,
     )

@@ -45,11 +45,14 @@ class Compute:
     classify_entropy: Callable[..., Any]
     h2o_eviction: Callable[..., Any]
     streaming_eviction: Callable[..., Any]
+    keep_measures: Callable[..., Any]  # what-if replay: keep-set recall and output error
+    output_error: Callable[..., Any]
+    quant_error: Callable[..., Any]
 
     def __init__(self, device: str, backend: str, device_note: str = "") -> None:
         import torch
 
-        from kvtrace.kernels import analyses, attention, mla, norms
+        from kvtrace.kernels import analyses, attention, mla, norms, whatif
 
         self._torch = torch
         self.device, self.backend, self.device_note = device, backend, device_note
@@ -57,6 +60,8 @@ class Compute:
             norms.head_norms, attention.attention_stats, mla.mla_spectrum)
         self.kv_head_report, self.classify_entropy = analyses.kv_head_report, analyses.classify_entropy
         self.h2o_eviction, self.streaming_eviction = analyses.h2o_eviction, analyses.streaming_eviction
+        self.keep_measures, self.output_error, self.quant_error = (
+            whatif.keep_measures, whatif.output_error, whatif.quant_error)
 
     @property
     def label(self) -> str:

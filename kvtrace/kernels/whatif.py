@@ -151,7 +151,7 @@ def _split_plan(g: _Attn, n_sets: int, device: torch.device, num_splits: int | N
     unit = split_unit()
     if num_splits is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        base = g.B * g.Hq * -(-g.Tq // 16) * -(-n_sets // 4)
+        base = g.B * g.Hq * -(-g.Tq * n_sets // 32)  # programs without splits, ~32 rows each
         want = -(-2 * sms // max(base, 1))
         num_splits = max(1, min(want, -(-g.T // 1024)))  # at least ~1k keys per split
     per = -(-g.T // max(1, num_splits))
@@ -289,17 +289,26 @@ class QuantSpec:
             raise ValueError(f"residual must be >= 0, got {self.residual}")
 
 
+def _minmax_last(g: torch.Tensor, levels: int) -> torch.Tensor:
+    """Round trip with one scale and zero per row of the last dim."""
+    lo = g.amin(dim=-1, keepdim=True)
+    scale = (g.amax(dim=-1, keepdim=True) - lo) / levels
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.clamp(torch.round((g - lo) / safe), 0, levels) * scale + lo
+
+
 def _minmax(x: torch.Tensor, bits: int, dim: int, group: int) -> torch.Tensor:
+    """Groups of ``group`` along ``dim`` from its start (the last one possibly shorter)."""
     x = x.movedim(dim, -1)
-    out = torch.empty_like(x)
+    lead, n = x.shape[:-1], x.shape[-1]
+    full = n // group * group
     levels = (1 << bits) - 1
-    for s in range(0, x.shape[-1], group):
-        g = x[..., s:s + group]
-        lo = g.amin(dim=-1, keepdim=True)
-        scale = (g.amax(dim=-1, keepdim=True) - lo) / levels
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        out[..., s:s + group] = torch.clamp(torch.round((g - lo) / safe), 0, levels) * scale + lo
-    return out.movedim(-1, dim)
+    parts = []
+    if full:
+        parts.append(_minmax_last(x[..., :full].reshape(*lead, full // group, group), levels).reshape(*lead, full))
+    if full < n:
+        parts.append(_minmax_last(x[..., full:], levels))
+    return torch.cat(parts, dim=-1).movedim(-1, dim)
 
 
 def _fp8(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -342,8 +351,9 @@ def quant_error_reference(x: torch.Tensor, spec: QuantSpec, dtype: torch.dtype =
 
 
 def quant_error_triton(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(MSE, cosine) per head ``[H]`` float64 from the fused kernel (the dequantised tensor stays
-    in registers; per-program partial sums are added in float64)."""
+    """(MSE, cosine) per head ``[H]`` float64 from the fused kernel: the dequantised tensor stays
+    in registers, quantisation and error sums in float64 as numerics.py (only the summation order
+    differs)."""
     from kvtrace.kernels import _triton_whatif as tw
 
     if x.dim() != 4:
@@ -357,10 +367,10 @@ def quant_error_triton(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, 
     if n > 0 and D > 0:
         mode = tw.MODE_FP8 if spec.kind == "fp8" else tw.MODE_TOKEN_GROUPS if spec.axis == "token" else tw.MODE_CHANNEL_GROUPS
         n_prog, chunk = tw.quant_grid(n, mode, spec.group)
-        parts = torch.empty(3, B * H * n_prog, dtype=torch.float32, device=x.device)
+        parts = torch.empty(3, B * H * n_prog, dtype=torch.float64, device=x.device)
         tw.run_quant(x, parts[0], parts[1], parts[2], Tn=n, mode=mode, group=spec.group, chunk=chunk,
                      bits=spec.bits, fp8=(spec.man, spec.emin, spec.top))
-        sums = parts.view(3, B, H, n_prog).to(torch.float64).sum(dim=(1, 3))
+        sums = parts.view(3, B, H, n_prog).sum(dim=(1, 3))
         sse, cos, cnt = sums[0], sums[1], sums[2]
     if n < T:  # residual tokens are exact: error 0, cosine 1 wherever the token is not all zero
         res = (x[:, :, n:].float().pow(2).sum(-1) > 0).sum(dim=(0, 2)).to(torch.float64)
