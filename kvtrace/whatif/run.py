@@ -139,6 +139,8 @@ def _skip(skipped: list[dict[str, Any]], measure: str, u: source.Unit, reason: s
 def _unit(pol: Policy, ratio: float | None, u: source.Unit, skipped: list[dict[str, Any]]) -> dict[str, Any]:
     row: dict[str, Any] = {"request": u.request, "layer": u.layer, "step": u.step, "layer_type": u.layer_type,
                            "tokens": int(u.k.shape[2]), "kv_heads": u.kv_heads}
+    if u.latent:
+        row["tensors"] = ["latent", "rope_key"]  # what key_* / value_* measure on an MLA cache
     vis = visible_mask(u.eval_pos, u.k_pos, u.window) if u.eval_q is not None else None
     hk = u.k.shape[1]
     if isinstance(pol, ScorerPolicy):
@@ -149,12 +151,9 @@ def _unit(pol: Policy, ratio: float | None, u: source.Unit, skipped: list[dict[s
                 _skip(skipped, "all content measures", u, f"{pol.name} needs observed queries: {reason}")
                 return {}
             obs = Observed(u.obs_q, u.obs_pos, u.k_pos, u.window, u.scale)
-        if u.latent:
-            _skip(skipped, "attention_mass_recall", u, u.no_queries)
-            return {}
         keep = pol.plan(u.k, ratio if ratio is not None else 0.0, obs, u.v)
         row["kept_tokens_per_head"] = keep.sum(axis=(0, 2)).tolist()
-        if vis is None:
+        if vis is None or u.latent:
             _skip(skipped, "attention_mass_recall", u, u.no_queries)
             _skip(skipped, "attention_output_error", u, u.no_queries)
             return row

@@ -113,8 +113,11 @@ def units(trace: Trace) -> Iterator[Unit]:
     for i, r in enumerate(index):
         rows.setdefault((int(r["request"]), int(r["layer"]), int(r["kind"])), []).append((int(r["step"]), i))
     for request, layer in sorted({(rq, ly) for rq, ly, _ in rows}):
-        ksteps = {s for s, _ in rows.get((request, layer, int(PK.KEY)), [])}
-        vsteps = {s for s, _ in rows.get((request, layer, int(PK.VALUE)), [])}
+        # MLA caches (transformers 5.x) hold a latent and a RoPE key part instead of K and V:
+        # they stand in as "keys" and "values" (reconstruction and key-only plans; no attention)
+        kk, vk = (PK.KEY, PK.VALUE) if (request, layer, int(PK.KEY)) in rows else (PK.LATENT, PK.ROPE_KEY)
+        ksteps = {s for s, _ in rows.get((request, layer, int(kk)), [])}
+        vsteps = {s for s, _ in rows.get((request, layer, int(vk)), [])}
         both = sorted(ksteps & vsteps)
         if not both:
             continue
@@ -123,8 +126,8 @@ def units(trace: Trace) -> Iterator[Unit]:
         first = int(sel[0]["tokens_seen"]) - int(sel[0]["tokens_kept"]) if sel.size else None
         code = int(sel[0]["layer_type"]) if sel.size else int(layers[layer]["layer_type"]) if layer in layers else 0
         lt = LT(code) if code in LT._value2member_map_ else LT.UNKNOWN
-        kp = asm.at(request, layer, int(PK.KEY), step, first=first)
-        vp = asm.at(request, layer, int(PK.VALUE), step, first=first)
+        kp = asm.at(request, layer, int(kk), step, first=first)
+        vp = asm.at(request, layer, int(vk), step, first=first)
         asm.clear()
         if kp is None or vp is None or len(kp.shape) != 4 or len(vp.shape) != 4 or kp.shape[:3] != vp.shape[:3]:
             continue
@@ -167,8 +170,11 @@ def _queries(trace: Trace, u: Unit, qrows: list[tuple[int, int]], cfg: dict, lro
     if ev:
         q = np.concatenate([a for a, _ in ev], axis=2)
         pos = np.concatenate([b for _, b in ev])
-        lo = np.maximum(pos - u.window + 1, 0) if u.window else np.zeros_like(pos)
-        ok = (lo >= k0) & (pos <= k1)  # every key the query attends to is in the sample
+        # every key the query attends to is in the sample; a sliding layer keeps window - 1
+        # tokens after the step, so its query's oldest window key is already gone: measured over
+        # the keys the cache holds (spec/whatif-json.md)
+        lo = np.maximum(pos - u.window + 2, 0) if u.window else np.zeros_like(pos)
+        ok = (lo >= k0) & (pos <= k1)
         if ok.any():
             u.eval_q, u.eval_pos = q[:, :, ok], pos[ok]
         else:

@@ -67,13 +67,17 @@ def test_paging_waste_from_sizes():
     assert big["kept_peak"] == 2 * 256 * 128 and big["saved_peak"] < 0
 
 
-def test_sliding_hybrid_reports_what_it_cannot_measure():
-    doc = _run(GEMMA, ["knorm", "snapkv:window_size=4"])
+def test_sliding_hybrid_measures_sliding_layers_over_the_window_they_hold():
+    # a sliding layer holds window - 1 tokens after a step: its query's oldest window key is gone,
+    # so it is measured over the keys held (before: skipped as "outside the sample")
+    doc = _run(GEMMA, ["knorm", "snapkv:window_size=4"], (0.0, 0.5))
     r = _result(doc, "knorm", 0.5)
-    assert r["layers"] and r["skipped"]
-    assert all(s["reason"] for s in r["skipped"])
-    types = {x["layer_type"] for x in r["layers"]}
-    assert "sliding" in types
+    sliding = [x for x in r["layers"] if x["layer_type"] == "sliding"]
+    assert sliding and all("attention_mass_recall" in x for x in sliding)
+    assert all(x["tokens"] == 7 for x in sliding)  # the fixture's window is 8
+    assert not r["skipped"]
+    zero = _result(doc, "knorm", 0.0)
+    assert zero["overall"]["attention_mass_recall"]["worst"] == pytest.approx(1.0)
 
 
 def test_trace_without_payloads_measures_bytes_only():
