@@ -116,40 +116,32 @@ def summary(directory: str, group_by: str, sql: str | None, as_json: bool, json_
 @click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05,
               show_default=True, help="Significance level of the Mann-Whitney test.")
 @click.option("--min-effect", type=click.FloatRange(0), default=0.05, show_default=True,
-              help="Smallest median shift, as a fraction of the baseline median, called a change.")
+              help="Smallest change called one: median shift as a fraction of the baseline median; "
+                   "findings rates: rate points (0.05 = 5 points).")
 @json_options
 @guarded
 def diff(directory: str, baseline: str, candidate: str, fail_on: str | None, alpha: float, min_effect: float,
          as_json: bool, json_out: str | None) -> None:
-    """Compare two groups of traces of DIRECTORY per metric: exact KV bytes per token, and noisy metrics
-    (peak and retained allocation, fragmentation, findings) with a Mann-Whitney test, Cliff's
-    delta and a bootstrap CI of the median shift. Verdict per metric: unchanged / regressed /
-    improved (exact metrics may also be 'changed'; too few observations: 'insufficient')."""
+    """Compare two groups of traces of DIRECTORY per metric: exact KV bytes per token (per model
+    type and layer type); noisy metrics (peak and retained allocation, fragmentation, findings,
+    recorder overhead where recorded) with a Mann-Whitney test, Cliff's delta and a bootstrap CI
+    of the median shift; findings rates per detector with Fisher's exact test. Verdict per
+    metric: unchanged / regressed / improved (exact metrics may also be 'changed' or
+    'not_compared'; too few observations: 'insufficient'; nothing recorded: 'absent')."""
     check_json_out(json_out, (directory,))
     query, compare = fleet_modules("query", "compare")
     try:
         a, b = compare.Selector.parse(baseline), compare.Selector.parse(candidate)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
-    con = _connect(directory)
+    con = _connect(directory, compare.DIFF_TABLES)
     try:
         doc = compare.fleet_diff(con, a, b, alpha=alpha, min_effect=min_effect)
     except query.FleetError as exc:
         raise click.UsageError(str(exc)) from None
     write_json(doc, json_out, as_json=as_json)
     if not as_json:
-        rows = []
-        for m in doc["metrics"]:
-            if m["kind"] == "exact":
-                base, cand = m["baseline"]["values"], m["candidate"]["values"]
-                rows.append((m["metric"], ", ".join(format_bytes(v) for v in base) or "-",
-                             ", ".join(format_bytes(v) for v in cand) or "-", "exact", m["verdict"]))
-                continue
-            fmt = (lambda v: format_bytes(v)) if m["unit"] == "bytes" else (lambda v: f"{v:.3g}")
-            med = lambda d, fmt=fmt: f"{fmt(d['median'])} (n={d['n']})" if d.get("n") else "n=0"  # noqa: E731
-            stat = (f"p={m['p_value']:.3g}, delta={m['cliffs_delta']:+.2f}, "
-                    f"CI [{fmt(m['ci'][0])}, {fmt(m['ci'][1])}]") if "p_value" in m else m.get("reason", "")
-            rows.append((m["metric"], med(m["baseline"]), med(m["candidate"]), stat, m["verdict"]))
+        rows = compare.metric_rows(doc, format_bytes)
         _print_table(f"{doc['candidate']['selector']} ({doc['candidate']['traces']} traces) vs "
                      f"{doc['baseline']['selector']} ({doc['baseline']['traces']} traces)",
                      ["metric", "baseline median", "candidate median", "test", "verdict"], rows)

@@ -1,11 +1,14 @@
 """`kvtrace fleet diff`: per metric, the baseline and candidate distributions and a verdict.
 
 Noisy metrics (peak and retained allocation per request, fragmentation per trace, findings per
-trace) get a Mann-Whitney U test (scipy) with Cliff's delta as the effect size and a seeded
-bootstrap confidence interval of the difference of medians. A metric regresses only when the test
-rejects at ``alpha`` AND the interval excludes zero AND the median moved by more than
-``min_effect`` of the baseline median: with hundreds of traces a test alone flags byte-sized
-shifts nobody cares about. Exact-geometry metrics (KV bytes per token per layer type) are compared
+trace, the recorder's own device bytes and its errors and dropped samples) get a Mann-Whitney U
+test (scipy) with Cliff's delta as the effect size and a seeded bootstrap confidence interval of
+the difference of medians. A metric regresses only when the test rejects at ``alpha`` AND the
+interval excludes zero AND the median moved by more than ``min_effect`` of the baseline median:
+with hundreds of traces a test alone flags byte-sized shifts nobody cares about. Findings rates
+per detector (share of traces with a finding at or above low) get Fisher's exact test and a
+bootstrap interval of the rate difference, and change only by more than ``min_effect`` rate
+points. Exact-geometry metrics (KV bytes per token per model type and layer type) are compared
 as sets of exact values: any difference is a change, no statistics.
 """
 
@@ -33,10 +36,22 @@ NOISY_METRICS: tuple[tuple[str, str, str], ...] = (
     ("max inactive_split_bytes per trace",
      "SELECT trace_id, max(inactive_split_bytes)::DOUBLE FROM telemetry WHERE source = 'allocator' "
      "AND inactive_split_bytes >= 0 GROUP BY trace_id", "bytes"),
-    ("findings >= low per trace",
-     "SELECT t.trace_id, count(f.trace_id) FILTER (WHERE f.severity_rank >= 1)::DOUBLE FROM traces t "
-     "LEFT JOIN findings f USING (trace_id) GROUP BY t.trace_id", "count"),
+    ("findings >= low per trace", "SELECT trace_id, findings_low::DOUBLE FROM traces", "count"),
+    # recorder overhead, where the trace records it: its own device bytes (sampler staging) per
+    # request, and its health. Its time cost is not in the trace (measure it: bench/bench_overhead.py).
+    ("recorder_own device bytes per request",
+     "SELECT trace_id, allocated_bytes::DOUBLE FROM readings WHERE label = 'recorder_own' AND device >= 0 "
+     "AND allocated_bytes >= 0", "bytes"),
+    ("recorder errors per trace",
+     "SELECT t.trace_id, count(e.trace_id)::DOUBLE FROM traces t LEFT JOIN events e "
+     "ON e.trace_id = t.trace_id AND e.kind = 'recorder_error' GROUP BY t.trace_id", "count"),
+    ("dropped samples per trace",
+     "SELECT t.trace_id, coalesce(sum(e.value), 0)::DOUBLE FROM traces t LEFT JOIN events e "
+     "ON e.trace_id = t.trace_id AND e.kind = 'dropped_samples' GROUP BY t.trace_id", "count"),
 )
+
+# The views fleet_diff queries (connect(directory, DIFF_TABLES)).
+DIFF_TABLES = ("traces", "requests", "kv", "telemetry", "readings", "events")
 
 
 @dataclass
@@ -65,10 +80,11 @@ def _values(con: Any, sql: str, ids: list[str]) -> np.ndarray:
     return np.array([r[1] for r in rows if r[1] is not None], dtype=np.float64)
 
 
-def _bootstrap_median_diff(a: np.ndarray, b: np.ndarray, level: float) -> tuple[float, float]:
+def _bootstrap_diff(a: np.ndarray, b: np.ndarray, level: float, stat: Any = np.median) -> tuple[float, float]:
+    """Seeded bootstrap interval of stat(b) - stat(a) (median for values, mean for 0/1 rates)."""
     rng = np.random.default_rng(SEED)
-    ma = np.median(rng.choice(a, (BOOTSTRAP, a.size)), axis=1)
-    mb = np.median(rng.choice(b, (BOOTSTRAP, b.size)), axis=1)
+    ma = stat(rng.choice(a, (BOOTSTRAP, a.size)), axis=1)
+    mb = stat(rng.choice(b, (BOOTSTRAP, b.size)), axis=1)
     lo, hi = np.quantile(mb - ma, [(1 - level) / 2, 1 - (1 - level) / 2])
     return float(lo), float(hi)
 
@@ -103,10 +119,12 @@ def compare_noisy(name: str, unit: str, a: np.ndarray, b: np.ndarray, *, alpha: 
                   level: float) -> dict[str, Any]:
     out: dict[str, Any] = {"metric": name, "unit": unit, "kind": "statistical",
                            "baseline": _describe(a), "candidate": _describe(b)}
+    if a.size == 0 and b.size == 0:
+        return {**out, "verdict": "absent", "reason": "not recorded in either group"}
     if a.size < 2 or b.size < 2:
         return {**out, "verdict": "insufficient", "reason": "fewer than 2 observations in a group"}
     p, delta = _mann_whitney(a, b)
-    lo, hi = _bootstrap_median_diff(a, b, level)
+    lo, hi = _bootstrap_diff(a, b, level)
     shift = float(np.median(b) - np.median(a))
     scale = abs(float(np.median(a))) or max(abs(float(np.median(b))), 1.0)
     relative = shift / scale
@@ -125,13 +143,54 @@ def _describe(x: np.ndarray) -> dict[str, Any]:
             "mean": float(x.mean())}
 
 
-def _geometry(con: Any, ids: list[str]) -> dict[str, set[float]]:
-    rows = con.execute("SELECT DISTINCT layer_type, bytes_per_token FROM kv WHERE bytes_per_token IS NOT NULL "
-                       "AND trace_id IN (SELECT unnest($ids))", {"ids": ids}).fetchall()
-    out: dict[str, set[float]] = {}
-    for layer_type, value in rows:
-        out.setdefault(layer_type, set()).add(float(value))
+def compare_rate(name: str, a: np.ndarray, b: np.ndarray, *, alpha: float, min_effect: float,
+                 level: float) -> dict[str, Any]:
+    """Two shares of flagged traces (arrays of 0/1): Fisher's exact test, bootstrap CI of b - a."""
+    from scipy.stats import fisher_exact
+
+    out: dict[str, Any] = {"metric": name, "unit": "rate", "kind": "rate",
+                           "baseline": {"n": int(a.size), "flagged": int(a.sum()), "rate": float(a.mean())},
+                           "candidate": {"n": int(b.size), "flagged": int(b.sum()), "rate": float(b.mean())}}
+    if a.size < 2 or b.size < 2:
+        return {**out, "verdict": "insufficient", "reason": "fewer than 2 traces in a group"}
+    p = float(fisher_exact([[int(b.sum()), int(b.size - b.sum())], [int(a.sum()), int(a.size - a.sum())]])[1])
+    lo, hi = _bootstrap_diff(a, b, level, np.mean)
+    shift = float(b.mean() - a.mean())
+    verdict = "unchanged"
+    if p < alpha and (lo > 0 or hi < 0) and abs(shift) > min_effect:
+        verdict = "regressed" if shift > 0 else "improved"
+    return {**out, "rate_shift": shift, "ci": [lo, hi], "ci_level": level, "p_value": p, "verdict": verdict}
+
+
+def _flagged_detectors(con: Any, ids: list[str]) -> dict[str, set[str]]:
+    """detector -> ids of the traces with a finding of it at or above low."""
+    rows = con.execute("SELECT t.trace_id, f.detector FROM traces t, unnest(t.findings_by) AS u(f) "
+                       "WHERE f.severity_rank >= 1 AND t.trace_id IN (SELECT unnest($ids))", {"ids": ids}).fetchall()
+    out: dict[str, set[str]] = {}
+    for tid, det in rows:
+        out.setdefault(det, set()).add(tid)
     return out
+
+
+def _geometry(con: Any, ids: list[str]) -> dict[tuple[str, str], set[float]]:
+    rows = con.execute("SELECT DISTINCT t.model_type, kv.layer_type, kv.bytes_per_token FROM kv "
+                       "JOIN traces t USING (trace_id) WHERE kv.bytes_per_token IS NOT NULL "
+                       "AND kv.trace_id IN (SELECT unnest($ids))", {"ids": ids}).fetchall()
+    out: dict[tuple[str, str], set[float]] = {}
+    for model_type, layer_type, value in rows:
+        out.setdefault((model_type or "?", layer_type), set()).add(float(value))
+    return out
+
+
+def _exact(key: tuple[str, str], va: list[float], vb: list[float]) -> dict[str, Any]:
+    if va == vb:
+        verdict = "unchanged"
+    elif not va or not vb:
+        verdict = "not_compared"  # this model and layer type exist on one side only: another model mix
+    else:
+        verdict = "regressed" if max(vb) > max(va) else "improved" if max(vb) < max(va) else "changed"
+    return {"metric": f"kv bytes per token ({key[0]}, {key[1]} layers)", "unit": "bytes", "kind": "exact",
+            "baseline": {"values": va}, "candidate": {"values": vb}, "verdict": verdict}
 
 
 def fleet_diff(con: Any, baseline: Selector, candidate: Selector, *, alpha: float = 0.05,
@@ -143,20 +202,40 @@ def fleet_diff(con: Any, baseline: Selector, candidate: Selector, *, alpha: floa
             raise FleetError(f"no exported trace has {sel.key} = {sel.value!r}")
     metrics = []
     ga, gb = _geometry(con, a_ids), _geometry(con, b_ids)
-    for lt in sorted(set(ga) | set(gb)):
-        va, vb = sorted(ga.get(lt, ())), sorted(gb.get(lt, ()))
-        if va == vb:
-            verdict = "unchanged"
-        elif not va or not vb:
-            verdict = "changed"  # the layer type exists on one side only: a different model mix
-        else:
-            verdict = "regressed" if max(vb) > max(va) else "improved" if max(vb) < max(va) else "changed"
-        metrics.append({"metric": f"kv bytes per token ({lt} layers)", "unit": "bytes", "kind": "exact",
-                        "baseline": {"values": va}, "candidate": {"values": vb}, "verdict": verdict})
+    for key in sorted(set(ga) | set(gb)):
+        metrics.append(_exact(key, sorted(ga.get(key, ())), sorted(gb.get(key, ()))))
     for name, sql, unit in NOISY_METRICS:
         metrics.append(compare_noisy(name, unit, _values(con, sql, a_ids), _values(con, sql, b_ids),
                                      alpha=alpha, min_effect=min_effect, level=level))
+    fa, fb = _flagged_detectors(con, a_ids), _flagged_detectors(con, b_ids)
+    for det in sorted(set(fa) | set(fb)):
+        flags = [np.array([t in f.get(det, ()) for t in ids], np.float64) for f, ids in ((fa, a_ids), (fb, b_ids))]
+        metrics.append(compare_rate(f"{det} findings rate (traces with one >= low)", *flags,
+                                    alpha=alpha, min_effect=min_effect, level=level))
     return {"baseline": {"selector": f"{baseline.key}={baseline.value}", "traces": len(a_ids)},
             "candidate": {"selector": f"{candidate.key}={candidate.value}", "traces": len(b_ids)},
             "alpha": alpha, "min_effect": min_effect, "metrics": metrics,
             "regressed": [m["metric"] for m in metrics if m["verdict"] == "regressed"]}
+
+
+def metric_rows(doc: dict[str, Any], fmt_bytes: Any) -> list[tuple[str, str, str, str, str]]:
+    """(metric, baseline, candidate, test, verdict) as text, for the CLI table and the HTML report."""
+    rows = []
+    for m in doc["metrics"]:
+        if m["kind"] == "exact":
+            base, cand = m["baseline"]["values"], m["candidate"]["values"]
+            rows.append((m["metric"], ", ".join(fmt_bytes(v) for v in base) or "-",
+                         ", ".join(fmt_bytes(v) for v in cand) or "-", "exact", m["verdict"]))
+            continue
+        if m["kind"] == "rate":
+            side = lambda d: f"{d['rate']:.1%} ({d['flagged']}/{d['n']})"  # noqa: E731
+            stat = (f"Fisher p={m['p_value']:.3g}, CI [{m['ci'][0]:+.1%}, {m['ci'][1]:+.1%}]"
+                    if "p_value" in m else m.get("reason", ""))
+            rows.append((m["metric"], side(m["baseline"]), side(m["candidate"]), stat, m["verdict"]))
+            continue
+        fmt = fmt_bytes if m["unit"] == "bytes" else (lambda v: f"{v:.3g}")
+        med = lambda d, fmt=fmt: f"{fmt(d['median'])} (n={d['n']})" if d.get("n") else "n=0"  # noqa: E731
+        stat = (f"p={m['p_value']:.3g}, delta={m['cliffs_delta']:+.2f}, "
+                f"CI [{fmt(m['ci'][0])}, {fmt(m['ci'][1])}]") if "p_value" in m else m.get("reason", "")
+        rows.append((m["metric"], med(m["baseline"]), med(m["candidate"]), stat, m["verdict"]))
+    return rows

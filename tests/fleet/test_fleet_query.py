@@ -80,13 +80,18 @@ def test_diff_flags_the_planted_regression_only(fleet_dir, capsys):
     code, control = _json(capsys, "fleet", "diff", str(fleet_dir), "--baseline", base,
                           "--candidate", "transformers_version=5.23.0", "--fail-on", "regressed", "--json")
     assert code == 0 and control["regressed"] == []  # same recordings under another version: unchanged
-    assert set(_verdicts(control).values()) <= {"unchanged", "insufficient"}
+    assert set(_verdicts(control).values()) <= {"unchanged", "insufficient", "absent"}
+    # these synthetic traces hold no recorder_own readings: said absent, not zero
+    assert _verdicts(control)["recorder_own device bytes per request"] == "absent"
     code, planted = _json(capsys, "fleet", "diff", str(fleet_dir), "--baseline", base,
                           "--candidate", "transformers_version=5.99.0", "--json")
     assert code == 0  # no --fail-on: report only
     v = _verdicts(planted)
     assert v["retained_allocated_bytes per request"] == "regressed"
-    assert v["kv bytes per token (full layers)"] == "unchanged"  # exact geometry did not move
+    exact = [m for m in planted["metrics"] if m["kind"] == "exact"]
+    assert {m["metric"] for m in exact} == {"kv bytes per token (qwen3, full layers)",
+                                            "kv bytes per token (qwen3, sliding layers)"}
+    assert {m["verdict"] for m in exact} == {"unchanged"}  # exact geometry did not move
     m = next(m for m in planted["metrics"] if m["metric"] == "retained_allocated_bytes per request")
     assert m["ci"][0] > 0 and m["p_value"] < 0.05 and m["cliffs_delta"] == 1.0
     code, _ = _json(capsys, "fleet", "diff", str(fleet_dir), "--baseline", base,
@@ -97,6 +102,76 @@ def test_diff_flags_the_planted_regression_only(fleet_dir, capsys):
     code, _ = _json(capsys, "fleet", "diff", str(fleet_dir), "--baseline", base,
                     "--candidate", "transformers_version=9.9")
     assert code == exitcodes.USAGE
+
+
+def _copies(src, out_dir, n: int, version: str, own_bytes: int | None = None) -> list[str]:
+    """n distinct copies of a real recording under another transformers_version; with own_bytes,
+    one recorder_own reading per request holding that many device bytes."""
+    import shutil
+
+    import h5py
+    import numpy as np
+
+    paths = []
+    for i in range(n):
+        dst = out_dir / f"{version}-{i}-{src.name}"
+        shutil.copy(src, dst)
+        with h5py.File(dst, "r+") as f:
+            f["meta"].attrs["transformers_version"] = version
+            f["meta"].attrs["copy"] = i  # distinct content: distinct trace ids
+            if own_bytes is not None:
+                r = f["readings"]
+                row = np.zeros(1, r.dtype)
+                row["label"], row["device"], row["allocated_bytes"], row["reserved_bytes"] = 7, 0, own_bytes + i, -1
+                r.resize((r.shape[0] + 1,))
+                r[-1] = row[0]
+        paths.append(str(dst))
+    return paths
+
+
+def test_diff_findings_rates_and_recorder_overhead(tmp_path, capsys):
+    """Real H100 recordings: six clean runs against six that keep their cache. The post_eos rate
+    goes 0/6 -> 6/6 (regressed, Fisher p = 0.002); the recorder's own bytes grow 1 MiB -> 8 MiB."""
+    from pathlib import Path
+
+    from kvtrace.fleet.export import export_parquet
+
+    data = Path(__file__).resolve().parent.parent / "data" / "gpu"
+    (tmp_path / "in").mkdir()
+    paths = (_copies(data / "gpu_clean.kvt.h5", tmp_path / "in", 6, "A", own_bytes=1 << 20)
+             + _copies(data / "gpu_kept_cache.kvt.h5", tmp_path / "in", 6, "B", own_bytes=8 << 20))
+    r = export_parquet(paths, tmp_path / "f")
+    assert len(r.exported) == 12 and not r.failed
+    code, doc = _json(capsys, "fleet", "diff", str(tmp_path / "f"), "--baseline", "transformers_version=A",
+                      "--candidate", "transformers_version=B", "--json")
+    assert code == 0
+    by = {m["metric"]: m for m in doc["metrics"]}
+    rate = by["post_eos findings rate (traces with one >= low)"]
+    assert (rate["baseline"]["flagged"], rate["candidate"]["flagged"]) == (0, 6)
+    assert rate["verdict"] == "regressed" and rate["p_value"] < 0.01 and rate["ci"][0] > 0
+    own = by["recorder_own device bytes per request"]
+    assert own["verdict"] == "regressed" and own["baseline"]["n"] == 6 and own["candidate"]["n"] == 6
+    assert by["recorder errors per trace"]["verdict"] == "unchanged"
+    # the reverse direction is an improvement, and the same group against itself is unchanged
+    code, rev = _json(capsys, "fleet", "diff", str(tmp_path / "f"), "--baseline", "transformers_version=B",
+                      "--candidate", "transformers_version=A", "--json")
+    assert _verdicts(rev)["post_eos findings rate (traces with one >= low)"] == "improved"
+    code, same = _json(capsys, "fleet", "diff", str(tmp_path / "f"), "--baseline", "transformers_version=B",
+                       "--candidate", "transformers_version=B", "--fail-on", "regressed", "--json")
+    assert code == 0 and same["regressed"] == []
+
+
+def test_rate_verdicts_with_controls():
+    import numpy as np
+
+    from kvtrace.fleet.compare import compare_rate
+    kw = {"alpha": 0.05, "min_effect": 0.05, "level": 0.95}
+    none, half, some = np.zeros(40), np.r_[np.ones(20), np.zeros(20)], np.r_[np.ones(2), np.zeros(38)]
+    assert compare_rate("r", none, half, **kw)["verdict"] == "regressed"
+    assert compare_rate("r", half, none, **kw)["verdict"] == "improved"
+    assert compare_rate("r", half, half.copy(), **kw)["verdict"] == "unchanged"
+    assert compare_rate("r", none, some, **kw)["verdict"] == "unchanged"  # 0/40 -> 2/40: p = 0.49
+    assert compare_rate("r", none[:1], half, **kw)["verdict"] == "insufficient"
 
 
 def test_noisy_verdicts_with_controls():
@@ -166,3 +241,27 @@ def test_sql_creates_only_the_views_it_names(fleet_dir):
     con = connect(fleet_dir, tables_named("select count(*) from KV"))
     names = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
     assert names == {"kv"}
+
+
+def test_exact_geometry_change_is_caught_without_statistics(tmp_path, capsys):
+    """One trace per side is enough for exact metrics: 64 extra valid bytes on every full layer moves
+    full-layer bytes per token (regressed) and leaves sliding layers unchanged."""
+    import h5py
+    from conftest import write_synthetic_trace
+
+    from kvtrace.fleet.export import export_parquet
+
+    paths = []
+    for version, extra in (("A", 0), ("B", 64)):
+        p = write_synthetic_trace(tmp_path / f"{version}.kvt.h5", kv_extra_bytes=extra)
+        with h5py.File(p, "r+") as f:
+            f["meta"].attrs["transformers_version"] = version
+        paths.append(str(p))
+    export_parquet(paths, tmp_path / "f")
+    code, doc = _json(capsys, "fleet", "diff", str(tmp_path / "f"), "--baseline", "transformers_version=A",
+                      "--candidate", "transformers_version=B", "--fail-on", "regressed", "--json")
+    v = _verdicts(doc)
+    assert v["kv bytes per token (qwen3, full layers)"] == "regressed"
+    assert v["kv bytes per token (qwen3, sliding layers)"] == "unchanged"
+    assert v["findings >= low per trace"] == "insufficient"  # one trace a side: no statistics
+    assert code == exitcodes.FINDINGS
