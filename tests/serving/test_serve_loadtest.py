@@ -145,3 +145,32 @@ def test_loadtest_against_plain_transformers_serve(model_dir, tmp_path):
         assert "not kvtrace serve" in checks["kv_pool_use"]["source"]
         assert checks["requests"]["level"] == "ok"
         assert checks["health"]["level"] == "ok"
+
+
+@pytest.mark.slow
+def test_kvtrace_serve_without_continuous_batching_records_generate_and_stops_on_sigint(model_dir, tmp_path):
+    """Sequential transformers serve (model.generate per request): the recorder's generate path
+    writes the request with its per-step rows; Ctrl-C (SIGINT) ends it like SIGTERM."""
+    port = free_port()
+    trace = tmp_path / "plain.kvt.h5"
+    proc = _start(kvtrace_cmd("serve", str(model_dir), "-o", str(trace), "--port", str(port), "--no-nvml",
+                              "--device", "cpu"), port)
+    try:
+        run = _loadtest(f"http://127.0.0.1:{port}", "--phases", "single", *PHASES, "--api", "chat", "--json")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert run.returncode == 0, run.stderr
+    assert proc.returncode == 0 and "stopped by SIGINT" in out, out
+    doc = json.loads(run.stdout)
+    checks = {c["name"]: c for c in doc["phases"][0]["checks"]}
+    assert "no continuous-batching cache" in checks["kv_pool_use"]["source"]  # said, not guessed
+    with Trace(trace) as t:
+        assert t.complete
+        (req,) = t.requests()
+        assert req["outcome"] == int(Outcome.OK) and req["new_tokens"] == 4
+        assert len(t.steps(0)) > 0  # generate's per-step rows
+        assert _phase_names(t) == ["single", "end"]
