@@ -40,7 +40,7 @@ def check_model(model: str) -> None:
 @click.option("--no-nvml", is_flag=True, help="Do not poll NVML.")
 @click.option("--force", is_flag=True, help="Replace an existing -o file (never one of the inputs).")
 @click.option("--quiet", "-q", is_flag=True, help="Print only errors (transformers and uvicorn still log).")
-@click.argument("serve_args", nargs=-1, type=click.UNPROCESSED, metavar="SERVE_OPTIONS")
+@click.argument("serve_args", nargs=-1, type=click.UNPROCESSED, metavar="[SERVE_OPTIONS]...")
 @guarded
 def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no_nvml: bool, force: bool,
           quiet: bool, serve_args: tuple[str, ...]) -> None:
@@ -51,7 +51,7 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
       kvtrace serve ./my-llama -o serve.kvt.h5 --continuous-batching
       kvtrace serve ./my-llama -o serve.kvt.h5 --port 8011 --continuous-batching --cb-num-blocks 256
       kvtrace loadtest http://127.0.0.1:8000 --trace serve.kvt.h5    # in another shell
-    SERVE_OPTIONS: options kvtrace does not know go to `transformers serve` unchanged
+    [SERVE_OPTIONS]...: options kvtrace does not know go to `transformers serve` unchanged
     (--continuous-batching, --device, --dtype, --attn-implementation, --cb-*). The server binds
     127.0.0.1 unless --host says otherwise. Besides the OpenAI-compatible routes (/v1/chat/completions,
     /v1/completions, /health) it answers POST /kvtrace/phase {"name": ...} (a phase marker in the

@@ -112,7 +112,7 @@ def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
         except Exception as exc:
             # typer carries its own copy of click: its usage errors are not click's classes
             if type(exc).__name__ in _USAGE_ERRORS and hasattr(exc, "format_message"):
-                raise BadOption(f"transformers serve: {exc.format_message()}", "SERVE_OPTIONS") from None
+                raise BadOption(f"transformers serve: {exc.format_message()}", "[SERVE_OPTIONS]...") from None
             raise
     finally:
         server_module.build_server = original_build

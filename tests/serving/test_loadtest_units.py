@@ -54,6 +54,15 @@ def test_serve_refuses_presets_and_non_model_directories(tmp_path, capsys):
     assert not (tmp_path / "t.kvt.h5").exists()
 
 
+def test_serve_passes_unknown_options_to_transformers_which_may_refuse_them(tmp_path, capsys):
+    pytest.importorskip("fastapi", reason="the serving packages (kvtrace[serve]) are not installed")
+    (tmp_path / "config.json").write_text("{}")  # transformers parses its options before any load
+    code, _, err = run_main(["serve", str(tmp_path), "-o", str(tmp_path / "t.kvt.h5"), "--port", str(free_port()),
+                             "--no-such-serve-option"], capsys)
+    assert code == exitcodes.USAGE and "transformers serve: No such option: --no-such-serve-option" in err
+    assert not (tmp_path / "t.kvt.h5").exists()
+
+
 def test_phase_plan_keeps_protocol_order_and_prompts_differ_from_the_first_word():
     plan = build_phases(["long", "baseline", "concurrent"], concurrency=4, tokens=32, long_tokens=128, baseline_s=2)
     assert [p.name for p in plan] == ["baseline", "concurrent", "long"]
