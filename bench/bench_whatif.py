@@ -1,0 +1,364 @@
+"""Benchmark the what-if kernels (kvtrace/kernels/whatif.py) against eager torch on one CUDA GPU.
+
+    PYTHONPATH=. python3 bench/bench_whatif.py --json-out bench/results/whatif.json [--quick]
+    PYTHONPATH=. python3 bench/bench_whatif.py --smoke      # tiny shapes; CPU + Triton interpreter if no GPU
+
+Rows:
+  keep   mass recall + output error of 9 keep-sets (knorm, random, streaming_llm x ratios 0.25,
+         0.5, 0.75) over 4k-64k keys, for 1 (a decode step's sampled query), 64 and 1024 queries
+         per head; Llama-3-8B attention geometry (32 query heads, 8 KV heads, head dim 128); fp32
+         inputs, as the replay feeds them. Kernel: one Triton pass over the keys for all sets.
+         Eager: kernels.whatif.keep_measures_reference in fp32 -- the straightforward torch: the
+         scores [B, Hq, Tq, T] materialised once, then a masked softmax, a mass sum and p @ V per
+         keep-set (TF32 off). Goal (issue 17): >= 10x eager at 32k keys, memory O(rows).
+  quant  MSE + cosine per head of a quantise-dequantise round trip of one layer's K or V
+         [1, 8, T, 128] (KIVI 2-bit keys per channel / values per token, quanto int4 groups of
+         64, fp8 e4m3). Kernel: fused, float64 rounding and sums, nothing dequantised in memory.
+         Eager: kernels.whatif.quant_error_reference (the same float64 numbers, materialised).
+Timings: median of repeated runs between CUDA events after one warm-up call (which compiles and
+autotunes); repeats fit a ~2 s budget per measurement (3 to 20). Peak memory: max_memory_allocated
+during one call above what was allocated before it (inputs excluded). Every row also records the
+largest difference between kernel and eager results; one float64 check per kind is recorded too.
+A case that fails (out of memory, a kernel error) is recorded with its error and the run goes on.
+The JSON file is rewritten after every case, so an interrupted run keeps what it measured.
+Exits 69 (EX_UNAVAILABLE) with one line when there is no CUDA device or triton (unless --smoke),
+1 when a kernel case failed, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EX_UNAVAILABLE = 69
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SIZES: dict[str, dict[str, Any]] = {
+    "full": {"heads": (32, 8, 128), "keys": [4096, 16384, 32768, 65536], "queries": [1, 64, 1024],
+             "quant_heads": 8, "budget_ms": 2000.0, "max_reps": 20},
+    "quick": {"heads": (32, 8, 128), "keys": [4096, 32768], "queries": [1, 64], "quant_heads": 8,
+              "budget_ms": 500.0, "max_reps": 5},
+    "smoke": {"heads": (4, 2, 16), "keys": [64, 96], "queries": [1, 16], "quant_heads": 2,
+              "budget_ms": 1.0, "max_reps": 2},
+}
+RATIOS = (0.25, 0.5, 0.75)
+GOAL_KEYS, GOAL_SPEEDUP = 32768, 10.0
+
+
+def _now_ms(torch, cuda: bool):
+    if cuda:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def _elapsed(torch, cuda: bool, start, end) -> float:
+    if cuda:
+        end.synchronize()
+        return float(start.elapsed_time(end))
+    return (end - start) * 1e3
+
+
+def time_ms(torch, fn, cuda: bool, budget_ms: float, max_reps: int) -> tuple[float, int]:
+    """(median ms, repeats) after one warm-up call."""
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times: list[float] = []
+    while True:
+        s = _now_ms(torch, cuda)
+        fn()
+        e = _now_ms(torch, cuda)
+        times.append(_elapsed(torch, cuda, s, e))
+        if len(times) >= max_reps or (len(times) >= 3 and sum(times) >= budget_ms):
+            break
+        if len(times) >= 2 and max_reps <= 2:
+            break
+    return statistics.median(times), len(times)
+
+
+def peak_extra_bytes(torch, fn, cuda: bool) -> int | None:
+    """Bytes allocated at the peak of one call above what was allocated before it."""
+    if not cuda:
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return int(peak)
+
+
+def keep_sets(torch, k, ratios=RATIOS, seed: int = 0):
+    """[9, B, Hk, T] bool: knorm (largest norms evicted), random, streaming_llm (4 sinks + the
+    most recent) at each ratio -- the sets the replay would evaluate for 3 policies x 3 ratios."""
+    B, Hk, T, _ = k.shape
+    gen = torch.Generator(device=k.device).manual_seed(seed)
+    score_knorm = -torch.linalg.vector_norm(k.float(), dim=-1)
+    score_random = torch.rand(B, Hk, T, generator=gen, device=k.device)
+    pos = torch.arange(T, device=k.device, dtype=torch.float32)
+    score_stream = torch.where(pos < 4, torch.full_like(pos, float(T) * 2), pos).expand(B, Hk, T)
+    sets = []
+    for score in (score_knorm, score_random, score_stream):
+        for r in ratios:
+            n = int(T * (1 - r))
+            keep = torch.zeros(B, Hk, T, dtype=torch.bool, device=k.device)
+            keep.scatter_(-1, score.topk(n, dim=-1).indices, True)
+            sets.append(keep)
+    return torch.stack(sets)
+
+
+def _max_diff(torch, a, b) -> float:
+    a, b = a.double(), b.double()
+    both = torch.isnan(a) & torch.isnan(b)
+    d = torch.where(both, torch.zeros_like(a), (a - b).abs())
+    return float(torch.nan_to_num(d, nan=float("inf")).max()) if d.numel() else 0.0
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+
+
+def bench_keep(torch, W, dev: str, sz: dict, T: int, Tq: int) -> dict[str, Any]:
+    cuda = dev == "cuda"
+    Hq, Hk, D = sz["heads"]
+    row: dict[str, Any] = {"kind": "keep", "keys": T, "queries": Tq, "q_heads": Hq, "kv_heads": Hk, "head_dim": D,
+                           "sets": 3 * len(RATIOS), "dtype": "float32"}
+    gen = torch.Generator(device=dev).manual_seed(T * 7 + Tq)
+    q = torch.randn(1, Hq, Tq, D, device=dev, generator=gen)
+    k = torch.randn(1, Hk, T, D, device=dev, generator=gen)
+    v = torch.randn(1, Hk, T, D, device=dev, generator=gen)
+    keep = keep_sets(torch, k)
+    pos = torch.arange(T - Tq, T, device=dev)
+    kw = dict(q_positions=pos)
+
+    def kern():
+        return W.keep_measures_triton(q, k, v, keep, **kw)
+
+    def eager():
+        return W.keep_measures_reference(q, k, v, keep, **kw, dtype=torch.float32)
+
+    got = None
+    try:
+        row["kernel_ms"], row["kernel_reps"] = time_ms(torch, kern, cuda, sz["budget_ms"], sz["max_reps"])
+        row["kernel_peak_bytes"] = peak_extra_bytes(torch, kern, cuda)
+        got = kern()
+    except Exception as exc:
+        row["kernel_error"] = _error_text(exc)
+    try:
+        row["eager_ms"], row["eager_reps"] = time_ms(torch, eager, cuda, sz["budget_ms"], sz["max_reps"])
+        row["eager_peak_bytes"] = peak_extra_bytes(torch, eager, cuda)
+        if got is not None:
+            ref = eager()
+            row["max_diff_recall"] = _max_diff(torch, got[0], ref[0])
+            row["max_diff_error"] = _max_diff(torch, got[1], ref[1])
+            del ref
+    except Exception as exc:
+        row["eager_error"] = _error_text(exc)
+    if "kernel_ms" in row and "eager_ms" in row:
+        row["speedup"] = row["eager_ms"] / row["kernel_ms"]
+    return row
+
+
+QUANTS = [
+    ("kivi2 key (per channel, groups of 32 tokens)", dict(bits=2, axis="token", group=32, residual=128)),
+    ("kivi2 value (per token, groups of 32 channels)", dict(bits=2, axis="channel", group=32, residual=128)),
+    ("quanto int4 (groups of 64 channels)", dict(bits=4, axis="channel", group=64, residual=128)),
+    ("fp8 e4m3", dict(kind="fp8", man=3, emin=-6, top=448.0)),
+]
+
+
+def bench_quant(torch, W, dev: str, sz: dict, T: int, name: str, spec_kw: dict) -> dict[str, Any]:
+    cuda = dev == "cuda"
+    H, D = sz["quant_heads"], sz["heads"][2]
+    row: dict[str, Any] = {"kind": "quant", "spec": name, "keys": T, "heads": H, "head_dim": D, "dtype": "float32"}
+    x = torch.randn(1, H, T, D, device=dev, generator=torch.Generator(device=dev).manual_seed(T))
+    kw = dict(spec_kw)
+    if "residual" in kw:  # keep most tokens quantised at the smoke sizes too (128 at >= 1k keys)
+        kw["residual"] = min(kw["residual"], T // 8)
+    spec = W.QuantSpec(**kw)
+    row["residual"] = spec.residual
+    got = None
+    try:
+        row["kernel_ms"], row["kernel_reps"] = time_ms(torch, lambda: W.quant_error_triton(x, spec), cuda,
+                                                       sz["budget_ms"], sz["max_reps"])
+        row["kernel_peak_bytes"] = peak_extra_bytes(torch, lambda: W.quant_error_triton(x, spec), cuda)
+        got = W.quant_error_triton(x, spec)
+    except Exception as exc:
+        row["kernel_error"] = _error_text(exc)
+    try:
+        row["eager_ms"], row["eager_reps"] = time_ms(torch, lambda: W.quant_error_reference(x, spec), cuda,
+                                                     sz["budget_ms"], sz["max_reps"])
+        row["eager_peak_bytes"] = peak_extra_bytes(torch, lambda: W.quant_error_reference(x, spec), cuda)
+        if got is not None:
+            ref = W.quant_error_reference(x, spec)
+            row["max_rel_diff_mse"] = float(((got[0] - ref[0]).abs() / ref[0].abs().clamp(min=1e-300)).max())
+            row["max_diff_cosine"] = _max_diff(torch, got[1], ref[1])
+    except Exception as exc:
+        row["eager_error"] = _error_text(exc)
+    if "kernel_ms" in row and "eager_ms" in row:
+        row["speedup"] = row["eager_ms"] / row["kernel_ms"]
+        row["kernel_GBps"] = x.numel() * x.element_size() * (2 if spec.axis == "token" and spec.kind == "minmax" else 1) \
+            / (row["kernel_ms"] * 1e6)
+    return row
+
+
+def float64_check(torch, W, dev: str, sz: dict) -> dict[str, Any]:
+    """Kernel against the float64 reference (the exact numbers) on the smallest case."""
+    Hq, Hk, D = sz["heads"]
+    T, Tq = sz["keys"][0], min(64, max(sz["queries"]))
+    gen = torch.Generator(device=dev).manual_seed(1)
+    q = torch.randn(1, Hq, Tq, D, device=dev, generator=gen) * 2.0  # peakier attention than randn
+    k = torch.randn(1, Hk, T, D, device=dev, generator=gen)
+    v = torch.randn(1, Hk, T, D, device=dev, generator=gen)
+    keep = keep_sets(torch, k)
+    out: dict[str, Any] = {"keys": T, "queries": Tq}
+    try:
+        got = W.keep_measures_triton(q, k, v, keep, q_positions=torch.arange(T - Tq, T, device=dev))
+        ref = W.keep_measures_reference(q, k, v, keep, q_positions=torch.arange(T - Tq, T, device=dev))
+        out["keep_max_diff_recall"] = _max_diff(torch, got[0], ref[0])
+        out["keep_max_diff_error"] = _max_diff(torch, got[1], ref[1])
+        out["keep_error_range"] = [float(torch.nan_to_num(ref[1]).min()), float(torch.nan_to_num(ref[1]).max())]
+    except Exception as exc:
+        out["keep_error"] = _error_text(exc)
+    try:
+        x = k.to(torch.bfloat16).float()  # a bf16 grid: many rounding ties, as recorded K/V have
+        for name, kw in QUANTS:
+            spec = W.QuantSpec(**kw)
+            g, r = W.quant_error_triton(x, spec), W.quant_error_reference(x, spec)
+            out[f"quant {name}"] = {"max_rel_diff_mse": float(((g[0] - r[0]).abs() / r[0].abs().clamp(min=1e-300)).max()),
+                                    "max_diff_cosine": _max_diff(torch, g[1], r[1])}
+    except Exception as exc:
+        out["quant_error"] = _error_text(exc)
+    return out
+
+
+def _mib(b: int | None) -> str:
+    return "-" if b is None else f"{b / 2**20:,.1f}"
+
+
+def _fmt(x: Any, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    print(f"\nwhat-if kernels on {doc['device']} (torch {doc['torch']}, triton {doc['triton']})")
+    hdr = f"{'kind':<6} {'case':<48} {'keys':>6} {'q':>5} {'kernel ms':>10} {'eager ms':>10} {'speed-up':>9} " \
+          f"{'kern MiB':>9} {'eager MiB':>10} {'max|diff|':>10}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in doc["rows"]:
+        case = r.get("spec", f"9 keep-sets, {r.get('q_heads')}/{r.get('kv_heads')} heads, D {r.get('head_dim')}")
+        diff = r.get("max_diff_error", r.get("max_diff_cosine"))
+        print(f"{r['kind']:<6} {case:<48} {r['keys']:>6} {r.get('queries', '-')!s:>5} "
+              f"{_fmt(r.get('kernel_ms'), '10.3f')} {_fmt(r.get('eager_ms'), '10.3f')} "
+              f"{_fmt(r.get('speedup'), '8.1f')}x {_mib(r.get('kernel_peak_bytes')):>9} "
+              f"{_mib(r.get('eager_peak_bytes')):>10} {_fmt(diff, '10.2e')}")
+        for key in ("kernel_error", "eager_error"):
+            if key in r:
+                print(f"       {key}: {r[key]}")
+    print("\nfloat64 check:", json.dumps(doc["float64_check"]))
+    for g in doc["goal"]:
+        print(f"goal >= {GOAL_SPEEDUP:g}x at {g['keys']} keys, {g['queries']} queries: "
+              f"{_fmt(g['speedup'], '.1f')}x -> {'met' if g['met'] else 'NOT met'}")
+
+
+def _release(torch, cuda: bool) -> None:
+    """Return the last case's tensors to the device (they are gone once its function returned)."""
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json-out", type=Path, help="write the results to this JSON file (rewritten after every case)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="fewer shapes (a short GPU run)")
+    mode.add_argument("--smoke", action="store_true", help="tiny shapes; runs on the CPU interpreter without a GPU")
+    args = ap.parse_args(argv)
+    try:
+        import torch
+    except Exception as exc:
+        print(f"bench_whatif: torch is not importable ({exc})", file=sys.stderr)
+        return EX_UNAVAILABLE
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        if not args.smoke:
+            print("bench_whatif: no CUDA device visible; this benchmark runs on a GPU (or use --smoke)", file=sys.stderr)
+            return EX_UNAVAILABLE
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    try:
+        import triton
+    except Exception as exc:
+        print(f"bench_whatif: triton is not importable ({exc}); install kvtrace[gpu]", file=sys.stderr)
+        return EX_UNAVAILABLE
+    from kvtrace.kernels import whatif as W
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the eager reference is fp32; keep it honest
+    dev = "cuda" if cuda else "cpu"
+    sz = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    t0 = time.perf_counter()
+    doc: dict[str, Any] = {
+        "bench": "bench_whatif", "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor()})",
+        "torch": torch.__version__, "triton": triton.__version__, "commit": _git_commit(),
+        "sizes": "smoke" if args.smoke else "quick" if args.quick else "full", "rows": [], "float64_check": {},
+        "goal": [],
+    }
+
+    def save() -> None:
+        if args.json_out:
+            args.json_out.parent.mkdir(parents=True, exist_ok=True)
+            args.json_out.write_text(json.dumps(doc, indent=2))
+
+    for T in sz["keys"]:
+        for Tq in sz["queries"]:
+            doc["rows"].append(bench_keep(torch, W, dev, sz, T, Tq))
+            _release(torch, cuda)
+            r = doc["rows"][-1]
+            print(f"keep T={T} Tq={Tq}: kernel {r.get('kernel_ms')} ms, eager {r.get('eager_ms')} ms "
+                  f"{r.get('kernel_error', '')}{r.get('eager_error', '')}", flush=True)
+            save()
+    for T in sz["keys"]:
+        for name, kw in QUANTS:
+            doc["rows"].append(bench_quant(torch, W, dev, sz, T, name, kw))
+            _release(torch, cuda)
+            save()
+    doc["float64_check"] = float64_check(torch, W, dev, sz)
+    goal_keys = GOAL_KEYS if not args.smoke else sz["keys"][-1]
+    for r in doc["rows"]:
+        if r["kind"] == "keep" and r["keys"] == goal_keys:
+            sp = r.get("speedup")
+            doc["goal"].append({"keys": goal_keys, "queries": r["queries"], "speedup": sp,
+                                "met": sp is not None and sp >= GOAL_SPEEDUP})
+    doc["total_s"] = time.perf_counter() - t0
+    save()
+    print_table(doc)
+    print(f"\n(total {doc['total_s']:.0f} s)")
+    failed = any("kernel_error" in r for r in doc["rows"]) or "keep_error" in doc["float64_check"] \
+        or "quant_error" in doc["float64_check"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
