@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtrace.errors import BadOption
+from kvtrace.errors import BadOption, Unavailable
 from kvtrace.serving.routes import PhaseMarker, add_routes
 
 _USAGE_ERRORS = {"UsageError", "NoSuchOption", "BadParameter", "MissingParameter", "BadOptionUsage",
@@ -62,14 +62,23 @@ def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
     """Run the server until SIGINT/SIGTERM, recording into ``trace``. ``serve_args``: further
     ``transformers serve`` options (``--continuous-batching``, ``--cb-num-blocks 64``, ...).
     ``on_ready(url)`` is called once the recording runs, just before uvicorn binds."""
-    from transformers.cli.serving import server as server_module
+    import transformers
 
     import kvtrace
+
+    try:
+        from transformers.cli.serve import Serve  # noqa: F401 - the command serve_command builds
+        from transformers.cli.serving import server as server_module
+
+        original_build = server_module.build_server
+    except (ImportError, AttributeError) as exc:
+        raise Unavailable(f"kvtrace serve attaches to transformers' serving app factory "
+                          f"(transformers.cli.serving.server.build_server, as in 5.23); transformers "
+                          f"{transformers.__version__} has none ({exc})") from None
 
     outcome = ServeOutcome()
     state: dict[str, Any] = {"serving": False}
     recording: dict[str, Any] = {}
-    original_build = server_module.build_server
 
     def build_server(model_manager: Any, *args: Any, **kwargs: Any) -> Any:
         app = original_build(model_manager, *args, **kwargs)

@@ -69,10 +69,11 @@ def test_kvtrace_serve_continuous_batching_loadtest_then_sigterm(model_dir, tmp_
                               "--cb-block-size", "16"), port)
     try:
         run = _loadtest(f"http://127.0.0.1:{port}", *PHASES, "--trace", str(trace),
-                        "--json-out", str(tmp_path / "run.json"))
+                        "--json-out", str(tmp_path / "run.json"), "--fail-on", "warning")
     finally:
         rc, out = _stop(proc)
-    assert run.returncode == 0, run.stderr + run.stdout
+    assert run.returncode == 3, run.stderr + run.stdout  # the long phase's context spike reaches --fail-on
+    assert "phase long (1 request(s), 1 at once, 128 prompt words" in run.stdout and "WARNING" in run.stdout
     assert rc == 0, out
     assert "stopped by SIGTERM" in out and f"{N_REQUESTS} request(s)" in out
 
