@@ -12,7 +12,7 @@ import click
 
 from kvtrace import exitcodes
 from kvtrace.commands.common import fail, guarded
-from kvtrace.commands.outputs import check_json_out, json_options, write_json
+from kvtrace.commands.outputs import check_json_out, check_output, json_options, write_json
 from kvtrace.errors import Unavailable
 from kvtrace.units import format_bytes
 
@@ -55,6 +55,7 @@ def fleet() -> None:
       kvtrace fleet fleet/ --sql "SELECT model_id, count(*) FROM traces GROUP BY 1"
       kvtrace fleet diff fleet/ --baseline transformers_version=5.17.0 \\
           --candidate transformers_version=5.23.0 --fail-on regressed
+      kvtrace fleet report fleet/ -o fleet.html --group-by model_type
     """
 
 
@@ -147,3 +148,54 @@ def diff(directory: str, baseline: str, candidate: str, fail_on: str | None, alp
                      ["metric", "baseline median", "candidate median", "test", "verdict"], rows)
     if fail_on == "regressed" and doc["regressed"]:
         fail(f"regressed: {', '.join(doc['regressed'])}", exitcodes.FINDINGS)
+
+
+@fleet.command("report")
+@click.argument("directory", type=click.Path())
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="HTML file to write.")
+@click.option("--group-by", "group_by", default="", metavar="KEYS",
+              help="Comma-separated columns of the traces view the distributions are drawn per.")
+@click.option("--baseline", default=None, metavar="KEY=VALUE", help="With --candidate: add the regression table.")
+@click.option("--candidate", default=None, metavar="KEY=VALUE", help="With --baseline: add the regression table.")
+@click.option("--worst", type=click.IntRange(1, 1000), default=20, show_default=True,
+              help="How many of the worst traces to list.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing (errors still go to stderr).")
+@json_options
+@guarded
+def report(directory: str, output: str, group_by: str, baseline: str | None, candidate: str | None, worst: int,
+           quiet: bool, as_json: bool, json_out: str | None) -> None:
+    """Write one self-contained HTML page over DIRECTORY: the summary and the distributions per
+    group (peak, retained bytes, KV bytes per token, findings), findings by detector, the
+    regression table of `fleet diff` when --baseline and --candidate are given, and the worst
+    traces with links to their own reports (or the command that makes them).
+
+    \b
+    Examples:
+      kvtrace fleet report fleet/ -o fleet.html --group-by model_type,transformers_version
+      kvtrace fleet report fleet/ -o fleet.html --baseline transformers_version=5.17.0 \\
+          --candidate transformers_version=5.23.0
+    """
+    check_output(output, option="-o", inputs=(directory,), others=[("--json-out", json_out)])
+    check_json_out(json_out, (directory,))
+    if (baseline is None) != (candidate is None):
+        raise click.UsageError("--baseline and --candidate go together")
+    query, compare, fleet_report = fleet_modules("query", "compare", "report")
+    try:
+        sel = [compare.Selector.parse(x) for x in (baseline, candidate) if x is not None]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    tables = fleet_report.REPORT_TABLES + (compare.DIFF_TABLES if sel else ())
+    con = _connect(directory, tables)
+    keys = [k.strip() for k in group_by.split(",") if k.strip()]
+    try:
+        res = fleet_report.build_fleet_report(con, output, keys=keys, worst=worst, directory=directory,
+                                              baseline=sel[0] if sel else None, candidate=sel[1] if sel else None)
+    except query.FleetError as exc:
+        raise click.UsageError(str(exc)) from None
+    except OSError as exc:
+        fail(f"cannot write {output}: {exc.strerror}", exitcodes.CANNOT_WRITE)
+    write_json({"report": str(res.html), "traces": res.traces, "groups": res.groups, "figures": res.figures,
+                "worst": [{k: w[k] for k in ("trace_id", "path", "max_severity", "report_link", "report_command")}
+                          for w in res.worst], "regressed": res.regressed}, json_out, as_json=as_json)
+    if not (quiet or as_json):
+        click.echo(f"fleet report written to {res.html} ({res.traces} traces, {res.groups} group(s))")

@@ -34,3 +34,14 @@ def versions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Path]]:
         out[version] = [make_trace(d / f"{version}-{i}.kvt.h5", transformers_version=version,
                                    residual_bytes=residual, new_tokens=10 + i) for i in range(3)]
     return out
+
+
+@pytest.fixture(scope="module")
+def fleet_dir(versions: dict[str, list[Path]], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The nine traces of ``versions`` exported to Parquet."""
+    from kvtrace.fleet.export import export_parquet
+
+    out = tmp_path_factory.mktemp("fleet")
+    result = export_parquet([str(p) for ps in versions.values() for p in ps], out)
+    assert len(result.exported) == 9 and not result.failed
+    return out

@@ -4,20 +4,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from cli_run import run_main
 
 from kvtrace import exitcodes
-
-
-@pytest.fixture(scope="module")
-def fleet_dir(versions, tmp_path_factory):
-    from kvtrace.fleet.export import export_parquet
-
-    out = tmp_path_factory.mktemp("fleet")
-    result = export_parquet([str(p) for ps in versions.values() for p in ps], out)
-    assert len(result.exported) == 9 and not result.failed
-    return out
 
 
 def _json(capsys, *argv: str) -> tuple[int, dict]:
