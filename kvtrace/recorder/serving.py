@@ -20,6 +20,8 @@ What it writes, per continuous-batching (CB) request of the recorded model:
   the positions it held; OFFLOADED follows with the bytes copied when they went to the CPU swap
   pool), EOS when its last token is an end-of-sequence token, REQUEST_END when finished or cancelled;
   and BLOCK_EVICTED (request −1, value = blocks) when cached prefix blocks go back to the pool;
+* per manager, /readings with request −1: BASELINE as its generation loop starts (before it builds
+  the paged cache), PEAK (CUDA) and AFTER_RETURN as the loop ends;
 * per scheduler step (one ``ContinuousBatchProcessor.prepare_next_batch`` that found work): one /sched
   row, one /sched_groups row per cache group and one /blocks row per running request and group, from
   the cache's own counters as the version adapter reads them (:mod:`kvtrace.recorder.serving_cache`).
@@ -34,7 +36,8 @@ The hooks wrap methods on the transformers classes for the duration of the recor
 for managers whose ``model`` is the recorded model; :meth:`ServingRecorder.remove` restores the
 exact originals. The methods wrapped are those DESIGN.md lists as stable across 5.17 and 5.23
 (manager, processor, scheduler, offloading manager, ``PagedAttentionCache.search_prefix_match``) plus
-``_create_batch_processor`` (to tie a scheduler and a cache to their manager) and the adapter's
+``_create_batch_processor`` (to tie a scheduler and a cache to their manager), ``_run_generation_loop``
+(present in 5.17 and 5.23; the readings) and the adapter's
 eviction method. Where a hooked method is missing, nothing is patched; where the cache layout is
 unknown, requests and scheduler steps are recorded but not the cache (its /sched columns are -1): both say "unsupported transformers version" in a
 NOTE and in one line on stderr, never an empty recording without a word.
@@ -48,7 +51,7 @@ import sys
 import threading
 from typing import Any
 
-from kvtrace.format.schema import EventKind, Outcome
+from kvtrace.format.schema import EventKind, Outcome, ReadingLabel
 from kvtrace.format.writer import monotonic_ns
 from kvtrace.recorder.context import MAX_ERROR_TEXT, SessionContext
 from kvtrace.recorder.rows import RequestRow
@@ -95,9 +98,10 @@ class ServingRecorder:
     """Continuous-batching hooks of one session. ``take_id`` shares the session's request-id sequence
     with the generate wrapper (ids stay unique in /requests)."""
 
-    def __init__(self, model: Any, ctx: SessionContext, salt: bytes, take_id: Any) -> None:
+    def __init__(self, model: Any, ctx: SessionContext, salt: bytes, take_id: Any, readings: Any = None) -> None:
         self.model = model
         self.ctx = ctx
+        self.readings = readings  # MemoryReadings: labelled readings around each manager's loop
         self.salt = salt
         self.take_id = take_id
         self.lock = threading.Lock()  # add_request runs on the caller's thread, the rest on CB's loop
@@ -133,7 +137,8 @@ class ServingRecorder:
         if mgr is None or proc is None or sched is None:
             return
         self.adapter = adapter_for()
-        hooks = [(mgr, "add_request"), (mgr, "_create_batch_processor"), (proc, "prepare_next_batch"),
+        hooks = [(mgr, "add_request"), (mgr, "_create_batch_processor"), (mgr, "_run_generation_loop"),
+                 (proc, "prepare_next_batch"),
                  (proc, "update_batch"), (proc, "_handle_request_error"), (sched, "finish_request"),
                  (sched, "clear_cancelled_requests"), (offload, "offload_requests"), (paged, "search_prefix_match")]
         missing = [f"{getattr(cls, '__name__', '?')}.{name}" for cls, name in hooks
@@ -149,6 +154,7 @@ class ServingRecorder:
         me = self
         self._wrap(mgr, "add_request", lambda orig: lambda m, *a, **k: me._add_request(orig, m, a, k))
         self._wrap(mgr, "_create_batch_processor", lambda orig: lambda m, *a, **k: me._create(orig, m, a, k))
+        self._wrap(mgr, "_run_generation_loop", lambda orig: lambda m, *a, **k: me._loop(orig, m, a, k))
         self._wrap(proc, "prepare_next_batch", lambda orig: lambda p, *a, **k: me._prepare(orig, p, a, k))
         self._wrap(sched, "finish_request", lambda orig: lambda s, *a, **k: me._finish(orig, s, a, k))
         self._wrap(sched, "clear_cancelled_requests", lambda orig: lambda s, *a, **k: me._cancelled(orig, s, a, k))
@@ -238,6 +244,37 @@ class ServingRecorder:
             except Exception as exc:  # noqa: BLE001 - serving goes on unrecorded
                 self.ctx.error("cb-add-request", exc)
         return request_id
+
+    def _loop(self, orig: Any, manager: Any, args: tuple, kwargs: dict) -> Any:
+        """The manager's generation loop (its background thread): a BASELINE reading before it builds
+        the paged cache, PEAK and AFTER_RETURN readings when it ends (the cache is still held then), all
+        with request -1 (they belong to the manager, not to one of its requests)."""
+        ours = self._ours(manager)
+        if ours:
+            self._reading("baseline")
+        try:
+            return orig(manager, *args, **kwargs)
+        finally:
+            if ours and not self.closed:
+                self._reading("after_return")
+
+    def _reading(self, which: str) -> None:
+        r = self.readings
+        w = self.ctx.writer
+        if r is None or w is None or w.closed:
+            return
+        try:
+            reset = self.ctx.options.reset_peak and r.devices
+            if which == "baseline":
+                r.write(-1, ReadingLabel.BASELINE)
+                if reset:
+                    r.reset_peak()
+            else:
+                if reset:
+                    r.write_peak(-1)
+                r.write(-1, ReadingLabel.AFTER_RETURN)
+        except Exception as exc:  # noqa: BLE001
+            self.ctx.error(f"cb-reading-{which}", exc)
 
     def _create(self, orig: Any, manager: Any, args: tuple, kwargs: dict) -> Any:
         processor = orig(manager, *args, **kwargs)

@@ -128,7 +128,7 @@ class Recorder:
         self._steps = StepRecorder(model, ctx, self._readings, self._submission, self._verdict.tracker, every)
         self._requests = Requests(model, ctx, secrets.token_bytes(32), self._readings, self._steps,
                                   self._submission, self._verdict)
-        self._serving = ServingRecorder(model, ctx, self._requests.salt, self._take_request_id)
+        self._serving = ServingRecorder(model, ctx, self._requests.salt, self._take_request_id, self._readings)
         self._started = False
         self._closed = False
         self._sigxfsz_held = False

@@ -132,6 +132,14 @@ def run(name: str, device: str, work: Path, body: Any) -> None:
     steps = check(path, probe)
     with open_trace(path) as t:
         kinds = {k.name.lower(): int(len(t.events(k))) for k in _kinds()}
+        readings, pool = t.readings(), int(t.sched()["pool_bytes"].max())
+    # the manager's loop: BASELINE before it builds the pool, AFTER_RETURN after its last step (pool held)
+    labels = readings["label"][readings["request"] == -1].tolist()
+    assert labels[0] == 1 and labels[-1] == 3, labels
+    if device.startswith("cuda"):
+        base = readings[readings["label"] == 1]["allocated_bytes"][0]
+        after = readings[readings["label"] == 3]["allocated_bytes"][-1]
+        assert after - base >= pool, (int(base), int(after), pool)  # the up-front pool, seen by the allocator
     print(f"OK {name}: {steps} steps equal the 5.17 cache's counters; events {json.dumps(kinds)}")
     return kinds
 

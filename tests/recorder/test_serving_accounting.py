@@ -247,3 +247,33 @@ def test_no_known_generation_is_said_at_start(monkeypatch, tmp_path, capfd):
         pass
     err = [line for line in capfd.readouterr().err.splitlines() if "unsupported transformers version" in line]
     assert len(err) == 1 and "neither 5.23's cache_allocators nor 5.17's BlockManager" in err[0]
+
+
+def test_eos_step_and_the_managers_readings(tmp_path):
+    """A request that stops at an EOS token: its row's eos_step and new_tokens and an EOS event say
+    where; the manager's loop has a BASELINE reading before its first step and an AFTER_RETURN one
+    after its last (request -1: they belong to the manager)."""
+    from kvtrace.format.schema import ReadingLabel
+
+    llama = tiny_model("llama")
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=16, max_batch_tokens=64)
+    prompt = [5, 9, 17, 33]
+    out = llama.generate_batch(inputs=[prompt], generation_config=_gc(6), continuous_batching_config=cb, warmup=False)
+    tokens = next(iter(out.values())).generated_tokens
+    eos_at = tokens.index(tokens[2])  # greedy and deterministic: this token comes back at this index
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=tokens[2], pad_token_id=0)
+    path = tmp_path / "eos.kvt.h5"
+    with kvtrace.record(llama, path) as rec:
+        llama.generate_batch(inputs=[prompt], generation_config=gc, continuous_batching_config=cb, warmup=False)
+    assert rec.recorder_errors == 0
+    t = open_trace(path)
+    r = t.requests()[0]
+    assert (int(r["eos_step"]), int(r["new_tokens"]), int(r["outcome"])) == (eos_at, eos_at + 1, Outcome.OK)
+    eos = t.events(EventKind.EOS)
+    assert eos["value"].tolist() == [eos_at] and eos["step"].tolist() == [eos_at]
+    readings = t.readings()
+    assert readings["request"].tolist() == [-1, -1]
+    assert readings["label"].tolist() == [ReadingLabel.BASELINE, ReadingLabel.AFTER_RETURN]  # no PEAK without CUDA
+    sched = t.sched()
+    assert readings["t_ns"][0] < sched["t_ns"].min() and readings["t_ns"][1] > sched["t_ns"].max()
+    assert np.all(readings["rss_bytes"] > 0)
