@@ -47,9 +47,9 @@ the request in flight, the observers, the error count):
 * :class:`~kvtrace.recorder.serving.ServingRecorder`: continuous batching (generate_batch, the
   manager API, generate(cache_implementation="paged")): the manager's and scheduler's calls,
   wrapped on the transformers classes while the session is open, write one /requests row per CB
-  request, its lifecycle events and a NOTE per scheduler step with the paged cache's occupancy
-  (issue 16, first floor; no /steps or /kv rows: the paged cache is not a transformers Cache).
-  It shares the request-id sequence with the generate wrapper.
+  request, its lifecycle events and per scheduler step the /sched, /sched_groups and /blocks rows
+  (format 1.4; no /steps or /kv rows: the paged cache is not a transformers Cache), and the PHASE
+  markers of :meth:`Recorder.mark_phase`. It shares the request-id sequence with the generate wrapper.
 """
 
 from __future__ import annotations
