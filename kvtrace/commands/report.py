@@ -16,14 +16,22 @@ from kvtrace.commands.outputs import check_json_out, check_output, check_output_
               help="Also write every figure into this directory as PNG and SVG.")
 @click.option("--no-analysis", is_flag=True, help="Do not run the analyser (no findings table).")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing (errors still go to stderr).")
+@click.option("--whatif", "whatif_policies", multiple=True, metavar="NAME[:k=v,...]",
+              help="What-if section with these policies (repeatable; see 'kvtrace whatif'). Default: a "
+              "standard set when the trace holds sampled contents.")
+@click.option("--whatif-ratio", "whatif_ratio", default=None, metavar="R[,R...]",
+              help="Eviction ratios of the what-if section (default 0.25,0.5,0.75; the heatmap uses the middle one).")
+@click.option("--no-whatif", is_flag=True, help="No what-if section.")
 @json_options
 @guarded
 def report(trace: str, output: str, figures_dir: str | None, no_analysis: bool, quiet: bool,
+           whatif_policies: tuple[str, ...], whatif_ratio: str | None, no_whatif: bool,
            as_json: bool, json_out: str | None) -> None:
     """Write an HTML report of TRACE: memory timeline per device, per-layer KV footprint, growth
     against the analytical expectation, post-EOS memory per request, allocator state at the
-    end of generation, the analyser's findings, and head-norm / entropy heatmaps when the
-    trace holds sampled contents. Sections a trace cannot fill say why.
+    end of generation, the analyser's findings, head-norm / entropy heatmaps and a what-if section
+    (KV policies: memory saved vs attention error) when the trace holds sampled contents.
+    Sections a trace cannot fill say why.
 
     Needs matplotlib (pip install 'kvtrace[report]'). Sizes are binary units (KiB = 1024 B).
 
@@ -39,11 +47,13 @@ def report(trace: str, output: str, figures_dir: str | None, no_analysis: bool, 
     if figures_dir is not None:
         check_output_dir(figures_dir, option="--figures", inputs=(trace,))
     check_json_out(json_out, (trace,))
+    whatif = _whatif_options(whatif_policies, whatif_ratio, no_whatif)
     from kvtrace.report import STAGES, build_report
     from kvtrace.report.progress import progress_bar
 
     with progress_bar("report", len(STAGES), enabled=not (quiet or as_json)) as steps:
-        result = build_report(trace, output, figures_dir, run_analyzer=not no_analysis, progress=steps)
+        result = build_report(trace, output, figures_dir, run_analyzer=not no_analysis, progress=steps,
+                              whatif=whatif)
     write_json({
         "report": str(result.html), "figures": [str(p) for p in result.figures],
         "sections": result.sections, "absent": result.absent, "findings": result.findings,
@@ -54,3 +64,24 @@ def report(trace: str, output: str, figures_dir: str | None, no_analysis: bool, 
             click.echo(f"{len(result.figures)} figure files written to {figures_dir}")
         for section, reason in result.absent.items():
             click.echo(f"  {section}: not shown ({reason})")
+
+
+def _whatif_options(policies: tuple[str, ...], ratio_text: str | None, off: bool) -> object:
+    """--whatif / --whatif-ratio / --no-whatif -> build_report's ``whatif`` (usage errors first)."""
+    if off:
+        if policies or ratio_text:
+            raise click.UsageError("--no-whatif contradicts --whatif/--whatif-ratio")
+        return False
+    if not (policies or ratio_text):
+        return None
+    from kvtrace.commands.whatif import _ratios
+    from kvtrace.report.whatif_section import WhatIfOptions
+    from kvtrace.whatif import PolicyError, parse_policy
+
+    try:
+        for p in policies:
+            parse_policy(p)
+    except PolicyError as exc:
+        raise click.BadParameter(str(exc), param_hint="--whatif") from None
+    ratios = tuple(_ratios(ratio_text)) if ratio_text else None
+    return WhatIfOptions(policies=policies or None, ratios=ratios)

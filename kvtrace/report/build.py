@@ -17,14 +17,15 @@ from kvtrace.analyzer.view import TraceView
 from kvtrace.errors import CannotWrite
 from kvtrace.format.reader import Trace
 from kvtrace.format.summary import summarize
-from kvtrace.report import contents, data, figures, findings, fixes, html, quality
+from kvtrace.report import contents, data, figures, findings, fixes, html, quality, whatif_section
 from kvtrace.units import format_bytes
 
 # Stages reported to the progress callback, in order.
 STAGES = ("overview", "memory-timeline", "layer-footprint", "growth-curves", "post-eos",
-          "allocator-state", "findings", "heatmaps", "data-quality", "write")
+          "allocator-state", "findings", "heatmaps", "whatif", "data-quality", "write")
 
 Progress = Callable[[str], None]
+WhatIf = whatif_section.WhatIfOptions | bool | None
 MAX_HEATMAP_REQUESTS = 8  # heatmaps of the last 8 sampled requests: bounds the page's size
 
 
@@ -327,6 +328,7 @@ def write_report(
     analysis: AnalysisReport | None = None,
     run_analyzer: bool = True,
     progress: Progress | None = None,
+    whatif: WhatIf = None,
 ) -> Path:
     """Write the HTML report of `trace_path` to `out_html`; returns its path.
 
@@ -335,7 +337,7 @@ def write_report(
     called with each stage name of STAGES as it starts.
     """
     return build_report(trace_path, out_html, figures_dir, analysis=analysis,
-                        run_analyzer=run_analyzer, progress=progress).html
+                        run_analyzer=run_analyzer, progress=progress, whatif=whatif).html
 
 
 def build_report(
@@ -346,6 +348,7 @@ def build_report(
     analysis: AnalysisReport | None = None,
     run_analyzer: bool = True,
     progress: Progress | None = None,
+    whatif: WhatIf = None,
 ) -> ReportResult:
     """write_report, returning what was written and which sections had nothing to draw."""
     out = Path(out_html)
@@ -353,7 +356,8 @@ def build_report(
     _prepare_output(out, fig_dir)
     figures._plt()  # fail early, before reading the trace, when matplotlib is missing
     with Trace(trace_path) as trace:
-        return render(TraceView(trace), analysis, out, fig_dir, run_analyzer=run_analyzer, progress=progress)
+        return render(TraceView(trace), analysis, out, fig_dir, run_analyzer=run_analyzer, progress=progress,
+                      whatif=whatif)
 
 
 def render(
@@ -364,9 +368,12 @@ def render(
     *,
     run_analyzer: bool = True,
     progress: Progress | None = None,
+    whatif: WhatIf = None,
 ) -> ReportResult:
     """The HTML renderer: the page of an open trace's view and its analysis. Without `analysis`,
-    kvtrace.analyze runs on the same view (unless `run_analyzer` is False)."""
+    kvtrace.analyze runs on the same view (unless `run_analyzer` is False). `whatif`: the what-if
+    section's policies and ratios, True for the defaults, False for none; None: the defaults when
+    the trace holds sampled contents."""
     out = Path(out_html)
     fig_dir = Path(figures_dir) if figures_dir is not None else None
     _prepare_output(out, fig_dir)
@@ -400,6 +407,8 @@ def render(
     b.verdict(rows, note, statuses)
     b.progress("heatmaps")
     b.heatmaps()
+    b.progress("whatif")
+    whatif_section.add(b, whatif)
     b.progress("data-quality")
     b.data_quality()
     b.progress("write")

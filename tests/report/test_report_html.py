@@ -22,7 +22,8 @@ from kvtrace.report import STAGES, build_report, write_report
 pytest.importorskip("matplotlib")
 
 SECTIONS = ["verdict", "overview", "memory-timeline", "layer-footprint", "growth-curves", "post-eos",
-            "allocator-state", "findings", "heatmaps", "data-quality"]
+            "allocator-state", "findings", "heatmaps", "whatif", "data-quality"]
+NO_CONTENTS = [s for s in SECTIONS if s != "whatif"]  # the what-if section needs sampled contents
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -66,7 +67,8 @@ def test_sections_figures_and_progress(full_report):
     # heatmaps for every sampled request (both requests of the synthetic trace), not only the last
     assert names == {"memory_timeline_device0", "layer_footprint", "growth_curves", "post_eos",
                      "allocator_end"} | {f"heatmap_{k}_r{r}" for k in ("key_norms", "value_norms",
-                                                                      "attention_entropy") for r in (0, 1)}
+                                                                      "attention_entropy") for r in (0, 1)} \
+        | {"whatif_pareto", "whatif_layer_error"}
     for p in result.figures:
         blob = p.read_bytes()
         if p.suffix == ".png":
@@ -108,7 +110,7 @@ def test_cli_modes_and_errors(tmp_path):
     res = _run_cli(["report", str(trace), "-o", str(tmp_path / "a.html"), "--no-analysis", "--json"])
     assert res.exit_code == 0
     doc = json.loads(res.output)  # nothing but JSON on stdout
-    assert doc["report"] == str(tmp_path / "a.html") and doc["sections"] == SECTIONS
+    assert doc["report"] == str(tmp_path / "a.html") and doc["sections"] == NO_CONTENTS
     res = _run_cli(["report", str(trace), "-o", str(tmp_path / "b.html"), "--no-analysis", "-q"])
     assert res.exit_code == 0 and res.output == ""
     assert (tmp_path / "b.html").stat().st_size > 10_000
@@ -142,7 +144,7 @@ def test_renders_in_headless_chromium(full_report, tmp_path):
     dom = _chromium("--dump-dom", url).stdout
     for s in SECTIONS:
         assert f'id="{s}"' in dom, s
-    assert dom.count("<img") == 11
+    assert dom.count("<img") == 13  # 11 + the what-if Pareto plot and layer heatmap
     assert "Measured valid KV bytes equal the expectation" in dom
 
 
