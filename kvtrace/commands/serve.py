@@ -29,6 +29,17 @@ def check_model(model: str) -> None:
             raise click.BadParameter(f"{model}: not a model directory (no config.json)", param_hint="MODEL")
 
 
+def check_port(host: str, port: int) -> None:
+    """Bind and release ``host:port`` as uvicorn will (SO_REUSEADDR), before the model loads."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.create_server((host, port), family=family).close()
+    except OSError as exc:
+        raise Unavailable(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+
+
 @click.command("serve", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.argument("model", metavar="MODEL")
 @click.option("-o", "--output", required=True, type=click.Path(), metavar="TRACE", help="Trace file to write.")
@@ -77,9 +88,7 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
         check_writable(output)
     except CannotWriteOutput as exc:
         raise CannotWrite(str(exc)) from None
-    from kvtrace.commands.record import check_bindable
-
-    check_bindable(host, port)  # a busy port fails now, not after the model load (exit 69)
+    check_port(host, port)  # a busy port fails now, not after the model load (exit 69)
 
     def say(msg: str) -> None:
         if not quiet:

@@ -118,6 +118,9 @@ def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
         try:
             command.main(args=[model, "--host", host, "--port", str(port), *serve_args],
                          prog_name="kvtrace serve", standalone_mode=False)
+        except SystemExit as exc:  # uvicorn exits 3 when it cannot bind or start the app (it logs why)
+            raise Unavailable(f"the server did not start (uvicorn exited {exc.code}; see its log above)"
+                              + ("; the trace holds no request" if outcome.recording_started else "")) from None
         except Exception as exc:
             # typer carries its own copy of click: its usage errors are not click's classes
             if type(exc).__name__ in _USAGE_ERRORS and hasattr(exc, "format_message"):

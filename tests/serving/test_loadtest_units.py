@@ -63,6 +63,20 @@ def test_serve_passes_unknown_options_to_transformers_which_may_refuse_them(tmp_
     assert not (tmp_path / "t.kvt.h5").exists()
 
 
+def test_serve_on_a_busy_port_is_unavailable_before_loading(tmp_path, capsys):
+    import socket
+
+    (tmp_path / "config.json").write_text("{}")
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        code, _, err = run_main(["serve", str(tmp_path), "-o", str(tmp_path / "t.kvt.h5"), "--port", str(port)],
+                                capsys)
+    if code == exitcodes.UNAVAILABLE and "needs" in err:
+        pytest.skip(err.strip())  # the serving packages are absent: refused before the port check
+    assert code == exitcodes.UNAVAILABLE and f"cannot serve on 127.0.0.1:{port}" in err
+    assert not (tmp_path / "t.kvt.h5").exists()
+
+
 def test_phase_plan_keeps_protocol_order_and_prompts_differ_from_the_first_word():
     plan = build_phases(["long", "baseline", "concurrent"], concurrency=4, tokens=32, long_tokens=128, baseline_s=2)
     assert [p.name for p in plan] == ["baseline", "concurrent", "long"]
