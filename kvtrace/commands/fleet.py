@@ -14,6 +14,7 @@ from kvtrace import exitcodes
 from kvtrace.commands.common import fail, guarded
 from kvtrace.commands.outputs import check_json_out, check_output, json_options, write_json
 from kvtrace.errors import Unavailable
+from kvtrace.fleet import format_cell
 from kvtrace.units import format_bytes
 
 
@@ -59,18 +60,6 @@ def fleet() -> None:
     """
 
 
-def _cell(column: str, value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float) and column.endswith("rate"):
-        return f"{value:.1%}"
-    if isinstance(value, (int, float)) and "bytes" in column:
-        return format_bytes(value)
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
 def _print_table(title: str, columns: list[str], rows: list[tuple[Any, ...]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -79,7 +68,7 @@ def _print_table(title: str, columns: list[str], rows: list[tuple[Any, ...]]) ->
     for c in columns:
         table.add_column(c)
     for r in rows:
-        table.add_row(*(_cell(c, v) for c, v in zip(columns, r, strict=True)))
+        table.add_row(*(format_cell(c, v) for c, v in zip(columns, r, strict=True)))
     Console().print(table)
 
 

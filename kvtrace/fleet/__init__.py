@@ -8,6 +8,10 @@ the Parquet layout and the SQL views.
 
 from __future__ import annotations
 
+from typing import Any
+
+from kvtrace.units import format_bytes
+
 EXTRA_HINT = "install with: pip install 'kvtrace[fleet]'"
 
 
@@ -15,3 +19,16 @@ def missing_dependency(exc: ImportError) -> str:
     """One line naming the missing module of the fleet extra."""
     name = getattr(exc, "name", None) or str(exc)
     return f"kvtrace fleet needs {name} ({EXTRA_HINT})"
+
+
+def format_cell(column: str, value: Any) -> str:
+    """A summary cell as text: rates as percentages, byte columns in binary units, '-' for null."""
+    if value is None:
+        return "-"
+    if isinstance(value, float) and column.endswith("rate"):
+        return f"{value:.1%}"
+    if isinstance(value, (int, float)) and "bytes" in column:
+        return format_bytes(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

@@ -20,6 +20,7 @@ from urllib.parse import quote
 import numpy as np
 
 from kvtrace._version import __version__
+from kvtrace.fleet import format_cell
 from kvtrace.fleet.compare import Selector, fleet_diff, metric_rows
 from kvtrace.fleet.query import QueryResult, run_sql, summary
 from kvtrace.report import figures, html
@@ -89,21 +90,9 @@ def _distribution(title: str, unit: str, groups: list[tuple[str, np.ndarray]]) -
     return fig
 
 
-def _cell(column: str, value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float) and column.endswith("rate"):
-        return f"{value:.1%}"
-    if isinstance(value, (int, float)) and "bytes" in column:
-        return format_bytes(value)
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
 def _result_table(r: QueryResult) -> Any:
     numeric = [i for i, c in enumerate(r.columns) if c not in ("detector", "severity", "layer_type")]
-    return html.table(r.columns, [[_cell(c, v) for c, v in zip(r.columns, row, strict=True)] for row in r.rows],
+    return html.table(r.columns, [[format_cell(c, v) for c, v in zip(r.columns, row, strict=True)] for row in r.rows],
                       numeric=numeric)
 
 
@@ -154,7 +143,7 @@ def _worst_table(worst: list[dict[str, Any]]) -> Any:
         name = escape(Path(w["path"]).name)
         link = (f'<a href="{escape(w["report_link"])}">{name}</a>' if w["report_link"]
                 else f"{name}<br><code>{escape(w['report_command'])}</code>")
-        rows.append([link] + [escape(_cell(c, w[c])) for c in (
+        rows.append([link] + [escape(format_cell(c, w[c])) for c in (
             "model_id", "transformers_version", "host", "max_severity", "findings_low",
             "retained_allocated_bytes", "max_peak_allocated_bytes", "top_finding")])
     return html.raw_table(["trace (its report, or the command that makes it)", "model", "transformers", "host",
