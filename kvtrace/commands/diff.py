@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from kvtrace.commands.common import guarded
+from kvtrace.commands.diff_whatif import whatif_options, whatif_part
 from kvtrace.commands.outputs import check_json_out, json_options, write_json
 
 
@@ -13,6 +14,7 @@ from kvtrace.commands.outputs import check_json_out, json_options, write_json
 @click.argument("b", type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
 @json_options
 @click.option("--all-layers", is_flag=True, help="List unchanged layers too.")
+@whatif_options
 @guarded
 def diff(a: str, b: str, as_json: bool, json_out: str | None, all_layers: bool) -> None:
     """Compare two traces: per-request and per-layer KV deltas, peak and retained memory,
@@ -25,6 +27,7 @@ def diff(a: str, b: str, as_json: bool, json_out: str | None, all_layers: bool) 
       kvtrace diff before.kvt.h5 after.kvt.h5
       kvtrace diff baseline-report.json candidate.kvt.h5 --json
       kvtrace diff before.kvt.h5 after.kvt.h5 --json-out diff.json
+      kvtrace diff before.kvt.h5 after.kvt.h5 --whatif knorm --whatif kivi:nbits=4
     Sizes are printed in binary units (KiB = 1024 bytes).
     """
     from kvtrace.analyzer.diff import diff as run_diff
@@ -32,8 +35,16 @@ def diff(a: str, b: str, as_json: bool, json_out: str | None, all_layers: bool) 
     from kvtrace.analyzer.terminal import console_for
 
     check_json_out(json_out, (a, b))
+    wi = whatif_part(a, b)  # None unless --whatif, or A and B are what-if documents
+    if wi is not None and wi.only:
+        write_json(wi.doc, json_out, as_json=as_json)
+        if not as_json:
+            wi.render()
+        return
     result = run_diff(a, b)
-    write_json(result.to_dict(), json_out, as_json=as_json)
+    write_json(result.to_dict() if wi is None else {**result.to_dict(), "whatif": wi.doc}, json_out, as_json=as_json)
     if as_json:
         return
     render(result, console_for(), all_layers=all_layers)
+    if wi is not None:
+        wi.render()

@@ -12,6 +12,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -112,7 +113,9 @@ async def drive(cfg: DriveConfig) -> DriveResult:
     timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 10.0))
     t0 = time.perf_counter()
     started = time.time()
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    # a proxy from the environment must not carry loopback traffic (CI sets HTTP(S)_PROXY for registries)
+    loopback = (urlsplit(cfg.url).hostname or "") in ("127.0.0.1", "localhost", "::1")
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=not loopback) as client:
         code, _ = await get_json(client, cfg.url + "/health")
         if code != 200:
             raise ServerUnhealthy(f"{cfg.url}/health answered HTTP {code}")

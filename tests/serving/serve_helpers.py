@@ -63,7 +63,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> 
             out = proc.stdout.read() if proc.stdout else ""
             raise AssertionError(f"server exited {proc.returncode} before it was healthy:\n{out}")
         try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=2.0, trust_env=False).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
