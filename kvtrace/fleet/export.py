@@ -1,17 +1,20 @@
 """`kvtrace export parquet`: traces -> a directory of Parquet files, incrementally, in parallel.
 
 Layout (spec/fleet.md): ``DIR/<table>/<trace_id>.parquet`` for every table a trace has rows in,
-plus ``DIR/_manifest.json`` (which input path became which trace id, with the size, mtime and
-edge hash used to skip unchanged traces on the next run). Per-trace work runs in
-:func:`export_one`, which opens the trace itself: h5py objects do not pickle and h5py serialises
-threads, so workers get paths (a spawn process pool, or dask.distributed workers that share the
-filesystem) and write their own files; only small dicts travel back.
+``DIR/traces.parquet`` (one row per trace, all traces in one file: the summary reads only it), and
+``DIR/_manifest.json`` (which input path became which trace id, with the size, mtime and edge hash
+used to skip unchanged traces on the next run). Per-trace work runs in :func:`export_one`, which
+opens the trace itself: h5py objects do not pickle and h5py serialises threads, so workers get
+paths (a spawn process pool, or dask.distributed workers that share the filesystem) and write
+their own files; only small dicts and the one-row traces table travel back. The parent alone
+writes traces.parquet and the manifest, rewriting both whole (atomically) at checkpoints.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -20,14 +23,16 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvtrace import exitcodes
 from kvtrace.fleet.source import file_identity, read_trace
-from kvtrace.fleet.tables import FLEET_SCHEMA_VERSION, TABLE_NAMES, trace_tables
+from kvtrace.fleet.tables import FLEET_SCHEMA_VERSION, TABLE_NAMES, TRACES_FILE, trace_tables
 from kvtrace.format.errors import InvalidTrace, TraceError, UnsupportedVersion
 
 MANIFEST = "_manifest.json"
+CHECKPOINT_TRACES = 256  # traces.parquet and the manifest are rewritten after this many exports
 DASK_CONNECT_TIMEOUT_S = 5  # an unreachable scheduler fails the command, it does not hang it
 
 
@@ -56,7 +61,8 @@ def export_one(path: str, out_dir: str, identity: dict[str, Any] | None = None) 
     except TraceError as exc:
         return {"path": path, "status": "failed", "error": str(exc), "code": _code_for(exc)}
     tid = data.identity["trace_id"]
-    rows = {}
+    traces_row = tables.pop("traces")  # the parent merges it into traces.parquet
+    rows = {"traces": traces_row.num_rows}
     for name, table in tables.items():
         target = Path(out_dir) / name / f"{tid}.parquet"
         if table.num_rows == 0:  # views fall back to the known schema; empty files only slow globs
@@ -65,7 +71,7 @@ def export_one(path: str, out_dir: str, identity: dict[str, Any] | None = None) 
         target.parent.mkdir(parents=True, exist_ok=True)
         _write_atomic(table, target)
         rows[name] = table.num_rows
-    return {"path": path, "status": "exported", **data.identity, "rows": rows,
+    return {"path": path, "status": "exported", **data.identity, "rows": rows, "traces_row": traces_row,
             "analysis_error": data.analysis_error, "seconds": (time.perf_counter_ns() - t0) / 1e9}
 
 
@@ -114,9 +120,28 @@ def _remove_trace(out_dir: Path, trace_id: str) -> None:
         (out_dir / name / f"{trace_id}.parquet").unlink(missing_ok=True)
 
 
-def plan(paths: Iterable[str], out_dir: Path, manifest: dict[str, Any],
+def load_traces(out_dir: Path) -> pa.Table | None:
+    """The traces table of an export (None when there is none yet)."""
+    try:
+        return pq.read_table(out_dir / TRACES_FILE)
+    except FileNotFoundError:
+        return None
+
+
+def _merge_traces(old: pa.Table | None, new_rows: list[pa.Table], drop: set[str]) -> pa.Table:
+    """Old rows minus the replaced and re-exported trace ids, then the new rows."""
+    parts = []
+    if old is not None:
+        ids = old.column("trace_id").to_pylist()
+        parts.append(old.filter(pa.array([i not in drop for i in ids], pa.bool_())))
+    parts += new_rows
+    return pa.concat_tables(parts, promote_options="default") if parts else pa.table({})
+
+
+def plan(paths: Iterable[str], manifest: dict[str, Any], exported: set[str],
          force: bool = False) -> tuple[list[tuple[str, dict[str, Any]]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """Split inputs into (to export with their identity, skipped, failed) without opening any trace."""
+    """Split inputs into (to export with their identity, skipped, failed) without opening any trace.
+    ``exported``: the trace ids traces.parquet holds."""
     known: dict[str, Any] = manifest["traces"]
     todo, skipped, failed = [], [], []
     seen: dict[str, str] = {}
@@ -128,7 +153,7 @@ def plan(paths: Iterable[str], out_dir: Path, manifest: dict[str, Any],
             resolved = str(Path(path).resolve())
             old = known.get(resolved)
             if (not force and old and old["size"] == st.st_size and old["mtime_ns"] == st.st_mtime_ns
-                    and (out_dir / "traces" / f"{old['trace_id']}.parquet").exists()):
+                    and old["trace_id"] in exported):
                 ident = {**old, "path": resolved}  # unchanged by size and mtime: not even hashed
             else:
                 ident = file_identity(path)
@@ -143,8 +168,7 @@ def plan(paths: Iterable[str], out_dir: Path, manifest: dict[str, Any],
             continue
         seen[tid] = path
         old = known.get(resolved)
-        if (not force and old and old["trace_id"] == tid
-                and (out_dir / "traces" / f"{tid}.parquet").exists()):
+        if not force and old and old["trace_id"] == tid and tid in exported:
             skipped.append({"path": path, "trace_id": tid, "reason": "unchanged since the last export"})
             old["mtime_ns"] = ident["mtime_ns"]
             continue
@@ -200,7 +224,11 @@ def export_parquet(paths: Iterable[str], out_dir: str | os.PathLike[str], *, job
     manifest = load_manifest(out)
     # rows written under another fleet schema lack columns the views expect: export them again
     force = force or manifest.get("fleet_schema_version") != FLEET_SCHEMA_VERSION
-    todo, skipped, failed = plan(paths, out, manifest, force)
+    if (out / "traces").is_dir():  # fleet schema 1.0 kept one traces file per trace
+        shutil.rmtree(out / "traces")
+    traces = load_traces(out)
+    exported_ids = set(traces.column("trace_id").to_pylist()) if traces is not None else set()
+    todo, skipped, failed = plan(paths, manifest, exported_ids, force)
     result = ExportResult(out, skipped=skipped, failed=failed)
     for entry in skipped:
         progress and progress(entry["path"])
@@ -211,6 +239,18 @@ def export_parquet(paths: Iterable[str], out_dir: str | os.PathLike[str], *, job
         result.engine = f"process pool ({jobs}, spawn)" if jobs > 1 and len(todo) > 1 else "in-process"
         runner = _run_pool(todo, str(out), jobs)
     by_path = {ident["path"]: ident for _, ident in todo}
+    new_rows: list[pa.Table] = []
+    drop: set[str] = set()
+
+    def checkpoint() -> None:
+        nonlocal traces, new_rows, drop
+        traces = _merge_traces(traces, new_rows, drop)
+        new_rows, drop = [], set()
+        if traces.num_rows:
+            _write_atomic(traces, out / TRACES_FILE)
+        manifest["fleet_schema_version"] = FLEET_SCHEMA_VERSION
+        _save_manifest(out, manifest)
+
     for entry in runner:
         if entry["status"] == "failed":
             result.failed.append(entry)
@@ -219,11 +259,15 @@ def export_parquet(paths: Iterable[str], out_dir: str | os.PathLike[str], *, job
             if old and old["trace_id"] != entry["trace_id"] and not any(
                     v["trace_id"] == old["trace_id"] for k, v in manifest["traces"].items() if k != entry["path"]):
                 _remove_trace(out, old["trace_id"])  # the file changed: its old rows go
+                drop.add(old["trace_id"])
+            drop.add(entry["trace_id"])
+            new_rows.append(entry.pop("traces_row"))
             manifest["traces"][entry["path"]] = {k: by_path.get(entry["path"], entry)[k] for k in
                                                  ("size", "mtime_ns", "sha256_edges", "trace_id")}
             result.exported.append(entry)
+            if len(new_rows) >= CHECKPOINT_TRACES:
+                checkpoint()
         progress and progress(entry["path"])
-    manifest["fleet_schema_version"] = FLEET_SCHEMA_VERSION
-    _save_manifest(out, manifest)
+    checkpoint()
     result.seconds = time.perf_counter() - t0
     return result

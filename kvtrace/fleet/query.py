@@ -1,6 +1,7 @@
 """DuckDB views over a fleet directory and the default summary (spec/fleet.md).
 
-Each view reads ``DIR/<table>/*.parquet`` with ``union_by_name`` (files that different versions
+``traces`` is ``DIR/traces.parquet`` read into memory; every other view reads
+``DIR/<table>/*.parquet`` with ``union_by_name`` (files that different versions
 of kvtrace wrote may differ in columns); a table no trace had rows in is an empty view with the
 known schema, so queries never fail on a missing table.
 """
@@ -16,7 +17,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from kvtrace.fleet.tables import TABLE_NAMES, TRACES_SCHEMA, empty_schema
+from kvtrace.fleet.tables import TABLE_NAMES, TRACES_FILE, TRACES_SCHEMA, empty_schema
 
 # Non-informational findings (severity >= low) of these detectors mark a trace as retaining or
 # fragmenting; the detectors' own calibration (docs/detectors.md) decides what reaches "low".
@@ -44,18 +45,21 @@ def connect(directory: str | Path, tables: Iterable[str] = TABLE_NAMES) -> duckd
     d = Path(directory)
     if not d.is_dir():
         raise FleetError(f"{d}: not a directory (export traces with 'kvtrace export parquet TRACES -o {d}')")
-    if not (d / "traces").is_dir() or not any((d / "traces").glob("*.parquet")):
-        raise FleetError(f"{d}: no exported traces (no traces/*.parquet); run 'kvtrace export parquet' first")
+    if not (d / TRACES_FILE).is_file():
+        if (d / "traces").is_dir():  # fleet schema 1.0: one traces file per trace
+            raise FleetError(f"{d}: exported by an older kvtrace (traces/ instead of {TRACES_FILE}); "
+                             f"run 'kvtrace export parquet TRACES -o {d}' again to update it")
+        raise FleetError(f"{d}: no exported traces (no {TRACES_FILE}); run 'kvtrace export parquet' first")
     con = duckdb.connect(":memory:")
     for name in TABLE_NAMES:
         if name not in tables:
             continue
-        if any((d / name).glob("*.parquet")):
+        if name == "traces":
+            # one file, read once into memory: the summary and diff query it several times
+            con.execute(f"CREATE TEMP TABLE traces AS SELECT * FROM read_parquet({_sql_string(str(d / TRACES_FILE))})")
+        elif any((d / name).glob("*.parquet")):
             glob = _sql_string(str(d / name / "*.parquet"))
-            # traces (one row per trace) is read once into memory: every view query would read
-            # all its files again, and the summary and diff query it several times
-            kind = "TEMP TABLE" if name == "traces" else "VIEW"
-            con.execute(f"CREATE {kind} {name} AS SELECT * FROM read_parquet({glob}, union_by_name = true)")
+            con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet({glob}, union_by_name = true)")
         else:
             empty = pa.Table.from_batches([], schema=empty_schema(name))
             con.register(f"_empty_{name}", empty)

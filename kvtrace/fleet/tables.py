@@ -76,6 +76,9 @@ TRACES_SCHEMA = pa.schema([
                                            ("max_bytes_per_token", pa.float64())]))),
 ])
 
+# The one file holding the traces table (the other tables: one file per trace in DIR/<table>/).
+TRACES_FILE = "traces.parquet"
+
 # Every table of the fleet directory, in the order views are created.
 TABLE_NAMES: tuple[str, ...] = ("traces", "requests", "layers", "steps", "kv", "events", "readings",
                                 "retention", "telemetry", "payloads", "findings")

@@ -39,7 +39,8 @@ def test_rows_match_the_trace_and_carry_its_id(tmp_path, versions, capsys):
             "telemetry/process")
         assert kvtrace.analyze(t).to_dict()["summary"]["findings"] == pq.read_table(
             tmp_path / "f" / "findings" / f"{tid}.parquet").num_rows
-    meta = pq.read_table(tmp_path / "f" / "traces" / f"{tid}.parquet").to_pylist()[0]
+    meta = pq.read_table(tmp_path / "f" / "traces.parquet").to_pylist()[0]
+    assert meta["trace_id"] == tid
     assert meta["transformers_version"] == "5.17.0" and meta["device"] == "Synthetic GPU"
     assert meta["format_version"] == kvtrace.FORMAT_VERSION
     assert pq.read_table(tmp_path / "f" / "kv" / f"{tid}.parquet").column("layer_type").to_pylist()[0] in (
@@ -61,8 +62,9 @@ def test_incremental_skips_unchanged_and_replaces_changed(tmp_path, capsys):
     make_trace(a, residual_bytes=4096)  # rewritten: new id, the old rows go
     changed = _export(capsys, str(a), "-o", str(out))
     assert len(changed["exported"]) == 1 and changed["exported"][0]["trace_id"] != old_id
-    assert not (out / "traces" / f"{old_id}.parquet").exists()
-    assert len(list((out / "traces").glob("*.parquet"))) == 2
+    assert not (out / "requests" / f"{old_id}.parquet").exists()
+    ids = pq.read_table(out / "traces.parquet").column("trace_id").to_pylist()
+    assert len(ids) == 2 and old_id not in ids and changed["exported"][0]["trace_id"] in ids
     shutil.copy(b, tmp_path / "copy.kvt.h5")  # the same recording twice is one trace
     dup = _export(capsys, str(b), str(tmp_path / "copy.kvt.h5"), "-o", str(out), "--force")
     assert len(dup["exported"]) == 1 and dup["skipped"][0]["reason"].startswith("same content as")
@@ -105,3 +107,33 @@ def test_missing_extra_is_exit_69(tmp_path, monkeypatch, capsys):
     assert code == exitcodes.UNAVAILABLE
 
 
+
+
+def test_interrupted_run_keeps_its_checkpoints(tmp_path, monkeypatch):
+    """traces.parquet and the manifest are rewritten every CHECKPOINT_TRACES exports: a run stopped
+    after 3 of 5 keeps the first 2 (one checkpoint), and the next run exports only the other 3."""
+    from kvtrace.fleet import export as fx
+
+    paths = [str(make_trace(tmp_path / f"t{i}.kvt.h5", new_tokens=5 + i)) for i in range(5)]
+    monkeypatch.setattr(fx, "CHECKPOINT_TRACES", 2)
+    real, calls = fx.export_one, []
+
+    def stop_at_the_fourth(*args):
+        calls.append(args[0])
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(fx, "export_one", stop_at_the_fourth)
+    out = tmp_path / "f"
+    try:
+        fx.export_parquet(paths, out)
+    except KeyboardInterrupt:
+        pass
+    assert pq.read_table(out / "traces.parquet").num_rows == 2
+    assert len(json.loads((out / fx.MANIFEST).read_text())["traces"]) == 2
+    monkeypatch.setattr(fx, "export_one", real)
+    again = fx.export_parquet(paths, out)
+    assert len(again.exported) == 3 and len(again.skipped) == 2
+    ids = pq.read_table(out / "traces.parquet").column("trace_id").to_pylist()
+    assert sorted(ids) == sorted({e["trace_id"] for e in again.exported} | {s["trace_id"] for s in again.skipped})

@@ -195,7 +195,8 @@ def test_summary_aggregates_equal_the_tables_they_summarise(fleet_dir, tmp_path,
         "SELECT sum(bytes_valid) / sum(tokens_kept * k_shape[1]) FROM kv")
     # only traces/ is needed: the same summary from a copy holding nothing else
     only = tmp_path / "only-traces"
-    shutil.copytree(fleet_dir / "traces", only / "traces")
+    only.mkdir()
+    shutil.copy(fleet_dir / "traces.parquet", only / "traces.parquet")
     _, full = _json(capsys, "fleet", str(fleet_dir), "--group-by", "transformers_version", "--json")
     _, slim = _json(capsys, "fleet", str(only), "--group-by", "transformers_version", "--json")
     assert full == slim and full["findings"] and full["kv_bytes_per_token"]
@@ -210,15 +211,18 @@ def test_older_fleet_schema_is_refused_then_reexported(tmp_path, versions, capsy
 
     out = tmp_path / "old"
     export_parquet([str(versions["5.17.0"][0])], out)
-    f = next((out / "traces").glob("*.parquet"))
-    pq.write_table(pq.read_table(f).drop_columns(["findings_by", "kv_layer_types"]), f)  # a 1.0 traces file
+    # what fleet schema 1.0 wrote: traces/<trace_id>.parquet without the aggregates
+    (out / "traces").mkdir()
+    old = pq.read_table(out / "traces.parquet").drop_columns(["findings_by", "kv_layer_types"])
+    pq.write_table(old, out / "traces" / f"{old.column('trace_id')[0]}.parquet")
+    (out / "traces.parquet").unlink()
     manifest = _json_mod.loads((out / MANIFEST).read_text())
     manifest["fleet_schema_version"] = "1.0"
     (out / MANIFEST).write_text(_json_mod.dumps(manifest))
     code, doc = _json(capsys, "fleet", str(out))
     assert code == exitcodes.UNREADABLE and "export parquet" in doc["err"] and len(doc["err"].splitlines()) == 1
     again = export_parquet([str(versions["5.17.0"][0])], out)  # unchanged input, but an older schema
-    assert len(again.exported) == 1 and not again.skipped
+    assert len(again.exported) == 1 and not again.skipped and not (out / "traces").exists()
     code, _ = _json(capsys, "fleet", str(out))
     assert code == 0
 
