@@ -33,6 +33,9 @@ OUTPUT_OPTIONS = {"-o", "--output", "--output-dir", "--json-out", "--figures", "
 NOT_RUN = {  # shell lines of README code blocks that are not kvtrace examples
     "bash scripts/": "creates a fresh virtualenv and installs torch and the extras from the network",
     "pip install": "installs packages from the network",
+    "kvtrace serve ": "serves until Ctrl-C or SIGTERM (tests/serving/test_serve_loadtest.py serves a tiny model and stops it)",
+    "kvtrace loadtest ": "needs a running server (tests/serving/test_serve_loadtest.py runs it against kvtrace serve "
+                         "and transformers serve)",
 }
 
 
