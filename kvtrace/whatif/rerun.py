@@ -219,6 +219,9 @@ def teacher_forced_logprobs(model: Any, ids: torch.Tensor, policy: Policy | None
     cache, layers = _policy_cache(model, applied)
     capture = None
     if isinstance(policy, P.ScorerPolicy) and policy.needs.startswith("Q") and applied.evicts:
+        if getattr(model.config.get_text_config(), "kv_lora_rank", None):
+            raise PolicyError(f"{policy.name}: the cache holds an MLA latent shared by all heads; scoring with "
+                              "queries needs per-head keys (the up-projections)")
         from kvtrace.recorder.qcapture import QueryCapture
 
         def keep_query(layer: int, q: torch.Tensor) -> None:
@@ -301,6 +304,9 @@ def rerun_quality(model_spec: str, text_path: str | Path, policies: list[Policy]
         entry: dict[str, Any] = {"policy": pol.name, "label": pol.label(), "family": pol.family, "results": []}
         if isinstance(pol, P.Paging):
             entry["skipped"] = "paging changes where K/V live, not their values: quality is unchanged by construction"
+        elif isinstance(pol, P.ScorerPolicy) and not any(x.window is None for x in ref_layers):
+            entry["skipped"] = ("every cache layer is sliding-window, and the rerun leaves windows unpressed: "
+                                "eviction has no layer to press")
         else:
             fixed = not isinstance(pol, P.ScorerPolicy) or isinstance(pol, P.StreamingLLM) and pol.window > 0
             for ratio in ([None] if fixed else ratios):

@@ -113,3 +113,25 @@ def test_cli_rerun_json(capsys, tmp_path, llama):
     assert run_main(["whatif", "--rerun", str(tmp_path / "m"), "--text", str(tmp_path / "none.txt")], capsys)[0] == 64
     code, _, err = run_main(["whatif", "--rerun", str(tmp_path / "nope"), "--text", str(text)], capsys)
     assert code != 0 and err.count("\n") == 1
+
+
+def test_mla_latent_is_pressed_by_key_only_policies_and_query_policies_refuse():
+    from kvtrace.whatif.policies import PolicyError
+
+    model, ids = tiny_model("deepseek_v3"), tiny_prompt(12)
+    ref, layers = teacher_forced_logprobs(model, ids)
+    assert layers[0].keys.shape[1] == 1  # the cached latent: one "head" shared by all
+    got, layers = teacher_forced_logprobs(model, ids, parse_policy("knorm"), 0.5)
+    assert [x.kept_log[-1] for x in layers] == [6, 6] and _measures(ref, got, ids[0].numpy())["kl_mean"] > 0
+    with pytest.raises(PolicyError, match="MLA latent"):
+        teacher_forced_logprobs(model, ids, parse_policy("tova"), 0.5)
+
+
+def test_all_sliding_model_says_eviction_has_nothing_to_press(tmp_path):
+    from kvtrace.whatif.rerun import rerun_quality
+
+    tiny_model("mistral").save_pretrained(tmp_path / "m")  # every layer slides (window 8)
+    (tmp_path / "t.txt").write_text("twelve bytes")
+    doc = rerun_quality(str(tmp_path / "m"), tmp_path / "t.txt", [parse_policy("knorm"), parse_policy("fp8")], [0.5])
+    assert doc["sliding_layers"] == 2 and "no layer to press" in doc["policies"][0]["skipped"]
+    assert doc["policies"][1]["results"][0]["kl_mean"] > 0  # quantisation still applies to sliding layers
