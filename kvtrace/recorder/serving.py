@@ -542,7 +542,7 @@ class ServingRecorder:
         if groups:
             w.append("sched_groups", groups)
         if blocks:
-            w.append("blocks", blocks)
+            w.append("blocks", blocks)  # GroupBlocks: converted by the flusher
         self._tell("on_serving_step", sched, groups)
 
 

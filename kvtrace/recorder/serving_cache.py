@@ -15,7 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvtrace.format.schema import BlockRow, LayerType, SchedGroupRow, SchedRow
+import numpy as np
+
+from kvtrace.format.schema import LayerType, SchedGroupRow, SchedRow
+from kvtrace.format.writer import RowBlock
 
 UNSUPPORTED = "unsupported transformers version"
 
@@ -36,10 +39,6 @@ class GroupState:
     blocks_free: int  # -1: not per group in this version
     tables: dict[str, list[int]]  # CB request id -> its block ids (the allocator's own table, read only)
     shared: set[int] = field(default_factory=set)  # block ids referenced by more than one request
-
-    def tokens_held(self, position: int) -> int:
-        """Positions whose KV the group keeps for a request at sequence position ``position``."""
-        return min(position, self.window) if self.window > 0 else position
 
 
 @dataclass
@@ -100,25 +99,27 @@ class StepCounts:
 
 def step_rows(t_ns: int, manager: int, step: int, state: CacheState | None, active: dict[str, Any],
               rids: dict[str, int], batch: dict[str, int], counts: StepCounts, *, waiting: int, starved: int,
-              max_batch_tokens: int) -> tuple[SchedRow, list[SchedGroupRow], list[BlockRow]]:
+              max_batch_tokens: int) -> tuple[SchedRow, list[SchedGroupRow], list[GroupBlocks]]:
     """The rows of one step. ``active``: the scheduler's running requests (CB id -> RequestState, whose
     position_offset the scheduler has already advanced past this step's tokens); ``rids``: CB id ->
-    trace request id for the requests this session recorded (others count in the totals only)."""
+    trace request id for the requests this session recorded (others count in the totals only). The
+    /blocks rows come as :class:`GroupBlocks`, converted by the writer's flusher, off the CB loop."""
+    cb_ids = list(active)
+    pos = np.fromiter((int(getattr(active[c], "position_offset", 0)) for c in cb_ids), np.int64, len(cb_ids))
+    rid = np.fromiter((rids.get(c, -1) for c in cb_ids), np.int64, len(cb_ids))
     groups: list[SchedGroupRow] = []
-    blocks: list[BlockRow] = []
+    blocks: list[GroupBlocks] = []
     valid_bytes = in_use = cached = 0
     for g in state.groups if state is not None else ():
-        tokens_valid = 0
-        for cb_id, req in active.items():
-            table = g.tables.get(cb_id)
-            if not table:
-                continue
-            held = g.tokens_held(int(getattr(req, "position_offset", 0)))
-            tokens_valid += held
-            rid = rids.get(cb_id)
-            if rid is not None:
-                shared = sum(1 for b in table if b in g.shared) if g.shared else 0
-                blocks.append(BlockRow(manager, step, rid, g.group, len(table), shared, held))
+        tables = g.tables
+        lens = np.fromiter((len(tables.get(c) or ()) for c in cb_ids), np.int64, len(cb_ids))
+        held = np.minimum(pos, g.window) if g.window > 0 else pos
+        tokens_valid = int(held[lens > 0].sum())
+        shared = None
+        if g.shared:  # blocks another running request also references (prefix sharing, forks)
+            shared = np.fromiter((sum(1 for b in tables.get(c) or () if b in g.shared) for c in cb_ids), np.int64,
+                                 len(cb_ids))
+        blocks.append(GroupBlocks(manager, step, g.group, rid, lens, shared, held))
         valid_bytes += tokens_valid * g.bytes_per_block // g.tokens_per_block
         in_use += g.blocks_in_use
         cached += max(g.blocks_cached, 0)
@@ -126,13 +127,33 @@ def step_rows(t_ns: int, manager: int, step: int, state: CacheState | None, acti
                                     g.bytes_per_block, g.blocks_total, g.blocks_in_use, g.blocks_cached,
                                     g.blocks_free, tokens_valid))
     known = state is not None
-    tokens = sum(int(getattr(r, "position_offset", 0)) for r in active.values())
     sched = SchedRow(t_ns, manager, step, batch.get("batch_requests", 0), batch.get("prefill_tokens", 0),
                      batch.get("decode_tokens", 0), len(active), waiting, starved, max_batch_tokens,
                      state.pool_bytes if known else -1, state.free_bytes if known else -1,
-                     valid_bytes if known else -1, in_use if known else -1, cached if known else -1, tokens,
+                     valid_bytes if known else -1, in_use if known else -1, cached if known else -1, int(pos.sum()),
                      counts.prefix_hit_tokens, counts.prefix_hit_blocks, counts.evicted_blocks, counts.preempted)
     return sched, groups, blocks
+
+
+class GroupBlocks(RowBlock):
+    """One step's /blocks rows of one cache group, kept as arrays until the flusher converts them:
+    a row per recorded request (rid >= 0) that holds blocks in the group."""
+
+    __slots__ = ("group", "held", "lens", "manager", "rid", "shared", "step")
+
+    def __init__(self, manager: int, step: int, group: int, rid: np.ndarray, lens: np.ndarray,
+                 shared: np.ndarray | None, held: np.ndarray) -> None:
+        self.manager, self.step, self.group = manager, step, group
+        self.rid, self.lens, self.shared, self.held = rid, lens, shared, held
+
+    def rows_array(self, dtype: np.dtype) -> np.ndarray:
+        keep = (self.rid >= 0) & (self.lens > 0)
+        out = np.zeros(int(keep.sum()), dtype=dtype)
+        out["manager"], out["step"], out["group"] = self.manager, self.step, self.group
+        out["request"], out["blocks"], out["tokens_valid"] = self.rid[keep], self.lens[keep], self.held[keep]
+        if self.shared is not None:
+            out["blocks_shared"] = self.shared[keep]
+        return out
 
 
 def batch_tokens(batch: Any) -> dict[str, int]:
