@@ -41,10 +41,14 @@ def _ratios(text: str) -> list[float]:
 @click.option("--tiny", is_flag=True, help="With --rerun preset:NAME: shrink the preset as 'record --tiny'.")
 @click.option("--rerun-device", default="cpu", show_default=True, metavar="DEVICE",
               help="With --rerun: where the model runs (cpu, cuda, cuda:N, auto).")
+@click.option("--device", type=click.Choice(["cpu", "auto", "cuda"]), default="cpu", show_default=True,
+              help="Where the attention and quantisation measures run: cpu = exact (float64 numpy); cuda = "
+              "the Triton kernels (fp32, within ~1e-5; the first run compiles and autotunes them, about a "
+              "minute); auto = cuda where a GPU is, else cpu. JSON 'numerics' says which ran.")
 @json_options
 @guarded
 def whatif(trace: str | None, policy_texts: tuple[str, ...], ratio_text: str, rerun_model: str | None,
-           text_file: str | None, max_tokens: int, tiny: bool, rerun_device: str, as_json: bool,
+           text_file: str | None, max_tokens: int, tiny: bool, rerun_device: str, device: str, as_json: bool,
            json_out: str | None) -> None:
     """What paging, eviction or KV quantisation would save on TRACE and what it would cost in
     attention: bytes from the recorded sizes, attention mass recall and output error from sampled
@@ -79,7 +83,7 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], ratio_text: str, re
         from kvtrace.whatif.run import run_whatif
 
         with Trace(trace) as t:
-            doc.update(run_whatif(t, policies, ratios))
+            doc.update(run_whatif(t, policies, ratios, device))
     else:
         from kvtrace.whatif.run import SCHEMA
 
@@ -114,6 +118,8 @@ def _print(doc: dict[str, Any]) -> None:
     c.print(f"kvtrace whatif {doc['trace']}: baseline (the trace's own layout) peak {format_bytes(b['bytes_peak'])}, "
             f"mean {format_bytes(b['bytes_mean'])}; {doc['sampled_units']} sampled (request, layer) units")
     c.print(f"[dim]{doc['note']}[/dim]")
+    if doc.get("numerics", {}).get("note"):
+        c.print(f"[dim]{doc['numerics']['note']}[/dim]")
     t = Table(show_edge=False)
     for col, just in (("policy", "left"), ("ratio", "right"), ("kept peak", "right"), ("saved peak", "right"),
                       ("saved mean", "right"), ("mass recall", "right"), ("output err", "right"),
@@ -133,8 +139,11 @@ def _print(doc: dict[str, Any]) -> None:
     c.print(t)
     c.print("mass recall: mean over KV heads of the full attention's mass on kept keys (needs Q and K); "
             "output err: ||o'-o||/||o|| (needs Q, K and V); cos: K/V reconstruction (needs K, V)")
+    for p in doc["policies"]:
+        if p.get("note"):
+            c.print(f"note: {p['policy']}: {p['note']}", markup=False)
     for reason, n in skipped.items():
-        c.print(f"[dim]skipped {n}x: {reason}[/dim]")
+        c.print(f"skipped {n}x: {reason}", style="dim", markup=False)
 
 
 def _print_rerun(r: dict[str, Any]) -> None:

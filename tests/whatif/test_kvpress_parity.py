@@ -158,3 +158,56 @@ def test_n_kept_matches_kvpress_compute_n_kept():
     for t in (1, 2, 3, 7, 24, 100):
         for r in (0.0, 0.1, 0.5, 0.9, 0.99):
             assert n_kept(t, r) == compute_n_kept(t, r)
+
+
+@pytest.fixture(scope="module")
+def llama_prefill():
+    """A tiny llama's layer-0 prefill: kvpress's inputs (module, hidden states, RoPE, K, V, eager
+    attention) and what a kvtrace trace holds instead (post-RoPE queries via QueryCapture)."""
+    pytest.importorskip("transformers")
+    from transformers import DynamicCache
+
+    from kvtrace.recorder.qcapture import QueryCapture
+    from kvtrace.testing_models import tiny_model, tiny_prompt
+
+    model = tiny_model("llama", attn_implementation="eager")
+    attn = model.model.layers[0].self_attn
+    got: dict[str, object] = {}
+
+    def pre(module, args, kwargs):
+        got["h"], got["pe"] = kwargs["hidden_states"], kwargs["position_embeddings"]
+
+    handle = attn.register_forward_pre_hook(pre, with_kwargs=True)
+    queries: dict[int, object] = {}
+    cache = DynamicCache(config=model.config)
+    try:
+        with torch.no_grad(), QueryCapture(model, lambda layer, q: queries.setdefault(layer, q.clone())):
+            out = model(tiny_prompt(20), past_key_values=cache, use_cache=True, output_attentions=True)
+    finally:
+        handle.remove()
+    return {"module": attn, "h": got["h"], "pe": got["pe"], "k": cache.layers[0].keys, "v": cache.layers[0].values,
+            "attn": out.attentions[0], "q": queries[0].double().numpy()}
+
+
+@pytest.mark.parametrize("policy,module,cls,kw,attn", [
+    ("snapkv:window_size=4,kernel_size=3", "snapkv_press", "SnapKVPress", {"window_size": 4, "kernel_size": 3}, False),
+    ("tova", "tova_press", "TOVAPress", {}, False),
+    ("observed_attention", "observed_attention_press", "ObservedAttentionPress", {}, True),
+])
+def test_kvpress_on_a_real_model_equals_ours_on_captured_post_rope_queries(llama_prefill, policy, module, cls, kw, attn):
+    """kvpress computes its queries itself (q_proj + RoPE from the hidden states, or the eager
+    attention matrix); ours scores with the post-RoPE queries a trace samples. Same keep-sets."""
+    x = llama_prefill
+    press = _press(module, cls)(compression_ratio=0.5, **kw)
+    with torch.no_grad():
+        theirs = press.score(x["module"], x["h"], x["k"], x["v"], x["attn"] if attn else None,
+                             {"position_embeddings": x["pe"]}).double()
+    k, v = x["k"].double().numpy(), x["v"].double().numpy()
+    T = k.shape[2]
+    obs = Observed(x["q"], np.arange(T), np.arange(T), None, float(x["module"].scaling))
+    ours = parse_policy(policy).score(k, obs, v)
+    scored = np.isfinite(ours[0, 0])
+    np.testing.assert_allclose(ours[..., scored], theirs.numpy()[..., scored], rtol=1e-4, atol=1e-7)
+    keep_theirs = np.zeros(theirs.shape, bool)
+    np.put_along_axis(keep_theirs, theirs.topk(n_kept(T, 0.5), dim=-1).indices.numpy(), True, axis=-1)
+    assert (keep_top(ours, 0.5) == keep_theirs).all()
