@@ -67,7 +67,7 @@ class DriveResult:
     started_unix: float
 
 
-async def _sample_status(client: httpx.AsyncClient, url: str, run: PhaseRun, t0: float, *, after: bool = False) -> None:
+async def _sample_status(client: httpx.AsyncClient, url: str, run: PhaseRun, *, after: bool = False) -> None:
     code, body = await get_json(client, url + "/kvtrace/status")
     if code != 200 or not isinstance(body, dict):
         run.status_unavailable = f"/kvtrace/status answered {code}"
@@ -84,11 +84,10 @@ async def _sample_status(client: httpx.AsyncClient, url: str, run: PhaseRun, t0:
     run.status_unavailable = None
 
 
-async def _poll(client: httpx.AsyncClient, url: str, run: PhaseRun, t0: float, every: float,
-                stop: asyncio.Event) -> None:
+async def _poll(client: httpx.AsyncClient, url: str, run: PhaseRun, every: float, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
-            await _sample_status(client, url, run, t0)
+            await _sample_status(client, url, run)
         except ServerUnreachable:
             pass  # the requests' own rows say when the server goes away
         try:
@@ -130,7 +129,7 @@ async def drive(cfg: DriveConfig) -> DriveResult:
                 run.marker = await _mark(client, cfg.url, phase.name)
                 markers = not run.marker.startswith("unsupported")
             stop = asyncio.Event()
-            poller = asyncio.create_task(_poll(client, cfg.url, run, t0, cfg.poll_s, stop)) if live else None
+            poller = asyncio.create_task(_poll(client, cfg.url, run, cfg.poll_s, stop)) if live else None
             if not live:
                 run.status_unavailable = "the server has no /kvtrace/status (not kvtrace serve)"
             if phase.requests == 0:
@@ -150,7 +149,7 @@ async def drive(cfg: DriveConfig) -> DriveResult:
                 stop.set()
                 await poller
                 try:  # one sample after the phase: what it left behind
-                    await _sample_status(client, cfg.url, run, t0, after=True)
+                    await _sample_status(client, cfg.url, run, after=True)
                 except ServerUnreachable:
                     pass
             try:
