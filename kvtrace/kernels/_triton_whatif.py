@@ -1,14 +1,19 @@
 """Triton kernels of the what-if replay (kvtrace/kernels/whatif.py dispatches). Imported lazily.
 
-``_keep_kernel`` -- attention restricted to many candidate keep-sets in one pass over the keys.
-One program per (query block x set block, batch * query head, key split). Its ``SETS * BLOCK_M``
-rows are ``BLOCK_M`` queries repeated for ``SETS`` keep-sets, so every per-set quantity is a plain
-2-D tile and ``p @ V`` is one tensor-core dot for all the sets. Per row it keeps an online-softmax
-state over the keys that are visible AND kept by the row's set: running max ``m``, ``l = sum
-exp(s - m)`` and ``acc = sum exp(s - m) v``; the partial states of the key splits are merged in
-torch (a few floats per row). Set 0 is "keep every key" (the full attention), so mass recall
-``exp(m_s - m_0) l_s / l_0`` and the output error follow from the merged states alone. Nothing of
-size rows x keys x sets is formed: memory O(rows * sets * splits * Dv).
+Keep-set attention: many candidate keep-sets in one pass over the keys. One program per (block
+of rows, batch * KV head, key split): its rows are queries of all the query heads that read this
+KV head (GQA: K and V are loaded once for the group), times keep-sets. Per row it keeps an
+online-softmax state over the keys that are visible AND kept by the row's set: running max ``m``,
+``l = sum exp(s - m)`` and ``acc = sum exp(s - m) v``; the partial states of the key splits are
+merged in torch (a few floats per row). Set 0 is "keep every key" (the full attention), so mass
+recall ``exp(m_s - m_0) l_s / l_0`` and the output error follow from the merged states alone.
+Nothing of size rows x keys x sets is formed: memory O(rows * sets * splits * Dv).
+
+* ``_keep_packed_kernel`` (fewer than 16 query rows per KV head: a decode step's samples): rows
+  are dense (set, query) pairs, each scoring the keys itself (memory-bound; no padding rows).
+* ``_keep_shared_kernel`` (more queries): BLOCK_M query rows score a key block once; SETS
+  keep-sets mask those scores as a [SETS, BLOCK_M, BLOCK_N] tile whose probabilities go through
+  one [SETS * BLOCK_M, BLOCK_N] @ V dot.
 
 ``_quant_kernel`` -- min-max (or fp8) quantise-dequantise of K or V in registers, returning per
 (batch * head, program) the sum of squared errors and the sum and count of per-token cosines; the
@@ -33,61 +38,102 @@ from kvtrace.kernels._env import interpreting
 from kvtrace.kernels._triton_attention import _scaled
 
 # The interpreter runs small tiles (fast on CPU, and exercises the masking paths).
+INTERP_ROWS = 16
 INTERP_BLOCK_M = 16
-INTERP_BLOCK_N = 16
 INTERP_SETS = 2
+INTERP_BLOCK_N = 16
 INTERP_BLOCK_T = 16
 # Key splits are a multiple of the largest BLOCK_N an autotuned config may use.
 MAX_BLOCK_N = 64
 
 
+@triton.jit
+def _key_range(pid_split, keys_per_split, Tk, pos, valid, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Keys of this split, clipped to what some valid row (at ``pos``) can see."""
+    lo = pid_split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, Tk)
+    if CAUSAL:
+        hi = tl.minimum(hi, tl.max(tl.where(valid, pos, -1), axis=0) + 1)
+    if HAS_WINDOW:
+        first = tl.min(tl.where(valid, pos, Tk + window), axis=0) - window + 1
+        lo = tl.maximum(lo, (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N)
+    return lo, hi
+
+
+@triton.jit
+def _visible(offs_n, n_valid, pos, valid, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """[rows, keys] visibility of key offsets ``offs_n`` to rows at ``pos`` (relative positions)."""
+    vis = valid[:, None] & n_valid[None, :]
+    if CAUSAL:
+        vis = vis & (offs_n[None, :] <= pos[:, None])
+    if HAS_WINDOW:
+        vis = vis & (offs_n[None, :] > pos[:, None] - window)
+    return vis
+
+
+@triton.jit
+def _rows(vq, kvh, b, Hq, Tq, GROUP, QPOS, k_start, valid):
+    """Virtual query ``vq`` of KV head ``kvh`` -> (query head, query index, relative position,
+    row offset of its outputs in [B * Hq, Tq])."""
+    h = kvh * GROUP + vq // Tq
+    qi = vq % Tq
+    pos = tl.load(QPOS + qi, mask=valid, other=0) - k_start
+    return h, qi, pos, (b * Hq + h).to(tl.int64) * Tq + qi
+
+
+@triton.jit
+def _load_q(Q, b, h, qi, sqb, sqh, sqt, offs_d, valid, d_valid, DOT_F32: tl.constexpr):
+    """Query rows [rows, BLOCK_D] of heads ``h`` and query indices ``qi`` (a gather)."""
+    q = tl.load(Q + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + qi[:, None].to(tl.int64) * sqt
+                + offs_d[None, :], mask=valid[:, None] & d_valid[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32: tl.constexpr):
+    """A key block transposed [BLOCK_D, BLOCK_N] (dot operand dtype) and its values [BLOCK_N, BLOCK_DV] fp32."""
+    kt = tl.load(k_base + offs_n[None, :].to(tl.int64) * skt + offs_d[:, None],
+                 mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+    if DOT_F32:
+        kt = kt.to(tl.float32)
+    v = tl.load(v_base + offs_n[:, None].to(tl.int64) * svt + offs_dv[None, :],
+                mask=n_valid[:, None] & dv_valid[None, :], other=0.0).to(tl.float32)
+    return kt, v
+
+
 @triton.jit(do_not_specialize=["Tq", "Tk", "S", "k_start", "window", "keys_per_split"])
-def _keep_kernel(
+def _keep_packed_kernel(
     Q, K, V, KEEP, QPOS, PM, PL, PACC,
     Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, kps, kpb, kph,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr,
-    PREC_PV: tl.constexpr, ROUNDED: tl.constexpr, BLOCK_M: tl.constexpr, SETS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PREC_PV: tl.constexpr, ROUNDED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    ROWS: tl.constexpr = SETS * BLOCK_M
-    pid_qs = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    """Few queries (a decode step): rows are dense (set, query head of the group, query) triples,
+    each with its own score row (scores recomputed per set; this case is memory-bound)."""
+    pid_bk = tl.program_id(1)
     pid_split = tl.program_id(2)
-    n_qblocks = tl.cdiv(Tq, BLOCK_M)
-    qb = pid_qs % n_qblocks
-    sb = pid_qs // n_qblocks
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    kvh = h // GROUP
-
-    offs_r = tl.arange(0, ROWS)
-    row_q = qb * BLOCK_M + offs_r % BLOCK_M
-    row_s = sb * SETS + offs_r // BLOCK_M
-    r_valid = (row_q < Tq) & (row_s < S)
+    Hk = Hq // GROUP
+    b = pid_bk // Hk
+    kvh = pid_bk % Hk
+    nvq = GROUP * Tq
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    valid = i < S * nvq
+    row_s = i // nvq
+    h, qi, pos, out_row = _rows(i % nvq, kvh, b, Hq, Tq, GROUP, QPOS, k_start, valid)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     d_valid = offs_d < D
     dv_valid = offs_dv < DV
-    # Query positions relative to the first key, so key j sits at j.
-    pos = tl.load(QPOS + row_q, mask=r_valid, other=0) - k_start
-
-    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + row_q[:, None].to(tl.int64) * sqt
-                + offs_d[None, :], mask=r_valid[:, None] & d_valid[None, :], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
+    q = _load_q(Q, b, h, qi, sqb, sqh, sqt, offs_d, valid, d_valid, DOT_F32)
     k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
     keep_row = KEEP + row_s.to(tl.int64) * kps + b.to(tl.int64) * kpb + kvh.to(tl.int64) * kph
-
-    # Keys of this split, clipped to what some row of the block can see.
-    lo = pid_split * keys_per_split
-    hi = tl.minimum(lo + keys_per_split, Tk)
-    if CAUSAL:
-        hi = tl.minimum(hi, tl.max(tl.where(r_valid, pos, -1), axis=0) + 1)
-    if HAS_WINDOW:
-        first = tl.min(tl.where(r_valid, pos, Tk + window), axis=0) - window + 1
-        lo = tl.maximum(lo, (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N)
+    lo, hi = _key_range(pid_split, keys_per_split, Tk, pos, valid, window, CAUSAL, HAS_WINDOW, BLOCK_N)
 
     m_i = tl.zeros([ROWS], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -95,62 +141,122 @@ def _keep_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < Tk
-        kt = tl.load(k_base + offs_n[None, :].to(tl.int64) * skt + offs_d[:, None],
-                     mask=n_valid[None, :] & d_valid[:, None], other=0.0)
-        if DOT_F32:
-            kt = kt.to(tl.float32)
+        kt, v = _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32)
         s = _scaled(tl.dot(q, kt, input_precision=PREC_QK), scale, ROUNDED)
-        kept = tl.load(keep_row[:, None] + offs_n[None, :], mask=r_valid[:, None] & n_valid[None, :], other=0)
-        use = (kept != 0) & r_valid[:, None] & n_valid[None, :]
-        if CAUSAL:
-            use = use & (offs_n[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            use = use & (offs_n[None, :] > pos[:, None] - window)
+        kept = tl.load(keep_row[:, None] + offs_n[None, :], mask=valid[:, None] & n_valid[None, :], other=0)
+        use = (kept != 0) & _visible(offs_n, n_valid, pos, valid, window, CAUSAL, HAS_WINDOW)
         s = tl.where(use, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # Rows that have used no key yet keep m = -inf; shift by 0 there so no inf - inf.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(s - m_use[:, None])  # 0 where not used (s = -inf)
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * svt + offs_dv[None, :],
-                    mask=n_valid[:, None] & dv_valid[None, :], other=0.0).to(tl.float32)
         l_i = alpha * l_i + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC_PV)
         m_i = m_new
 
     # Partial states, laid out [S, B * Hq, Tq, n_splits] (and x DV for acc).
-    out = ((row_s.to(tl.int64) * (tl.num_programs(1)) + pid_bh) * Tq + row_q) * n_splits + pid_split
-    tl.store(PM + out, m_i, mask=r_valid)
-    tl.store(PL + out, l_i, mask=r_valid)
-    tl.store(PACC + out[:, None] * DV + offs_dv[None, :], acc, mask=r_valid[:, None] & dv_valid[None, :])
+    out = (row_s.to(tl.int64) * tl.num_programs(1) * GROUP * Tq + out_row) * n_splits + pid_split
+    tl.store(PM + out, m_i, mask=valid)
+    tl.store(PL + out, l_i, mask=valid)
+    tl.store(PACC + out[:, None] * DV + offs_dv[None, :], acc, mask=valid[:, None] & dv_valid[None, :])
 
 
-def _keep_configs(block_m: int | None = None) -> list:
-    """Configs (BLOCK_M, SETS, BLOCK_N, warps, stages): 16-128 rows of fp32 state against 32-64 keys
-    a step. fp32 inputs (the replay's) take 3xTF32 dots, whose operand splits need ~70-200 KiB of
-    shared memory at D = 128 (AOT-compiled for sm_90): smaller tiles and one stage are offered
-    too, and the autotuner skips what does not fit. With few queries (``block_m`` 1-8: decode
-    steps sample one query per sequence) the rows are mostly keep-sets."""
-    if block_m is None:
-        specs = [(16, 4, 64, 4, 2), (16, 4, 32, 4, 1), (16, 8, 32, 8, 1), (32, 2, 64, 4, 2), (16, 2, 32, 4, 2),
-                 (16, 1, 32, 4, 1)]
-    else:
-        bm = block_m
-        specs = [(bm, 16 // bm, 64, 4, 2), (bm, 16 // bm, 32, 4, 1), (bm, 32 // bm, 64, 4, 2),
-                 (bm, 32 // bm, 32, 4, 1), (bm, 64 // bm, 32, 8, 1)]
+@triton.jit(do_not_specialize=["Tq", "Tk", "S", "k_start", "window", "keys_per_split"])
+def _keep_shared_kernel(
+    Q, K, V, KEEP, QPOS, PM, PL, PACC,
+    Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, kps, kpb, kph,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr,
+    PREC_PV: tl.constexpr, ROUNDED: tl.constexpr, BLOCK_M: tl.constexpr, SETS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Many queries: BLOCK_M query rows (of the KV head's query heads) score each key block once;
+    SETS keep-sets each mask those scores ([SETS, BLOCK_M, BLOCK_N]) and their probabilities go
+    through one [SETS * BLOCK_M, BLOCK_N] @ V dot."""
+    pid_bk = tl.program_id(1)
+    pid_split = tl.program_id(2)
+    Hk = Hq // GROUP
+    b = pid_bk // Hk
+    kvh = pid_bk % Hk
+    nvq = GROUP * Tq
+    n_mblocks = tl.cdiv(nvq, BLOCK_M)
+    mb = tl.program_id(0) % n_mblocks
+    sb = tl.program_id(0) // n_mblocks
+    vq = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = vq < nvq
+    h, qi, pos, out_row = _rows(vq, kvh, b, Hq, Tq, GROUP, QPOS, k_start, valid)
+    sets = sb * SETS + tl.arange(0, SETS)
+    s_valid = sets < S
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_valid = offs_d < D
+    dv_valid = offs_dv < DV
+    q = _load_q(Q, b, h, qi, sqb, sqh, sqt, offs_d, valid, d_valid, DOT_F32)
+    k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    keep_base = KEEP + sets.to(tl.int64) * kps + b.to(tl.int64) * kpb + kvh.to(tl.int64) * kph
+    lo, hi = _key_range(pid_split, keys_per_split, Tk, pos, valid, window, CAUSAL, HAS_WINDOW, BLOCK_N)
+
+    m_i = tl.zeros([SETS, BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([SETS, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([SETS * BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < Tk
+        kt, v = _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32)
+        s = _scaled(tl.dot(q, kt, input_precision=PREC_QK), scale, ROUNDED)
+        vis = _visible(offs_n, n_valid, pos, valid, window, CAUSAL, HAS_WINDOW)
+        kept = tl.load(keep_base[:, None] + offs_n[None, :], mask=s_valid[:, None] & n_valid[None, :], other=0)
+        use = (kept[:, None, :] != 0) & vis[None, :, :]
+        s3 = tl.where(use, s[None, :, :], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s3, axis=2))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p3 = tl.exp(s3 - m_use[:, :, None])
+        l_i = alpha * l_i + tl.sum(p3, axis=2)
+        p = tl.reshape(p3, (SETS * BLOCK_M, BLOCK_N))
+        acc = acc * tl.reshape(alpha, (SETS * BLOCK_M,))[:, None] + tl.dot(p, v, input_precision=PREC_PV)
+        m_i = m_new
+
+    out = (sets[:, None].to(tl.int64) * tl.num_programs(1) * GROUP * Tq + out_row[None, :]) * n_splits + pid_split
+    ok = s_valid[:, None] & valid[None, :]
+    tl.store(PM + out, m_i, mask=ok)
+    tl.store(PL + out, l_i, mask=ok)
+    out1 = tl.reshape(out, (SETS * BLOCK_M,))
+    ok1 = tl.reshape(ok, (SETS * BLOCK_M,))
+    tl.store(PACC + out1[:, None] * DV + offs_dv[None, :], acc, mask=ok1[:, None] & dv_valid[None, :])
+
+
+def _packed_configs() -> list:
+    """(ROWS, BLOCK_N, warps, stages) for the few-query kernel."""
+    specs = [(16, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 1), (64, 32, 4, 1), (16, 32, 4, 1)]
+    return [triton.Config({"ROWS": r, "BLOCK_N": bn}, num_warps=w, num_stages=st) for r, bn, w, st in specs]
+
+
+def _shared_configs() -> list:
+    """(BLOCK_M, SETS, BLOCK_N, warps, stages) for the many-query kernel: 32-128 rows of fp32
+    state against 32-64 keys a step. fp32 inputs (the replay's) take 3xTF32 dots, whose operand
+    splits need up to ~200 KiB of shared memory at D = 128 (AOT-compiled for sm_90): small tiles
+    and one stage are offered too, and the autotuner skips what does not fit."""
+    specs = [(16, 4, 64, 4, 2), (16, 4, 32, 4, 1), (32, 2, 64, 4, 2), (16, 8, 32, 8, 1), (32, 4, 32, 8, 1),
+             (64, 2, 32, 8, 1)]
     return [triton.Config({"BLOCK_M": bm, "SETS": sets, "BLOCK_N": bn}, num_warps=w, num_stages=st)
             for bm, sets, bn, w, st in specs]
 
 
-def small_block_m(Tq: int) -> int | None:
-    """BLOCK_M for few queries (1, 2, 4 or 8), None for the general configs."""
-    return triton.next_power_of_2(max(Tq, 1)) if Tq <= 8 else None
+def packed(group: int, Tq: int) -> bool:
+    """The few-query kernel when the KV head's queries (group x Tq) fill less than 16 rows."""
+    return group * Tq < 16
 
 
 @cache
-def _tuned_keep(block_m: int | None):
-    # Tuned per head dims (and dtype, which the autotuner adds to the key); lengths hardly matter.
-    return triton.autotune(configs=_keep_configs(block_m), key=["BLOCK_D", "BLOCK_DV"])(_keep_kernel)
+def _tuned(kind: str):
+    # Tuned once per head dims (and dtype, which the autotuner adds to the key): lengths hardly
+    # change the best tile.
+    if kind == "packed":
+        return triton.autotune(configs=_packed_configs(), key=["BLOCK_D", "BLOCK_DV"])(_keep_packed_kernel)
+    return triton.autotune(configs=_shared_configs(), key=["BLOCK_D", "BLOCK_DV"])(_keep_shared_kernel)
 
 
 def split_unit() -> int:
@@ -160,13 +266,13 @@ def split_unit() -> int:
 
 def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window, causal,
              keys_per_split, n_splits) -> None:
-    """Launch ``_keep_kernel``. q [B, Hq, Tq, D], k [B, Hk, T, D], v [B, Hk, T, Dv] (last dim
+    """Launch a keep-set kernel. q [B, Hq, Tq, D], k [B, Hk, T, D], v [B, Hk, T, Dv] (last dim
     contiguous), keep int8 [S, B, Hk, T] contiguous, qpos int32 [Tq]; pm/pl fp32
     [S * B * Hq * Tq * n_splits], pacc fp32 [... * Dv] outputs."""
     import torch
 
     B, Hq, Tq, D = q.shape
-    Tk, DV = k.shape[2], v.shape[3]
+    Hk, Tk, DV = k.shape[1], k.shape[2], v.shape[3]
     S = keep.shape[0]
     block_d = max(16, triton.next_power_of_2(D))
     block_dv = max(16, triton.next_power_of_2(DV))
@@ -175,24 +281,26 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
     dot_f32 = interpreting() and q.dtype == torch.bfloat16
     prec_qk = "ieee" if interpreting() else ("tf32x3" if q.dtype == torch.float32 else "tf32")
     prec_pv = "ieee" if interpreting() else "tf32x3"
-
-    def args() -> tuple:
-        return (q, k, v, keep, qpos, pm, pl, pacc, Hq, Tq, Tk, S, group, D, DV, float(scale), int(k_start),
-                int(window or 0), keys_per_split, n_splits,
-                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                v.stride(0), v.stride(1), v.stride(2), keep.stride(0), keep.stride(1), keep.stride(2))
-
+    args = (q, k, v, keep, qpos, pm, pl, pacc, Hq, Tq, Tk, S, group, D, DV, float(scale), int(k_start),
+            int(window or 0), keys_per_split, n_splits,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), keep.stride(0), keep.stride(1), keep.stride(2))
     flags = dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, DOT_F32=dot_f32, PREC_QK=prec_qk,
                  PREC_PV=prec_pv, ROUNDED=not interpreting(), BLOCK_D=block_d, BLOCK_DV=block_dv)
-    if interpreting():
-        bm = min(INTERP_BLOCK_M, triton.next_power_of_2(max(Tq, 1)))
-        sets = max(INTERP_SETS, 16 // bm)
-        grid = (triton.cdiv(Tq, bm) * triton.cdiv(S, sets), B * Hq, n_splits)
-        _keep_kernel[grid](*args(), **flags, BLOCK_M=bm, SETS=sets, BLOCK_N=INTERP_BLOCK_N)
+    nvq = group * Tq
+    if packed(group, Tq):
+        if interpreting():
+            grid = (triton.cdiv(S * nvq, INTERP_ROWS), B * Hk, n_splits)
+            _keep_packed_kernel[grid](*args, **flags, ROWS=INTERP_ROWS, BLOCK_N=INTERP_BLOCK_N)
+            return
+        _tuned("packed")[lambda meta: (triton.cdiv(S * nvq, meta["ROWS"]), B * Hk, n_splits)](*args, **flags)
         return
-    kernel = _tuned_keep(small_block_m(Tq))
-    kernel[lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]) * triton.cdiv(S, meta["SETS"]), B * Hq, n_splits)](
-        *args(), **flags)
+    if interpreting():
+        grid = (triton.cdiv(nvq, INTERP_BLOCK_M) * triton.cdiv(S, INTERP_SETS), B * Hk, n_splits)
+        _keep_shared_kernel[grid](*args, **flags, BLOCK_M=INTERP_BLOCK_M, SETS=INTERP_SETS, BLOCK_N=INTERP_BLOCK_N)
+        return
+    _tuned("shared")[lambda meta: (triton.cdiv(nvq, meta["BLOCK_M"]) * triton.cdiv(S, meta["SETS"]), B * Hk,
+                                   n_splits)](*args, **flags)
 
 
 # ------------------------------------------------------------------------------ quantisation

@@ -68,12 +68,13 @@ def quant_spec(pol: Quantizer, which: str) -> Any:
     the kernels do not implement this quantiser (numerics.py answers then)."""
     from kvtrace.kernels.whatif import QuantSpec
 
-    if isinstance(pol, KIVI):
+    # Exact classes: a subclass may quantise differently (then numerics.py answers).
+    if type(pol) is KIVI:
         return QuantSpec(bits=pol.nbits, axis="token" if which == "key" else "channel", group=pol.group_size,
                          residual=pol.residual_length)
-    if isinstance(pol, (Quanto, HQQ)):
+    if type(pol) in (Quanto, HQQ):
         return QuantSpec(bits=pol.nbits, axis="channel", group=pol.q_group_size, residual=pol.residual_length)
-    if isinstance(pol, FP8):
+    if type(pol) is FP8:
         man, emin, top = N.FP8_FORMATS[pol.fmt]
         return QuantSpec(kind="fp8", man=man, emin=emin, top=top)
     return None

@@ -13,7 +13,7 @@ import numpy as np
 from kvtrace.format.reader import Trace
 from kvtrace.jsonable import plain
 from kvtrace.whatif import source
-from kvtrace.whatif.numerics import keep_measures, output_error, reconstruction, visible_mask
+from kvtrace.whatif.accelerated import Accelerated, Exact, open_numerics
 from kvtrace.whatif.policies import (
     Observed,
     Paging,
@@ -36,11 +36,15 @@ NOTE = ("offline proxies from the recorded sizes and sampled tensors, not model 
         "the queries sampled at that step, with the full cache as reference")
 
 
-def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ratios: list[float]) -> dict[str, Any]:
-    """The what-if document (spec/whatif-json.md) for ``policies`` at compression ``ratios``."""
+def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ratios: list[float],
+               device: str = "cpu") -> dict[str, Any]:
+    """The what-if document (spec/whatif-json.md) for ``policies`` at compression ``ratios``;
+    ``device`` cpu (numerics.py, float64) | cuda | auto (the Triton kernels where CUDA is, within
+    the tolerances of whatif/accelerated.py; else cpu, said in ``numerics.note``)."""
     if not isinstance(trace, Trace):
         with Trace(trace) as t:
-            return run_whatif(t, policies, ratios)
+            return run_whatif(t, policies, ratios, device)
+    calc = open_numerics(device)
     for r in ratios:
         if not 0 <= r < 1:
             raise PolicyError(f"ratio must be in [0, 1), got {r}")
@@ -49,6 +53,7 @@ def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ra
     base = _totals(sz, sz.allocated)
     doc: dict[str, Any] = {
         "kvtrace_whatif": SCHEMA, "kind": "proxy", "note": NOTE, "needs": NEEDS, "ratios": ratios,
+        "numerics": {"backend": calc.label, "note": calc.note},
         "baseline": {"layout": "the trace's own", "bytes_peak": base[0], "bytes_mean": base[1],
                      "valid_peak": _totals(sz, sz.valid)[0], "kv_rows": len(sz)},
         "sampled_units": len(units), "policies": [],
@@ -60,7 +65,7 @@ def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ra
         if pol.note:
             entry["note"] = pol.note
         for ratio in (ratios if isinstance(pol, ScorerPolicy) and not _fixed(pol) else [None]):
-            entry["results"].append(_evaluate(pol, ratio, sz, units, base, no_contents))
+            entry["results"].append(_evaluate(pol, ratio, sz, units, base, no_contents, calc))
         doc["policies"].append(entry)
     return plain(doc)
 
@@ -105,7 +110,7 @@ def _n_kept(tokens: np.ndarray, ratio: float | None) -> np.ndarray:
 
 
 def _evaluate(pol: Policy, ratio: float | None, sz: source.Sizes, units: list[source.Unit],
-              base: tuple[float, float], no_contents: str) -> dict[str, Any]:
+              base: tuple[float, float], no_contents: str, calc: Exact | Accelerated) -> dict[str, Any]:
     kept = _totals(sz, _kept_bytes(pol, ratio, sz))
     res: dict[str, Any] = {
         "ratio": ratio,
@@ -121,7 +126,7 @@ def _evaluate(pol: Policy, ratio: float | None, sz: source.Sizes, units: list[so
         return res
     for u in units:
         try:
-            row = _unit(pol, ratio, u, res["skipped"])
+            row = _unit(pol, ratio, u, res["skipped"], calc)
         except PolicyError as exc:
             res["skipped"].append({"measure": "all content measures", "request": u.request, "layer": u.layer,
                                    "reason": str(exc)})
@@ -136,13 +141,14 @@ def _skip(skipped: list[dict[str, Any]], measure: str, u: source.Unit, reason: s
     skipped.append({"measure": measure, "request": u.request, "layer": u.layer, "reason": reason})
 
 
-def _unit(pol: Policy, ratio: float | None, u: source.Unit, skipped: list[dict[str, Any]]) -> dict[str, Any]:
+def _unit(pol: Policy, ratio: float | None, u: source.Unit, skipped: list[dict[str, Any]],
+          calc: Exact | Accelerated) -> dict[str, Any]:
     row: dict[str, Any] = {"request": u.request, "layer": u.layer, "step": u.step, "layer_type": u.layer_type,
                            "tokens": int(u.k.shape[2]), "kv_heads": u.kv_heads}
     if u.latent:
         row["tensors"] = ["latent", "rope_key"]  # what key_* / value_* measure on an MLA cache
-    vis = visible_mask(u.eval_pos, u.k_pos, u.window) if u.eval_q is not None else None
     hk = u.k.shape[1]
+    attn = (u.eval_q, u.k, u.v, u.eval_pos, u.k_pos, u.window, u.scale)
     if isinstance(pol, ScorerPolicy):
         obs = None
         if pol.needs.startswith("Q"):
@@ -153,24 +159,21 @@ def _unit(pol: Policy, ratio: float | None, u: source.Unit, skipped: list[dict[s
             obs = Observed(u.obs_q, u.obs_pos, u.k_pos, u.window, u.scale)
         keep = pol.plan(u.k, ratio if ratio is not None else 0.0, obs, u.v)
         row["kept_tokens_per_head"] = keep.sum(axis=(0, 2)).tolist()
-        if vis is None or u.latent:
+        if u.eval_q is None or u.latent:
             _skip(skipped, "attention_mass_recall", u, u.no_queries)
             _skip(skipped, "attention_output_error", u, u.no_queries)
             return row
-        recall, err = keep_measures(u.eval_q, u.k, u.v, vis, u.scale, keep)
+        recall, err = calc.keep_measures(*attn, keep)
         row["attention_mass_recall"] = _per_kv_head(recall, hk)
         row["attention_output_error"] = _per_kv_head(err, hk)
         return row
     assert isinstance(pol, Quantizer)
-    k2, v2 = pol.roundtrip(u.k, "key"), pol.roundtrip(u.v, "value")
-    for name, x, x2 in (("key", u.k, k2), ("value", u.v, v2)):
-        per = [reconstruction(x[:, h], x2[:, h]) for h in range(hk)]
-        row[f"{name}_mse"] = [m for m, _ in per]
-        row[f"{name}_cosine"] = [c for _, c in per]
-    if vis is None:
+    for name, x in (("key", u.k), ("value", u.v)):
+        row[f"{name}_mse"], row[f"{name}_cosine"] = calc.reconstruction(pol, x, name)
+    if u.eval_q is None:
         _skip(skipped, "attention_output_error", u, u.no_queries)
     else:
-        row["attention_output_error"] = _per_kv_head(output_error(u.eval_q, u.k, u.v, k2, v2, vis, u.scale), hk)
+        row["attention_output_error"] = _per_kv_head(calc.output_error(pol, *attn), hk)
     return row
 
 

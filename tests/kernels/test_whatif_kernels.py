@@ -53,6 +53,7 @@ def _close(got, want, tol):
     np.testing.assert_allclose(got, want, equal_nan=True, **tol)
 
 
+# Kernels: "packed" when group x Tq < 16 (cases 0 and 2), "shared" scores otherwise (case 1).
 CASES = [
     # GQA group 2, causal, queries at the last positions
     dict(seed=0),
@@ -83,8 +84,9 @@ def test_keep_measures_triton_torch_numpy_agree(case, tri_device):
         assert np.all(got_r.cpu().numpy()[..., 0] == 0) and np.all(np.isnan(got_e.cpu().numpy()[..., 0]))
 
 
-def test_key_splits_merge_to_the_same_answer(tri_device):
-    q, k, v, keep, pos = _case(3, T=70, Tq=3)
+@pytest.mark.parametrize("tq", [3, 9])  # 2 x 3 query rows per KV head: packed kernel; 2 x 9: shared-scores kernel
+def test_key_splits_merge_to_the_same_answer(tq, tri_device):
+    q, k, v, keep, pos = _case(3, T=70, Tq=tq)
     want_r, want_e = _numpy_sets(q, k, v, keep, pos, 0, None, q.shape[-1] ** -0.5)
     args = [_t(x, tri_device) for x in (q, k, v, keep)]
     r, e = W.keep_measures_triton(*args, q_positions=pos, num_splits=3)
@@ -120,7 +122,7 @@ def test_planted_heavy_hitter_and_far_below_max_keep_sets(tri_device):
 
 
 def test_bf16_inputs_match_the_reference_on_the_same_values(tri_device):
-    q, k, v, keep, pos = _case(5, T=33)
+    q, k, v, keep, pos = _case(5, T=33, Tq=12)
     qb, kb, vb = (torch.from_numpy(x).to(torch.bfloat16) for x in (q, k, v))
     ref_r, ref_e = W.keep_measures_reference(qb, kb, vb, torch.from_numpy(keep), q_positions=pos)
     got_r, got_e = W.keep_measures_triton(qb.to(tri_device), kb.to(tri_device), vb.to(tri_device),

@@ -63,8 +63,8 @@ def _hand_unit() -> source.Unit:
     v = rng.standard_normal((1, 2, 48, 16)).astype(np.float32)
     k[..., 3] += 20.0  # an outlier key channel
     u = source.Unit(0, 0, 5, "sliding", k, v, 10 + np.arange(48), [0, 1], 16, 0.25, False)
-    u.eval_q = rng.standard_normal((1, 4, 6, 16)).astype(np.float32)
-    u.eval_pos = np.array([30, 40, 50, 55, 56, 57])
+    u.eval_q = rng.standard_normal((1, 4, 8, 16)).astype(np.float32)  # 2 x 8 rows per KV head: shared-scores kernel
+    u.eval_pos = np.array([30, 40, 50, 55, 56, 57, 10, 20])
     return u
 
 
@@ -108,3 +108,48 @@ def test_non_contiguous_key_positions_are_answered_exactly():
     got = A.Accelerated(open_compute("cpu", "torch")).keep_measures_many(*args, keep)
     want = A.Exact().keep_measures_many(*args, keep)
     assert np.array_equal(got[0][0], want[0][0]) and np.array_equal(got[0][1], want[0][1], equal_nan=True)
+
+
+def _measures(doc: dict) -> dict[tuple, float]:
+    out = {}
+    for p in doc["policies"]:
+        for res in p["results"]:
+            for row in res["layers"]:
+                for m in ("attention_mass_recall", "attention_output_error", "key_mse", "key_cosine",
+                          "value_mse", "value_cosine"):
+                    for h, x in enumerate(row.get(m, [])):
+                        out[(p["label"], res["ratio"], row["request"], row["layer"], m, h)] = x
+    return out
+
+
+def test_run_whatif_through_the_bridge_matches_the_exact_replay(monkeypatch):
+    from kvtrace.whatif import parse_policy, run
+
+    policies = [parse_policy(p) for p in ("knorm", "streaming_llm:n_sink=2", "kivi:nbits=2,residual_length=4", "fp8")]
+    paths = [DATA / f"{name}.kvt.h5" for name in ("llama", "gemma3_text")]
+    exact = [run.run_whatif(path, policies, [0.5]) for path in paths]
+    for path, ex in zip(paths, exact, strict=True):
+        assert ex["numerics"] == {"backend": "numpy-float64/cpu", "note": ""}
+        want = _measures(ex)
+        assert any(k[4] == "attention_output_error" for k in want) and any(k[4] == "key_mse" for k in want)
+        for label, bridge, tol in _bridges():
+            monkeypatch.setattr(run, "open_numerics", lambda device, b=bridge: b)
+            doc = run.run_whatif(path, policies, [0.5], device="cuda")
+            assert doc["numerics"]["backend"] == bridge.label
+            got = _measures(doc)
+            assert got.keys() == want.keys(), label
+            for key, w in want.items():
+                t = tol["mse"] if key[4].endswith("mse") else tol["cos"] if key[4].endswith("cosine") else tol["error"]
+                _close(got[key], w, t)
+
+
+def test_run_whatif_on_cuda_without_a_gpu_runs_exactly_and_says_so():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    from kvtrace.whatif import parse_policy
+    from kvtrace.whatif.run import run_whatif
+
+    doc = run_whatif(DATA / "llama.kvt.h5", [parse_policy("knorm")], [0.5], device="cuda")
+    assert doc["numerics"]["backend"] == "numpy-float64/cpu"
+    assert doc["numerics"]["note"].startswith("GPU asked for but no CUDA device") and "exact numpy" in doc["numerics"]["note"]
