@@ -271,6 +271,8 @@ def print_table(doc: dict[str, Any]) -> None:
             if key in r:
                 print(f"       {key}: {r[key]}")
     print("\nfloat64 check:", json.dumps(doc["float64_check"]))
+    for f in doc.get("kernel_fallbacks", []):
+        print("kernel fallback:", f)
     for g in doc["goal"]:
         print(f"goal >= {GOAL_SPEEDUP:g}x at {g['keys']} keys, {g['queries']} queries: "
               f"{_fmt(g['speedup'], '.1f')}x -> {'met' if g['met'] else 'NOT met'}")
@@ -327,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def save() -> None:
+        from kvtrace.kernels import _triton_whatif as tw
+
+        doc["kernel_fallbacks"] = list(tw.FALLBACKS)  # a kernel replaced by another (compiler trouble)
         if args.json_out:
             args.json_out.parent.mkdir(parents=True, exist_ok=True)
             args.json_out.write_text(json.dumps(doc, indent=2))
