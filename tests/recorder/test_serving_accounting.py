@@ -277,3 +277,41 @@ def test_eos_step_and_the_managers_readings(tmp_path):
     sched = t.sched()
     assert readings["t_ns"][0] < sched["t_ns"].min() and readings["t_ns"][1] > sched["t_ns"].max()
     assert np.all(readings["rss_bytes"] > 0)
+
+
+def test_cpu_offload_accounting(monkeypatch, tmp_path):
+    """With a CPU swap pool, transformers copies a starved request's blocks there instead of a soft
+    reset: PREEMPTED ('offloaded to the CPU swap pool') and OFFLOADED with the bytes copied, which are
+    the request's blocks at the step before x the block bytes. The pool must be pinned memory, which
+    torch allows only with CUDA: here transformers' offloading module gets a torch whose empty()
+    ignores pin_memory (the copies are the same on the CPU)."""
+    import types
+
+    import torch
+    from transformers.generation.continuous_batching import offloading_manager
+
+    unpinned = types.SimpleNamespace(**{k: getattr(torch, k) for k in dir(torch) if not k.startswith("__")})
+    unpinned.empty = lambda *a, pin_memory=False, **k: torch.empty(*a, **k)
+    monkeypatch.setattr(offloading_manager, "torch", unpinned)
+    probe = Probe(monkeypatch)
+    llama = tiny_model("llama")
+    path = tmp_path / "offload.kvt.h5"
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=4, max_batch_tokens=64, cpu_offload_space=0.001)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15]]
+    with kvtrace.record(llama, path) as rec:
+        llama.generate_batch(inputs=prompts, generation_config=_gc(40), continuous_batching_config=cb, warmup=False)
+    assert rec.recorder_errors == 0
+    assert_equal_to_cache(path, probe)
+    t = open_trace(path)
+    preempted, offloaded = t.events(EventKind.PREEMPTED), t.events(EventKind.OFFLOADED)
+    assert offloaded.size and offloaded.size == preempted.size
+    assert {t.text(e["text_off"], e["text_len"]) for e in preempted} == {"offloaded to the CPU swap pool, requeued"}
+    blocks, groups = t.blocks(), t.sched_groups()
+    for e in offloaded:
+        step, rid = int(e["step"]), int(e["request"])
+        assert preempted[(preempted["request"] == rid) & (preempted["step"] == step)].size == 1
+        held = blocks[(blocks["step"] == step - 1) & (blocks["request"] == rid)]
+        per_block = int(groups[groups["step"] == step - 1]["bytes_per_block"][0])
+        assert int(e["value"]) == int(held["blocks"].sum()) * per_block > 0
+    reqs = t.requests()
+    assert set(reqs["outcome"].tolist()) == {Outcome.OK} and set(reqs["new_tokens"].tolist()) == {40}
