@@ -34,7 +34,7 @@ def _plain(model, ids):
     with torch.no_grad():
         for t in range(ids.shape[1]):
             out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-            rows.append(torch.log_softmax(out.logits[0, -1].double(), dim=-1).numpy())
+            rows.append(torch.log_softmax(out.logits[0, -1].double(), dim=-1).cpu().numpy())
     return np.stack(rows)
 
 
@@ -135,3 +135,19 @@ def test_all_sliding_model_says_eviction_has_nothing_to_press(tmp_path):
     doc = rerun_quality(str(tmp_path / "m"), tmp_path / "t.txt", [parse_policy("knorm"), parse_policy("fp8")], [0.5])
     assert doc["sliding_layers"] == 2 and "no layer to press" in doc["policies"][0]["skipped"]
     assert doc["policies"][1]["results"][0]["kl_mean"] > 0  # quantisation still applies to sliding layers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rerun_on_cuda_matches_the_plain_cache_and_orders_policies():
+    model = tiny_model("gemma3_text", dtype=torch.float32).to("cuda")
+    ids = tiny_prompt(32).to("cuda")
+    ref, _ = teacher_forced_logprobs(model, ids)
+    np.testing.assert_allclose(ref, _plain(model, ids), rtol=0, atol=1e-6)
+    flat = ids[0].cpu().numpy()
+    kl = [_measures(ref, teacher_forced_logprobs(model, ids, parse_policy(p), r)[0], flat)["kl_mean"]
+          for p, r in (("knorm", 0.0), ("knorm", 0.25), ("knorm", 0.75))]
+    assert kl[0] == 0.0 and 0 < kl[1] < kl[2]
+    for p in ("snapkv:window_size=4", "kivi:nbits=2,residual_length=0", "fp8"):
+        got, layers = teacher_forced_logprobs(model, ids, parse_policy(p), 0.5)
+        assert _measures(ref, got, flat)["kl_mean"] > 0 and layers[0].keys.device.type == "cuda"
