@@ -1,0 +1,128 @@
+"""What the serving detectors share: the continuous-batching tables (format 1.4, /sched,
+/sched_groups, /blocks) per manager, pool usage per step, and the alert ramps.
+
+Every serving detector is skipped on a trace without /sched rows (a plain generate() recording):
+it has nothing to say there, and says so in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import numpy as np
+
+from kvtrace.analyzer.base import Detector, Finding
+from kvtrace.analyzer.replay import ReplayContext
+from kvtrace.format import schema
+
+NO_SCHED = "the trace holds no continuous-batching scheduler steps (/sched is empty: not a serving recording)"
+FULL = int(schema.LayerType.FULL)
+# The issue's memory alerts: warning (high) at 80% use, critical at 90%; 70% is where a trend starts to
+# matter and 100% is a pool that refuses admissions. One ramp for pool usage, GPU usage, concurrency.
+USAGE_ALERT = ((0.7, 0.8, 0.9, 1.0), (0.1, 0.5, 0.8, 1.0))
+
+
+def alert(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Piecewise-linear score through (xs, ys); below xs[0] it falls linearly to 0 (so a value
+    under the first knee scores at most ys[0], info when ys[0] <= 0.1)."""
+    if not np.isfinite(x):
+        return float(ys[-1]) if x > 0 else 0.0
+    if x < xs[0]:
+        return float(ys[0]) * max(x, 0.0) / xs[0] if xs[0] > 0 else 0.0
+    return float(np.interp(x, xs, ys))
+
+
+def held(values: np.ndarray) -> float:
+    """The level reached at two steps at least (persistence before score): the second-highest value;
+    the only one when a single step was recorded."""
+    v = np.sort(np.asarray(values, dtype=np.float64))
+    return float(v[-2]) if v.size >= 2 else (float(v[0]) if v.size else 0.0)
+
+
+class ServingDetector(Detector):
+    """A detector of serving traces: skipped with one line when /sched is empty."""
+
+    needs: ClassVar[tuple[str, ...]] = ()
+
+    def skip_reason(self, ctx: ReplayContext) -> str | None:
+        return None if ctx.view.sched.size else NO_SCHED
+
+    def run(self, ctx: ReplayContext) -> list[Finding]:
+        """One finding at most per continuous-batching manager (per_manager)."""
+        found = (self.per_manager(ctx, m, rows) for m, rows in managers(ctx).items())
+        return [f for f in found if f is not None]
+
+    def per_manager(self, ctx: ReplayContext, manager: int, rows: np.ndarray) -> Finding | None:
+        raise NotImplementedError  # pragma: no cover - detectors that judge per manager override it
+
+
+def admitted(ctx: ReplayContext) -> np.ndarray:
+    """The continuous-batching requests (TraceView.cb_requests) that were admitted at least once."""
+    cb = ctx.view.cb_requests
+    return cb[cb["admitted_ns"] > 0]
+
+
+def managers(ctx: ReplayContext) -> dict[int, np.ndarray]:
+    """/sched rows by manager, in step order."""
+    rows = ctx.view.sched
+    out: dict[int, np.ndarray] = {}
+    for m in np.unique(rows["manager"]):
+        mine = rows[rows["manager"] == m]
+        out[int(m)] = mine[np.argsort(mine["step"], kind="stable")]
+    return out
+
+
+def known_pool(rows: np.ndarray) -> np.ndarray:
+    """Rows whose pool and free bytes the cache reported (a version without them writes -1)."""
+    return rows[(rows["pool_bytes"] > 0) & (rows["free_bytes"] >= 0)]
+
+
+def block_usage(rows: np.ndarray) -> np.ndarray:
+    """Block-level usage per row, (pool - free) / pool: vLLM's kv_cache_usage_perc."""
+    pool = rows["pool_bytes"].astype(np.float64)
+    return (pool - rows["free_bytes"]) / pool
+
+
+def token_usage(rows: np.ndarray) -> np.ndarray:
+    """Token-level usage per row, valid / pool (-1 where valid bytes are unknown)."""
+    return np.where(rows["valid_bytes"] >= 0, rows["valid_bytes"] / rows["pool_bytes"].astype(np.float64), -1.0)
+
+
+def groups(ctx: ReplayContext, manager: int) -> np.ndarray:
+    """/sched_groups rows of one manager."""
+    g = ctx.view.sched_groups
+    return g[g["manager"] == manager]
+
+
+def block_rows(ctx: ReplayContext, manager: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One manager's /blocks rows with, per row, its group's tokens per block and bytes per token
+    (0 where the group row is missing)."""
+    b = ctx.view.blocks(manager=manager)
+    g = groups(ctx, manager)
+    tpb = np.zeros(b.shape[0], dtype=np.int64)
+    bpt = np.zeros(b.shape[0], dtype=np.float64)
+    if b.size and g.size:
+        lookup = {(int(r["step"]), int(r["group"])): (int(r["tokens_per_block"]), int(r["bytes_per_block"])) for r in g}
+        for i, (step, group) in enumerate(zip(b["step"].tolist(), b["group"].tolist(), strict=True)):
+            t, nbytes = lookup.get((step, group), (0, 0))
+            tpb[i] = t
+            bpt[i] = nbytes / t if t > 0 else 0.0
+    return b, tpb, bpt
+
+
+def request_peak_bytes(ctx: ReplayContext, manager: int) -> dict[int, int]:
+    """Per request: the most pool bytes its block tables referenced at one step (all groups; a
+    block shared with another request is counted for each)."""
+    b, tpb, bpt = block_rows(ctx, manager)
+    if not b.size:
+        return {}
+    nbytes = b["blocks"].astype(np.float64) * tpb * bpt
+    keys = b["request"].astype(np.int64) * (1 << 32) + b["step"].astype(np.int64)
+    uniq, inv = np.unique(keys, return_inverse=True)
+    per_step = np.bincount(inv, weights=nbytes)
+    req = (uniq >> 32).astype(np.int64)
+    out: dict[int, int] = {}
+    for r, v in zip(req.tolist(), per_step.tolist(), strict=True):
+        out[r] = max(out.get(r, 0), int(v))
+    return out

@@ -1,0 +1,60 @@
+"""context_spike: a served request whose context (prompt + generated tokens) is at least twice the
+run's typical context (the median over its requests): the issue's 2x context-spike alert. One
+such request holds twice the KV of the requests the pool was sized around; a few of them at once
+fill it.
+
+Needs three requests at least for a typical context. High at 2x, critical at 4x; the
+spike's KV (its largest block tables, /blocks) and its share of the pool are quoted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtrace.analyzer.base import Finding, ev, register
+from kvtrace.analyzer.detectors._serving import ServingDetector, admitted, alert, request_peak_bytes
+from kvtrace.analyzer.replay import ReplayContext
+from kvtrace.units import format_bytes
+
+SPIKE_ALERT = ((1.5, 2.0, 4.0), (0.1, 0.5, 0.8))
+MIN_REQUESTS = 3
+
+
+@register
+class ContextSpike(ServingDetector):
+    name = "context_spike"
+    summary = "a request at >= 2x the run's typical context (prompt + generated tokens)"
+
+    def run(self, ctx: ReplayContext) -> list[Finding]:
+        cb = admitted(ctx)
+        if cb.size < MIN_REQUESTS:
+            return []
+        context = cb["prompt_tokens"].astype(np.int64) + cb["new_tokens"].astype(np.int64)
+        typical = float(np.median(context))
+        if typical <= 0:
+            return []
+        i = int(np.argmax(context))
+        ratio = context[i] / typical
+        spikes = cb["request"][context >= 2 * typical]
+        rid, manager = int(cb["request"][i]), int(cb["manager"][i])
+        kv = request_peak_bytes(ctx, manager).get(rid)
+        pools = ctx.view.sched["pool_bytes"][ctx.view.sched["manager"] == manager]
+        pool = int(pools.max()) if pools.size else -1
+        share = kv / pool if kv is not None and pool > 0 else None
+        msg = (f"Request {rid} reached a {int(context[i]):,}-token context, {ratio:.1f}x the typical "
+               f"{typical:,.0f} tokens (median of {cb.size:,} requests)"
+               + (f"; its blocks held {format_bytes(kv)}" + (f", {share:.0%} of the pool" if share is not None else "")
+                  if kv is not None else "")
+               + (f"; {spikes.size:,} requests at >= 2x." if spikes.size > 1 else "."))
+        return [self.finding(
+            "context_spike", alert(float(ratio), *SPIKE_ALERT), msg,
+            evidence={
+                "context_tokens": ev(int(context[i]), "tokens"),
+                "typical_context_tokens": ev(round(typical, 1), "tokens"),
+                "ratio_to_typical": ev(round(float(ratio), 3), "ratio"),
+                "requests_at_2x": ev(int(spikes.size), "count"),
+                "spike_kv_bytes": ev(kv, "bytes"),
+                "spike_share_of_pool": ev(round(share, 4) if share is not None else None, "ratio"),
+            },
+            requests=[int(r) for r in spikes] or [rid],
+        )]

@@ -1,0 +1,92 @@
+"""prefix_cache: how much of the prompts the paged cache served from shared blocks (hits vs
+lookups, in tokens, as vLLM counts prefix_cache_hits / prefix_cache_queries), and whether it
+missed prefixes it should have had.
+
+The trace holds a salted sha256 of each whole prompt, not of its prefixes, so the expected hits
+are proven only for repeated prompts: a request whose prompt equals one that had already
+finished when it was admitted should find that prompt's complete blocks, floor((L - 1) / page)
+x page tokens (the last prompt token is always computed). Missing at least half of those tokens
+is an ineffective cache: high when the repeats are a tenth of the prompt tokens looked up or
+more, critical when nearly all of them were missed (sharing off, `allow_block_sharing=False`, or
+evicted: evictions are counted and named). Otherwise the hit rate is reported as info.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtrace.analyzer.base import Finding, ev, register
+from kvtrace.analyzer.detectors._serving import FULL, ServingDetector, admitted, alert, groups
+from kvtrace.analyzer.replay import ReplayContext
+
+MISSED_ALERT = ((0.5, 0.8, 0.95), (0.1, 0.5, 0.8))
+MIN_REPEAT_SHARE = 0.1  # repeats below a tenth of the lookups cost too little to be more than low
+
+
+@register
+class PrefixCache(ServingDetector):
+    name = "prefix_cache"
+    summary = "prefix-cache hits vs lookups (tokens); repeated prompts that found no cached blocks"
+
+    def run(self, ctx: ReplayContext) -> list[Finding]:
+        cb = admitted(ctx)
+        if not cb.size:
+            return []
+        lookups = int(cb["prompt_tokens"].sum())
+        hits = int(cb["prefix_hit_tokens"].sum())
+        sha = {int(r["request"]): bytes(r["prompt_sha256"]) for r in ctx.view.requests}
+        evicted = int(ctx.view.sched["evicted_blocks"].clip(min=0).sum())
+        expected = missed = repeats = 0
+        repeat_ids: list[int] = []
+        order = np.argsort(cb["admitted_ns"], kind="stable")
+        for k, i in enumerate(order):
+            r = cb[i]
+            page = _page(ctx, int(r["manager"]))
+            if page <= 0:
+                continue
+            twins = cb[order[:k]]
+            twins = twins[(twins["manager"] == r["manager"]) & (twins["end_ns"] > 0)
+                          & (twins["end_ns"] < r["admitted_ns"])]
+            if not any(sha.get(int(t["request"])) == sha.get(int(r["request"])) for t in twins):
+                continue
+            want = (max(int(r["prompt_tokens"]) - 1, 0) // page) * page
+            if want <= 0:
+                continue
+            repeats += 1
+            repeat_ids.append(int(r["request"]))
+            expected += want
+            missed += max(want - int(r["prefix_hit_tokens"]), 0)
+        rate = hits / lookups if lookups else 0.0
+        evidence = {
+            "lookup_tokens": ev(lookups, "tokens"),
+            "hit_tokens": ev(hits, "tokens"),
+            "hit_rate": ev(round(rate, 4), "ratio"),
+            "repeated_prompts": ev(repeats, "count"),
+            "expected_hit_tokens": ev(expected, "tokens"),
+            "missed_hit_tokens": ev(missed, "tokens"),
+            "evicted_blocks": ev(evicted, "count"),
+        }
+        if not expected:
+            return [self.finding(
+                "hit_rate", 0.0,
+                f"Prefix cache: {hits:,} of {lookups:,} prompt tokens ({rate:.0%}) served from cached blocks over "
+                f"{cb.size:,} admissions; no prompt repeated one that had finished, so no hit is proven missing.",
+                evidence=evidence)]
+        share = missed / expected
+        score = alert(share, *MISSED_ALERT)
+        if expected / lookups < MIN_REPEAT_SHARE:
+            score = min(score, 0.29)
+        why = (f"{evicted:,} cached blocks were evicted to make room" if evicted
+               else "no cached block was evicted, so sharing is off (allow_block_sharing=False) or unsupported"
+               if not hits else "")
+        msg = (f"Prefix cache: {repeats:,} requests repeated a prompt that had already finished, yet found "
+               f"{expected - missed:,} of the {expected:,} tokens its complete blocks held ({1 - share:.0%}); overall "
+               f"{hits:,} of {lookups:,} prompt tokens ({rate:.0%}) hit" + (f"; {why}." if why else "."))
+        return [self.finding("missed_prefix_hits", score, msg, evidence=evidence, requests=repeat_ids)]
+
+
+def _page(ctx: ReplayContext, manager: int) -> int:
+    """Tokens per block of the manager's full-attention group (0 when it has none)."""
+    g = groups(ctx, manager)
+    g = g[g["layer_type"] == FULL]
+    return int(g["tokens_per_block"][0]) if g.size else 0

@@ -1,0 +1,71 @@
+"""queueing: requests waiting for admission while the paged pool is full (memory-bound queueing),
+told apart from waiting for the scheduler's token budget while the pool has room (compute-bound,
+info).
+
+A pressured step has requests waiting and block usage >= 80% (the capacity alert) or running
+requests starved of blocks. The score is the share of scheduler steps that are pressured, counted
+once the queue has been seen at two such steps (persistence): high at 10%, critical at 30%. The
+queue time each request spent before its first admission (/events SCHEDULED - arrival) is quoted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtrace.analyzer.base import Finding, ev, register
+from kvtrace.analyzer.detectors._serving import ServingDetector, admitted, alert
+from kvtrace.analyzer.replay import ReplayContext
+from kvtrace.units import format_ns
+
+PRESSURE = 0.8
+STEPS_ALERT = ((0.02, 0.1, 0.3), (0.1, 0.5, 0.8))
+
+
+@register
+class Queueing(ServingDetector):
+    name = "queueing"
+    summary = "requests waiting while the pool is full (memory-bound) vs waiting on the token budget"
+
+    def per_manager(self, ctx: ReplayContext, manager: int, rows: np.ndarray) -> Finding | None:
+        waiting = rows["waiting"].astype(np.int64)
+        if not np.any(waiting > 0):
+            return None
+        known = (rows["pool_bytes"] > 0) & (rows["free_bytes"] >= 0)
+        pool = np.where(known, rows["pool_bytes"], 1).astype(np.float64)
+        usage = np.where(known, (pool - rows["free_bytes"]) / pool, -1.0)
+        starved = rows["starved"].astype(np.int64) > 0
+        pressured = (waiting > 0) & ((usage >= PRESSURE) | starved)
+        n = int(pressured.sum())
+        cb = admitted(ctx)
+        cb = cb[cb["manager"] == manager]
+        queue_ns = cb["admitted_ns"].astype(np.int64) - cb["arrival_ns"].astype(np.int64)
+        p50 = int(np.median(queue_ns)) if queue_ns.size else None
+        worst = int(queue_ns.max()) if queue_ns.size else None
+        evidence = {
+            "steps_waiting": ev(int(np.sum(waiting > 0)), "count"),
+            "steps_waiting_pool_full": ev(n, "count"),
+            "steps": ev(int(rows.size), "count"),
+            "max_waiting": ev(int(waiting.max()), "count"),
+            "median_queue_ns": ev(p50, "ns"),
+            "max_queue_ns": ev(worst, "ns"),
+        }
+        times = (f" Median queue time before admission {format_ns(p50)}, longest {format_ns(worst)}."
+                 if p50 is not None and worst is not None else "")
+        if n < 2:
+            i = int(np.argmax(waiting))
+            return self.finding(
+                "queued_on_budget", 0.0,
+                f"Manager {manager}: up to {int(waiting[i]):,} requests waited (step {int(rows['step'][i])}) while the "
+                f"pool had room: the scheduler's token budget per step, not memory, held them back.{times}",
+                evidence=evidence, steps=[int(rows["step"][i])])
+        share = n / rows.size
+        idx = np.flatnonzero(pressured)
+        i = int(idx[np.argmax(waiting[idx])])
+        grew = int(waiting[idx].max() - waiting[idx[0]])
+        msg = (f"Manager {manager}: requests waited while the pool was full at {n:,} of {rows.size:,} steps "
+               f"(block usage >= {PRESSURE:.0%} or running requests starved of blocks); the queue peaked at "
+               f"{int(waiting[i]):,} at step {int(rows['step'][i])}"
+               + (f" (+{grew:,} since the pool filled)" if grew > 0 else "") + f".{times}")
+        evidence["waiting_growth"] = ev(grew, "count")
+        return self.finding("queued_on_memory", alert(share, *STEPS_ALERT), msg, evidence=evidence,
+                            steps=[int(rows["step"][i])])

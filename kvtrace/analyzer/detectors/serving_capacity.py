@@ -1,0 +1,124 @@
+"""serving_capacity: how full the paged KV pool and the GPU got while serving.
+
+Pool usage is block-level, (pool - free) / pool per scheduler step (what vLLM exports as
+kv_cache_usage_perc); the token-level usage (valid KV bytes / pool) is quoted beside it, since
+block-level usage overstates occupancy by the unfilled block tails and the cached prefix blocks.
+The score follows the usual memory alerts: high (warning) at 80%, critical at 90%, reached at two
+steps at least.
+
+GPU usage comes from the NVML samples taken while the scheduler ran. transformers (like vLLM)
+allocates the pool up front from free memory x max_memory_percent (0.9 by default in 5.23), so
+raw device usage sits near 90% on every healthy host; the score uses the device memory in use
+less the pool's free bytes at that moment (one GPU; with several, the pool's device is unknown and
+the raw figure is used).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtrace.analyzer.base import Finding, ev, register
+from kvtrace.analyzer.detectors._serving import (
+    USAGE_ALERT,
+    ServingDetector,
+    alert,
+    block_usage,
+    held,
+    known_pool,
+    managers,
+    token_usage,
+)
+from kvtrace.analyzer.replay import ReplayContext
+from kvtrace.labels import device_where
+from kvtrace.units import format_bytes
+
+
+@register
+class ServingCapacity(ServingDetector):
+    name = "serving_capacity"
+    summary = "paged KV pool usage per scheduler step (80%/90% alerts) and GPU usage while serving"
+
+    def run(self, ctx: ReplayContext) -> list[Finding]:
+        out: list[Finding] = []
+        for manager, rows in managers(ctx).items():
+            f = self._pool(manager, known_pool(rows))
+            if f is not None:
+                out.append(f)
+        gpu = self._gpu(ctx)
+        if gpu is not None:
+            out.append(gpu)
+        return out
+
+    def _pool(self, manager: int, rows: np.ndarray) -> Finding | None:
+        if not rows.size:
+            return None
+        usage, tokens = block_usage(rows), token_usage(rows)
+        level = held(usage)
+        i = int(np.argmax(usage))
+        above = int(np.sum(usage >= 0.8))
+        score = alert(level, *USAGE_ALERT)
+        if rows.size < 2:
+            score = min(score, 0.29)  # one step is one instant: worth a look at most
+        pool = int(rows["pool_bytes"][i])
+        tok = float(tokens[i])
+        msg = (f"Manager {manager}: the paged KV pool ({format_bytes(pool)}) reached {usage[i]:.0%} block usage "
+               f"at step {int(rows['step'][i])} ({format_bytes(pool - int(rows['free_bytes'][i]))} in blocks"
+               + (f", {tok:.0%} holding valid tokens" if tok >= 0 else "") + f"); {above:,} of {rows.size:,} steps "
+               f"at >= 80%" + (f", with {int(rows['waiting'][i]):,} requests waiting" if rows["waiting"][i] else "")
+               + ".")
+        return self.finding(
+            "pool_usage", score, msg,
+            evidence={
+                "pool_bytes": ev(pool, "bytes"),
+                "peak_block_usage": ev(round(float(usage[i]), 4), "ratio"),
+                "held_block_usage": ev(round(level, 4), "ratio"),
+                "token_usage_at_peak": ev(round(tok, 4) if tok >= 0 else None, "ratio"),
+                "steps_at_or_above_80pct": ev(above, "count"),
+                "steps": ev(int(rows.size), "count"),
+                "peak_step": ev(int(rows["step"][i]), "step"),
+            },
+            steps=[int(rows["step"][i])],
+        )
+
+    def _gpu(self, ctx: ReplayContext) -> Finding | None:
+        sched = ctx.view.sched
+        nvml = ctx.nvml
+        if not nvml.size:
+            return None
+        t0, t1 = int(sched["t_ns"].min()), int(sched["t_ns"].max())
+        rows = ctx.window(nvml, t0, t1)
+        rows = rows[(rows["total_bytes"] > 0) & (rows["used_bytes"] >= 0)]
+        if not rows.size:
+            return None
+        devices = sorted({int(d) for d in rows["device"]})
+        pool_rows = known_pool(np.sort(sched, order="t_ns"))
+        best: tuple[float, int, np.ndarray, np.ndarray] | None = None
+        for dev in devices:
+            mine = rows[rows["device"] == dev]
+            used = mine["used_bytes"].astype(np.float64)
+            if len(devices) == 1 and pool_rows.size:
+                j = np.clip(np.searchsorted(pool_rows["t_ns"], mine["t_ns"], side="right") - 1, 0, pool_rows.size - 1)
+                used = np.maximum(used - pool_rows["free_bytes"][j], 0)
+            level = held(used / mine["total_bytes"])
+            if best is None or level > best[0]:
+                best = (level, dev, mine, used)
+        assert best is not None
+        level, dev, mine, used = best
+        i = int(np.argmax(used))
+        total = int(mine["total_bytes"][i])
+        raw = int(mine["used_bytes"][i])
+        subtracted = len(devices) == 1 and pool_rows.size > 0
+        msg = (f"While serving, {device_where(dev)} ({format_bytes(total)}) had {format_bytes(raw)} in use "
+               f"({raw / total:.0%})" + (f"; {format_bytes(int(used[i]))} ({used[i] / total:.0%}) without the KV pool's "
+                                        "free blocks, which are reserved up front by design" if subtracted else "")
+               + f": {level:.0%} held over two samples at least.")
+        return self.finding(
+            "gpu_usage", alert(level, *USAGE_ALERT), msg, device=dev,
+            evidence={
+                "device_memory_bytes": ev(total, "bytes"),
+                "used_bytes": ev(raw, "bytes"),
+                "used_without_free_pool_bytes": ev(int(used[i]) if subtracted else None, "bytes"),
+                "held_usage": ev(round(level, 4), "ratio"),
+                "samples": ev(int(mine.size), "count"),
+            },
+        )
