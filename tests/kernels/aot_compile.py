@@ -26,6 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from kvtrace.kernels import _triton_attention as ta  # noqa: E402
 from kvtrace.kernels import _triton_mla as tm  # noqa: E402
 from kvtrace.kernels import _triton_norms as tn  # noqa: E402
+from kvtrace.kernels import _triton_whatif as tw  # noqa: E402
 
 
 def _compile(fn, types: dict, consts: dict, cfg_opts: dict, target: GPUTarget):
@@ -84,6 +85,29 @@ def jobs(all_configs: bool, smoke: bool = False):
                    dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
+def _keep_types(dt: str) -> dict:
+    return dict(Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", KEEP="*i8", QPOS="*i32", PM="*fp32", PL="*fp32", PACC="*fp32",
+                Hq="i32", Tq="i32", Tk="i32", S="i32", GROUP="i32", D="i32", DV="i32", scale="fp32", k_start="i32",
+                window="i32", keys_per_split="i32", n_splits="i32", sqb="i64", sqh="i64", sqt="i64", skb="i64",
+                skh="i64", skt="i64", svb="i64", svh="i64", svt="i64", kps="i64", kpb="i64", kph="i64")
+
+
+def whatif_jobs(all_configs: bool, smoke: bool = False):
+    """The what-if kernels: keep-set attention (packed and shared-scores) and the quantisation error."""
+    for dt in ("fp32",) if smoke else ("fp32", "bf16", "fp16"):
+        for fn, cfgs in ((tw._keep_packed_kernel, tw._packed_configs()), (tw._keep_shared_kernel, tw._shared_configs())):
+            for cfg in cfgs if all_configs else cfgs[:1]:
+                c = dict(CAUSAL=True, HAS_WINDOW=True, DOT_F32=False, PREC_QK="tf32x3" if dt == "fp32" else "tf32",
+                         PREC_PV="tf32x3", ROUNDED=True, BLOCK_D=128, BLOCK_DV=128, **cfg.kwargs)
+                yield (f"{fn.__name__} {dt} {cfg.kwargs} w{cfg.num_warps}", fn, _keep_types(dt), c,
+                       dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        for mode in (tw.MODE_TOKEN_GROUPS,) if smoke else (tw.MODE_CHANNEL_GROUPS, tw.MODE_TOKEN_GROUPS, tw.MODE_FP8):
+            yield (f"quant {dt} mode {mode}", tw._quant_kernel,
+                   dict(X=f"*{dt}", SSE="*fp64", COS="*fp64", CNT="*fp64", Hn="i32", Tn="i32", D="i32", group="i32",
+                        chunk="i32", sxb="i64", sxh="i64", sxt="i64"),
+                   dict(LEVELS=3.0, MODE=mode, MAN=3, EMIN=-6, TOP=448.0, BLOCK_T=64, BLOCK_D=128), dict(num_warps=4))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 80")
@@ -92,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     failed = 0
-    for label, fn, types, consts, opts in jobs(args.all, args.smoke):
+    for label, fn, types, consts, opts in [*jobs(args.all, args.smoke), *whatif_jobs(args.all, args.smoke)]:
         try:
             k = _compile(fn, types, consts, opts, target)
             print(f"ok   {label} (shared {k.metadata.shared} B)")
