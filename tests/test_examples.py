@@ -161,6 +161,13 @@ def prepare(args: list[str], work: Path, inputs: Path) -> list[str]:
             parent.mkdir(parents=True, exist_ok=True)
             for name in ("a.kvt.h5", "b.kvt.h5"):
                 shutil.copyfile(inputs / "shared.kvt.h5", parent / name)
+            if ".rank*" in arg:  # the rank traces of one tensor-parallel run (synthetic: relabelled copies)
+                from tests.parallel.relabel import relabel_as_rank
+
+                for r in (0, 1):
+                    name = os.path.basename(arg).replace("*", str(r))
+                    shutil.copyfile(inputs / "shared.kvt.h5", parent / name)
+                    relabel_as_rank(parent / name, r, 2, os.path.basename(arg).split(".rank")[0])
             fixed += sorted(os.path.relpath(p, work) for p in glob.glob(str(work / arg)))
             continue
         target = work / arg

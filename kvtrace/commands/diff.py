@@ -10,13 +10,12 @@ from kvtrace.commands.outputs import check_json_out, json_options, write_json
 
 
 @click.command("diff")
-@click.argument("a", type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
-@click.argument("b", type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
+@click.argument("traces", nargs=-1, type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
 @json_options
 @click.option("--all-layers", is_flag=True, help="List unchanged layers too.")
 @whatif_options
 @guarded
-def diff(a: str, b: str, as_json: bool, json_out: str | None, all_layers: bool) -> None:
+def diff(traces: tuple[str, ...], as_json: bool, json_out: str | None, all_layers: bool) -> None:
     """Compare two traces: per-request and per-layer KV deltas, peak and retained memory,
     fragmentation, findings that appeared, disappeared or changed severity.
 
@@ -28,13 +27,25 @@ def diff(a: str, b: str, as_json: bool, json_out: str | None, all_layers: bool) 
       kvtrace diff baseline-report.json candidate.kvt.h5 --json
       kvtrace diff before.kvt.h5 after.kvt.h5 --json-out diff.json
       kvtrace diff before.kvt.h5 after.kvt.h5 --whatif knorm --whatif kivi:nbits=4
+      kvtrace diff a.rank*.kvt.h5 b.rank*.kvt.h5   # two tensor-parallel runs, rank by rank
     Sizes are printed in binary units (KiB = 1024 bytes).
     """
     from kvtrace.analyzer.diff import diff as run_diff
     from kvtrace.analyzer.diff_terminal import render
     from kvtrace.analyzer.terminal import console_for
 
-    check_json_out(json_out, (a, b))
+    if len(traces) < 2:
+        raise click.UsageError("give two traces A B (or the rank traces of two tensor-parallel runs)")
+    check_json_out(json_out, traces)
+    from kvtrace.analyzer import rank_diff
+
+    if rank_diff.is_rank_diff(traces):
+        ranked = rank_diff.diff_rank_sets(traces)
+        write_json(ranked.to_dict(), json_out, as_json=as_json)
+        if not as_json:
+            _render_ranks(ranked, all_layers)
+        return
+    a, b = traces
     wi = whatif_part(a, b)  # None unless --whatif, or A and B are what-if documents
     if wi is not None and wi.only:
         write_json(wi.doc, json_out, as_json=as_json)
@@ -48,3 +59,24 @@ def diff(a: str, b: str, as_json: bool, json_out: str | None, all_layers: bool) 
     render(result, console_for(), all_layers=all_layers)
     if wi is not None:
         wi.render()
+
+
+def _render_ranks(d: object, all_layers: bool) -> None:
+    """Rank by rank as two traces, then the runs' rank_balance findings that changed."""
+    from kvtrace.analyzer.diff_terminal import render
+    from kvtrace.analyzer.terminal import console_for
+
+    console = console_for()
+    for rank, rd in sorted(d.ranks.items()):  # type: ignore[attr-defined]
+        console.print(f"[bold]rank {rank}[/bold]")
+        render(rd, console, all_layers=all_layers)
+    un = d.unmatched  # type: ignore[attr-defined]
+    for side in ("a", "b"):
+        if un[side]:
+            console.print(f"rank(s) {', '.join(map(str, un[side]))} only in {side.upper()}: not compared")
+    for word, items in (("appeared", d.appeared), ("disappeared", d.disappeared)):  # type: ignore[attr-defined]
+        for f in items:
+            console.print(f"rank_balance {word}: {f['severity']} {f['kind']} ranks {f['ranks']}: {f['message']}")
+    for c in d.changed:  # type: ignore[attr-defined]
+        console.print(f"rank_balance changed: {c['kind']} ranks {c['ranks']}: {c['a']['severity']} -> "
+                      f"{c['b']['severity']}")

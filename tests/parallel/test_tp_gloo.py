@@ -117,3 +117,44 @@ def test_calc_refuses_traces_of_other_kinds(tp_run, tmp_path, capsys):
     code, _, err = run_main(["calc", "--trace", _ranks(tp_run)[0], "--trace", str(tmp_path / "single.kvt.h5"),
                              "--context", "64", "--gpu-memory", "1GiB"], capsys)
     assert code == 64 and "not a tensor-parallel rank trace" in err
+
+
+def _without_retention(src, dst, run_id):
+    """A copy of a rank trace whose /retention table is emptied (nothing outlived its request) and
+    whose run_id is changed: the 'before' run of a diff."""
+    shutil.copy(src, dst)
+    with h5py.File(dst, "r+") as f:
+        f["retention"].resize((0,))
+    _set_parallel(dst, run_id=run_id)
+
+
+def test_diff_two_runs_rank_by_rank(tp_run, tmp_path, capsys):
+    before = [tmp_path / f"before.rank{r}.kvt.h5" for r in (0, 1)]
+    for src, dst in zip(_ranks(tp_run), before, strict=True):
+        _without_retention(src, dst, "before")
+    code, out, err = run_main(["diff", *map(str, before), *_ranks(tp_run), "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1] and doc["unmatched_ranks"] == {"a": [], "b": []}
+    appeared = {(f["kind"], tuple(f["ranks"])) for f in doc["rank_findings"]["appeared"]}
+    assert ("rank_retention", (1,)) in appeared
+    per_rank = {r["rank"]: {f["kind"] for f in r["diff"]["findings"]["appeared"]} for r in doc["ranks"]}
+    assert "retained_after_request" in per_rank[1] and "retained_after_request" not in per_rank[0]
+    code, out, _ = run_main(["diff", *map(str, before), *_ranks(tp_run)], capsys)
+    assert code == 0 and "rank 1" in out and "rank_balance appeared" in out
+
+
+def test_diff_refuses_a_mix(tp_run, tmp_path, capsys):
+    code, _, err = run_main(["diff", *_ranks(tp_run), _ranks(tp_run)[0]], capsys)
+    assert code == 64 and "two runs" in err
+
+
+def test_info_summarises_the_run(tp_run, capsys):
+    code, out, err = run_main(["info", *_ranks(tp_run), "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [t["parallel"]["rank"] for t in doc["traces"]] == [0, 1]
+    (rs,) = doc["rank_sets"]
+    assert rs["kv_heads_sum"] == 4 and rs["missing_ranks"] == []
+    code, out, _ = run_main(["info", _ranks(tp_run)[1]], capsys)
+    assert code == 0 and "tensor parallel: rank 1 of 2 (gloo), run tp-cpu-test, 2 of 4 KV heads" in out
