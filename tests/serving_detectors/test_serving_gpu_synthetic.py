@@ -1,0 +1,76 @@
+"""The GPU-side serving judgements on synthetic 1.4 traces (written with the real TraceWriter): the
+over-reserved pool and device usage need a GPU of known size, which the CPU recordings lack."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import kvtrace
+from kvtrace.analyzer.base import Severity
+from kvtrace.format import DeviceInfo, TraceWriter, schema
+
+GiB = 1 << 30
+TOTAL = 80 * GiB
+BLOCK = 2 << 20  # 2 MiB blocks of 16 tokens
+
+
+def _write(path: Path, *, pool: int, used: list[int], nvml_used: list[int] | None = None) -> Path:
+    """One manager, one full-attention group; `used` pool bytes per step; NVML samples per step."""
+    with TraceWriter(path, {"model_id": "test/cb-gpu", "model_type": "llama"},
+                     [DeviceInfo(0, "Synthetic GPU", TOTAL)]) as w:
+        off, n = w.add_text(json.dumps({"cb_request_id": "req_0", "manager": 0, "max_new_tokens": 4}))
+        w.begin_request(schema.RequestRow(request=0, outcome=int(schema.Outcome.OK), batch_size=1, prompt_tokens=16,
+                                          new_tokens=len(used), eos_step=-1, start_ns=10, end_ns=10_000,
+                                          prompt_sha256=b"0" * 64, gen_args_off=off, gen_args_len=n))
+        for step, u in enumerate(used):
+            t = 100 + 100 * step
+            blocks = u // BLOCK
+            w.append("sched", schema.SchedRow(t, 0, step, 1, 16 if step == 0 else 0, 0 if step == 0 else 1, 1, 0, 0,
+                                              256, pool, pool - u, blocks * BLOCK, blocks, 0, 16 + step, 0, 0, 0, 0))
+            w.append("sched_groups", schema.SchedGroupRow(0, step, 0, int(schema.LayerType.FULL), 2, -1, 16, BLOCK,
+                                                          pool // BLOCK, blocks, 0, pool // BLOCK - blocks, 16 * blocks))
+            w.append("blocks", [schema.BlockRow(0, step, 0, 0, blocks, 0, 16 * blocks)])
+            if nvml_used is not None:
+                w.append("telemetry/nvml", schema.NvmlRow(t, 0, nvml_used[step], TOTAL - nvml_used[step], 0, TOTAL, -1))
+    return path
+
+
+def _finding(path: Path, detector: str):
+    r = kvtrace.analyze(path).result(detector)
+    assert r.status == "ran", r.reason
+    (f,) = [f for f in r.findings if f.kind != "pool_usage"]
+    return f
+
+
+def test_over_reserved_pool_on_a_gpu(tmp_path):
+    # a 60 GiB pool (75% of the device) of which at most 4 GiB ever held blocks: 93% never used
+    f = _finding(_write(tmp_path / "over.kvt.h5", pool=60 * GiB, used=[2 * GiB, 4 * GiB, 3 * GiB]), "over_reservation")
+    assert f.evidence["never_used_share"].value == pytest.approx(1 - 4 / 60, abs=1e-4)
+    assert f.evidence["pool_share_of_device"].value == 0.75 and f.device == 0
+    assert f.severity == Severity.HIGH  # never critical: the room may be a burst's headroom
+
+
+def test_pool_sized_to_the_load_is_info(tmp_path):
+    f = _finding(_write(tmp_path / "fit.kvt.h5", pool=60 * GiB, used=[40 * GiB, 50 * GiB, 45 * GiB]), "over_reservation")
+    assert f.severity == Severity.INFO
+
+
+def test_gpu_usage_counts_the_reserved_pool_as_free_room(tmp_path):
+    # NVML sees 70 GiB used, 57-59 GiB of it the pool's free blocks: 11-13 GiB really in use (info)
+    pool, used = 60 * GiB, [1 * GiB, 3 * GiB, 2 * GiB]
+    nvml = [70 * GiB] * 3
+    f = _finding(_write(tmp_path / "reserved.kvt.h5", pool=pool, used=used, nvml_used=nvml), "serving_capacity")
+    assert f.kind == "gpu_usage" and f.severity == Severity.INFO
+    assert f.evidence["used_without_free_pool_bytes"].value == 70 * GiB - (pool - 3 * GiB)
+
+
+def test_gpu_near_full_outside_the_pool_is_critical(tmp_path):
+    # the pool is nearly all in use and the device holds 76-77 GiB of 80 GiB: 95% held
+    pool, used = 60 * GiB, [58 * GiB, 59 * GiB, 59 * GiB]
+    nvml = [76 * GiB, 77 * GiB, 77 * GiB]
+    f = _finding(_write(tmp_path / "full.kvt.h5", pool=pool, used=used, nvml_used=nvml), "serving_capacity")
+    assert f.kind == "gpu_usage" and f.severity == Severity.CRITICAL
+    assert f.evidence["held_usage"].value == pytest.approx((77 - 1) / 80, abs=1e-4)
