@@ -59,6 +59,9 @@ def default_table(trace: str | None) -> str | None:
               help="Tokens to generate per request at most (the request's max_tokens).")
 @click.option("--baseline-s", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="How long the idle baseline phase lasts.")
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Short requests (8 words, 2 tokens) before the first phase: what the server starts lazily "
+                   "(transformers serve's batching manager and KV pool) is then not timed in a phase.")
 @click.option("--api", type=click.Choice(["completions", "chat"]), default="completions", show_default=True,
               help="/v1/completions (the prompt as is) or /v1/chat/completions (one user message).")
 @click.option("--model", default=None, metavar="NAME", help="The request's model field (default: omitted; "
@@ -78,7 +81,7 @@ def default_table(trace: str | None) -> str | None:
 @json_options
 @guarded
 def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: int, max_tokens: int,
-             baseline_s: float, api: str, model: str | None, timeout_s: float, poll_s: float, trace: str | None,
+             baseline_s: float, warmup: int, api: str, model: str | None, timeout_s: float, poll_s: float, trace: str | None,
              output: str | None, fail_on: str | None, as_json: bool, json_out: str | None) -> None:
     """Drive URL (an OpenAI-compatible server) through the four-phase KV-cache diagnosis.
 
@@ -125,7 +128,7 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
     if trace is not None and not Path(trace).is_file():
         raise click.BadParameter(f"{trace}: no such file", param_hint="--trace")
     cfg = DriveConfig(cfg_url, plan, api=api, max_tokens=max_tokens, model=model, timeout_s=timeout_s,
-                      poll_s=poll_s)
+                      poll_s=poll_s, warmup=warmup)
     try:
         result = asyncio.run(drive(cfg))
     except (ServerUnreachable, ServerUnhealthy) as exc:
@@ -140,7 +143,7 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
     from kvtrace.serving.verdict import judge
 
     verdicts = judge(result.runs, facts, max_tokens)
-    rows = [r for run in result.runs for r in run.results]
+    rows = result.warmup + [r for run in result.runs for r in run.results]
     if table is not None:
         try:
             write_csv(rows, table)

@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import click
 
 from kvtrace import exitcodes
 from kvtrace.commands.common import fail, guarded
+from kvtrace.commands.record import DTYPES
 from kvtrace.errors import BadOption, CannotWrite, TraceIncomplete, Unavailable
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def check_model(model: str) -> None:
-    """A preset has no tokenizer to serve; a path must be a model directory. Anything else is a hub
-    id, which transformers resolves from the local cache (offline it never downloads)."""
+    """A path must be a model directory; a preset must exist. Anything else is a hub id, which
+    transformers resolves from the local cache (offline it never downloads)."""
     if model.startswith("preset:"):
-        raise click.BadParameter("presets cannot be served: transformers serve loads a model directory with a "
-                                 "tokenizer (save_pretrained a model and its tokenizer, then pass the directory)",
-                                 param_hint="MODEL")
+        from kvtrace import presets
+
+        try:
+            presets.get_preset(model.split(":", 1)[1])
+        except KeyError as exc:
+            raise click.BadParameter(str(exc).strip("'\""), param_hint="MODEL") from None
+        return
     looks_like_path = model.startswith((".", "/", "~")) or os.path.exists(model)
     if looks_like_path:
         path = os.path.expanduser(model)
@@ -27,6 +33,38 @@ def check_model(model: str) -> None:
             raise click.BadParameter(f"{model}: no such model directory", param_hint="MODEL")
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise click.BadParameter(f"{model}: not a model directory (no config.json)", param_hint="MODEL")
+
+
+def serve_option(args: tuple[str, ...], name: str, default: str) -> str:
+    """The value of ``--name VALUE`` / ``--name=VALUE`` among the transformers serve options."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return default
+
+
+def load_preset(model: str, serve_args: tuple[str, ...], tiny: bool, layers: int | None, width: float | None,
+                vocab: int | None) -> tuple[Any, Any]:
+    """A preset's random-weight model (on transformers serve's --device, in its --dtype) and a
+    word-level tokenizer built for it (kvtrace.serving.wordtok)."""
+    from kvtrace import presets
+    from kvtrace.loading import load_model
+    from kvtrace.serving.wordtok import tokenizer_for
+
+    if tiny:
+        small = presets.tiny_shrink_args(model.split(":", 1)[1])
+        layers = small["layers"] if layers is None else layers
+        width = small["width_scale"] if width is None else width
+        vocab = small["vocab"] if vocab is None else vocab
+    dtype = serve_option(serve_args, "--dtype", "auto")
+    if dtype not in DTYPES:
+        raise click.BadParameter(f"presets are built in one of {', '.join(DTYPES)}, not {dtype!r}",
+                                 param_hint="--dtype")
+    loaded = load_model(model, device=serve_option(serve_args, "--device", "auto"), dtype=dtype, layers=layers,
+                        width=width, vocab=vocab)
+    return loaded.model, tokenizer_for(loaded.model)
 
 
 def check_port(host: str, port: int) -> None:
@@ -49,22 +87,32 @@ def check_port(host: str, port: int) -> None:
 @click.option("--telemetry-hz", type=click.FloatRange(min=0, min_open=True, max=1000), default=5.0,
               show_default=True, help="Rate of the recorder's background sampler (NVML, allocator, RSS).")
 @click.option("--no-nvml", is_flag=True, help="Do not poll NVML.")
+@click.option("--tiny", is_flag=True, help="Presets: shrink to a few layers showing every layer kind, hidden ~256, "
+              "vocab 512 (serves on a CPU); --layers/--width/--vocab override it.")
+@click.option("--layers", type=click.IntRange(min=1), default=None, help="Presets: keep the first N layers.")
+@click.option("--width", type=click.FloatRange(min=0, min_open=True, max=1), default=None,
+              help="Presets: scale hidden/MLP/expert widths (KV geometry kept).")
+@click.option("--vocab", type=click.IntRange(min=256), default=None, help="Presets: vocabulary size.")
 @click.option("--force", is_flag=True, help="Replace an existing -o file (never one of the inputs).")
 @click.option("--quiet", "-q", is_flag=True, help="Print only errors (transformers and uvicorn still log).")
 @click.argument("serve_args", nargs=-1, type=click.UNPROCESSED, metavar="[SERVE_OPTIONS]...")
 @guarded
-def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no_nvml: bool, force: bool,
-          quiet: bool, serve_args: tuple[str, ...]) -> None:
+def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no_nvml: bool, tiny: bool,
+          layers: int | None, width: float | None, vocab: int | None, force: bool, quiet: bool,
+          serve_args: tuple[str, ...]) -> None:
     """Serve MODEL with transformers' own server (`transformers serve`) and record it into TRACE.
 
     \b
     Examples:
       kvtrace serve ./my-llama -o serve.kvt.h5 --continuous-batching
       kvtrace serve ./my-llama -o serve.kvt.h5 --port 8011 --continuous-batching --cb-num-blocks 256
+      kvtrace serve preset:gpt-oss-20b --tiny -o serve.kvt.h5 --continuous-batching --device cpu
       kvtrace loadtest http://127.0.0.1:8000 --trace serve.kvt.h5    # in another shell
     [SERVE_OPTIONS]...: options kvtrace does not know go to `transformers serve` unchanged
     (--continuous-batching, --device, --dtype, --attn-implementation, --cb-*). The server binds
-    127.0.0.1 unless --host says otherwise. Besides the OpenAI-compatible routes (/v1/chat/completions,
+    127.0.0.1 unless --host says otherwise. MODEL is a model directory with its tokenizer, a hub id
+    in the local cache, or preset:NAME (random weights, real KV geometry, with a word-level tokenizer
+    built for it: one prompt word, one token; nothing is downloaded). Besides the OpenAI-compatible routes (/v1/chat/completions,
     /v1/completions, /health) it answers POST /kvtrace/phase {"name": ...} (a phase marker in the
     trace) and GET /kvtrace/status (requests recorded, paged-cache pool and free bytes, running and
     waiting requests). Ctrl-C or SIGTERM stops it: open requests are drained, the trace is closed
@@ -72,6 +120,8 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
     unless --force.
     """
     check_model(model)
+    if not model.startswith("preset:") and (tiny or any(v is not None for v in (layers, width, vocab))):
+        raise click.UsageError("--tiny/--layers/--width/--vocab only apply to preset:NAME models")
     from kvtrace.commands.outputs import check_output
 
     check_output(output, option="-o", inputs=[model] if os.path.exists(model) else [], refuse_existing=True,
@@ -100,14 +150,17 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
     from kvtrace.serving.runner import serve as run_server
 
     settings = {"cli": {"command": "serve", "model": model, "host": host, "port": port,
-                        "serve_args": list(serve_args)}}
+                        "serve_args": list(serve_args), "tiny": tiny, "layers": layers, "width": width,
+                        "vocab": vocab}}
+    preloaded = load_preset(model, serve_args, tiny, layers, width, vocab) if model.startswith("preset:") else None
     options = {"telemetry_hz": telemetry_hz, "nvml": not no_nvml, "settings_extra": settings}
     try:
         outcome = run_server(model, output, host=host, port=port, serve_args=list(serve_args),
                              record_options=options,
                              on_ready=lambda url: say(f"serving {model} at {url} (phase markers: POST "
                                                       f"{url}/kvtrace/phase); recording to {output}; "
-                                                      f"Ctrl-C or SIGTERM stops"))
+                                                      f"Ctrl-C or SIGTERM stops"),
+                             preloaded=preloaded)
     except Stopped as exc:
         fail(f"{exc}; no trace written", exitcodes.INTERRUPTED)
         return

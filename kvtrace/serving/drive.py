@@ -4,7 +4,10 @@ Per phase: post the phase marker (``POST /kvtrace/phase``; a 404 means the serve
 ``kvtrace serve`` and no marker is tried again), send the phase's requests (at most ``concurrency``
 in flight), meanwhile poll ``GET /kvtrace/status`` every ``poll_s`` when the server has it (the
 paged cache's pool, free bytes, running and waiting requests), then read ``/health``. After the
-last phase an "end" marker closes the last window in the trace."""
+last phase an "end" marker closes the last window in the trace. Before the first phase,
+``warmup`` short requests (8 words, 2 tokens) start what the server builds lazily (transformers
+serve creates its continuous-batching manager and pool at the first request): they belong to no
+phase and no verdict; the latency table lists them as phase "warmup"."""
 
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from kvtrace.serving.client import (
 from kvtrace.serving.phases import END_MARKER, Phase, prompt
 from kvtrace.serving.tracefacts import Group, groups_from_occupancy, sample_from_occupancy
 
+WARMUP_WORDS = 8
+
 
 class ServerUnhealthy(Exception):
     """The server answers but /health is not 200 before the first phase."""
@@ -41,6 +46,7 @@ class DriveConfig:
     model: str | None = None
     timeout_s: float = 600.0  # per request (connect, read gaps)
     poll_s: float = 0.25
+    warmup: int = 1  # short requests before the first phase and its marker (lazy start-up: CB manager, pool)
 
 
 @dataclass
@@ -65,6 +71,7 @@ class DriveResult:
     markers: bool  # the server took phase markers
     live_status: bool  # the server offered /kvtrace/status
     started_unix: float
+    warmup: list[RequestResult] = field(default_factory=list)  # outside every phase and verdict
 
 
 async def _sample_status(client: httpx.AsyncClient, url: str, run: PhaseRun, *, after: bool = False) -> None:
@@ -122,6 +129,10 @@ async def drive(cfg: DriveConfig) -> DriveResult:
         live = code == 200
         markers = True
         runs: list[PhaseRun] = []
+        warm = [await stream_request(client, cfg.url, cfg.api,
+                                     request_body(cfg.api, prompt(WARMUP_WORDS, 10_000 + i), 2, cfg.model),
+                                     phase="warmup", index=i, prompt_words=WARMUP_WORDS, t0=t0)
+                for i in range(cfg.warmup)]
         seq = 0
         for phase in cfg.phases:
             run = PhaseRun(phase, time.perf_counter() - t0)
@@ -163,4 +174,4 @@ async def drive(cfg: DriveConfig) -> DriveResult:
                 await _mark(client, cfg.url, END_MARKER)
             except ServerUnreachable:
                 pass
-    return DriveResult(cfg.url, runs, markers, live, started)
+    return DriveResult(cfg.url, runs, markers, live, started, warm)

@@ -27,6 +27,9 @@ def print_run(result: DriveResult, verdicts: list[PhaseVerdict], trace: str | No
     click.echo(f"loadtest {result.url}: phase markers {'posted' if result.markers else 'not taken (not kvtrace serve)'}, "
                f"live status {'sampled' if result.live_status else 'not offered'}"
                + (f", trace {trace}" if trace else ""))
+    if result.warmup:
+        ok = sum(r.ok for r in result.warmup)
+        click.echo(f"warm-up   {ok}/{len(result.warmup)} ok (not judged; first status: {result.warmup[0].status})")
     for run, verdict in zip(result.runs, verdicts, strict=True):
         click.echo(f"\nphase {run.phase.name} ({_phase_line(run)}, {run.end_s - run.start_s:.1f} s): "
                    f"{verdict.level.upper()}")
@@ -53,5 +56,6 @@ def document(result: DriveResult, verdicts: list[PhaseVerdict], trace: str | Non
             "verdict": verdict.level, "checks": [asdict(c) for c in verdict.checks],
             "requests": [asdict(r) for r in run.results],
         })
-    return {"url": result.url, "started_unix": result.started_unix, "markers": result.markers,
+    return {"url": result.url, "started_unix": result.started_unix, "warmup": [asdict(r) for r in result.warmup],
+            "markers": result.markers,
             "live_status": result.live_status, "trace": trace, "latency_table": table, "phases": phases}

@@ -58,10 +58,12 @@ def serve_command() -> Any:
 
 def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
           serve_args: Sequence[str] = (), record_options: dict[str, Any] | None = None,
-          on_ready: Callable[[str], None] | None = None) -> ServeOutcome:
+          on_ready: Callable[[str], None] | None = None, preloaded: tuple[Any, Any] | None = None) -> ServeOutcome:
     """Run the server until SIGINT/SIGTERM, recording into ``trace``. ``serve_args``: further
     ``transformers serve`` options (``--continuous-batching``, ``--cb-num-blocks 64``, ...).
-    ``on_ready(url)`` is called once the recording runs, just before uvicorn binds."""
+    ``on_ready(url)`` is called once the recording runs, just before uvicorn binds.
+    ``preloaded``: (model, tokenizer) already built for ``model`` (a kvtrace preset), handed to
+    transformers' model manager in place of loading ``model`` from disk."""
     import transformers
 
     import kvtrace
@@ -113,6 +115,7 @@ def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
     if in_main:
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     server_module.build_server = build_server
+    restore_loaders = _hand_over(model, preloaded) if preloaded is not None else None
     try:
         command = serve_command()
         try:
@@ -128,10 +131,36 @@ def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
             raise
     finally:
         server_module.build_server = original_build
+        if restore_loaders is not None:
+            restore_loaders()
         _finish(recording, outcome)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return outcome
+
+
+def _hand_over(name: str, preloaded: tuple[Any, Any]) -> Callable[[], None]:
+    """Make transformers' ModelManager return ``preloaded`` (model, tokenizer) for ``name`` instead of
+    reading it from disk (its ``_load_model`` / ``_load_processor``, 5.23); returns the undo."""
+    from transformers.cli.serving.model_manager import ModelManager
+
+    originals = {attr: ModelManager.__dict__[attr] for attr in ("_load_model", "_load_processor")}
+    built = {"_load_model": preloaded[0], "_load_processor": preloaded[1]}
+
+    def wrap(attr: str) -> Any:
+        def load(self: Any, model_id_and_revision: str, *args: Any, **kwargs: Any) -> Any:
+            if model_id_and_revision.split("@", 1)[0] == name:
+                return built[attr]
+            return originals[attr](self, model_id_and_revision, *args, **kwargs)
+        return load
+
+    for attr in originals:
+        setattr(ModelManager, attr, wrap(attr))
+
+    def undo() -> None:
+        for attr, fn in originals.items():
+            setattr(ModelManager, attr, fn)
+    return undo
 
 
 def _finish(recording: dict[str, Any], outcome: ServeOutcome) -> None:

@@ -1,6 +1,6 @@
 """A tiny model directory that `transformers serve` (and so `kvtrace serve`) loads offline: random
-llama weights from kvtrace.testing_models plus a word-level tokenizer built here in code, with a
-chat template. Its vocabulary holds the load test's prompt words (kvtrace.serving.phases.WORDS), one
+llama weights from kvtrace.testing_models plus kvtrace's word-level tokenizer (built in code, with a
+chat template). Its vocabulary holds the load test's prompt words (kvtrace.serving.phases.WORDS), one
 token each, so a prompt of N words is N tokens and two prompts differ from their first token."""
 
 from __future__ import annotations
@@ -12,30 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-from kvtrace.serving.phases import WORDS
+from kvtrace.serving.wordtok import word_tokenizer
 from kvtrace.testing_models import TINY_VOCAB, tiny_model
-
-SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2: the tiny models' pad / bos / eos
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}assistant {% endif %}")
 
 
 def tiny_tokenizer():
-    """A PreTrainedTokenizerFast over TINY_VOCAB words (specials, role names, the load test's words,
-    then "wN" fillers), whitespace pre-tokenised; unknown words map to "<unk>"."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = [*SPECIALS, "<unk>", "user", "assistant", "system", *WORDS]
-    words += [f"w{i}" for i in range(len(words), TINY_VOCAB)]
-    assert len(words) == TINY_VOCAB == len(set(words))
-    vocab = {w: i for i, w in enumerate(words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    """kvtrace's word-level tokenizer (kvtrace.serving.wordtok) over the tiny models' ids: pad 0,
+    bos 1, eos 2, the load test's words one id each."""
+    return word_tokenizer(TINY_VOCAB, bos=1, eos=2, pad=0)
 
 
 def save_tiny_server_model(path: Path) -> Path:

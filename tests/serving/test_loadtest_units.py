@@ -44,14 +44,33 @@ def test_server_down_is_one_line_and_exit_69(capsys):
     assert out == ""
 
 
-def test_serve_refuses_presets_and_non_model_directories(tmp_path, capsys):
-    code, _, err = run_main(["serve", "preset:llama-3.1-8b", "-o", str(tmp_path / "t.kvt.h5")], capsys)
-    assert code == exitcodes.USAGE and "presets cannot be served" in err
+def test_serve_refuses_unknown_presets_and_non_model_directories(tmp_path, capsys):
+    code, _, err = run_main(["serve", "preset:no-such-model", "-o", str(tmp_path / "t.kvt.h5")], capsys)
+    assert code == exitcodes.USAGE and "unknown preset 'no-such-model'" in err
     code, _, err = run_main(["serve", str(tmp_path), "-o", str(tmp_path / "t.kvt.h5")], capsys)
     assert code == exitcodes.USAGE and "no config.json" in err
     code, _, err = run_main(["serve", str(tmp_path / "absent"), "-o", str(tmp_path / "t.kvt.h5")], capsys)
     assert code == exitcodes.USAGE and "no such model directory" in err
+    (tmp_path / "config.json").write_text("{}")
+    code, _, err = run_main(["serve", str(tmp_path), "--tiny", "-o", str(tmp_path / "t.kvt.h5")], capsys)
+    assert code == exitcodes.USAGE and "only apply to preset:NAME" in err
     assert not (tmp_path / "t.kvt.h5").exists()
+
+
+def test_word_tokenizer_keeps_the_models_special_ids_and_one_token_per_word():
+    pytest.importorskip("tokenizers")
+    from kvtrace.serving.wordtok import word_tokenizer
+
+    tok = word_tokenizer(600, bos=500, eos=[501, 7], pad=None)
+    assert (tok.bos_token_id, tok.eos_token_id) == (500, 501)
+    text = prompt(40, seed=3)
+    ids = tok(text)["input_ids"]
+    assert len(ids) == 40 and tok.unk_token_id not in ids
+    assert tok.decode(ids) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "the of"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "user the of assistant "
+    with pytest.raises(ValueError, match="too small"):
+        word_tokenizer(100)
 
 
 def test_serve_passes_unknown_options_to_transformers_which_may_refuse_them(tmp_path, capsys):

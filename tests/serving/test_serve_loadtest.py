@@ -75,23 +75,26 @@ def test_kvtrace_serve_continuous_batching_loadtest_then_sigterm(model_dir, tmp_
     assert run.returncode == 3, run.stderr + run.stdout  # the long phase's context spike reaches --fail-on
     assert "phase long (1 request(s), 1 at once, 128 prompt words" in run.stdout and "WARNING" in run.stdout
     assert rc == 0, out
-    assert "stopped by SIGTERM" in out and f"{N_REQUESTS} request(s)" in out
+    assert "stopped by SIGTERM" in out and f"{N_REQUESTS + 1} request(s)" in out
 
     # the trace: complete, valid, every request OK, one marker per phase plus "end"
     v = subprocess.run(kvtrace_cmd("validate", str(trace)), capture_output=True, text=True, env=server_env())
     assert v.returncode == 0, v.stdout + v.stderr
     with Trace(trace) as t:
         assert t.complete
-        reqs = t.requests()
+        reqs = t.requests()[1:]  # the first is the load test's warm-up request (8 words, 2 tokens)
+        assert t.requests()[0]["prompt_tokens"] == 8 and t.requests()[0]["new_tokens"] == 2
         assert len(reqs) == N_REQUESTS
         assert set(reqs["outcome"].tolist()) == {int(Outcome.OK)}
         assert sorted(reqs["prompt_tokens"].tolist()) == [32, 32, 32, 32, 128]
         assert reqs["new_tokens"].tolist() == [4] * N_REQUESTS
         assert _phase_names(t) == ["baseline", "single", "concurrent", "long", "end"]
-        assert len(t.events(EventKind.REQUEST_END)) == N_REQUESTS
+        assert len(t.events(EventKind.REQUEST_END)) == N_REQUESTS + 1
 
     # the latency table beside the trace: one row per request, streamed tokens timed
     rows = list(csv.DictReader(open(tmp_path / "served.latency.csv", encoding="utf-8")))
+    assert rows[0]["phase"] == "warmup" and rows[0]["status"] == "ok"  # before the first marker, judged nowhere
+    rows = rows[1:]
     assert [r["phase"] for r in rows] == ["single", "concurrent", "concurrent", "concurrent", "long"]
     assert {r["status"] for r in rows} == {"ok"}
     assert [int(r["prompt_tokens"]) for r in rows] == [32, 32, 32, 32, 128]  # the server's usage counts
@@ -138,7 +141,8 @@ def test_loadtest_against_plain_transformers_serve(model_dir, tmp_path):
     assert not doc["markers"] and not doc["live_status"]
     assert doc["phases"][0]["marker"] == "unsupported (404)"
     rows = list(csv.DictReader(open(table, encoding="utf-8")))
-    assert len(rows) == 4 and {r["status"] for r in rows} == {"ok"}
+    assert [r["phase"] for r in rows] == ["warmup", "single", "concurrent", "concurrent", "concurrent"]
+    assert {r["status"] for r in rows} == {"ok"}
     assert all(int(r["output_tokens"]) >= 1 for r in rows)
     for phase in doc["phases"]:
         checks = {c["name"]: c for c in phase["checks"]}
@@ -149,15 +153,17 @@ def test_loadtest_against_plain_transformers_serve(model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_kvtrace_serve_without_continuous_batching_records_generate_and_stops_on_sigint(model_dir, tmp_path):
-    """Sequential transformers serve (model.generate per request): the recorder's generate path
-    writes the request with its per-step rows; Ctrl-C (SIGINT) ends it like SIGTERM."""
+def test_kvtrace_serve_preset_without_continuous_batching_records_generate_and_stops_on_sigint(tmp_path):
+    """A preset (random weights, real KV geometry, kvtrace's word tokenizer; nothing on disk) on
+    sequential transformers serve (model.generate per request): the recorder's generate path writes
+    the request with its per-step rows; Ctrl-C (SIGINT) ends it like SIGTERM."""
     port = free_port()
     trace = tmp_path / "plain.kvt.h5"
-    proc = _start(kvtrace_cmd("serve", str(model_dir), "-o", str(trace), "--port", str(port), "--no-nvml",
-                              "--device", "cpu"), port)
+    proc = _start(kvtrace_cmd("serve", "preset:llama-3.1-8b", "--tiny", "-o", str(trace), "--port", str(port),
+                              "--no-nvml", "--device", "cpu"), port)
     try:
-        run = _loadtest(f"http://127.0.0.1:{port}", "--phases", "single", *PHASES, "--api", "chat", "--json")
+        run = _loadtest(f"http://127.0.0.1:{port}", "--phases", "single", *PHASES, "--api", "chat", "--json",
+                        "--warmup", "0")
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
@@ -173,5 +179,6 @@ def test_kvtrace_serve_without_continuous_batching_records_generate_and_stops_on
         assert t.complete
         (req,) = t.requests()
         assert req["outcome"] == int(Outcome.OK) and req["new_tokens"] == 4
+        assert t.meta.model_id == "preset:llama-3.1-8b"
         assert len(t.steps(0)) > 0  # generate's per-step rows
         assert _phase_names(t) == ["single", "end"]
