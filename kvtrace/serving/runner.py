@@ -1,5 +1,6 @@
 """``kvtrace serve``: transformers' own ``transformers serve`` (its typer command
-``transformers.cli.serve.Serve``, transformers 5.23) run in this process with ``kvtrace.record``
+``transformers.cli.serve.Serve``; the same structure in transformers 5.17 and 5.23: read in both) run
+in this process with ``kvtrace.record``
 attached to the model it loads.
 
 How it attaches: ``Serve`` preloads the pinned model (``force_model``) in its ``ModelManager`` and
@@ -75,7 +76,7 @@ def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
         original_build = server_module.build_server
     except (ImportError, AttributeError) as exc:
         raise Unavailable(f"kvtrace serve attaches to transformers' serving app factory "
-                          f"(transformers.cli.serving.server.build_server, as in 5.23); transformers "
+                          f"(transformers.cli.serving.server.build_server, as in 5.17 and 5.23); transformers "
                           f"{transformers.__version__} has none ({exc})") from None
 
     outcome = ServeOutcome()
