@@ -231,9 +231,13 @@ class ObservedAttention(QueryScorer):
 
     def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
         obs = _need(obs, self.name)
-        p, vis = obs.probs(keys)
-        count = vis.sum(axis=0)
-        s = p.sum(axis=2) / np.maximum(count, 1)
+        total = np.zeros((keys.shape[0], obs.q.shape[1], keys.shape[2]))
+        count = np.zeros(keys.shape[2])
+        for i in range(0, obs.q.shape[2], 64):  # chunks of queries bound the memory of long prefills
+            p, vis = obs.subset(np.arange(i, min(i + 64, obs.q.shape[2]))).probs(keys)
+            total += p.sum(axis=2)
+            count += vis.sum(axis=0)
+        s = total / np.maximum(count, 1)
         s = _group_mean(s, keys.shape[1])
         return np.where(count > 0, s, KEEP)
 

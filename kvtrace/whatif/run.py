@@ -147,6 +147,8 @@ def _unit(pol: Policy, ratio: float | None, u: source.Unit, skipped: list[dict[s
                            "tokens": int(u.k.shape[2]), "kv_heads": u.kv_heads}
     if u.latent:
         row["tensors"] = ["latent", "rope_key"]  # what key_* / value_* measure on an MLA cache
+    if u.notes:
+        row["notes"] = list(u.notes)
     hk = u.k.shape[1]
     attn = (u.eval_q, u.k, u.v, u.eval_pos, u.k_pos, u.window, u.scale)
     if isinstance(pol, ScorerPolicy):
@@ -163,7 +165,7 @@ def _unit(pol: Policy, ratio: float | None, u: source.Unit, skipped: list[dict[s
             _skip(skipped, "attention_mass_recall", u, u.no_queries)
             _skip(skipped, "attention_output_error", u, u.no_queries)
             return row
-        recall, err = calc.keep_measures(*attn, keep)
+        recall, err = _by_queries(lambda a: calc.keep_measures(*a, keep), attn)
         row["attention_mass_recall"] = _per_kv_head(recall, hk)
         row["attention_output_error"] = _per_kv_head(err, hk)
         return row
@@ -173,8 +175,22 @@ def _unit(pol: Policy, ratio: float | None, u: source.Unit, skipped: list[dict[s
     if u.eval_q is None:
         _skip(skipped, "attention_output_error", u, u.no_queries)
     else:
-        row["attention_output_error"] = _per_kv_head(calc.output_error(pol, *attn), hk)
+        row["attention_output_error"] = _per_kv_head(_by_queries(lambda a: (calc.output_error(pol, *a),), attn)[0], hk)
     return row
+
+
+CHUNK_ELEMENTS = 1 << 24  # per [B, Hq, queries, T] array of one pass (128 MiB in float64)
+
+
+def _by_queries(fn: Any, attn: tuple[Any, ...]) -> tuple[np.ndarray, ...]:
+    """``fn(attn)`` over chunks of the evaluation queries, joined along the query axis: a long
+    prefill's queries times a long cache would not fit at once (``attn``: q, k, v, q_pos, ...)."""
+    q, k, v, q_pos, *rest = attn
+    n = max(1, CHUNK_ELEMENTS // max(1, q.shape[0] * q.shape[1] * k.shape[2]))
+    if q.shape[2] <= n:
+        return tuple(fn(attn))
+    parts = [fn((q[:, :, i:i + n], k, v, q_pos[i:i + n], *rest)) for i in range(0, q.shape[2], n)]
+    return tuple(np.concatenate(xs, axis=2) for xs in zip(*parts, strict=True))
 
 
 def _per_kv_head(x: np.ndarray, hk: int) -> list[float]:

@@ -19,7 +19,11 @@ from kvtrace.format.reader import Trace
 PK = schema.PayloadKind
 LT = schema.LayerType
 
-__all__ = ["Sizes", "Unit", "sizes", "units"]
+__all__ = ["MAX_EVAL_QUERIES", "Sizes", "Unit", "sizes", "units"]
+
+# Evaluation queries per unit: a prefill sample can hold thousands; the attention measures are
+# means over queries, and each query costs a pass over every key.
+MAX_EVAL_QUERIES = 256
 
 
 @dataclass
@@ -177,6 +181,11 @@ def _queries(trace: Trace, u: Unit, qrows: list[tuple[int, int]], cfg: dict, lro
         ok = (lo >= k0) & (pos <= k1)
         if ok.any():
             u.eval_q, u.eval_pos = q[:, :, ok], pos[ok]
+            if len(u.eval_pos) > MAX_EVAL_QUERIES:  # a long prefill: its most recent queries
+                u.notes.append(f"evaluated with the last {MAX_EVAL_QUERIES} of the {len(u.eval_pos)} queries "
+                               f"sampled at step {u.step}")
+                last = np.argsort(u.eval_pos, kind="stable")[-MAX_EVAL_QUERIES:]
+                u.eval_q, u.eval_pos = u.eval_q[:, :, last], u.eval_pos[last]
         else:
             u.no_queries = "the last step's sampled queries attend to keys outside the sample"
     else:

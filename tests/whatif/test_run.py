@@ -87,3 +87,46 @@ def test_trace_without_payloads_measures_bytes_only():
         r = p["results"][0]
         assert 0 < r["bytes"]["kept_peak"] < doc["baseline"]["bytes_peak"]
         assert r["overall"] == {} and "no sampled K/V" in r["skipped"][0]["reason"]
+
+
+def test_query_chunks_give_the_same_numbers(monkeypatch):
+    from kvtrace.whatif import run as run_mod
+
+    names = ["knorm", "kivi:nbits=2,residual_length=0"]
+    whole = _run(GEMMA, names)
+    monkeypatch.setattr(run_mod, "CHUNK_ELEMENTS", 1)  # one query per pass
+    chunked = _run(GEMMA, names)
+    assert chunked["policies"] == whole["policies"]
+
+
+def test_observed_attention_chunks_over_many_queries():
+    import numpy as np
+
+    from kvtrace.whatif.numerics import attention_probs, visible_mask
+    from kvtrace.whatif.policies import Observed
+
+    rng = np.random.default_rng(1)
+    T, n = 150, 150  # a prefill: more queries than one chunk of 64
+    q, k = rng.normal(size=(1, 4, n, 8)), rng.normal(size=(1, 2, T, 8))
+    obs = Observed(q, np.arange(n), np.arange(T), None, 0.3)
+    vis = visible_mask(np.arange(n), np.arange(T))
+    p = attention_probs(q, k, vis, 0.3)
+    want = (p.sum(axis=2) / vis.sum(axis=0)).reshape(1, 2, 2, T).mean(axis=2)
+    np.testing.assert_allclose(parse_policy("observed_attention").score(k, obs), want, rtol=1e-12)
+
+
+def test_a_long_prefill_is_evaluated_on_its_last_queries(monkeypatch, tmp_path):
+    torch = pytest.importorskip("torch")
+    import kvtrace
+    from kvtrace.recorder.sampling import SamplingSettings
+    from kvtrace.testing_models import tiny_model
+    from kvtrace.whatif import source
+
+    model, path = tiny_model("llama"), tmp_path / "p.kvt.h5"
+    ids = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(0))
+    with kvtrace.record(model, path, sampling=SamplingSettings(every_n_steps=100, queries=True)):
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)  # the prefill only
+    monkeypatch.setattr(source, "MAX_EVAL_QUERIES", 4)
+    r = _result(_run(path, ["knorm"]), "knorm", 0.5)
+    assert r["layers"] and all(x["notes"] == ["evaluated with the last 4 of the 10 queries sampled at step 0"]
+                               for x in r["layers"])
