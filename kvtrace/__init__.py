@@ -35,7 +35,7 @@ def _live_observers(options: Any) -> list[Any]:
     """The live listeners RecordOptions ask for, handed to the recorder (which imports no exporter)."""
     if options.prometheus is None and options.prometheus_textfile is None:
         return []
-    from kvtrace.export.prometheus import observers_for
+    from kvtrace.export.prometheus_serving import observers_for  # the exporter + its serving metrics
 
     return observers_for(options)
 
