@@ -7,6 +7,23 @@ import re
 from pathlib import Path
 
 from kvtrace.export.prometheus import METRICS
+from kvtrace.export.prometheus_serving import SERVING_METRICS
+
+# every exported family and its labels: the recorder's and the serving metrics (histograms add `le`)
+LABELS: dict[str, tuple[str, ...]] = {
+    **{name: m.labels for name, m in METRICS.items()},
+    **{name: (*labels, "le") if kind == "histogram" else labels
+       for name, (kind, _, labels, _) in SERVING_METRICS.items()},
+}
+HISTOGRAMS = {name for name, (kind, *_) in SERVING_METRICS.items() if kind == "histogram"}
+
+
+def _family(sample: str) -> str:
+    """kvtrace_x_seconds_bucket -> kvtrace_x_seconds for the histograms; other names as they are."""
+    for suffix in ("_bucket", "_sum", "_count"):
+        if sample.endswith(suffix) and sample[: -len(suffix)] in HISTOGRAMS:
+            return sample[: -len(suffix)]
+    return sample
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "grafana" / "kvtrace-dashboard.json"
 
@@ -24,17 +41,17 @@ def _exprs(dash: dict) -> list[str]:
 def test_dashboard_matches_exporter():
     dash = json.loads(DASHBOARD.read_text())
     exprs = _exprs(dash)
-    used = {m for e in exprs for m in re.findall(r"\bkvtrace_[a-z_]+", e)}
-    assert used <= set(METRICS), f"dashboard queries metrics the exporter lacks: {used - set(METRICS)}"
-    assert set(METRICS) <= used, f"exporter metrics missing from the dashboard: {set(METRICS) - used}"
+    used = {_family(m) for e in exprs for m in re.findall(r"\bkvtrace_[a-z_]+", e)}
+    assert used <= set(LABELS), f"dashboard queries metrics the exporter lacks: {used - set(LABELS)}"
+    assert set(LABELS) <= used, f"exporter metrics missing from the dashboard: {set(LABELS) - used}"
     # label names in selectors exist on the metric they select
     for e in exprs:
         for name, labels in re.findall(r"(kvtrace_[a-z_]+)\{([^}]*)\}", e):
             for label in re.findall(r"([a-z_]+)=~?\"", labels):
-                assert label == "instance" or label in METRICS[name].labels, (name, label)
+                assert label == "instance" or label in LABELS[_family(name)], (name, label)
         for labels in re.findall(r"by \(([a-z_, ]+)\)", e):
             for label in labels.split(","):
-                assert any(label.strip() in METRICS[m].labels for m in re.findall(r"kvtrace_[a-z_]+", e)), (e, label)
+                assert any(label.strip() in LABELS[_family(m)] for m in re.findall(r"kvtrace_[a-z_]+", e)), (e, label)
         assert e.count("(") == e.count(")"), e
 
 
@@ -66,3 +83,21 @@ def test_age_panel_outlives_the_recorder():
     assert len(exprs) == 1
     assert re.fullmatch(r"time\(\) - max\(last_over_time\(kvtrace_last_update_timestamp_seconds\{[^}]*\}\[\w+\]\)\)",
                         exprs[0]), exprs[0]
+
+
+def test_serving_panels_use_rates_and_quantiles_of_the_right_kinds():
+    """Serving panels: counters only inside rate(), histogram buckets only inside histogram_quantile,
+    usage ratios on a 0-1 percent axis with the 80%/90% thresholds."""
+    dash = json.loads(DASHBOARD.read_text())
+    serving = [p for p in dash["panels"] if any("kvtrace_serving_" in t["expr"] for t in p.get("targets", []))]
+    assert serving
+    for p in serving:
+        for t in p["targets"]:
+            for name in re.findall(r"kvtrace_serving_[a-z_]+", t["expr"]):
+                if name.endswith("_total"):
+                    assert f"rate({name}" in t["expr"], t["expr"]
+                if name.endswith("_bucket"):
+                    assert "histogram_quantile(" in t["expr"] and "by (le)" in t["expr"], t["expr"]
+    (usage,) = [p for p in serving if any("kv_cache_usage_ratio" in t["expr"] for t in p["targets"])]
+    steps = usage["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert usage["fieldConfig"]["defaults"]["unit"] == "percentunit" and [s["value"] for s in steps] == [None, 0.8, 0.9]
