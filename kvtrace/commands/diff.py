@@ -20,7 +20,9 @@ def diff(traces: tuple[str, ...], as_json: bool, json_out: str | None, all_layer
     fragmentation, findings that appeared, disappeared or changed severity.
 
     \b
-    A and B are traces or JSON reports from `kvtrace analyze --json`. Requests are matched by id.
+    TRACES are two, A and B: traces or JSON reports from `kvtrace analyze --json`; requests are
+    matched by id. Or the rank traces of two tensor-parallel runs (A's ranks, then B's), compared
+    rank by rank, with the runs' rank_balance findings.
     Exit codes: 0 done, 1 invalid input, 2 unreadable / not a trace, 4 format too new.
     Examples:
       kvtrace diff before.kvt.h5 after.kvt.h5

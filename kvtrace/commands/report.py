@@ -9,7 +9,7 @@ from kvtrace.commands.outputs import check_json_out, check_output, check_output_
 
 
 @click.command("report")
-@click.argument("trace", type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
+@click.argument("traces", nargs=-1, required=True, type=click.Path())  # a directory: "not a trace" (exit 2)
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default="report.html",
               show_default=True, help="HTML file to write (self-contained: figures embedded).")
 @click.option("--figures", "figures_dir", type=click.Path(file_okay=False), default=None,
@@ -24,7 +24,7 @@ from kvtrace.commands.outputs import check_json_out, check_output, check_output_
 @click.option("--no-whatif", is_flag=True, help="No what-if section.")
 @json_options
 @guarded
-def report(trace: str, output: str, figures_dir: str | None, no_analysis: bool, quiet: bool,
+def report(traces: tuple[str, ...], output: str, figures_dir: str | None, no_analysis: bool, quiet: bool,
            whatif_policies: tuple[str, ...], whatif_ratio: str | None, no_whatif: bool,
            as_json: bool, json_out: str | None) -> None:
     """Write an HTML report of TRACE: memory timeline per device, per-layer KV footprint, growth
@@ -40,9 +40,16 @@ def report(trace: str, output: str, figures_dir: str | None, no_analysis: bool, 
       kvtrace report run.kvt.h5 -o report.html
       kvtrace report run.kvt.h5 -o report.html --figures figs/   # + PNG and SVG files
       kvtrace report run.kvt.h5 -o r.html --json | jq .figures
+      kvtrace report run.rank*.kvt.h5 -o run.html   # a tensor-parallel run: index + a page per rank
     --json prints only a JSON summary of what was written; --json-out FILE also writes it to FILE.
-    No output may be TRACE or an existing trace.
+    No output may be TRACE or an existing trace. Several TRACES must be the rank traces of one
+    tensor-parallel run: -o is then the run's page, and each rank's page is written next to it
+    (run.rank0.html, ...; figures under --figures/rank0/, ...).
     """
+    if len(traces) > 1:
+        _rank_set(traces, output, figures_dir, no_analysis, quiet, as_json, json_out)
+        return
+    trace = traces[0]
     check_output(output, option="-o", inputs=(trace,), others=[("--json-out", json_out)])
     if figures_dir is not None:
         check_output_dir(figures_dir, option="--figures", inputs=(trace,))
@@ -85,3 +92,49 @@ def _whatif_options(policies: tuple[str, ...], ratio_text: str | None, off: bool
         raise click.BadParameter(str(exc), param_hint="--whatif") from None
     ratios = tuple(_ratios(ratio_text)) if ratio_text else None
     return WhatIfOptions(policies=policies or None, ratios=ratios)
+
+
+def _rank_set(traces: tuple[str, ...], output: str, figures_dir: str | None, no_analysis: bool, quiet: bool,
+              as_json: bool, json_out: str | None) -> None:
+    """One page per rank (each trace opened once) and the run's index page at ``output``."""
+    from pathlib import Path
+
+    from kvtrace.analyzer import TraceView
+    from kvtrace.analyzer.rankset import RankCollector
+    from kvtrace.format.reader import Trace
+    from kvtrace.report import build, rank_page
+
+    check_output(output, option="-o", inputs=traces, others=[("--json-out", json_out)])
+    check_json_out(json_out, traces)
+    collector = RankCollector()
+    opened: list[tuple[str, int]] = []
+    for path in traces:
+        with Trace(path) as t:
+            member = collector.add(TraceView(t))
+        if member is None:
+            raise click.UsageError(f"{path} is not a tensor-parallel rank trace: report takes one trace, or the "
+                                   "rank traces of one run")
+        opened.append((path, member.rank))
+    results = collector.finish()
+    if len(results) != 1 or len(results[0].ranks.members) != len(traces):
+        raise click.UsageError("the rank traces belong to more than one run (or give one rank twice); "
+                               "report one run at a time")
+    pages: dict[int, Path] = {}
+    written_figures: list[str] = []
+    for path, rank in opened:
+        page = rank_page.rank_page_path(output, rank)
+        check_output(str(page), option="-o", inputs=traces)
+        figs = str(Path(figures_dir) / f"rank{rank}") if figures_dir is not None else None
+        if figs is not None:
+            check_output_dir(figs, option="--figures", inputs=traces)
+        with Trace(path) as t:
+            result = build.render(TraceView(t), None, page, figs, run_analyzer=not no_analysis)
+        pages[rank] = result.html
+        written_figures += [str(p) for p in result.figures]
+    index = rank_page.render(results[0], pages, output)
+    write_json({"report": str(index), "rank_pages": {str(r): str(p) for r, p in sorted(pages.items())},
+                "figures": written_figures, "rank_findings": len(results[0].findings)}, json_out, as_json=as_json)
+    if not (quiet or as_json):
+        click.echo(f"run page written to {index}; rank pages: {', '.join(str(p) for p in pages.values())}")
+        if results[0].ranks.missing:
+            click.echo(f"  missing rank trace(s): {', '.join(map(str, results[0].ranks.missing))}")

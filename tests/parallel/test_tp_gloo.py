@@ -7,6 +7,7 @@ import json
 import shutil
 
 import h5py
+import pytest
 
 from kvtrace.format.reader import Trace
 from tests.cli_run import run_main
@@ -158,3 +159,17 @@ def test_info_summarises_the_run(tp_run, capsys):
     assert rs["kv_heads_sum"] == 4 and rs["missing_ranks"] == []
     code, out, _ = run_main(["info", _ranks(tp_run)[1]], capsys)
     assert code == 0 and "tensor parallel: rank 1 of 2 (gloo), run tp-cpu-test, 2 of 4 KV heads" in out
+
+
+def test_report_writes_a_run_page_and_a_page_per_rank(tp_run, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "run.html"
+    code, stdout, err = run_main(["report", *_ranks(tp_run), "-o", str(out), "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(stdout)
+    assert doc["report"] == str(out) and set(doc["rank_pages"]) == {"0", "1"}
+    page = out.read_text()
+    assert "run.rank1.html" in page and "rank_retention" in page and "adds up" in page
+    assert (tmp_path / "run.rank0.html").stat().st_size > 10_000  # a full single-trace report
+    code, _, err = run_main(["report", *_ranks(tp_run), "-o", _ranks(tp_run)[0]], capsys)
+    assert code != 0 and not (tp_run / "run.rank0.html").exists()  # never overwrites an input
