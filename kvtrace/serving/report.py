@@ -44,6 +44,8 @@ def print_run(result: DriveResult, verdicts: list[PhaseVerdict], trace: str | No
             click.echo(f"  {c.name:<18} {c.level:<13} {value}  [{c.rule}; {c.source}]")
     if table:
         click.echo(f"\nlatency table: {table} (one row per request, seconds)")
+    if trace:
+        click.echo(f"the serving detectors over the whole recording: kvtrace analyze {trace}")
 
 
 def document(result: DriveResult, verdicts: list[PhaseVerdict], trace: str | None, table: str | None) -> dict[str, Any]:
