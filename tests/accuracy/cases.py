@@ -395,8 +395,43 @@ PLANTED: list[Case] = [
 ]
 
 
+# ---- serving (continuous batching): tests/serving_detectors/serving_scenarios.py records them -------
+
+sys.path.insert(0, str(ROOT / "tests" / "serving_detectors"))
+import serving_scenarios as serving  # noqa: E402
+
+SERVING_CLEAN: list[Case] = [
+    Case("clean:serving:llama", None, None, (), "llama generate_batch, 6 mixed short requests, 32 x 16-token blocks",
+         serving.clean_llama, arch="llama", scenario="serving"),
+    Case("clean:serving:gemma3_text", None, None, (), "gemma3 (sliding + full groups), the same load",
+         serving.clean_gemma3, arch="gemma3_text", scenario="serving"),
+    Case("clean:serving:prefix_shared", None, None, (), "llama manager; one prompt 3 times in turn, sharing on",
+         serving.clean_prefix_shared, arch="llama", scenario="serving_prefix"),
+    Case("clean:serving:budget_queue", None, None, (), "llama; 4 x 40-token prompts wait on a 64-token budget",
+         serving.clean_budget_queue, arch="llama", scenario="serving_queue"),
+]
+# over_reservation needs a GPU of known size: tests/serving_detectors/test_serving_gpu_synthetic.py
+SERVING_PLANTED: list[Case] = [
+    Case("serving:pool_full", "pool_full", "serving_capacity", ("pool_usage",),
+         "llama; ten 2-block requests offered at once to a 16-block pool", serving.plant_pool_too_small),
+    Case("serving:over_offered", "concurrency", "concurrency_headroom", ("concurrency",),
+         "llama; the same: 8 fit, 10 offered", serving.plant_pool_too_small),
+    Case("serving:queued_on_memory", "queueing", "queueing", ("queued_on_memory",),
+         "llama; the same: 2 wait while the pool is full", serving.plant_pool_too_small),
+    Case("serving:large_pages", "block_waste", "block_waste", ("block_tail_waste",),
+         "llama; 128-token pages for 4-8-token requests, 8-block pool", serving.plant_large_pages),
+    Case("serving:preemption", "preemption", "preemption", ("preemption",),
+         "llama; four requests growing to 3 blocks in a 4-block pool (soft resets)", serving.plant_preemption),
+    Case("serving:sharing_off", "prefix_cache", "prefix_cache", ("missed_prefix_hits",),
+         "llama manager; one prompt 3 times in turn, allow_block_sharing=False", serving.plant_sharing_off),
+    Case("serving:context_spike", "context_spike", "context_spike", ("context_spike",),
+         "llama; five 10-token requests and one of 100", serving.plant_context_spike),
+]
+PLANTED += SERVING_PLANTED
+
+
 def all_cases() -> list[Case]:
-    return clean_cases() + PLANTED
+    return clean_cases() + SERVING_CLEAN + PLANTED
 
 
 def by_name() -> dict[str, Case]:

@@ -70,6 +70,22 @@ def test_clean_control_has_nothing_above_info(analysed, case):
     assert {"growth_curve", "post_eos", "layer_uniformity", "aliasing"} <= ran, ran
 
 
+SERVING = ("serving_capacity", "concurrency_headroom", "block_waste", "preemption", "queueing", "prefix_cache",
+           "over_reservation", "context_spike")
+
+
+@pytest.mark.parametrize("case", cases.SERVING_CLEAN, ids=[c.name for c in cases.SERVING_CLEAN])
+def test_clean_serving_control_has_nothing_above_info(analysed, case):
+    """Continuous batching (no /kv rows: the generate detectors skip) with every serving detector run."""
+    r = analysed(case.name)
+    errors = [(x.name, x.reason) for x in r.results if x.status == "error"]
+    assert not errors, errors
+    assert not _above_info(r)
+    assert r.requests and all(q["outcome"] == "ok" for q in r.requests)
+    ran = {x.name for x in r.results if x.status == "ran"}
+    assert set(SERVING) <= ran, ran
+
+
 @pytest.mark.parametrize("case", PLANTED, ids=[c.name for c in PLANTED])
 def test_planted_case_is_named_by_its_own_detector(analysed, case):
     r = analysed(case.name)
