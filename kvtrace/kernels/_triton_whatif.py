@@ -94,14 +94,39 @@ def _load_q(Q, b, h, qi, sqb, sqh, sqt, offs_d, valid, d_valid, DOT_F32: tl.cons
 
 @triton.jit
 def _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32: tl.constexpr):
-    """A key block transposed [BLOCK_D, BLOCK_N] (dot operand dtype) and its values [BLOCK_N, BLOCK_DV] fp32."""
+    """A key block transposed [BLOCK_D, BLOCK_N] (dot operand dtype) and its values [BLOCK_N, BLOCK_DV]
+    (as stored)."""
     kt = tl.load(k_base + offs_n[None, :].to(tl.int64) * skt + offs_d[:, None],
                  mask=n_valid[None, :] & d_valid[:, None], other=0.0)
     if DOT_F32:
         kt = kt.to(tl.float32)
     v = tl.load(v_base + offs_n[:, None].to(tl.int64) * svt + offs_dv[None, :],
-                mask=n_valid[:, None] & dv_valid[None, :], other=0.0).to(tl.float32)
+                mask=n_valid[:, None] & dv_valid[None, :], other=0.0)
     return kt, v
+
+
+@triton.jit
+def _pv(acc, p, v, PV_SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC_PV: tl.constexpr):
+    """acc + p @ v to about fp32 accuracy. ``PV_SPLIT`` (bf16 V): p = hi + mid + lo, three bf16
+    parts holding its 24 bits, each a bf16 tensor-core dot against the exact V (half the cost of
+    3xTF32). Else V in fp32 and a ``PREC_PV`` dot."""
+    if PV_SPLIT:
+        hi = p.to(tl.bfloat16)
+        r = p - hi.to(tl.float32)  # exact: hi is p's leading 8 bits
+        mid = r.to(tl.bfloat16)
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+        if DOT_F32:  # the interpreter: same parts, fp32 products (it mis-computes bf16 dots)
+            vf = v.to(tl.float32)
+            acc = tl.dot(lo.to(tl.float32), vf, acc, input_precision="ieee")
+            acc = tl.dot(mid.to(tl.float32), vf, acc, input_precision="ieee")
+            acc = tl.dot(hi.to(tl.float32), vf, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(lo, v, acc)
+            acc = tl.dot(mid, v, acc)
+            acc = tl.dot(hi, v, acc)
+        return acc
+    else:
+        return tl.dot(p, v.to(tl.float32), acc, input_precision=PREC_PV)
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "S", "k_start", "window", "keys_per_split"])
@@ -110,7 +135,7 @@ def _keep_packed_kernel(
     Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, kps, kpb, kph,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr,
-    PREC_PV: tl.constexpr, ROUNDED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, ROUNDED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Few queries (a decode step): rows are dense (set, query head of the group, query) triples,
@@ -152,7 +177,7 @@ def _keep_packed_kernel(
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(s - m_use[:, None])  # 0 where not used (s = -inf)
         l_i = alpha * l_i + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC_PV)
+        acc = _pv(acc * alpha[:, None], p, v, PV_SPLIT, DOT_F32, PREC_PV)
         m_i = m_new
 
     # Partial states, laid out [S, B * Hq, Tq, n_splits] (and x DV for acc).
@@ -168,7 +193,7 @@ def _keep_shared_kernel(
     Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, kps, kpb, kph,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr,
-    PREC_PV: tl.constexpr, ROUNDED: tl.constexpr, BLOCK_M: tl.constexpr, SETS: tl.constexpr,
+    PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, ROUNDED: tl.constexpr, BLOCK_M: tl.constexpr, SETS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Many queries: BLOCK_M query rows (of the KV head's query heads) score each key block once;
@@ -216,7 +241,7 @@ def _keep_shared_kernel(
         p3 = tl.exp(s3 - m_use[:, :, None])
         l_i = alpha * l_i + tl.sum(p3, axis=2)
         p = tl.reshape(p3, (SETS * BLOCK_M, BLOCK_N))
-        acc = acc * tl.reshape(alpha, (SETS * BLOCK_M,))[:, None] + tl.dot(p, v, input_precision=PREC_PV)
+        acc = _pv(acc * tl.reshape(alpha, (SETS * BLOCK_M,))[:, None], p, v, PV_SPLIT, DOT_F32, PREC_PV)
         m_i = m_new
 
     out = (sets[:, None].to(tl.int64) * tl.num_programs(1) * GROUP * Tq + out_row[None, :]) * n_splits + pid_split
@@ -278,7 +303,7 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
     block_dv = max(16, triton.next_power_of_2(DV))
     # The interpreter computes bf16 dots on raw bits: upcast there. On the GPU 16-bit inputs feed
     # the tensor cores (exact products, fp32 sums); fp32 inputs and p @ V use 3xTF32.
-    dot_f32 = interpreting() and q.dtype == torch.bfloat16
+    dot_f32 = interpreting() and torch.bfloat16 in (q.dtype, v.dtype)
     prec_qk = "ieee" if interpreting() else ("tf32x3" if q.dtype == torch.float32 else "tf32")
     prec_pv = "ieee" if interpreting() else "tf32x3"
     args = (q, k, v, keep, qpos, pm, pl, pacc, Hq, Tq, Tk, S, group, D, DV, float(scale), int(k_start),
@@ -286,7 +311,8 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), keep.stride(0), keep.stride(1), keep.stride(2))
     flags = dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, DOT_F32=dot_f32, PREC_QK=prec_qk,
-                 PREC_PV=prec_pv, ROUNDED=not interpreting(), BLOCK_D=block_d, BLOCK_DV=block_dv)
+                 PREC_PV=prec_pv, PV_SPLIT=v.dtype == torch.bfloat16, ROUNDED=not interpreting(), BLOCK_D=block_d,
+                 BLOCK_DV=block_dv)
     nvq = group * Tq
     if packed(group, Tq):
         if interpreting():

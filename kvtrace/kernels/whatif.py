@@ -145,6 +145,11 @@ def _last_contig(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _bf16_exact(x: torch.Tensor) -> bool:
+    """Whether every value of ``x`` is a bf16 value (K/V/Q recorded in bf16 and upcast)."""
+    return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and bool(torch.equal(x.to(torch.bfloat16).float(), x)))
+
+
 def _split_plan(g: _Attn, n_sets: int, device: torch.device, num_splits: int | None) -> tuple[int, int]:
     from kvtrace.kernels._triton_whatif import split_unit
 
@@ -168,8 +173,13 @@ def _states_triton(q, k, v, keep_all, g: _Attn, num_splits: int | None):
         raise ValueError("positions and lengths must be below 2**29 for the Triton path")
     window = None if g.window is None else min(g.window, _LIMIT)
     dt = _kernel_dtype(q, k)
+    if dt == torch.float32 and _bf16_exact(q) and _bf16_exact(k):
+        dt = torch.bfloat16  # recorded bf16 upcast to fp32: the same values, on the tensor cores exactly
     q, k = _last_contig(q, dt), _last_contig(k, dt)
-    v = _last_contig(v, v.dtype if v.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32)
+    vt = v.dtype if v.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
+    if vt == torch.float32 and _bf16_exact(v):
+        vt = torch.bfloat16  # p @ V then takes three bf16 dots against the exact V
+    v = _last_contig(v, vt)
     dev, S1, Dv = q.device, keep_all.shape[0], v.shape[3]
     rows = S1 * g.B * g.Hq * g.Tq
     if rows == 0 or g.T == 0:

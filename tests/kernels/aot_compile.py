@@ -94,13 +94,16 @@ def _keep_types(dt: str) -> dict:
 
 def whatif_jobs(all_configs: bool, smoke: bool = False):
     """The what-if kernels: keep-set attention (packed and shared-scores) and the quantisation error."""
-    for dt in ("fp32",) if smoke else ("fp32", "bf16", "fp16"):
+    for dt in ("fp32", "bf16") if smoke else ("fp32", "bf16", "fp16"):
         for fn, cfgs in ((tw._keep_packed_kernel, tw._packed_configs()), (tw._keep_shared_kernel, tw._shared_configs())):
             for cfg in cfgs if all_configs else cfgs[:1]:
                 c = dict(CAUSAL=True, HAS_WINDOW=True, DOT_F32=False, PREC_QK="tf32x3" if dt == "fp32" else "tf32",
-                         PREC_PV="tf32x3", ROUNDED=True, BLOCK_D=128, BLOCK_DV=128, **cfg.kwargs)
+                         PREC_PV="tf32x3", PV_SPLIT=dt == "bf16", ROUNDED=True, BLOCK_D=128, BLOCK_DV=128,
+                         **cfg.kwargs)
                 yield (f"{fn.__name__} {dt} {cfg.kwargs} w{cfg.num_warps}", fn, _keep_types(dt), c,
                        dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        if smoke and dt != "fp32":
+            continue
         for mode in (tw.MODE_TOKEN_GROUPS,) if smoke else (tw.MODE_CHANNEL_GROUPS, tw.MODE_TOKEN_GROUPS, tw.MODE_FP8):
             yield (f"quant {dt} mode {mode}", tw._quant_kernel,
                    dict(X=f"*{dt}", SSE="*fp64", COS="*fp64", CNT="*fp64", Hn="i32", Tn="i32", D="i32", group="i32",

@@ -84,6 +84,23 @@ def test_keep_measures_triton_torch_numpy_agree(case, tri_device):
         assert np.all(got_r.cpu().numpy()[..., 0] == 0) and np.all(np.isnan(got_e.cpu().numpy()[..., 0]))
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]])
+def test_fp32_inputs_on_the_bf16_grid_take_the_bf16_path_and_agree(case, tri_device):
+    """Recorded bf16 K/V/Q arrive as fp32: the kernels run them as bf16 (exact) with p @ V as three
+    bf16 dots; the numbers must not move."""
+    case = dict(case)
+    window = case.pop("window", None)
+    q, k, v, keep, pos = _case(**case)
+    q, k, v = (torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v))
+    ks = case.get("k_start", 0)
+    want_r, want_e = _numpy_sets(q, k, v, keep, pos, ks, window, q.shape[-1] ** -0.5)
+    assert W._bf16_exact(torch.from_numpy(v))
+    got_r, got_e = W.keep_measures_triton(*(_t(x, tri_device) for x in (q, k, v, keep)), q_positions=pos, k_start=ks,
+                                          window=window)
+    _close(got_r.cpu().numpy(), want_r, RECALL)
+    _close(got_e.cpu().numpy(), want_e, ERROR)
+
+
 @pytest.mark.parametrize("tq", [3, 9])  # 2 x 3 query rows per KV head: packed kernel; 2 x 9: shared-scores kernel
 def test_key_splits_merge_to_the_same_answer(tq, tri_device):
     q, k, v, keep, pos = _case(3, T=70, Tq=tq)
