@@ -57,3 +57,13 @@ def test_oom_on_the_second_gpu_is_named(tmp_path):
     assert f.device == 1  # the recorder wrote the event on cuda:0; torch's message names cuda:1
     assert "on cuda:1" in f.message
     assert f.evidence["device_memory_bytes"].value == 24 * GiB
+
+
+def test_capacity_gpu_plus_cpu_offload_counts_only_the_gpu_layers(tmp_path):
+    """Layers 2-3 run on the CPU (device_map 'cpu' executed there): their KV is reported apart."""
+    rep = analyze(write(tmp_path / "t.kvt.h5", Plan(layer_device={0: 0, 1: 0, 2: -1, 3: -1})))
+    (f,) = _by(rep, "capacity")
+    assert f.device == 0 and f.layers == [0, 1] and f.evidence["devices_judged"].value == 1
+    gpu_kv, cpu_kv = f.evidence["kv_per_sequence_bytes"].value, f.evidence["kv_on_cpu_bytes"].value
+    assert gpu_kv == cpu_kv > 0  # two layers each side
+    assert f.message.startswith("On cuda:0") and "on the CPU (offloaded layers)" in f.message

@@ -28,6 +28,7 @@ class Plan:
     resident: dict[int, int] = field(default_factory=lambda: {0: 10 * GiB, 1: 10 * GiB})  # weights etc.
     retained: dict[int, int] = field(default_factory=lambda: {0: 0, 1: 0})  # allocated bytes left after
     split: dict[int, int] = field(default_factory=lambda: {0: 0, 1: 0})  # persistent inactive split bytes
+    layer_device: dict[int, int] = field(default_factory=lambda: dict(LAYER_DEVICE))  # -1: the CPU
     alive_layers: list[int] = field(default_factory=list)  # layers whose KV storages outlive the request
     oom_text: str = ""  # non-empty: the request ends OOM with this message (event recorded on cuda:0)
     parallel: dict | None = field(default_factory=lambda: {"mode": "device_map", "device_map": {
@@ -44,7 +45,8 @@ def write(path: Path, plan: Plan) -> Path:
             "cuda_version": "12.8", "recorder_settings_json": {"retention": True}}
     if plan.parallel is not None:
         meta["parallel_json"] = plan.parallel
-    devs = [DeviceInfo(d, "Synthetic GPU", plan.total[d]) for d in (0, 1)]
+    gpus = sorted({d for d in plan.layer_device.values() if d >= 0})
+    devs = [DeviceInfo(d, "Synthetic GPU", plan.total[d]) for d in gpus]
     t = 1_000_000_000
     with TraceWriter(path, meta, devs) as w:
         w.append("layers", [schema.LayerRow(g.index, int(schema.LayerType.FULL), g.num_kv_heads, g.k_head_dim,
@@ -54,7 +56,7 @@ def write(path: Path, plan: Plan) -> Path:
 
         def reading(label: R, alloc: dict[int, int]) -> None:
             nonlocal t
-            for d in (0, 1):
+            for d in gpus:
                 t += 1000
                 res = alloc[d] + 64 * MiB + plan.split[d]
                 w.append("readings", [schema.ReadingRow(t, 0, int(label), d, alloc[d], res, alloc[d], plan.split[d],
@@ -62,15 +64,15 @@ def write(path: Path, plan: Plan) -> Path:
 
         reading(R.BASELINE, dict(plan.resident))
         seen = 0
-        kv_on = {0: 0, 1: 0}
+        kv_on = {-1: 0, 0: 0, 1: 0}
         steps = plan.new if not plan.oom_text else plan.new // 2
         for step in range(steps):
             q = plan.prompt if step == 0 else 1
             seen += q
             t += 1_000_000
-            rows, kv_on = [], {0: 0, 1: 0}
+            rows, kv_on = [], {-1: 0, 0: 0, 1: 0}
             for g in model.decoder_layers:
-                d = LAYER_DEVICE[g.index]
+                d = plan.layer_device[g.index]
                 alloc, valid = geo.layer_kv_bytes(g, seen, 2, 1, "dynamic", None, last_step_tokens=q)
                 klen = geo.allocated_tokens(g, seen, "dynamic", None, last_step_tokens=q)
                 ptr = 0x10000 + g.index * 0x100000 + step * 0x10
@@ -85,7 +87,7 @@ def write(path: Path, plan: Plan) -> Path:
                                               t, seen, total_kv, total_kv, total_kv,
                                               sum(plan.resident.values()) + total_kv,
                                               sum(plan.resident.values()) + total_kv + 128 * MiB, 3 * GiB)])
-            for d in (0, 1):
+            for d in gpus:
                 a = plan.resident[d] + kv_on[d]
                 w.append("telemetry/allocator", [schema.AllocatorRow(t + d, d, a, a + 64 * MiB + plan.split[d], a,
                                                                      plan.split[d], 0, 0)])
@@ -106,10 +108,10 @@ def write(path: Path, plan: Plan) -> Path:
         reading(R.AFTER_EMPTY_CACHE, {d: plan.resident[d] + plan.retained[d] for d in (0, 1)})
         if plan.alive_layers:
             off, ln = w.add_text("DynamicCache,GenerateDecoderOnlyOutput")
-            w.append("retention", [schema.RetentionRow(0, layer, LAYER_DEVICE[layer], 0xABC000 + layer * 16 + j,
+            w.append("retention", [schema.RetentionRow(0, layer, plan.layer_device[layer], 0xABC000 + layer * 16 + j,
                                                        128 * 1024, off, ln)
                                    for layer in plan.alive_layers for j in range(2)])
-        for d in (0, 1):  # allocator samples after the request, split blocks still there
+        for d in gpus:  # allocator samples after the request, split blocks still there
             t += 1000
             a = plan.resident[d] + plan.retained[d]
             w.append("telemetry/allocator", [schema.AllocatorRow(t, d, a, a + 64 * MiB + plan.split[d], a,

@@ -26,12 +26,14 @@ UTIL_RAMP = (0.8, 0.95)  # share of device memory one request brings the process
 R = schema.ReadingLabel
 
 
-def _kv_gpus(req: RequestTimeline) -> list[int]:
-    """CUDA devices holding some of the request's KV (the /kv rows' device column)."""
+def _kv_gpus(req: RequestTimeline) -> tuple[list[int], bool]:
+    """(CUDA devices holding some of the request's KV, whether some is on the CPU), from the /kv
+    rows' device column."""
     g = req.kv
     if g.empty:
-        return []
-    return sorted({int(d) for d in np.unique(g["device"][g.present]) if int(d) >= 0})
+        return [], False
+    devices = {int(d) for d in np.unique(g["device"][g.present])}
+    return sorted(d for d in devices if d >= 0), -1 in devices
 
 
 def _peak_row(req: RequestTimeline) -> int:
@@ -51,8 +53,9 @@ class Capacity(Detector):
         if not reqs:
             return []
         req = max(reqs, key=lambda r: (r.final_tokens, r.request))
-        gpus = _kv_gpus(req)
-        f = self._devices(ctx, req, gpus) if len(gpus) > 1 else self._request(ctx, req)
+        gpus, on_cpu = _kv_gpus(req)
+        # Several GPUs, or a GPU plus KV on the CPU (offloaded layers): per device.
+        f = self._devices(ctx, req, gpus) if len(gpus) > 1 or (gpus and on_cpu) else self._request(ctx, req)
         return [f] if f is not None else []
 
     def _devices(self, ctx: ReplayContext, req: RequestTimeline, gpus: list[int]) -> Finding | None:
@@ -99,11 +102,14 @@ class Capacity(Detector):
         on_cpu = int(np.where(g.present & (g["device"] < 0), g["bytes_unique"], 0).sum(axis=1)[row])
         others = "; ".join(f"{device_where(j['device'])} " + (f"{j['fit']:,} fit" if j["fit"] >= 0 else "no KV")
                            + f" ({j['util']:.0%} used)" for j in judged if j is not lim)
-        msg = (f"Across {len(judged)} GPUs, {device_where(lim['device'])} ({format_bytes(lim['total'])}, "
+        where = (f"Across {len(judged)} GPUs, {device_where(lim['device'])}" if len(judged) > 1
+                 else f"On {device_where(lim['device'])}")
+        msg = (f"{where} ({format_bytes(lim['total'])}, "
                f"{format_bytes(lim['resident'])} resident) limits: its {layers_phrase(lim['layers'])} hold "
                f"{format_bytes(lim['per_seq'])} of KV per {req.final_tokens:,}-token sequence "
                f"({format_bytes(lim['per_token'])}/token) plus a {format_bytes(lim['transient'])} transient peak: "
-               f"{max(lim['fit'], 0):,} such sequences fit (other devices: {others}); request {req.request} brought "
+               f"{max(lim['fit'], 0):,} such sequences fit" + (f" (other devices: {others})" if others else "")
+               + f"; request {req.request} brought "
                f"it to {lim['util']:.0%}."
                + (f" {format_bytes(on_cpu)} of KV is on the CPU (offloaded layers), not counted against a GPU."
                   if on_cpu else ""))
