@@ -61,6 +61,7 @@ from kvtrace.recorder.serving_cache import (
     StepCounts,
     adapter_for,
     batch_tokens,
+    scheduled_batch,
     step_rows,
     transformers_version,
 )
@@ -84,10 +85,12 @@ class _Flight:
 class _Manager:
     """What the recorder keeps per CB manager of the recorded model."""
 
-    __slots__ = ("adapter", "cache", "counts", "index", "steps")
+    __slots__ = ("adapter", "cache", "counts", "index", "lag", "steps")
 
     def __init__(self, index: int) -> None:
         self.index = index
+        # async batching: update_batch of step N runs after step N+1 was scheduled (one step of lag)
+        self.lag = 0
         self.steps = 0  # scheduler steps recorded (the next step's index)
         self.counts = StepCounts()
         self.adapter: CacheAdapter | None = None  # None: this cache's layout is not known
@@ -291,6 +294,7 @@ class ServingRecorder:
         with self.lock:
             m = self._manager(key)
             m.cache, m.adapter, m.steps, m.counts = cache, adapter, 0, StepCounts()
+            m.lag = 1 if getattr(processor, "use_async_batching", False) else 0
             self.owner[id(processor)] = key
             self.owner[id(getattr(processor, "scheduler", None))] = key
             self.owner[id(cache)] = key
@@ -323,8 +327,9 @@ class ServingRecorder:
         return out
 
     def _last_step(self, key: int) -> int:
+        """The step whose forward produced the tokens a batch update (or a finish inside it) handles."""
         m = self.managers.get(key)
-        return m.steps - 1 if m is not None and m.steps else -1
+        return max(m.steps - 1 - m.lag, 0) if m is not None and m.steps else -1
 
     def _first_token(self, key: int, request_id: Any, state: Any, flight: _Flight | None = None) -> None:
         """One FIRST_TOKEN per request, as the batch update that produced it returns (or at its finish,
@@ -534,7 +539,7 @@ class ServingRecorder:
         starved = getattr(scheduler, "starved_requests", None)
         sched, groups, blocks = step_rows(
             t, m.index, step, state, active, rids,
-            batch_tokens(getattr(getattr(processor, "inputs_and_outputs", None), "requests_in_batch", None)),
+            batch_tokens(scheduled_batch(processor)),
             counts, waiting=len(getattr(scheduler, "waiting_requests", {})),
             starved=len(starved) if isinstance(starved, list) else -1,
             max_batch_tokens=int(getattr(processor, "max_batch_tokens", -1) or -1))

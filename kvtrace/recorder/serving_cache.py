@@ -156,6 +156,17 @@ class GroupBlocks(RowBlock):
         return out
 
 
+def scheduled_batch(processor: Any) -> Any:
+    """The FutureRequestStates of the batch just prepared: ``inputs_and_outputs.requests_in_batch``, or
+    with async batching (two IO pairs, 5.17 and 5.23) that of the pair being prepared."""
+    io = getattr(processor, "inputs_and_outputs", None)
+    batch = getattr(io, "requests_in_batch", None)
+    pairs = getattr(io, "io_pairs", None)
+    if batch is None and pairs is not None:
+        batch = getattr(getattr(pairs[io.current_pair], "host_io", None), "requests_in_batch", None)
+    return batch
+
+
 def batch_tokens(batch: Any) -> dict[str, int]:
     """This step's query tokens split by phase, from the scheduled FutureRequestStates
     (``inputs_and_outputs.requests_in_batch`` in 5.17 and 5.23); empty when that is not there."""

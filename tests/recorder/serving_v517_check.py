@@ -11,7 +11,7 @@ initialised = cached, ``get_num_free_blocks()`` = both), ``group_cache_managers[
 Standalone (no pytest), so that it runs where 5.17 is the installed transformers:
 
     python tests/recorder/serving_v517_check.py                # CPU
-    python tests/recorder/serving_v517_check.py --device cuda  # GPU machine; adds a CPU-offload case
+    python tests/recorder/serving_v517_check.py --device cuda  # GPU machine; adds CPU-offload and async cases
 
 and here through tests/recorder/test_serving_v517.py with ``PYTHONPATH=/tmp/tf517``. Prints one line
 per scenario and exits 0, 1 on a mismatch (AssertionError), 2 when transformers is not 5.17.
@@ -115,7 +115,7 @@ def check(path: Path, probe: Probe) -> int:
     return int(sched.size)
 
 
-def run(name: str, device: str, work: Path, body: Any) -> None:
+def run(name: str, device: str, work: Path, body: Any) -> dict[str, Any]:
     import kvtrace
     from kvtrace.format.reader import open_trace
     from kvtrace.testing_models import tiny_model
@@ -133,6 +133,7 @@ def run(name: str, device: str, work: Path, body: Any) -> None:
     with open_trace(path) as t:
         kinds = {k.name.lower(): int(len(t.events(k))) for k in _kinds()}
         readings, pool = t.readings(), int(t.sched()["pool_bytes"].max())
+        first = sorted(int(s) for s in t.events(_kinds()[1])["step"])
     # the manager's loop: BASELINE before it builds the pool, AFTER_RETURN after its last step (pool held)
     labels = readings["label"][readings["request"] == -1].tolist()
     assert labels[0] == 1 and labels[-1] == 3, labels
@@ -141,7 +142,7 @@ def run(name: str, device: str, work: Path, body: Any) -> None:
         after = readings[readings["label"] == 3]["allocated_bytes"][-1]
         assert after - base >= pool, (int(base), int(after), pool)  # the up-front pool, seen by the allocator
     print(f"OK {name}: {steps} steps equal the 5.17 cache's counters; events {json.dumps(kinds)}")
-    return kinds
+    return {**kinds, "first_token_steps": first}
 
 
 def _kinds() -> list[Any]:
@@ -201,6 +202,12 @@ def main() -> int:
                 inputs=[[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15]], generation_config=gc(40),
                 continuous_batching_config=cfg(num_blocks=4, cpu_offload_space=0.01), warmup=False))
             assert kinds["offloaded"] > 0, kinds
+            # async batching (CUDA only): batch N is updated after N+1 was scheduled; the three prompts
+            # are prefilled together at step 0, so their first tokens belong to step 0
+            kinds = run("llama_async", args.device, work, lambda m: m.generate_batch(
+                inputs=prompts, generation_config=gc(8), continuous_batching_config=cfg(
+                    num_blocks=32, use_async_batching=True), warmup=False))
+            assert kinds["first_token_steps"] == [0, 0, 0], kinds
     return 0
 
 
