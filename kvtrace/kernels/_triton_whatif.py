@@ -462,7 +462,9 @@ def run_quant(x, sse, cos, cnt, *, Tn, mode, group, chunk, bits, fp8=(3, -6, 448
     B, H, _, D = x.shape
     n_prog = sse.numel() // (B * H)
     block_d = max(16, triton.next_power_of_2(D))
-    block_t = INTERP_BLOCK_T if interpreting() else max(1, min(64, 8192 // block_d))
+    # ~2k elements a tile: the float64 temporaries (x, its round trip, the difference) then take
+    # ~16 registers each per thread instead of spilling.
+    block_t = INTERP_BLOCK_T if interpreting() else max(1, min(64, 2048 // block_d))
     man, emin, top = fp8
     _quant_kernel[(n_prog, B * H)](
         x, sse, cos, cnt, H, Tn, D, max(1, int(group)), int(chunk),

@@ -108,7 +108,7 @@ def whatif_jobs(all_configs: bool, smoke: bool = False):
             yield (f"quant {dt} mode {mode}", tw._quant_kernel,
                    dict(X=f"*{dt}", SSE="*fp64", COS="*fp64", CNT="*fp64", Hn="i32", Tn="i32", D="i32", group="i32",
                         chunk="i32", sxb="i64", sxh="i64", sxt="i64"),
-                   dict(LEVELS=3.0, MODE=mode, MAN=3, EMIN=-6, TOP=448.0, BLOCK_T=64, BLOCK_D=128), dict(num_warps=4))
+                   dict(LEVELS=3.0, MODE=mode, MAN=3, EMIN=-6, TOP=448.0, BLOCK_T=16, BLOCK_D=128), dict(num_warps=4))
 
 
 def main(argv: list[str] | None = None) -> int:
