@@ -315,3 +315,46 @@ def test_cpu_offload_accounting(monkeypatch, tmp_path):
         assert int(e["value"]) == int(held["blocks"].sum()) * per_block > 0
     reqs = t.requests()
     assert set(reqs["outcome"].tolist()) == {Outcome.OK} and set(reqs["new_tokens"].tolist()) == {40}
+
+
+class _Listener:
+    """A live observer with the optional serving methods (what the Prometheus exporter implements)."""
+
+    name = "listener"
+
+    def __init__(self) -> None:
+        self.steps: list[tuple] = []
+        self.events: list[tuple] = []
+
+    def __getattr__(self, method: str):  # every other RecorderObserver method: a no-op
+        if method.startswith("on_") or method in ("start", "close"):
+            return lambda *a, **k: None
+        raise AttributeError(method)
+
+    def on_serving_step(self, sched, groups) -> None:
+        self.steps.append((sched, list(groups)))
+
+    def on_serving_event(self, kind, request, value, t_ns) -> None:
+        self.events.append((int(kind), int(request), int(value), int(t_ns)))
+
+
+def test_live_observers_see_the_rows_and_events_written(tmp_path):
+    from kvtrace.recorder import record
+
+    listener = _Listener()
+    llama = tiny_model("llama")
+    path = tmp_path / "live.kvt.h5"
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=16, max_batch_tokens=64)
+    with record(llama, path, observers=[listener]) as rec:
+        rec.mark_phase("single")
+        llama.generate_batch(inputs=[[1, 2, 3], [4, 5]], generation_config=_gc(3), continuous_batching_config=cb,
+                             warmup=False)
+    assert rec.recorder_errors == 0
+    t = open_trace(path)
+    assert [tuple(s) for s, _ in listener.steps] == [tuple(r) for r in t.sched().tolist()]
+    assert [len(g) for _, g in listener.steps] == [1, 1, 1]
+    kinds = [EventKind.PHASE, EventKind.SCHEDULED, EventKind.FIRST_TOKEN]
+    written = t.events()
+    written = written[np.isin(written["kind"], [int(k) for k in kinds])]
+    assert sorted(listener.events) == sorted((int(e["kind"]), int(e["request"]), int(e["value"]), int(e["t_ns"]))
+                                             for e in written)
