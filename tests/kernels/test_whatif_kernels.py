@@ -60,7 +60,7 @@ CASES = [
     # group 4 (MQA-like), sliding window 8, keys starting at position 100, sampled query positions
     # including one before the first key (nothing visible: recall 0, error NaN)
     # (4 sets + the full one: the last block of 2 sets holds one)
-    dict(seed=1, Hq=4, Hk=1, q_pos=[99, 103, 110, 120, 139], k_start=100, window=8, S=4),
+    dict(seed=1, B=2, Hq=4, Hk=1, q_pos=[99, 103, 110, 120, 139], k_start=100, window=8, S=4),
     # no GQA, batch 2, head dims not powers of two, 37 keys (ragged last tile), 5 sets
     dict(seed=2, B=2, Hq=2, Hk=2, T=37, D=12, Dv=20, S=5, window=16),
 ]

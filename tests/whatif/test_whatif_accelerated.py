@@ -2,7 +2,7 @@
 
 On the CPU the bridge runs the kernels' float64 torch reference (backend torch) and, under
 TRITON_INTERPRET=1, the Triton kernels themselves (fp32; tolerances of
-tests/kernels/test_whatif_kernels.py). Inputs are the sampled units of the committed GQA and
+tests/kernels/test_whatif_kernels.py); with a CUDA device, the compiled kernels on it too. Inputs are the sampled units of the committed GQA and
 sliding-window traces (one decode query per unit) and a hand-built unit with several queries.
 """
 
@@ -40,9 +40,14 @@ def test_open_numerics_cpu_and_fallbacks(monkeypatch):
 
 def _bridges() -> list[tuple[str, object, dict]]:
     pytest.importorskip("torch")
+    import torch
+
     from kvtrace.kernels.compute import open_compute
 
     out = [("torch", A.Accelerated(open_compute("cpu", "torch")), F64)]
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.importorskip("triton")
+        out.append(("triton-cuda", A.Accelerated(open_compute("cuda", "triton")), FP32))
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.importorskip("triton")
         out.append(("triton-interpreter", A.Accelerated(open_compute("cpu", "triton")), FP32))
