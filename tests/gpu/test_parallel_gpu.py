@@ -22,7 +22,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-accelerate = pytest.importorskip("accelerate")
 
 import kvtrace  # noqa: E402
 from kvtrace.analyzer import analyze  # noqa: E402
@@ -59,9 +58,14 @@ def _map(places):
     return {**rest, **{f"model.layers.{i}": p for i, p in enumerate(places)}}
 
 
+def _accelerate():
+    return pytest.importorskip("accelerate", reason="device_map dispatch needs accelerate (carry it to the GPU host)")
+
+
 def test_device_map_cuda0_and_cpu_executed_there(tmp_path):
     """Layers 0-1 on cuda:0, 2-3 executed on the CPU (main_device cpu): each layer's KV rows carry
     the device it ran on, and capacity judges cuda:0 with only its own layers' KV."""
+    accelerate = _accelerate()
     m = accelerate.dispatch_model(_llama4(), device_map=_map([0, 0, "cpu", "cpu"]), main_device="cpu")
     par, where = _record(m, tmp_path / "dm.kvt.h5", "cpu")
     assert par["mode"] == "device_map"
@@ -76,6 +80,7 @@ def test_device_map_cuda0_and_cpu_executed_there(tmp_path):
 def test_device_map_cpu_offload_executes_on_cuda0(tmp_path):
     """accelerate's CPU offload (main_device cuda:0): weights of layers 2-3 live on the CPU but run
     on cuda:0, so all KV is on cuda:0; the map still says where the weights are."""
+    accelerate = _accelerate()
     m = accelerate.dispatch_model(_llama4(), device_map=_map([0, 0, "cpu", "cpu"]), main_device=0)
     par, where = _record(m, tmp_path / "off.kvt.h5", "cuda:0")
     assert par["device_map"]["model.layers.2"] == "cpu"
@@ -84,6 +89,7 @@ def test_device_map_cpu_offload_executes_on_cuda0(tmp_path):
 
 @two_gpus
 def test_device_map_over_two_gpus(tmp_path):
+    accelerate = _accelerate()
     m = accelerate.dispatch_model(_llama4(), device_map=_map([0, 0, 1, 1]))
     par, where = _record(m, tmp_path / "two.kvt.h5", "cuda:0")
     assert where == {0: 0, 1: 0, 2: 1, 3: 1}
