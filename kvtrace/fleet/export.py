@@ -13,6 +13,7 @@ writes traces.parquet and the manifest, rewriting both whole (atomically) at che
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -194,8 +195,10 @@ def _run_dask(todo: list[tuple[str, dict[str, Any]]], out_dir: str, address: str
 
     cluster = None
     if address is None:
+        # silence_logs CRITICAL: a worker's heartbeat racing the cluster's close logs an ERROR
+        # traceback on stderr; a task's own failure still raises through fut.result()
         cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                               dashboard_address=None, silence_logs=40)
+                               dashboard_address=None, silence_logs=logging.CRITICAL)
     try:
         client = Client(cluster if cluster is not None else address, timeout=DASK_CONNECT_TIMEOUT_S)
     except (OSError, TimeoutError) as exc:

@@ -26,7 +26,10 @@ def test_local_cluster_of_two_workers(tmp_path, versions, capsys):
     assert code == 64 and "pick one" in err
 
 
-def test_unreachable_scheduler_is_one_line(tmp_path, versions, capsys):
+def test_unreachable_scheduler_is_one_line(tmp_path, versions, capsys, monkeypatch):
+    from kvtrace.fleet import export
+
+    monkeypatch.setattr(export, "DASK_CONNECT_TIMEOUT_S", 1)  # the default 5 s only slows the suite
     code, _, err = run_main(["export", "parquet", str(versions["5.17.0"][0]), "-o", str(tmp_path / "x"),
                              "--dask", "tcp://127.0.0.1:9"], capsys)
     assert code == 69 and "cannot reach the dask scheduler" in err and len(err.strip().splitlines()) == 1
