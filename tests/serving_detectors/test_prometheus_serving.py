@@ -192,3 +192,14 @@ def test_replay_of_a_served_trace_equals_the_live_end_state(tmp_path):
         assert replay(exp, TraceView(t)) is not None
     got, want = serving(generate_latest(exp.registry).decode()), serving(live.read_text())
     assert got == want and ("kvtrace_serving_scheduler_steps_total", ()) in got
+
+
+def test_spec_table_lists_every_serving_metric_and_its_vllm_name():
+    from pathlib import Path
+
+    spec = (Path(__file__).resolve().parents[2] / "spec" / "prometheus-serving.md").read_text()
+    for name, _, vllm in vllm_mapping():
+        row = next((line for line in spec.splitlines() if line.startswith(f"| `{name}` |")), None)
+        assert row is not None, name
+        if vllm:
+            assert vllm.split(" ")[0] in row, (name, vllm)
