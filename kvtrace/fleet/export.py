@@ -33,7 +33,11 @@ from kvtrace.fleet.tables import FLEET_SCHEMA_VERSION, TABLE_NAMES, TRACES_FILE,
 from kvtrace.format.errors import InvalidTrace, TraceError, UnsupportedVersion
 
 MANIFEST = "_manifest.json"
-CHECKPOINT_TRACES = 256  # traces.parquet and the manifest are rewritten after this many exports
+# traces.parquet and the manifest are rewritten whole after at least this many exports AND this
+# many seconds since the last rewrite (at the end of the run in any case): a crash loses at most
+# that much work, and a fleet of 100k traces is not rewritten every 256 of them.
+CHECKPOINT_TRACES = 256
+CHECKPOINT_SECONDS = 30.0
 DASK_CONNECT_TIMEOUT_S = 5  # an unreachable scheduler fails the command, it does not hang it
 
 
@@ -244,11 +248,12 @@ def export_parquet(paths: Iterable[str], out_dir: str | os.PathLike[str], *, job
     by_path = {ident["path"]: ident for _, ident in todo}
     new_rows: list[pa.Table] = []
     drop: set[str] = set()
+    last = time.monotonic()
 
     def checkpoint() -> None:
-        nonlocal traces, new_rows, drop
+        nonlocal traces, new_rows, drop, last
         traces = _merge_traces(traces, new_rows, drop)
-        new_rows, drop = [], set()
+        new_rows, drop, last = [], set(), time.monotonic()
         if traces.num_rows:
             _write_atomic(traces, out / TRACES_FILE)
         manifest["fleet_schema_version"] = FLEET_SCHEMA_VERSION
@@ -268,7 +273,7 @@ def export_parquet(paths: Iterable[str], out_dir: str | os.PathLike[str], *, job
             manifest["traces"][entry["path"]] = {k: by_path.get(entry["path"], entry)[k] for k in
                                                  ("size", "mtime_ns", "sha256_edges", "trace_id")}
             result.exported.append(entry)
-            if len(new_rows) >= CHECKPOINT_TRACES:
+            if len(new_rows) >= CHECKPOINT_TRACES and time.monotonic() - last >= CHECKPOINT_SECONDS:
                 checkpoint()
         progress and progress(entry["path"])
     checkpoint()

@@ -168,6 +168,8 @@ def build_fleet_report(con: Any, out: str | os.PathLike[str], *, keys: list[str]
     sections.append(overview)
 
     dist = html.Section("distributions", "Distributions per group")
+    dist.lead.append(html.para("One point per trace; the box spans the middle half (25-75 %), the red mark is "
+                               "the median, the line 10-90 %. n counts the traces that have the measurement."))
     for name, title, expr, unit in DISTRIBUTIONS:
         groups = _group_values(con, keys, expr)
         if not any(v.size for _, v in groups):

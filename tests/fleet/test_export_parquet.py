@@ -116,6 +116,7 @@ def test_interrupted_run_keeps_its_checkpoints(tmp_path, monkeypatch):
 
     paths = [str(make_trace(tmp_path / f"t{i}.kvt.h5", new_tokens=5 + i)) for i in range(5)]
     monkeypatch.setattr(fx, "CHECKPOINT_TRACES", 2)
+    monkeypatch.setattr(fx, "CHECKPOINT_SECONDS", 0.0)
     real, calls = fx.export_one, []
 
     def stop_at_the_fourth(*args):
