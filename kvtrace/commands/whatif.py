@@ -38,6 +38,9 @@ def _ratios(text: str) -> list[float]:
               help="With --rerun: the text to score (UTF-8).")
 @click.option("--max-tokens", type=click.IntRange(2, 1 << 20), default=256, show_default=True,
               help="With --rerun: score at most this many tokens of --text.")
+@click.option("--rerun-prefill", type=click.IntRange(0, 1 << 20), default=0, show_default=True, metavar="N",
+              help="With --rerun: feed the first N tokens in one forward and apply the policy after it (as kvpress "
+              "presses a prefill); quality is measured on the tokens after it. 0: the policy acts from the first token.")
 @click.option("--tiny", is_flag=True, help="With --rerun preset:NAME: shrink the preset as 'record --tiny'.")
 @click.option("--rerun-device", default="cpu", show_default=True, metavar="DEVICE",
               help="With --rerun: where the model runs (cpu, cuda, cuda:N, auto).")
@@ -48,7 +51,7 @@ def _ratios(text: str) -> list[float]:
 @json_options
 @guarded
 def whatif(trace: str | None, policy_texts: tuple[str, ...], ratio_text: str, rerun_model: str | None,
-           text_file: str | None, max_tokens: int, tiny: bool, rerun_device: str, device: str, as_json: bool,
+           text_file: str | None, max_tokens: int, rerun_prefill: int, tiny: bool, rerun_device: str, device: str, as_json: bool,
            json_out: str | None) -> None:
     """What paging, eviction or KV quantisation would save on TRACE and what it would cost in
     attention: bytes from the recorded sizes, attention mass recall and output error from sampled
@@ -95,7 +98,7 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], ratio_text: str, re
 
         assert text_file is not None
         doc["rerun"] = plain(rerun_quality(rerun_model, text_file, policies, ratios, device=resolve_device(rerun_device),
-                                           max_tokens=max_tokens, tiny=tiny))
+                                           max_tokens=max_tokens, tiny=tiny, prefill=rerun_prefill))
     write_json(doc, json_out, as_json=as_json)
     if not as_json:
         if trace is not None:
@@ -152,8 +155,9 @@ def _print_rerun(r: dict[str, Any]) -> None:
     from kvtrace.analyzer.terminal import console_for
 
     c = console_for()
-    c.print(f"quality by rerun: {r['model']} over {r['text']} ({r['tokens']} tokens); reference perplexity "
-            f"{r['reference']['perplexity']:.4g}")
+    pre = f", the first {r['prefill_tokens']} as a prefill" if r.get("prefill_tokens") else ""
+    c.print(f"quality by rerun: {r['model']} over {r['text']} ({r['tokens']} tokens{pre}; {r['scored_positions']} "
+            f"predictions scored); reference perplexity {r['reference']['perplexity']:.4g}")
     c.print(f"[dim]{r['note']}[/dim]")
     if r.get("warning"):
         c.print(f"[yellow]{r['warning']}[/yellow]")

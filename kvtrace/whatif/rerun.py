@@ -8,8 +8,9 @@ kvtrace.whatif.run are *proxies*. torch and transformers are imported inside the
 How the policy is applied (:class:`PolicyLayer`, a transformers ``DynamicLayer`` that replaces
 each dynamic / sliding-window layer of a ``DynamicCache``):
 
-* the text is fed one token per forward, so every step is a decode step with one query;
-* **eviction**: after a step's attention, a full-attention layer that holds more than
+* the text is fed one token per forward (after an optional prefill of its first tokens in one
+  forward, kvpress's setting: the policy acts once the prefill's attention is done);
+* **eviction**: after a step's attention (a forward hook on each attention module), a full-attention layer that holds more than
   ``n_kept(seen, ratio)`` tokens (kvpress's budget, ``seen`` = tokens the layer has seen) keeps
   that many per KV head by the policy's scores; evicted tokens are gone for every later step.
   Query-based policies score with the post-RoPE queries of the steps before this one (captured through
@@ -44,9 +45,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["NOTE", "rerun_quality", "teacher_forced_logprobs"]
 
-NOTE = ("quality: teacher-forced rerun of the model over the text, one token per step, the policy applied to "
-        "the KV cache at every step; perplexity and KL(reference || policy) of the next-token distributions "
-        "against the same pass with the cache unchanged")
+NOTE = ("quality: teacher-forced rerun of the model over the text (an optional prefill, then one token per step), "
+        "the policy applied to the KV cache after every step; perplexity and KL(reference || policy) of the "
+        "next-token distributions against the same pass with the cache unchanged")
 RANDOM_NOTE = "the model has random weights: these numbers only prove the mechanics, not a policy's quality"
 
 
@@ -91,6 +92,7 @@ def _layer_class() -> type:
             self.queries: list[np.ndarray] = []  # [B, Hq, 1, D] per step, for query-based policies
             self.kept_log: list[int] = []
             self.unscored = 0  # steps over budget that the policy could not score yet
+            self._done = -1  # seen at the last after_attention: a step's hooks may fire twice
 
         def get_seq_length(self) -> int:
             return self.seen
@@ -101,17 +103,18 @@ def _layer_class() -> type:
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            if key_states.shape[-2] != 1:
-                raise RuntimeError("the what-if rerun feeds one token per step")
+            n = key_states.shape[-2]
+            if n != 1 and self.seen:
+                raise RuntimeError("the what-if rerun feeds one token per step after the prefill")
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
                 self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
                 self.pos = torch.zeros((*key_states.shape[:2], 0), dtype=torch.long, device=key_states.device)
-            new_pos = torch.full((*key_states.shape[:2], 1), self.seen, dtype=torch.long, device=key_states.device)
+            new_pos = torch.arange(self.seen, self.seen + n, device=key_states.device).expand(*key_states.shape[:2], -1)
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
             self.pos = torch.cat([self.pos, new_pos], dim=-1)
-            self.seen += 1
+            self.seen += n
             keys, values = self.keys, self.values
             if isinstance(self.applied.policy, P.Quantizer):
                 keys, values = self._roundtrip(keys, "key"), self._roundtrip(values, "value")
@@ -121,10 +124,15 @@ def _layer_class() -> type:
                 held = self.keys.shape[-2]
                 self._select(torch.arange(held - self.window + 1, held, device=self.keys.device)
                              .expand(*self.keys.shape[:2], -1))
-            elif self.applied.evicts and self.window is None and self.keys.shape[-2] > self.applied.budget(self.seen):
-                self._evict(self.applied.budget(self.seen))
-            self.kept_log.append(int(self.keys.shape[-2]))  # what the cache holds between steps
             return keys, values
+
+        def after_attention(self) -> None:
+            """Evict down to the budget once this step's attention (and its query) is done."""
+            if self.is_initialized and self._done != self.seen:
+                self._done = self.seen
+                if self.applied.evicts and self.window is None and self.keys.shape[-2] > self.applied.budget(self.seen):
+                    self._evict(self.applied.budget(self.seen))
+                self.kept_log.append(int(self.keys.shape[-2]))  # what the cache holds between steps
 
         def _roundtrip(self, x: torch.Tensor, which: str) -> torch.Tensor:
             pol = self.applied.policy
@@ -210,13 +218,16 @@ def _policy_cache(model: Any, applied: _Applied) -> tuple[Any, list[Any]]:
 
 
 def teacher_forced_logprobs(model: Any, ids: torch.Tensor, policy: Policy | None = None,
-                            ratio: float | None = None) -> tuple[np.ndarray, list[Any]]:
-    """Next-token log-probabilities [N, V] (float64) of a one-token-per-step pass over ``ids``
-    [1, N] with ``policy`` applied to the cache; and the wrapped cache layers."""
+                            ratio: float | None = None, prefill: int = 0) -> tuple[np.ndarray, list[Any]]:
+    """Next-token log-probabilities [N, V] (float64) of a pass over ``ids`` [1, N] with ``policy``
+    applied to the cache: the first ``prefill`` tokens in one forward (the policy acts after it,
+    as kvpress presses a prefill), then one token per step; and the wrapped cache layers."""
     import torch
 
     applied = _Applied(policy, ratio)
     cache, layers = _policy_cache(model, applied)
+    hooks = [m.register_forward_hook(lambda mod, args, out, i=m.layer_idx: layers[i].after_attention())
+             for m in _attention_modules(model, len(layers))]
     capture = None
     if isinstance(policy, P.ScorerPolicy) and policy.needs.startswith("Q") and applied.evicts:
         if getattr(model.config.get_text_config(), "kv_lora_rank", None):
@@ -230,12 +241,15 @@ def teacher_forced_logprobs(model: Any, ids: torch.Tensor, policy: Policy | None
         capture = QueryCapture(model, keep_query)
         capture.install()
     rows = []
+    first = max(prefill, 1)
     try:
         with torch.no_grad():
-            for t in range(ids.shape[1]):
-                out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-                rows.append(torch.log_softmax(out.logits[0, -1].double(), dim=-1).cpu().numpy())
+            for start, stop in [(0, first)] + [(t, t + 1) for t in range(first, ids.shape[1])]:
+                out = model(input_ids=ids[:, start:stop], past_key_values=cache, use_cache=True)
+                rows.extend(torch.log_softmax(out.logits[0].double(), dim=-1).cpu().numpy())
     finally:
+        for h in hooks:
+            h.remove()
         if capture is not None:
             capture.restore()
     if capture is not None and capture.errors:
@@ -243,16 +257,31 @@ def teacher_forced_logprobs(model: Any, ids: torch.Tensor, policy: Policy | None
     return np.stack(rows), layers
 
 
-def _measures(ref: np.ndarray, got: np.ndarray, ids: np.ndarray) -> dict[str, float]:
-    """Perplexity of the text and KL(ref || got) over the positions that predict a next token."""
-    nxt = ids[1:]
-    nll = -got[np.arange(len(nxt)), nxt]
-    kl = (np.exp(ref[:-1]) * (ref[:-1] - got[:-1])).sum(axis=-1)
-    ppl_ref = float(np.exp(-ref[np.arange(len(nxt)), nxt].mean()))
+def _attention_modules(model: Any, n_layers: int) -> list[Any]:
+    """The modules whose forward hook ends a layer's step: each layer's attention module (one
+    per layer index; decoder layers that also carry ``layer_idx`` are skipped)."""
+    found: dict[int, Any] = {}
+    for m in model.modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int) and 0 <= idx < n_layers and "Attention" in type(m).__name__:
+            found.setdefault(idx, m)
+    if len(found) != n_layers:
+        raise Unavailable(f"what-if rerun: found attention modules for {len(found)} of {n_layers} cache layers")
+    return list(found.values())
+
+
+def _measures(ref: np.ndarray, got: np.ndarray, ids: np.ndarray, start: int = 0) -> dict[str, float]:
+    """Perplexity and KL(ref || got) over the positions ``start``.. that predict a next token
+    (before ``start`` the prefill ran on the full cache)."""
+    pos = np.arange(start, len(ids) - 1)
+    nxt = ids[pos + 1]
+    nll = -got[pos, nxt]
+    kl = (np.exp(ref[pos]) * (ref[pos] - got[pos])).sum(axis=-1)
+    ppl_ref = float(np.exp(-ref[pos, nxt].mean()))
     ppl = float(np.exp(nll.mean()))
     return {"perplexity": ppl, "perplexity_change_pct": 100 * (ppl / ppl_ref - 1),
             "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-            "top1_agreement": float((ref[:-1].argmax(-1) == got[:-1].argmax(-1)).mean())}
+            "top1_agreement": float((ref[pos].argmax(-1) == got[pos].argmax(-1)).mean())}
 
 
 def _kept(layers: list[Any]) -> dict[str, Any]:
@@ -266,8 +295,11 @@ def _kept(layers: list[Any]) -> dict[str, Any]:
 
 
 def rerun_quality(model_spec: str, text_path: str | Path, policies: list[Policy], ratios: list[float], *,
-                  device: str = "cpu", max_tokens: int = 256, tiny: bool = False) -> dict[str, Any]:
-    """The ``rerun`` section of the what-if document (spec/whatif-json.md)."""
+                  device: str = "cpu", max_tokens: int = 256, tiny: bool = False,
+                  prefill: int = 0) -> dict[str, Any]:
+    """The ``rerun`` section of the what-if document (spec/whatif-json.md). ``prefill``: the first
+    tokens go in one forward and the policy acts after it (kvpress's setting); the measures then
+    cover the positions after the prefill."""
     from kvtrace.loading import encode, load_model
 
     try:
@@ -287,15 +319,18 @@ def rerun_quality(model_spec: str, text_path: str | Path, policies: list[Policy]
         shrink = {"layers": s["layers"], "width": s["width_scale"], "vocab": s["vocab"]}
     loaded = load_model(model_spec, device=device, dtype="auto", **shrink)
     ids = encode(loaded.tokenizer, text, str(loaded.model.device))[:, :max_tokens]
-    if ids.shape[1] < 2:
-        raise BadOption(f"--text {text_path}: needs at least 2 tokens, got {ids.shape[1]}", option="--text")
-    ref, ref_layers = teacher_forced_logprobs(loaded.model, ids)
+    if ids.shape[1] < prefill + 2:  # at least one position predicted from the pressed cache
+        what = f"after a prefill of {prefill}" if prefill else "(needs at least 2)"
+        raise BadOption(f"--text {text_path}: {ids.shape[1]} tokens leave none to score {what}",
+                        option="--rerun-prefill" if prefill else "--text")
+    ref, ref_layers = teacher_forced_logprobs(loaded.model, ids, prefill=prefill)
     flat = ids[0].cpu().numpy()
     doc: dict[str, Any] = {
         "kind": "quality", "note": NOTE, "model": loaded.model_id, "model_note": loaded.note,
-        "text": str(text_path), "tokens": int(ids.shape[1]),
+        "text": str(text_path), "tokens": int(ids.shape[1]), "prefill_tokens": prefill,
+        "scored_positions": int(ids.shape[1]) - 1 - prefill,
         "sliding_layers": sum(x.window is not None for x in ref_layers),
-        "reference": {"perplexity": _measures(ref, ref, flat)["perplexity"]},
+        "reference": {"perplexity": _measures(ref, ref, flat, prefill)["perplexity"]},
         "policies": [],
     }
     if model_spec.startswith("preset:"):
@@ -311,10 +346,10 @@ def rerun_quality(model_spec: str, text_path: str | Path, policies: list[Policy]
             fixed = not isinstance(pol, P.ScorerPolicy) or isinstance(pol, P.StreamingLLM) and pol.window > 0
             for ratio in ([None] if fixed else ratios):
                 try:
-                    got, layers = teacher_forced_logprobs(loaded.model, ids, pol, ratio)
+                    got, layers = teacher_forced_logprobs(loaded.model, ids, pol, ratio, prefill)
                 except PolicyError as exc:
                     entry["results"].append({"ratio": ratio, "skipped": str(exc)})
                     continue
-                entry["results"].append({"ratio": ratio, **_measures(ref, got, flat), **_kept(layers)})
+                entry["results"].append({"ratio": ratio, **_measures(ref, got, flat, prefill), **_kept(layers)})
         doc["policies"].append(entry)
     return doc

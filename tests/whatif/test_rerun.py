@@ -108,6 +108,13 @@ def test_cli_rerun_json(capsys, tmp_path, llama):
     knorm = r["policies"][0]["results"]
     assert [x["ratio"] for x in knorm] == [0.0, 0.5] and knorm[0]["kl_mean"] == 0 and knorm[1]["kl_mean"] > 0
     assert "unchanged by construction" in r["policies"][1]["skipped"]
+    code, printed, _ = run_main(["whatif", "--rerun", str(tmp_path / "m"), "--text", str(text), "--policy", "tova",
+                                 "--ratio", "0.5", "--max-tokens", "16", "--rerun-prefill", "8", "--json"], capsys)
+    r = json.loads(printed)["rerun"]
+    assert code == 0 and (r["prefill_tokens"], r["scored_positions"]) == (8, 7)
+    assert r["policies"][0]["results"][0]["full_layer_tokens_final"] == n_kept(16, 0.5)
+    assert run_main(["whatif", "--rerun", str(tmp_path / "m"), "--text", str(text), "--max-tokens", "16",
+                     "--rerun-prefill", "15"], capsys)[0] == 64  # nothing left to score
     assert run_main(["whatif", "--rerun", str(tmp_path / "m")], capsys)[0] == 64  # no --text
     assert run_main(["whatif"], capsys)[0] == 64
     assert run_main(["whatif", "--rerun", str(tmp_path / "m"), "--text", str(tmp_path / "none.txt")], capsys)[0] == 64
@@ -151,3 +158,20 @@ def test_rerun_on_cuda_matches_the_plain_cache_and_orders_policies():
     for p in ("snapkv:window_size=4", "kivi:nbits=2,residual_length=0", "fp8"):
         got, layers = teacher_forced_logprobs(model, ids, parse_policy(p), 0.5)
         assert _measures(ref, got, flat)["kl_mean"] > 0 and layers[0].keys.device.type == "cuda"
+
+
+def test_prefill_is_pressed_once_after_its_attention(llama):
+    model, ids = llama
+    ref, _ = teacher_forced_logprobs(model, ids, prefill=16)
+    assert ref.shape[0] == N  # one batched prefill forward vs token by token: float32 rounding only
+    np.testing.assert_allclose(ref, _plain(model, ids), rtol=0, atol=1e-5)
+    for name in ("snapkv:window_size=4", "knorm"):
+        got, layers = teacher_forced_logprobs(model, ids, parse_policy(name), 0.5, prefill=16)
+        np.testing.assert_array_equal(got[:16], ref[:16])  # the prefill's own predictions use the full cache
+        assert (got[16:] != ref[16:]).any()
+        assert layers[0].kept_log[0] == n_kept(16, 0.5)  # pressed right after the prefill
+        assert [x.kept_log[-1] for x in layers] == [n_kept(N, 0.5)] * 2
+        if name.startswith("snapkv"):
+            assert layers[0].queries[0].shape[2] == 16  # scored with the prefill's own queries
+    m = _measures(ref, got, ids[0].numpy(), 16)
+    assert m["kl_mean"] > 0 and m["perplexity"] > 0
