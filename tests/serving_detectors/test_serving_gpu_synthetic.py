@@ -74,3 +74,62 @@ def test_gpu_near_full_outside_the_pool_is_critical(tmp_path):
     f = _finding(_write(tmp_path / "full.kvt.h5", pool=pool, used=used, nvml_used=nvml), "serving_capacity")
     assert f.kind == "gpu_usage" and f.severity == Severity.CRITICAL
     assert f.evidence["held_usage"].value == pytest.approx((77 - 1) / 80, abs=1e-4)
+
+
+def test_serving_detectors_run_without_torch(tmp_path):
+    """The serving detectors are analyser code: numpy and the format only, no torch/transformers."""
+    import subprocess
+    import sys
+    import textwrap
+
+    path = _write(tmp_path / "nt.kvt.h5", pool=60 * GiB, used=[2 * GiB, 4 * GiB, 3 * GiB], nvml_used=[70 * GiB] * 3)
+    code = textwrap.dedent(f"""
+        import sys
+        class _NoTorch:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "transformers"):
+                    raise ImportError(name + " is blocked for this test")
+                return None
+        sys.meta_path.insert(0, _NoTorch())
+        import kvtrace
+        r = kvtrace.analyze({str(path)!r})
+        names = ("serving_capacity", "concurrency_headroom", "block_waste", "over_reservation")
+        assert all(r.result(n).status == "ran" for n in names), [(x.name, x.status, x.reason) for x in r.results]
+        assert "torch" not in sys.modules
+        print("OK")
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stderr[-2000:]
+
+
+def test_offloads_are_not_recomputation_and_waste_past_2_gib_is_critical(tmp_path):
+    """An offload (OFFLOADED beside PREEMPTED) recomputes nothing: medium, not more. A 40 GiB pool
+    with 2.5 GiB of block tails (6%) while 90% full reaches critical on the 2 GiB alert alone."""
+    path = tmp_path / "off.kvt.h5"
+    pool, block = 40 * GiB, BLOCK
+    with TraceWriter(path, {"model_id": "test/cb-gpu", "model_type": "llama"},
+                     [DeviceInfo(0, "Synthetic GPU", TOTAL)]) as w:
+        off, n = w.add_text(json.dumps({"cb_request_id": "req_0", "manager": 0, "max_new_tokens": 4}))
+        w.begin_request(schema.RequestRow(request=0, outcome=int(schema.Outcome.OK), batch_size=1, prompt_tokens=16,
+                                          new_tokens=4, eos_step=-1, start_ns=10, end_ns=10_000,
+                                          prompt_sha256=b"0" * 64, gen_args_off=off, gen_args_len=n))
+        used_blocks = int(0.9 * pool) // block
+        tail_tokens = (5 * GiB // 2) // (block // 16)  # 2.5 GiB of unfilled positions
+        for step in range(3):
+            t = 100 + 100 * step
+            w.append("sched", schema.SchedRow(t, 0, step, 1, 0, 1, 1, 0, 0, 256, pool, pool - used_blocks * block,
+                                              -1, used_blocks, 0, 16, 0, 0, 0, 1 if step == 1 else 0))
+            w.append("sched_groups", schema.SchedGroupRow(0, step, 0, int(schema.LayerType.FULL), 2, -1, 16, block,
+                                                          pool // block, used_blocks, 0, pool // block - used_blocks,
+                                                          16 * used_blocks - tail_tokens))
+            w.append("blocks", [schema.BlockRow(0, step, 0, 0, used_blocks, 0, 16 * used_blocks - tail_tokens)])
+        w.append("events", schema.EventRow(150, int(schema.EventKind.PREEMPTED), 0, 1, -1, -1, 4096, 0, 0))
+        w.append("events", schema.EventRow(151, int(schema.EventKind.OFFLOADED), 0, 1, -1, -1, 1 << 20, 0, 0))
+    report = kvtrace.analyze(path)
+    (pre,) = report.result("preemption").findings
+    assert pre.evidence["offloads"].value == 1 and pre.evidence["tokens_recomputed"].value == 0
+    assert pre.severity == Severity.MEDIUM
+    (waste,) = report.result("block_waste").findings
+    assert waste.evidence["waste_bytes"].value == 5 * GiB // 2
+    assert waste.evidence["waste_share_of_pool"].value == pytest.approx(2.5 / 40, abs=1e-4)
+    assert waste.severity == Severity.CRITICAL
