@@ -6,7 +6,9 @@
 What it writes, per continuous-batching (CB) request of the recorded model:
 
 * one /requests row (outcome RUNNING at ``add_request``, batch size 1; prompt tokens, prompt hash, and
-  in gen_args the manager's string id as ``cb_request_id`` and the manager's index as ``manager``),
+  in gen_args the manager's string id as ``cb_request_id`` and the manager's index as ``manager``;
+  a parallel sequence that transformers forks from a request (num_return_sequences > 1) gets its
+  own row when forked, with ``forked_from`` = the parent's trace id),
   updated at the end with new tokens, EOS step, outcome and end time: ``Scheduler.finish_request``
   gives OK (ERROR when transformers marked the request FAILED);
   ``ContinuousBatchProcessor._handle_request_error`` gives ERROR with the error's text;
@@ -316,15 +318,34 @@ class ServingRecorder:
         return found
 
     def _update(self, orig: Any, processor: Any, args: tuple, kwargs: dict) -> Any:
+        scheduler = getattr(processor, "scheduler", None)
+        forking = bool(getattr(scheduler, "_requests_to_fork", None))  # update_batch forks them at its end
         out = orig(processor, *args, **kwargs)
         key = self.owner.get(id(processor))
         if key is not None and not self.closed:
             try:
-                for request_id, state in list(getattr(processor.scheduler, "active_requests", {}).items()):
+                if forking:
+                    self._adopt_children(key, scheduler)
+                for request_id, state in list(getattr(scheduler, "active_requests", {}).items()):
                     self._first_token(key, request_id, state)
             except Exception as exc:  # noqa: BLE001
                 self.ctx.error("cb-update", exc)
         return out
+
+    def _adopt_children(self, key: int, scheduler: Any) -> None:
+        """Parallel sequences (num_return_sequences > 1): transformers forks a request into children
+        ``<id>__child#<i>`` that hold blocks and tokens of their own, never passing add_request. Each
+        becomes a request row too (gen_args ``forked_from`` = the parent's trace id), running at once
+        when its blocks were forked, else waiting to be prefilled from scratch."""
+        for table in ("active_requests", "waiting_requests"):
+            for request_id, state in list(getattr(scheduler, table, {}).items()):
+                request_id = str(request_id)
+                parent, sep, _ = request_id.partition("__child#")
+                if not sep or (key, request_id) in self.flights or (key, parent) not in self.flights:
+                    continue
+                self._begin(key, request_id, list(getattr(state, "initial_tokens", ())),
+                            getattr(state, "max_new_tokens", None),
+                            forked_from=self.flights[(key, parent)].rid)
 
     def _last_step(self, key: int) -> int:
         """The step whose forward produced the tokens a batch update (or a finish inside it) handles."""
@@ -474,7 +495,7 @@ class ServingRecorder:
 
     # ---- rows -----------------------------------------------------------------------------------
 
-    def _begin(self, key: int, request_id: str, ids: list[int], max_new: Any) -> None:
+    def _begin(self, key: int, request_id: str, ids: list[int], max_new: Any, forked_from: int | None = None) -> None:
         w = self.ctx.writer
         if w is None or w.closed:
             return
@@ -484,11 +505,14 @@ class ServingRecorder:
             index = self._manager(key).index
             rid = self.take_id()
             self.flights[(key, request_id)] = _Flight(rid)
-        gen = w.add_text(json.dumps({"cb_request_id": request_id, "manager": index, "max_new_tokens": max_new},
-                                    default=str))
+        args = {"cb_request_id": request_id, "manager": index, "max_new_tokens": max_new}
+        if forked_from is not None:
+            args["forked_from"] = forked_from
+        gen = w.add_text(json.dumps(args, default=str))
         start = monotonic_ns()
         w.begin_request(RequestRow(rid, int(Outcome.RUNNING), 1, len(ids), 0, -1, start, 0, digest, 0, 0, *gen))
-        self.ctx.event(EventKind.REQUEST_START, rid, t=start, text=f"queued (continuous batching {request_id})")
+        self.ctx.event(EventKind.REQUEST_START, rid, t=start, text=f"queued (continuous batching {request_id})"
+                       if forked_from is None else f"forked from request {forked_from} ({request_id})")
         self.ctx.observers.notify("on_request_start", rid)
 
     def _pop(self, key: int, request_id: Any) -> _Flight | None:

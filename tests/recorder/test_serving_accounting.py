@@ -358,3 +358,27 @@ def test_live_observers_see_the_rows_and_events_written(tmp_path):
     written = written[np.isin(written["kind"], [int(k) for k in kinds])]
     assert sorted(listener.events) == sorted((int(e["kind"]), int(e["request"]), int(e["value"]), int(e["t_ns"]))
                                              for e in written)
+
+
+def test_forked_parallel_sequences_are_requests_sharing_blocks(monkeypatch, tmp_path):
+    """num_return_sequences=3: transformers forks the request after its prompt's first 19 tokens; the
+    children share its complete 16-token block and get blocks of their own for the rest. Each child is
+    a request row (forked_from the parent), and /blocks counts the shared block for all three."""
+    probe = Probe(monkeypatch)
+    llama = tiny_model("llama")
+    path = tmp_path / "fork.kvt.h5"
+    gc = GenerationConfig(max_new_tokens=5, do_sample=True, num_return_sequences=3, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=16, max_batch_tokens=64)
+    with kvtrace.record(llama, path) as rec:
+        out = llama.generate_batch(inputs=[list(range(3, 23))], generation_config=gc, continuous_batching_config=cb,
+                                   warmup=False)
+    assert rec.recorder_errors == 0 and len(out) == 3
+    assert_equal_to_cache(path, probe)
+    t = open_trace(path)
+    reqs = t.requests()
+    args = [json.loads(t.text(r["gen_args_off"], r["gen_args_len"])) for r in reqs]
+    assert [a.get("forked_from") for a in args] == [None, 0, 0]
+    assert set(reqs["outcome"].tolist()) == {Outcome.OK} and set(reqs["new_tokens"].tolist()) == {5}
+    last = t.blocks()[t.blocks()["step"] == t.sched()["step"].max()]
+    assert sorted(last["request"].tolist()) == [0, 1, 2] and set(last["blocks_shared"].tolist()) == {1}
+    assert sorted(t.events(EventKind.FIRST_TOKEN)["request"].tolist()) == [0, 1, 2]
