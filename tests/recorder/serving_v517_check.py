@@ -197,6 +197,11 @@ def main() -> int:
             inputs=[[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15]], generation_config=gc(40),
             continuous_batching_config=cfg(num_blocks=4), warmup=False))
         assert kinds["preempted"] > 0, kinds
+        kinds = run("llama_fork", args.device, work, lambda m: m.generate_batch(
+            inputs=[list(range(3, 23))], generation_config=GenerationConfig(
+                max_new_tokens=5, do_sample=True, num_return_sequences=3, eos_token_id=-1, pad_token_id=0),
+            continuous_batching_config=cfg(num_blocks=16), warmup=False))
+        assert kinds["request_end"] == 3, kinds  # the two forked sequences are requests too
         if args.device.startswith("cuda"):  # a pinned CPU swap pool needs CUDA
             kinds = run("llama_offload", args.device, work, lambda m: m.generate_batch(
                 inputs=[[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15]], generation_config=gc(40),

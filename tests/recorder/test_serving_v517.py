@@ -37,5 +37,6 @@ def test_v517_adapter_equals_the_517_cache_at_every_step() -> None:
     p = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stdout + p.stderr[-4000:]
     lines = [line for line in p.stdout.splitlines() if line.startswith("OK ")]
-    assert [line.split(":")[0] for line in lines] == ["OK gemma3", "OK llama_prefix", "OK llama_preempt"]
+    assert [line.split(":")[0] for line in lines] == ["OK gemma3", "OK llama_prefix", "OK llama_preempt",
+                                                          "OK llama_fork"]
     assert '"prefix_hit": 1' in lines[1] and '"block_evicted": 1' in lines[1]
