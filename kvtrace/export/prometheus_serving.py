@@ -256,7 +256,7 @@ def observers_for(options: Any) -> list[Any]:
 
 
 def vllm_mapping() -> list[tuple[str, str, str]]:
-    """(kvtrace name, kind, vLLM name or "") for the mapping table in the docs and spec."""
+    """(metric name, kind, vLLM name or "") for the mapping table in the docs and spec."""
     return [(name, kind, vllm) for name, (kind, _, _, vllm) in SERVING_METRICS.items()]
 
 

@@ -44,7 +44,10 @@ def test_registry_has_the_reference_six_first_then_the_rest():
     names = detector_names()
     assert names[:6] == ["growth_curve", "post_eos", "fragmentation", "layer_anomaly", "cache_density",
                          "layer_uniformity"]
-    assert set(names[6:]) == {"aliasing", "prefill_spike", "capacity", "oom"}
+    assert set(names[6:]) == {"aliasing", "prefill_spike", "capacity", "oom",
+                              # serving (continuous batching)
+                              "serving_capacity", "concurrency_headroom", "block_waste", "preemption", "queueing",
+                              "prefix_cache", "over_reservation", "context_spike"}
     for det in get_detectors():
         assert det.name and det.summary and isinstance(det.needs, tuple)
 
