@@ -28,7 +28,7 @@ import torch
 from kvtrace.kernels._env import resolve_backend
 
 __all__ = [
-    "QuantSpec", "keep_measures", "keep_measures_reference", "keep_measures_triton", "output_error",
+    "QuantSpec", "as_bf16_if_exact", "keep_measures", "keep_measures_reference", "keep_measures_triton", "output_error",
     "quant_error", "quant_error_reference", "quant_error_triton", "quant_roundtrip",
 ]
 
@@ -146,8 +146,21 @@ def _last_contig(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
 
 
 def _bf16_exact(x: torch.Tensor) -> bool:
-    """Whether every value of ``x`` is a bf16 value (K/V/Q recorded in bf16 and upcast)."""
-    return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and bool(torch.equal(x.to(torch.bfloat16).float(), x)))
+    """Whether every value of ``x`` is a bf16 value (K/V/Q recorded in bf16 and upcast): an fp32
+    holds a bf16 value iff its low 16 bits are 0 (read as int16 halves: no temporary tensor)."""
+    if x.dtype == torch.bfloat16:
+        return True
+    if x.dtype != torch.float32 or x.numel() == 0:
+        return False
+    halves = x.contiguous().view(torch.int16)
+    low = halves[..., 0::2] if torch.tensor([1], dtype=torch.int16).view(torch.uint8)[0] == 1 else halves[..., 1::2]
+    return not bool(low.any())
+
+
+def as_bf16_if_exact(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as bf16 when that changes no value (half the memory; the kernels then skip their
+    check and conversion), else ``x``."""
+    return x.to(torch.bfloat16) if x.dtype == torch.float32 and _bf16_exact(x) else x
 
 
 def _split_plan(g: _Attn, n_sets: int, device: torch.device, num_splits: int | None) -> tuple[int, int]:

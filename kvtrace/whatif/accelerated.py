@@ -103,7 +103,9 @@ class Accelerated:
         if hit is not None and hit[0] is a:
             self._cache.move_to_end(id(a))
             return hit[1]
-        t = self.compute.tensor(a)
+        from kvtrace.kernels.whatif import as_bf16_if_exact
+
+        t = as_bf16_if_exact(self.compute.tensor(a))  # the same values; bf16 dots run them exactly
         self._cache[id(a)] = (a, t)  # the array is held, so its id is not reused while cached
         self._cached_bytes += a.nbytes
         while self._cached_bytes > self.CACHE_BYTES and len(self._cache) > 1:

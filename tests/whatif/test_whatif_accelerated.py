@@ -73,14 +73,21 @@ def _hand_unit() -> source.Unit:
     return u
 
 
+def _bf16_values(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to bf16 (truncating the low 16 bits: still a bf16 value), kept as fp32."""
+    return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
 def _close(a, b, tol):
     np.testing.assert_allclose(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), equal_nan=True, **tol)
 
 
 def test_bridge_matches_numerics_on_recorded_and_hand_built_units():
     exact = A.Exact()
-    units = [u for u in _units() if u.eval_q is not None] + [_hand_unit()]
-    assert len(units) >= 4
+    grid = _hand_unit()  # a bf16 model's recording: fp32 arrays holding bf16 values (the bf16 kernel path)
+    grid.k, grid.v, grid.eval_q = (_bf16_values(x) for x in (grid.k, grid.v, grid.eval_q))
+    units = [u for u in _units() if u.eval_q is not None] + [_hand_unit(), grid]
+    assert len(units) >= 5
     quants = [KIVI(nbits=2, group_size=8, residual_length=4), Quanto(nbits=4, q_group_size=8, residual_length=0),
               HQQ(nbits=3, q_group_size=16, residual_length=2), FP8(fmt="e4m3")]
     for label, bridge, tol in _bridges():
