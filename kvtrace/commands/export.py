@@ -203,6 +203,7 @@ def parquet(traces: tuple[str, ...], output: str, jobs: int, workers: int | None
       kvtrace export parquet /shared/runs/*.kvt.h5 -o /shared/fleet --dask tcp://scheduler:8786
     """
     from kvtrace.commands.fleet import fleet_modules
+    from kvtrace.fleet import FleetError
     from kvtrace.report.progress import progress_bar
 
     if workers is not None and dask_address is not None:
@@ -229,6 +230,8 @@ def parquet(traces: tuple[str, ...], output: str, jobs: int, workers: int | None
                                        progress=lambda path: steps.advance(1, Path(path).name))
         except ConnectionError as exc:
             fail(str(exc), exitcodes.UNAVAILABLE)
+        except FleetError as exc:  # the fleet directory's own traces.parquet is damaged
+            fail(str(exc), exitcodes.UNREADABLE)
     write_json(result.to_dict(), json_out, as_json=as_json)
     for f in result.failed:
         click.echo(f"kvtrace: {f['error']}", err=True)

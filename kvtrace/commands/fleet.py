@@ -6,6 +6,7 @@ DIR is what `kvtrace export parquet TRACES -o DIR` wrote; spec/fleet.md document
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 import click
@@ -26,6 +27,14 @@ def fleet_modules(*names: str) -> list[Any]:
         return [importlib.import_module(f"kvtrace.fleet.{n}") for n in names]
     except ImportError as exc:
         raise Unavailable(missing_dependency(exc)) from None
+
+
+def _outside(directory: str, *outputs: tuple[str, str | None]) -> None:
+    """Outputs never go inside the fleet directory: its files are the command's input."""
+    root = Path(directory).resolve()
+    for option, path in outputs:
+        if path is not None and Path(path).resolve().is_relative_to(root):
+            raise click.UsageError(f"{option} {path} is inside the fleet directory {directory} (an input)")
 
 
 def _connect(directory: str, tables: tuple[str, ...] | None = None) -> Any:
@@ -84,6 +93,7 @@ def summary(directory: str, group_by: str, sql: str | None, as_json: bool, json_
     """Summarise DIRECTORY: traces, requests, tokens, findings by detector and severity,
     retention and fragmentation rates, KV bytes per token; or run --sql."""
     check_json_out(json_out, (directory,))
+    _outside(directory, ("--json-out", json_out))
     (query,) = fleet_modules("query")
     con = _connect(directory, query.tables_named(sql) if sql else query.SUMMARY_TABLES)
     keys = [k.strip() for k in group_by.split(",") if k.strip()]
@@ -119,6 +129,7 @@ def diff(directory: str, baseline: str, candidate: str, fail_on: str | None, alp
     metric: unchanged / regressed / improved (exact metrics may also be 'changed' or
     'not_compared'; too few observations: 'insufficient'; nothing recorded: 'absent')."""
     check_json_out(json_out, (directory,))
+    _outside(directory, ("--json-out", json_out))
     query, compare = fleet_modules("query", "compare")
     try:
         a, b = compare.Selector.parse(baseline), compare.Selector.parse(candidate)
@@ -129,6 +140,8 @@ def diff(directory: str, baseline: str, candidate: str, fail_on: str | None, alp
         doc = compare.fleet_diff(con, a, b, alpha=alpha, min_effect=min_effect)
     except query.FleetError as exc:
         raise click.UsageError(str(exc)) from None
+    except query.DatabaseError as exc:
+        fail(f"{directory}: cannot read the exported tables ({query.first_line(exc)})", exitcodes.UNREADABLE)
     write_json(doc, json_out, as_json=as_json)
     if not as_json:
         rows = compare.metric_rows(doc, format_bytes)
@@ -166,6 +179,7 @@ def report(directory: str, output: str, group_by: str, baseline: str | None, can
     """
     check_output(output, option="-o", inputs=(directory,), others=[("--json-out", json_out)])
     check_json_out(json_out, (directory,))
+    _outside(directory, ("-o", output), ("--json-out", json_out))
     if (baseline is None) != (candidate is None):
         raise click.UsageError("--baseline and --candidate go together")
     query, compare, fleet_report = fleet_modules("query", "compare", "report")
@@ -181,6 +195,8 @@ def report(directory: str, output: str, group_by: str, baseline: str | None, can
                                               baseline=sel[0] if sel else None, candidate=sel[1] if sel else None)
     except query.FleetError as exc:
         raise click.UsageError(str(exc)) from None
+    except query.DatabaseError as exc:
+        fail(f"{directory}: cannot read the exported tables ({query.first_line(exc)})", exitcodes.UNREADABLE)
     except OSError as exc:
         fail(f"cannot write {output}: {exc.strerror}", exitcodes.CANNOT_WRITE)
     write_json({"report": str(res.html), "traces": res.traces, "groups": res.groups, "figures": res.figures,

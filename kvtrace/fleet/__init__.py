@@ -15,6 +15,10 @@ from kvtrace.units import format_bytes
 EXTRA_HINT = "install with: pip install 'kvtrace[fleet]'"
 
 
+class FleetError(Exception):
+    """A fleet directory or query that cannot be used (the message is one line)."""
+
+
 def missing_dependency(exc: ImportError) -> str:
     """One line naming the missing module of the fleet extra."""
     name = getattr(exc, "name", None) or str(exc)

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvtrace import exitcodes
+from kvtrace.fleet import FleetError
 from kvtrace.fleet.source import file_identity, read_trace
 from kvtrace.fleet.tables import FLEET_SCHEMA_VERSION, TABLE_NAMES, TRACES_FILE, trace_tables
 from kvtrace.format.errors import InvalidTrace, TraceError, UnsupportedVersion
@@ -131,6 +132,9 @@ def load_traces(out_dir: Path) -> pa.Table | None:
         return pq.read_table(out_dir / TRACES_FILE)
     except FileNotFoundError:
         return None
+    except (OSError, pa.ArrowException) as exc:  # damaged: refuse rather than drop its rows
+        raise FleetError(f"{out_dir / TRACES_FILE}: not a readable Parquet file ({exc}); "
+                         "remove it and export again, or export into a new directory") from None
 
 
 def _merge_traces(old: pa.Table | None, new_rows: list[pa.Table], drop: set[str]) -> pa.Table:

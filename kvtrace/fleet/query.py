@@ -17,6 +17,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
+from kvtrace.fleet import FleetError
 from kvtrace.fleet.tables import TABLE_NAMES, TRACES_FILE, TRACES_SCHEMA, empty_schema
 
 # Non-informational findings (severity >= low) of these detectors mark a trace as retaining or
@@ -25,8 +26,8 @@ RETENTION_DETECTORS = ("post_eos",)
 FRAGMENTATION_DETECTORS = ("fragmentation",)
 
 
-class FleetError(Exception):
-    """A fleet directory or query that cannot be used (the message is one line)."""
+# What a query over damaged files raises (commands map it to exit 2 with one line).
+DatabaseError = duckdb.Error
 
 
 def _sql_string(text: str) -> str:
@@ -51,6 +52,26 @@ def connect(directory: str | Path, tables: Iterable[str] = TABLE_NAMES) -> duckd
                              f"run 'kvtrace export parquet TRACES -o {d}' again to update it")
         raise FleetError(f"{d}: no exported traces (no {TRACES_FILE}); run 'kvtrace export parquet' first")
     con = duckdb.connect(":memory:")
+    try:
+        _create_views(con, d, tables)
+    except duckdb.Error as exc:  # a damaged or foreign file in the directory: one line, not a traceback
+        raise FleetError(f"{d}: cannot read the exported tables ({first_line(exc)})") from None
+    if "traces" in tables:
+        have = set(trace_columns(con))
+        missing = [f.name for f in TRACES_SCHEMA if f.name not in have]
+        if missing:  # written by an older kvtrace (fleet schema 1.0): the summary cannot run on it
+            raise FleetError(f"{d}: exported by an older kvtrace (traces lacks {missing[0]}); "
+                             f"run 'kvtrace export parquet TRACES -o {d}' again to update it")
+    return con
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of a DuckDB error (its later lines repeat the SQL)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _create_views(con: duckdb.DuckDBPyConnection, d: Path, tables: Iterable[str]) -> None:
     for name in TABLE_NAMES:
         if name not in tables:
             continue
@@ -64,13 +85,6 @@ def connect(directory: str | Path, tables: Iterable[str] = TABLE_NAMES) -> duckd
             empty = pa.Table.from_batches([], schema=empty_schema(name))
             con.register(f"_empty_{name}", empty)
             con.execute(f"CREATE VIEW {name} AS SELECT * FROM _empty_{name}")
-    if "traces" in tables:
-        have = set(trace_columns(con))
-        missing = [f.name for f in TRACES_SCHEMA if f.name not in have]
-        if missing:  # written by an older kvtrace (fleet schema 1.0): the summary cannot run on it
-            raise FleetError(f"{d}: exported by an older kvtrace (traces lacks {missing[0]}); "
-                             f"run 'kvtrace export parquet TRACES -o {d}' again to update it")
-    return con
 
 
 @dataclass
@@ -87,8 +101,7 @@ def run_sql(con: duckdb.DuckDBPyConnection, sql: str) -> QueryResult:
         cur = con.execute(sql)
         rows = cur.fetchall()
     except duckdb.Error as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise FleetError(f"query failed: {first}") from None
+        raise FleetError(f"query failed: {first_line(exc)}") from None
     return QueryResult([c[0] for c in cur.description or []], [tuple(r) for r in rows])
 
 

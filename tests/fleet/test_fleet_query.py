@@ -258,3 +258,33 @@ def test_exact_geometry_change_is_caught_without_statistics(tmp_path, capsys):
     assert v["kv bytes per token (qwen3, sliding layers)"] == "unchanged"
     assert v["findings >= low per trace"] == "insufficient"  # one trace a side: no statistics
     assert code == exitcodes.FINDINGS
+
+
+def test_damaged_files_and_outputs_inside_the_directory(tmp_path, versions, capsys):
+    """A damaged traces.parquet or per-trace file is exit 2 with one line (export refuses to drop its
+    rows); no output may go inside the fleet directory, whose files are the input."""
+    import shutil
+
+    from kvtrace.fleet.export import export_parquet
+
+    out = tmp_path / "f"
+    export_parquet([str(p) for p in versions["5.17.0"]], out)
+    code, _ = _json(capsys, "fleet", str(out), "--json-out", str(out / "summary.json"))
+    assert code == exitcodes.USAGE and not (out / "summary.json").exists()
+    code, _ = _json(capsys, "fleet", "diff", str(out), "--baseline", "model_type=qwen3", "--candidate",
+                    "model_type=qwen3", "--json-out", str(out / "traces.parquet"))
+    assert code == exitcodes.USAGE
+    good = (out / "traces.parquet").read_bytes()
+    finding = next((out / "findings").glob("*.parquet"))
+    shutil.copy(finding, tmp_path / "finding.keep")
+    finding.write_bytes(b"PAR1 not really")
+    code, doc = _json(capsys, "fleet", str(out), "--sql", "SELECT count(*) FROM findings")
+    assert code == exitcodes.UNREADABLE and "cannot read the exported tables" in doc["err"]
+    assert len(doc["err"].strip().splitlines()) == 1
+    shutil.copy(tmp_path / "finding.keep", finding)
+    (out / "traces.parquet").write_bytes(b"junk")
+    code, doc = _json(capsys, "fleet", str(out))
+    assert code == exitcodes.UNREADABLE and len(doc["err"].strip().splitlines()) == 1
+    code, _, err = run_main(["export", "parquet", str(versions["5.17.0"][0]), "-o", str(out)], capsys)
+    assert code == exitcodes.UNREADABLE and "traces.parquet" in err and len(err.strip().splitlines()) == 1
+    assert (out / "traces.parquet").read_bytes() == b"junk" and good  # refused, not overwritten

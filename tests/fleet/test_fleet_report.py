@@ -128,3 +128,11 @@ def test_renders_in_headless_chromium(fleet_dir, tmp_path, capsys):
     for s in SECTIONS:
         assert f'id="{s}"' in dom, s
     assert dom.count("<img") == 4 and "retained_allocated_bytes per request" in dom
+
+
+def test_report_refuses_outputs_inside_the_fleet_directory(fleet_dir, capsys):
+    before = (fleet_dir / "traces.parquet").read_bytes()
+    for target in ("traces.parquet", "fleet.html"):
+        code, _, err = _report(capsys, str(fleet_dir), "-o", str(fleet_dir / target))
+        assert code == exitcodes.USAGE and "inside the fleet directory" in err
+    assert (fleet_dir / "traces.parquet").read_bytes() == before and not (fleet_dir / "fleet.html").exists()
