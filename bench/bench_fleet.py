@@ -15,7 +15,7 @@ slows everything, and 2 workers on 2 busy cores cannot show a speed-up):
   LocalClusters of the sizes given, so 1 vs 2 workers can be compared per engine;
 * the incremental re-run (all skipped);
 * the default summary (connect + three queries) over the exported directory, every run timed,
-  with the median;
+  with the median; one `fleet diff` and one `fleet report` (with the diff);
 * where one trace's export time goes (--profile N traces, in-process): opening the trace and
   reading its tables (HDF5 decode), the analysis (detectors, reading tables again), building the
   Arrow tables (kvtrace's own Python), writing the Parquet files.
@@ -135,6 +135,22 @@ def main() -> None:
                           "load": loads, "groups": len(s["groups"].rows)}
     print(f"summary (connect + 3 queries, grouped by 2 keys): runs {results['summary']['runs_s']} s, "
           f"median {results['summary']['median_s']:.3f} s; load {loads}; {len(s['groups'].rows)} groups")
+    # one run each: the diff (5.17.0 vs 5.23.0 copies; its verdicts mean nothing here) and the report
+    from kvtrace.fleet.compare import DIFF_TABLES, Selector, fleet_diff
+    from kvtrace.fleet.report import REPORT_TABLES, build_fleet_report
+
+    sel = Selector("transformers_version", "5.17.0"), Selector("transformers_version", "5.23.0")
+    t0, before = time.perf_counter(), load()
+    fleet_diff(connect(fleet, DIFF_TABLES), *sel)
+    results["diff_s"] = {"seconds": round(time.perf_counter() - t0, 2), "load": before}
+    t0, before = time.perf_counter(), load()
+    page = Path(tempfile.mkdtemp(prefix="kvtrace-fleet-report-")) / "fleet.html"
+    build_fleet_report(connect(fleet, REPORT_TABLES + DIFF_TABLES), page, keys=["model_type", "transformers_version"],
+                       baseline=sel[0], candidate=sel[1], directory=str(fleet))
+    results["report_s"] = {"seconds": round(time.perf_counter() - t0, 2), "load": before,
+                           "html_bytes": page.stat().st_size}
+    print(f"fleet diff {results['diff_s']['seconds']} s, fleet report (with the diff) "
+          f"{results['report_s']['seconds']} s ({page.stat().st_size / 1024:.0f} KiB)", flush=True)
     if args.profile:
         before = load()
         results["export_profile_ms_per_trace"] = prof = profile_export(paths[: args.profile])
