@@ -116,15 +116,8 @@ class Capacity(Detector):
         return self.finding(
             "capacity", score, msg, device=lim["device"],
             evidence={
-                "device_memory_bytes": ev(lim["total"], "bytes"),
-                "resident_bytes": ev(lim["resident"], "bytes"),
-                "kv_per_sequence_bytes": ev(int(lim["per_seq"]), "bytes"),
-                "kv_bytes_per_token": ev(round(lim["per_token"], 2), "bytes/token"),
-                "transient_bytes": ev(lim["transient"], "bytes"),
-                "free_for_kv_bytes": ev(max(lim["free"], 0), "bytes"),
-                "max_concurrent_sequences": ev(max(lim["fit"], 0), "count"),
-                "tokens_per_sequence": ev(req.final_tokens, "tokens"),
-                "utilization": ev(round(lim["util"], 4), "ratio"),
+                **_evidence(lim["total"], lim["resident"], lim["per_seq"], lim["per_token"], lim["transient"],
+                            lim["free"], max(lim["fit"], 0), req.final_tokens, lim["util"]),
                 "devices_judged": ev(len(judged), "count"),
                 "kv_on_cpu_bytes": ev(on_cpu, "bytes"),
             },
@@ -170,16 +163,22 @@ class Capacity(Detector):
                f"request {req.request} brought the device to {util:.0%}.")
         return self.finding(
             "capacity", score, msg, device=device,
-            evidence={
-                "device_memory_bytes": ev(total, "bytes"),
-                "resident_bytes": ev(resident, "bytes"),
-                "kv_per_sequence_bytes": ev(int(kv_per_seq), "bytes"),
-                "kv_bytes_per_token": ev(round(per_token, 2), "bytes/token"),
-                "transient_bytes": ev(transient, "bytes"),
-                "free_for_kv_bytes": ev(max(free, 0), "bytes"),
-                "max_concurrent_sequences": ev(fit, "count"),
-                "tokens_per_sequence": ev(tokens, "tokens"),
-                "utilization": ev(round(util, 4), "ratio"),
-            },
+            evidence=_evidence(total, resident, kv_per_seq, per_token, transient, free, fit, tokens, util),
             requests=[req.request],
         ) if source else None
+
+
+def _evidence(total: int, resident: int, per_seq: float, per_token: float, transient: int, free: int, fit: int,
+              tokens: int, util: float) -> dict:
+    """The capacity evidence of one device (the one device, or the one that limits)."""
+    return {
+        "device_memory_bytes": ev(total, "bytes"),
+        "resident_bytes": ev(resident, "bytes"),
+        "kv_per_sequence_bytes": ev(int(per_seq), "bytes"),
+        "kv_bytes_per_token": ev(round(per_token, 2), "bytes/token"),
+        "transient_bytes": ev(transient, "bytes"),
+        "free_for_kv_bytes": ev(max(free, 0), "bytes"),
+        "max_concurrent_sequences": ev(fit, "count"),
+        "tokens_per_sequence": ev(tokens, "tokens"),
+        "utilization": ev(round(util, 4), "ratio"),
+    }
