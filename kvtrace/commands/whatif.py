@@ -29,6 +29,9 @@ def _ratios(text: str) -> list[float]:
               help="Policy to replay (repeatable); default: " + " ".join(DEFAULT_POLICIES)
               + ". Names: paging, knorm, keydiff, random, streaming_llm, observed_attention, tova, snapkv, "
               "expected_attention, kivi, quanto, hqq, fp8.")
+@click.option("--steps", type=click.Choice(["last", "all"]), default="last", show_default=True,
+              help="Content measures at each (request, layer)'s last sampled step, or at up to 8 of its sampled "
+              "steps (all; one layer row per step).")
 @click.option("--ratio", "ratio_text", default="0.25,0.5,0.75", show_default=True, metavar="R[,R...]",
               help="Compression ratios (fraction of tokens evicted) for the eviction policies.")
 @click.option("--rerun", "rerun_model", metavar="MODEL",
@@ -50,7 +53,7 @@ def _ratios(text: str) -> list[float]:
               "minute); auto = cuda where a GPU is, else cpu. JSON 'numerics' says which ran.")
 @json_options
 @guarded
-def whatif(trace: str | None, policy_texts: tuple[str, ...], ratio_text: str, rerun_model: str | None,
+def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_text: str, rerun_model: str | None,
            text_file: str | None, max_tokens: int, rerun_prefill: int, tiny: bool, rerun_device: str, device: str, as_json: bool,
            json_out: str | None) -> None:
     """What paging, eviction or KV quantisation would save on TRACE and what it would cost in
@@ -86,7 +89,7 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], ratio_text: str, re
         from kvtrace.whatif.run import run_whatif
 
         with Trace(trace) as t:
-            doc.update(run_whatif(t, policies, ratios, device))
+            doc.update(run_whatif(t, policies, ratios, device, steps))
     else:
         from kvtrace.whatif.run import SCHEMA
 

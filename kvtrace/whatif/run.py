@@ -34,25 +34,32 @@ NEEDS = {
 NOTE = ("offline proxies from the recorded sizes and sampled tensors, not model quality: bytes for "
         "every recorded step; attention measures at each (request, layer)'s last sampled step, for "
         "the queries sampled at that step, with the full cache as reference")
+STEPS_NOTE = {"last": "each (request, layer)'s last sampled step",
+              "all": f"up to {source.MAX_STEPS} sampled steps of each (request, layer), evenly spaced, the last included"}
 
 
 def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ratios: list[float],
-               device: str = "cpu") -> dict[str, Any]:
+               device: str = "cpu", steps: str = "last") -> dict[str, Any]:
     """The what-if document (spec/whatif-json.md) for ``policies`` at compression ``ratios``;
     ``device`` cpu (numerics.py, float64) | cuda | auto (the Triton kernels where CUDA is, within
-    the tolerances of whatif/accelerated.py; else cpu, said in ``numerics.note``)."""
+    the tolerances of whatif/accelerated.py; else cpu, said in ``numerics.note``). ``steps``: the
+    content measures at each (request, layer)'s last sampled step, or at up to MAX_STEPS of them
+    ("all"; one layer row per step)."""
     if not isinstance(trace, Trace):
         with Trace(trace) as t:
-            return run_whatif(t, policies, ratios, device)
+            return run_whatif(t, policies, ratios, device, steps)
     calc = open_numerics(device)
     for r in ratios:
         if not 0 <= r < 1:
             raise PolicyError(f"ratio must be in [0, 1), got {r}")
     sz = source.sizes(trace)
-    units = list(source.units(trace))
+    if steps not in STEPS_NOTE:
+        raise PolicyError(f"steps must be one of {', '.join(STEPS_NOTE)}, got {steps!r}")
+    units = list(source.units(trace, steps))
     base = _totals(sz, sz.allocated)
     doc: dict[str, Any] = {
-        "kvtrace_whatif": SCHEMA, "kind": "proxy", "note": NOTE, "needs": NEEDS, "ratios": ratios,
+        "kvtrace_whatif": SCHEMA, "kind": "proxy", "note": NOTE.replace(STEPS_NOTE["last"], STEPS_NOTE[steps]),
+        "steps": steps, "needs": NEEDS, "ratios": ratios,
         "numerics": {"backend": calc.label, "note": calc.note},
         "baseline": {"layout": "the trace's own", "bytes_peak": base[0], "bytes_mean": base[1],
                      "valid_peak": _totals(sz, sz.valid)[0], "kv_rows": len(sz)},

@@ -24,6 +24,7 @@ __all__ = ["MAX_EVAL_QUERIES", "Sizes", "Unit", "sizes", "units"]
 # Evaluation queries per unit: a prefill sample can hold thousands; the attention measures are
 # means over queries, and each query costs a pass over every key.
 MAX_EVAL_QUERIES = 256
+MAX_STEPS = 8  # sampled steps per (request, layer) with steps="all"
 
 
 @dataclass
@@ -101,8 +102,10 @@ def _scale(cfg: dict, dim: int) -> float:
     return float(v) ** -0.5 if isinstance(v, (int, float)) and v > 0 else 1 / math.sqrt(dim)
 
 
-def units(trace: Trace) -> Iterator[Unit]:
-    """Every (request, layer) with sampled K and V; nothing when the trace holds no payloads."""
+def units(trace: Trace, steps: str = "last") -> Iterator[Unit]:
+    """Every (request, layer) with sampled K and V at its last sampled step (``steps="all"``: at up
+    to MAX_STEPS of its sampled steps, evenly spaced, the last included); nothing when the trace
+    holds no payloads."""
     if not trace.has("payloads/index"):
         return
     index = trace.payload_index()
@@ -125,25 +128,42 @@ def units(trace: Trace) -> Iterator[Unit]:
         both = sorted(ksteps & vsteps)
         if not both:
             continue
-        step = both[-1]
-        sel = kv[(kv["request"] == request) & (kv["step"] == step) & (kv["layer"] == layer)]
-        first = int(sel[0]["tokens_seen"]) - int(sel[0]["tokens_kept"]) if sel.size else None
-        code = int(sel[0]["layer_type"]) if sel.size else int(layers[layer]["layer_type"]) if layer in layers else 0
-        lt = LT(code) if code in LT._value2member_map_ else LT.UNKNOWN
-        kp = asm.at(request, layer, int(kk), step, first=first)
-        vp = asm.at(request, layer, int(vk), step, first=first)
+        for step in _chosen(both, steps):
+            u = _unit(trace, asm, kv, layers, rows, cfg, request, layer, step, kk, vk)
+            if u is not None:
+                yield u
         asm.clear()
-        if kp is None or vp is None or len(kp.shape) != 4 or len(vp.shape) != 4 or kp.shape[:3] != vp.shape[:3]:
-            continue
-        k, v = kp.to_float32(), vp.to_float32()
-        window = int(layers[layer]["window"]) if layer in layers and lt in (LT.SLIDING, LT.STATIC_SLIDING) \
-            and int(layers[layer]["window"]) > 0 else None
-        latent = lt == LT.LATENT or (request, layer, int(PK.LATENT)) in rows
-        u = Unit(request, layer, step, lt.name.lower(), k, v, kp.token_start + np.arange(k.shape[2]),
-                 [kp.head_start + i * kp.head_stride for i in range(k.shape[1])], window,
-                 _scale(cfg, k.shape[3]), latent)
-        _queries(trace, u, rows.get((request, layer, int(PK.QUERY)), []), cfg, layers.get(layer))
-        yield u
+
+
+def _chosen(both: list[int], steps: str) -> list[int]:
+    if steps == "last" or len(both) == 1:
+        return both[-1:]
+    if steps != "all":
+        raise ValueError(f"steps must be 'last' or 'all', got {steps!r}")
+    picks = np.unique(np.round(np.linspace(0, len(both) - 1, min(MAX_STEPS, len(both)))).astype(int))
+    return [both[i] for i in picks]
+
+
+def _unit(trace: Trace, asm: ContentsAssembler, kv: np.ndarray, layers: dict, rows: dict, cfg: dict,
+          request: int, layer: int, step: int, kk: PK, vk: PK) -> Unit | None:
+    """The unit of (request, layer) at ``step``: what the cache held then and the queries."""
+    sel = kv[(kv["request"] == request) & (kv["step"] == step) & (kv["layer"] == layer)]
+    first = int(sel[0]["tokens_seen"]) - int(sel[0]["tokens_kept"]) if sel.size else None
+    code = int(sel[0]["layer_type"]) if sel.size else int(layers[layer]["layer_type"]) if layer in layers else 0
+    lt = LT(code) if code in LT._value2member_map_ else LT.UNKNOWN
+    kp = asm.at(request, layer, int(kk), step, first=first)
+    vp = asm.at(request, layer, int(vk), step, first=first)
+    if kp is None or vp is None or len(kp.shape) != 4 or len(vp.shape) != 4 or kp.shape[:3] != vp.shape[:3]:
+        return None
+    k, v = kp.to_float32(), vp.to_float32()
+    window = int(layers[layer]["window"]) if layer in layers and lt in (LT.SLIDING, LT.STATIC_SLIDING) \
+        and int(layers[layer]["window"]) > 0 else None
+    latent = lt == LT.LATENT or (request, layer, int(PK.LATENT)) in rows
+    u = Unit(request, layer, step, lt.name.lower(), k, v, kp.token_start + np.arange(k.shape[2]),
+             [kp.head_start + i * kp.head_stride for i in range(k.shape[1])], window,
+             _scale(cfg, k.shape[3]), latent)
+    _queries(trace, u, rows.get((request, layer, int(PK.QUERY)), []), cfg, layers.get(layer))
+    return u
 
 
 def _queries(trace: Trace, u: Unit, qrows: list[tuple[int, int]], cfg: dict, lrow: np.void | None) -> None:

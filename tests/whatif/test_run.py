@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvtrace.format.reader import Trace
-from kvtrace.whatif import parse_policy
+from kvtrace.whatif import PolicyError, parse_policy
 from kvtrace.whatif.run import run_whatif
 
 DATA = Path(__file__).parents[1] / "data" / "gpu_contents"
@@ -130,3 +130,19 @@ def test_a_long_prefill_is_evaluated_on_its_last_queries(monkeypatch, tmp_path):
     r = _result(_run(path, ["knorm"]), "knorm", 0.5)
     assert r["layers"] and all(x["notes"] == ["evaluated with the last 4 of the 10 queries sampled at step 0"]
                                for x in r["layers"])
+
+
+def test_steps_all_measures_every_sampled_step():
+    doc = run_whatif(LLAMA, [parse_policy("knorm"), parse_policy("snapkv:window_size=4")], [0.0, 0.5], steps="all")
+    assert doc["steps"] == "all" and "up to 8 sampled steps" in doc["note"]
+    knorm = _result(doc, "knorm", 0.5)
+    assert sorted((x["layer"], x["step"]) for x in knorm["layers"]) == [(ly, s) for ly in (0, 1) for s in (0, 4, 8)]
+    assert all("attention_mass_recall" in x for x in knorm["layers"])
+    assert _result(doc, "knorm", 0.0)["overall"]["attention_mass_recall"]["worst"] == pytest.approx(1.0)
+    snap = _result(doc, "snapkv", 0.5)  # the prefill (step 0) has no earlier queries to score with
+    assert sorted(x["step"] for x in snap["layers"]) == [4, 4, 8, 8]
+    assert {(s["layer"], "before step 0" in s["reason"]) for s in snap["skipped"]} == {(0, True), (1, True)}
+    last = run_whatif(LLAMA, [parse_policy("knorm")], [0.5])
+    assert [x["step"] for x in _result(last, "knorm", 0.5)["layers"]] == [8, 8]
+    with pytest.raises(PolicyError):
+        run_whatif(LLAMA, [parse_policy("knorm")], [0.5], steps="some")

@@ -35,3 +35,10 @@ def test_bad_input_exit_codes(capsys, tmp_path):
     code, _, err = run_main(["whatif", str(bad)], capsys)
     assert code == 2 and err.count("\n") == 1
     assert run_main(["whatif", LLAMA, "--json-out", LLAMA], capsys)[0] == 64
+
+
+def test_steps_option(capsys):
+    code, text, _ = run_main(["whatif", LLAMA, "--policy", "knorm", "--ratio", "0.5", "--steps", "all", "--json"], capsys)
+    doc = json.loads(text)
+    assert code == 0 and doc["steps"] == "all" and len(doc["policies"][0]["results"][0]["layers"]) == 6
+    assert run_main(["whatif", LLAMA, "--steps", "some"], capsys)[0] == 64
