@@ -10,12 +10,14 @@ each dynamic / sliding-window layer of a ``DynamicCache``):
 
 * the text is fed one token per forward (after an optional prefill of its first tokens in one
   forward, kvpress's setting: the policy acts once the prefill's attention is done);
-* **eviction**: after a step's attention (a forward hook on each attention module), a full-attention layer that holds more than
-  ``n_kept(seen, ratio)`` tokens (kvpress's budget, ``seen`` = tokens the layer has seen) keeps
-  that many per KV head by the policy's scores; evicted tokens are gone for every later step.
-  Query-based policies score with the post-RoPE queries of the steps before this one (captured through
-  transformers' attention interface, kvtrace.recorder.qcapture). Sliding-window layers keep their
-  window unpressed (their KV is bounded already; stated in the output);
+* **eviction**: after a step's attention (a forward hook on each attention module), a
+  full-attention layer that holds more than ``n_kept(seen, ratio)`` tokens (kvpress's budget,
+  ``seen`` = tokens the layer has seen) keeps that many per KV head by the policy's scores;
+  evicted tokens are gone for every later step. Query-based policies score with the post-RoPE
+  queries of every step so far, this one included (captured through transformers' attention
+  interface, kvtrace.recorder.qcapture). Sliding-window layers keep their window unpressed
+  (their KV is bounded already; stated in the output); an MLA latent is pressed by key-only
+  policies (query-based ones need per-head keys and are refused);
 * **quantisation**: K/V are kept at full precision and every step attends to the policy's
   round trip of the whole cache (the last ``residual`` tokens exact). A real quantised cache
   re-quantises values it already dequantised; that compounding is not modelled;
@@ -23,8 +25,11 @@ each dynamic / sliding-window layer of a ``DynamicCache``):
   exactly the reference logits (KL 0).
 
 Masks: a layer's kept keys are presented to the mask builder as the most recent contiguous
-positions (``get_mask_sizes``), so with one query per step every kept key is visible and RoPE
-positions come from ``get_seq_length`` = tokens seen.
+positions (``get_mask_sizes``), so with one query per step every kept key is visible (the
+prefill, before any eviction, gets the model's own causal / sliding mask) and RoPE positions
+come from ``get_seq_length`` = tokens seen. Cost: query-based policies rescore every step against
+all earlier queries (O(N^3) over N tokens), and quantisers round-trip the whole cache every step
+in numpy on the CPU: meant for hundreds of tokens, not long contexts.
 """
 
 from __future__ import annotations
@@ -225,24 +230,27 @@ def teacher_forced_logprobs(model: Any, ids: torch.Tensor, policy: Policy | None
     import torch
 
     applied = _Applied(policy, ratio)
+    queries = isinstance(policy, P.ScorerPolicy) and policy.needs.startswith("Q") and applied.evicts
+    if queries and getattr(model.config.get_text_config(), "kv_lora_rank", None):
+        raise PolicyError(f"{policy.name}: the cache holds an MLA latent shared by all heads; scoring with "
+                          "queries needs per-head keys (the up-projections)")
     cache, layers = _policy_cache(model, applied)
-    hooks = [m.register_forward_hook(lambda mod, args, out, i=m.layer_idx: layers[i].after_attention())
-             for m in _attention_modules(model, len(layers))]
+    modules = _attention_modules(model, len(layers))
+    hooks: list[Any] = []
     capture = None
-    if isinstance(policy, P.ScorerPolicy) and policy.needs.startswith("Q") and applied.evicts:
-        if getattr(model.config.get_text_config(), "kv_lora_rank", None):
-            raise PolicyError(f"{policy.name}: the cache holds an MLA latent shared by all heads; scoring with "
-                              "queries needs per-head keys (the up-projections)")
-        from kvtrace.recorder.qcapture import QueryCapture
-
-        def keep_query(layer: int, q: torch.Tensor) -> None:
-            layers[layer].queries.append(q.detach().double().cpu().numpy())
-
-        capture = QueryCapture(model, keep_query)
-        capture.install()
     rows = []
     first = max(prefill, 1)
     try:
+        hooks = [m.register_forward_hook(lambda mod, args, out, i=m.layer_idx: layers[i].after_attention())
+                 for m in modules]
+        if queries:
+            from kvtrace.recorder.qcapture import QueryCapture
+
+            def keep_query(layer: int, q: torch.Tensor) -> None:
+                layers[layer].queries.append(q.detach().double().cpu().numpy())
+
+            capture = QueryCapture(model, keep_query)
+            capture.install()
         with torch.no_grad():
             for start, stop in [(0, first)] + [(t, t + 1) for t in range(first, ids.shape[1])]:
                 out = model(input_ids=ids[:, start:stop], past_key_values=cache, use_cache=True)

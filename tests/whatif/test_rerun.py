@@ -132,6 +132,7 @@ def test_mla_latent_is_pressed_by_key_only_policies_and_query_policies_refuse():
     assert [x.kept_log[-1] for x in layers] == [6, 6] and _measures(ref, got, ids[0].numpy())["kl_mean"] > 0
     with pytest.raises(PolicyError, match="MLA latent"):
         teacher_forced_logprobs(model, ids, parse_policy("tova"), 0.5)
+    assert not any(m._forward_hooks for m in model.modules())  # every step hook removed, refusal included
 
 
 def test_all_sliding_model_says_eviction_has_nothing_to_press(tmp_path):
