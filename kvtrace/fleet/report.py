@@ -11,6 +11,7 @@ autoescape): model names, paths and messages from traces are text, never markup.
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -82,7 +83,8 @@ def _distribution(title: str, unit: str, groups: list[tuple[str, np.ndarray]]) -
             ax.barh(i, p75 - p25, left=p25, height=0.5, color="#dbe6f1", edgecolor="#1d4f80")
             ax.vlines(p50, i - 0.25, i + 0.25, color="#b00020", linewidth=2)
             ax.scatter(v / scale, i + rng.uniform(-0.18, 0.18, v.size), s=6, alpha=0.45, color="#1f77b4")
-    ax.set_yticks(range(len(shown)), [f"{g} (n={v.size})" for g, v in shown])
+    # "$" would start matplotlib mathtext: a model called "$\\frac{" must not break the page
+    ax.set_yticks(range(len(shown)), [f"{g} (n={v.size})".replace("$", r"\$") for g, v in shown])
     ax.invert_yaxis()
     ax.set_xlabel(f"{name}" if unit == "bytes" else unit)
     ax.set_title(title + ("" if len(groups) <= MAX_GROUPS else f" ({MAX_GROUPS} largest of {len(groups)} groups)"))
@@ -110,8 +112,13 @@ def own_report(trace_path: str, out_dir: Path) -> tuple[str | None, str]:
         if candidate.is_file():
             rel = os.path.relpath(candidate.resolve(), out_dir.resolve())
             # quoted, and never a bare scheme: a file named "javascript:x.html" stays a path
-            return ("" if rel.startswith("..") else "./") + quote(rel), f"kvtrace report {p} -o {candidate}"
-    return None, f"kvtrace report {p} -o {p.with_name(target)}"
+            return ("" if rel.startswith("..") else "./") + quote(rel), _command(p, candidate)
+    return None, _command(p, p.with_name(target))
+
+
+def _command(trace: Path, page: Path) -> str:
+    """The command that writes a trace's report, quoted for a POSIX shell (paths may hold spaces)."""
+    return f"kvtrace report {shlex.quote(str(trace))} -o {shlex.quote(str(page))}"
 
 
 def _worst(con: Any, n: int, out_dir: Path) -> list[dict[str, Any]]:

@@ -78,7 +78,7 @@ def test_links_to_existing_trace_reports_are_relative(tmp_path, capsys):
 def test_hostile_strings_are_escaped(tmp_path, capsys):
     """Model name, host label, version and file name from a stranger's trace are text on the page."""
     name = 'javascript:alert(1)"><b>x'
-    p = write_synthetic_trace(tmp_path / f"{name}.kvt.h5", model_id=HOSTILE, residual_bytes=1 << 20)
+    p = write_synthetic_trace(tmp_path / f"{name}.kvt.h5", model_id=HOSTILE + " $\\frac{1$", residual_bytes=1 << 20)
     with h5py.File(p, "r+") as f:
         f["meta"].attrs["host_label"] = '<img src=x onerror="alert(2)">'
         f["meta"].attrs["transformers_version"] = "5.23.0</td><script>alert(3)</script>"
@@ -95,6 +95,8 @@ def test_hostile_strings_are_escaped(tmp_path, capsys):
         "&quot;", "&#34;")
     # the link to the trace's own report stays a relative path, never a javascript: URL
     link = doc["worst"][0]["report_link"]
+    assert doc["worst"][0]["report_command"].startswith("kvtrace report '")  # shell-quoted: the name has '"'
+
     assert link.startswith("./javascript%3Aalert") and 'href="javascript:' not in text
     # the figures' tick labels carry the group names as drawn paths, not as markup
     assert text.count('src="data:image/svg+xml;base64,') == 4
