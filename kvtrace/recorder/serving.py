@@ -51,6 +51,7 @@ import hashlib
 import json
 import sys
 import threading
+import weakref
 from typing import Any
 
 from kvtrace.format.schema import EventKind, Outcome, ReadingLabel
@@ -87,7 +88,7 @@ class _Flight:
 class _Manager:
     """What the recorder keeps per CB manager of the recorded model."""
 
-    __slots__ = ("adapter", "cache", "counts", "index", "lag", "steps")
+    __slots__ = ("adapter", "cache", "counts", "index", "lag", "ref", "steps")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -97,6 +98,7 @@ class _Manager:
         self.counts = StepCounts()
         self.adapter: CacheAdapter | None = None  # None: this cache's layout is not known
         self.cache: Any = None
+        self.ref: Any = lambda: None  # weakref to the manager object
 
 
 class ServingRecorder:
@@ -111,8 +113,9 @@ class ServingRecorder:
         self.take_id = take_id
         self.lock = threading.Lock()  # add_request runs on the caller's thread, the rest on CB's loop
         self.flights: dict[tuple[int, str], _Flight] = {}  # (id(manager), CB request id) -> flight
-        # id(scheduler), id(batch processor), id(cache), id(eviction target) -> id(manager)
-        self.owner: dict[int, int] = {}
+        # id(scheduler), id(batch processor), id(cache), id(eviction target) -> (id(manager), weakref to
+        # the object): ids are reused once an object dies, so a lookup also checks it is the same object
+        self.owner: dict[int, tuple[int, Any]] = {}
         self.managers: dict[int, _Manager] = {}  # id(manager) -> its state
         # set on CB's loop thread while offload_requests runs: the finish_request calls it makes
         # preempt a request (it is requeued), they do not end it
@@ -121,6 +124,7 @@ class ServingRecorder:
         self._patches: list[tuple[type, str, Any, Any]] = []
         self._said: set[str] = set()
         self._phases = 0
+        self._numbered = 0  # managers seen (their indexes)
         self.closed = False
 
     # ---- install / remove -----------------------------------------------------------------------
@@ -232,12 +236,32 @@ class ServingRecorder:
     def _ours(self, manager: Any) -> bool:
         return not self.closed and getattr(manager, "model", None) is self.model
 
+    def _owner_of(self, obj: Any) -> int | None:
+        """The manager key of a processor, scheduler, cache or block manager registered by _register."""
+        entry = self.owner.get(id(obj))
+        return entry[0] if entry is not None and entry[1]() is obj else None
+
     def _manager(self, key: int) -> _Manager:
         """The manager's state, numbered in order of first sight (caller holds the lock)."""
         m = self.managers.get(key)
         if m is None:
-            m = self.managers[key] = _Manager(len(self.managers))
+            m = self.managers[key] = _Manager(self._numbered)
+            self._numbered += 1
         return m
+
+    def _see(self, manager: Any) -> int:
+        """The key of a live manager object: a new manager whose id an earlier, dead one had gets a
+        state (and index) of its own."""
+        key = id(manager)
+        with self.lock:
+            m = self.managers.get(key)
+            if m is not None and m.ref() is not manager:
+                del self.managers[key]
+                m = None
+            if m is None:
+                m = self._manager(key)
+                m.ref = weakref.ref(manager)
+        return key
 
     def _add_request(self, orig: Any, manager: Any, args: tuple, kwargs: dict) -> Any:
         request_id = orig(manager, *args, **kwargs)
@@ -245,7 +269,7 @@ class ServingRecorder:
             try:
                 ids = kwargs.get("input_ids", args[0] if args else [])
                 max_new = kwargs.get("max_new_tokens", args[2] if len(args) > 2 else None)
-                self._begin(id(manager), str(request_id), list(ids), max_new)
+                self._begin(self._see(manager), str(request_id), list(ids), max_new)
             except Exception as exc:  # noqa: BLE001 - serving goes on unrecorded
                 self.ctx.error("cb-add-request", exc)
         return request_id
@@ -285,7 +309,7 @@ class ServingRecorder:
         processor = orig(manager, *args, **kwargs)
         if self._ours(manager):
             try:
-                self._register(id(manager), processor)
+                self._register(self._see(manager), processor)
             except Exception as exc:  # noqa: BLE001
                 self.ctx.error("cb-create", exc)
         return processor
@@ -295,13 +319,14 @@ class ServingRecorder:
         adapter = self.adapter if self.adapter is not None and self.adapter.matches(cache) else None
         with self.lock:
             m = self._manager(key)
-            m.cache, m.adapter, m.steps, m.counts = cache, adapter, 0, StepCounts()
+            # a manager that builds its processor again (a persistent manager, reused) keeps counting
+            # steps, so (manager, step) stays unique in /sched
+            m.cache, m.adapter = cache, adapter
             m.lag = 1 if getattr(processor, "use_async_batching", False) else 0
-            self.owner[id(processor)] = key
-            self.owner[id(getattr(processor, "scheduler", None))] = key
-            self.owner[id(cache)] = key
-            if adapter is not None:
-                self.owner[id(adapter.eviction_target(cache))] = key
+            for obj in (processor, getattr(processor, "scheduler", None), cache,
+                        adapter.eviction_target(cache) if adapter is not None else None):
+                if obj is not None:
+                    self.owner[id(obj)] = (key, weakref.ref(obj))
         if adapter is None and self.adapter is not None:
             self._unsupported(f"continuous batching is recorded without its paged cache (/sched cache columns -1, no /blocks): "
                               f"{UNSUPPORTED} {transformers_version()} ({type(cache).__name__} is not the "
@@ -309,7 +334,7 @@ class ServingRecorder:
 
     def _prepare(self, orig: Any, processor: Any, args: tuple, kwargs: dict) -> Any:
         found = orig(processor, *args, **kwargs)
-        key = self.owner.get(id(processor))
+        key = self._owner_of(processor)
         if found and key is not None and not self.closed:
             try:
                 self._step(key, processor)
@@ -321,7 +346,7 @@ class ServingRecorder:
         scheduler = getattr(processor, "scheduler", None)
         forking = bool(getattr(scheduler, "_requests_to_fork", None))  # update_batch forks them at its end
         out = orig(processor, *args, **kwargs)
-        key = self.owner.get(id(processor))
+        key = self._owner_of(processor)
         if key is not None and not self.closed:
             try:
                 if forking:
@@ -363,7 +388,7 @@ class ServingRecorder:
         self._event(EventKind.FIRST_TOKEN, flight.rid, step=self._last_step(key))
 
     def _finish(self, orig: Any, scheduler: Any, args: tuple, kwargs: dict) -> Any:
-        key = self.owner.get(id(scheduler))
+        key = self._owner_of(scheduler)
         request_id = kwargs.get("request_id", args[0] if args else None)
         state = getattr(scheduler, "active_requests", {}).get(request_id) if key is not None else None
         out = orig(scheduler, *args, **kwargs)
@@ -385,7 +410,7 @@ class ServingRecorder:
         """transformers fails a request (a batch's forward raised, or the loop died): ERROR, with the
         error's text; it covers waiting requests too, which no finish_request follows."""
         out = orig(processor, *args, **kwargs)
-        key = self.owner.get(id(processor))
+        key = self._owner_of(processor)
         error = kwargs.get("error", args[0] if args else None)
         state = kwargs.get("state", args[1] if len(args) > 1 else None)
         if key is not None:
@@ -428,7 +453,7 @@ class ServingRecorder:
 
     def _prefix(self, orig: Any, cache: Any, args: tuple, kwargs: dict) -> Any:
         tokens = orig(cache, *args, **kwargs)
-        key = self.owner.get(id(cache))
+        key = self._owner_of(cache)
         if key is not None and tokens and not self.closed:
             try:
                 request_id = kwargs.get("request_id", args[0] if args else None)
@@ -445,7 +470,7 @@ class ServingRecorder:
         return tokens
 
     def _evict(self, orig: Any, target: Any, args: tuple, kwargs: dict) -> Any:
-        key = self.owner.get(id(target))
+        key = self._owner_of(target)
         m = self.managers.get(key) if key is not None else None
         adapter = m.adapter if m is not None else None
         before = adapter.cached_total(target) if adapter is not None else 0
@@ -464,7 +489,7 @@ class ServingRecorder:
 
     def _cancelled(self, orig: Any, scheduler: Any, args: tuple, kwargs: dict) -> Any:
         states = orig(scheduler, *args, **kwargs)
-        key = self.owner.get(id(scheduler))
+        key = self._owner_of(scheduler)
         if key is not None:
             for state in states or ():
                 flight = self._pop(key, getattr(state, "request_id", None))

@@ -382,3 +382,31 @@ def test_forked_parallel_sequences_are_requests_sharing_blocks(monkeypatch, tmp_
     last = t.blocks()[t.blocks()["step"] == t.sched()["step"].max()]
     assert sorted(last["request"].tolist()) == [0, 1, 2] and set(last["blocks_shared"].tolist()) == {1}
     assert sorted(t.events(EventKind.FIRST_TOKEN)["request"].tolist()) == [0, 1, 2]
+
+
+def test_managers_numbered_and_steps_unique_across_calls(tmp_path):
+    """Three generate_batch calls in one recording: two with a persistent manager (the second call
+    reuses it and its processor is built again) and one with a fresh manager. (manager, step) stays
+    unique in /sched, each request row names its manager, and the persistent one keeps counting."""
+    llama = tiny_model("llama")
+    path = tmp_path / "calls.kvt.h5"
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=16, max_batch_tokens=64)
+    with kvtrace.record(llama, path) as rec:
+        for persistent in (True, True, False):
+            if not persistent:  # a fresh manager for the last call
+                llama.destroy_cached_continuous_batching_manager()
+            llama.generate_batch(inputs=[[1, 2, 3], [4, 5]], generation_config=_gc(3), continuous_batching_config=cb,
+                                 warmup=False, persistent_manager=persistent)
+    assert rec.recorder_errors == 0
+    t = open_trace(path)
+    sched = t.sched()
+    pairs = list(zip(sched["manager"].tolist(), sched["step"].tolist(), strict=True))
+    assert len(set(pairs)) == len(pairs) == 9
+    cb_rows = TraceView(t).cb_requests
+    assert len(cb_rows) == 6
+    by_manager = {int(m): sorted(int(s) for mm, s in pairs if mm == m) for m in set(sched["manager"].tolist())}
+    # every request's manager has steps; the reused manager's second run continues its step count
+    assert set(cb_rows["manager"].tolist()) == set(by_manager)
+    assert sorted(len(v) for v in by_manager.values()) == [3, 6]
+    assert sorted(by_manager.values(), key=len)[1] == list(range(6))  # the reused one: steps 0..5
+    assert validate(path).valid
