@@ -13,11 +13,12 @@ from typing import Any
 from kvtrace.testing_models import tiny_model
 
 _MODELS: dict[str, Any] = {}
+DEVICE = "cpu"  # serving_check.py --device cuda moves the models to the GPU
 
 
 def model(name: str = "llama") -> Any:
     if name not in _MODELS:
-        _MODELS[name] = tiny_model(name)
+        _MODELS[name] = tiny_model(name).to(DEVICE)
     return _MODELS[name]
 
 
@@ -27,6 +28,9 @@ def _configs(new: int, **cb: Any) -> tuple[Any, Any]:
 
     # eos -1: no EOS, every request runs exactly `new` tokens
     gc = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    fields = set(getattr(ContinuousBatchingConfig, "__dataclass_fields__", {}))
+    if "page_size" in cb and fields and "page_size" not in fields:  # transformers 5.17: block_size
+        cb["block_size"] = cb.pop("page_size")
     return gc, ContinuousBatchingConfig(**cb)
 
 
@@ -80,8 +84,9 @@ def clean_llama(path: Path) -> Path:
 
 
 def clean_gemma3(path: Path) -> Path:
-    """gemma3_text: a sliding group (window 8, a ring buffer) and a full group, same load."""
-    return batch(path, MIXED, 12, arch="gemma3_text", page_size=16, num_blocks=32, max_batch_tokens=128)
+    """gemma3_text: a sliding group (window 8, a ring buffer) and a full group, same load (64 blocks:
+    transformers 5.17 splits them between the groups)."""
+    return batch(path, MIXED, 12, arch="gemma3_text", page_size=16, num_blocks=64, max_batch_tokens=128)
 
 
 def clean_prefix_shared(path: Path) -> Path:
@@ -120,3 +125,9 @@ def plant_sharing_off(path: Path) -> Path:
 def plant_context_spike(path: Path) -> Path:
     """Five 10-token requests and one 100-token request (5x the median context)."""
     return batch(path, [6, 6, 6, 6, 6, 96], 4, page_size=16, num_blocks=32, max_batch_tokens=256)
+
+
+def default_pool(path: Path) -> Path:
+    """transformers' own pool sizing (no num_blocks: free memory x max_memory_percent), a light load:
+    on a GPU the pool dwarfs what the load uses (over_reservation), the device looks full to NVML."""
+    return batch(path, MIXED, 8, page_size=16, max_batch_tokens=128)

@@ -32,10 +32,13 @@ class PrefixCache(ServingDetector):
         cb = admitted(ctx)
         if not cb.size:
             return []
-        lookups = int(cb["prompt_tokens"].sum())
-        hits = int(cb["prefix_hit_tokens"].sum())
+        sched = ctx.view.sched
+        # Looked up = prefilled + served from cache, per scheduled step (a prompt recomputed after a
+        # soft reset is looked up again), as the live kvtrace_serving_prefix_cache_* counters count.
+        hits = int(sched["prefix_hit_tokens"].clip(min=0).sum())
+        lookups = int(sched["prefill_tokens"].sum()) + hits
         sha = {int(r["request"]): bytes(r["prompt_sha256"]) for r in ctx.view.requests}
-        evicted = int(ctx.view.sched["evicted_blocks"].clip(min=0).sum())
+        evicted = int(sched["evicted_blocks"].clip(min=0).sum())
         expected = missed = repeats = 0
         repeat_ids: list[int] = []
         order = np.argsort(cb["admitted_ns"], kind="stable")
@@ -69,8 +72,8 @@ class PrefixCache(ServingDetector):
         if not expected:
             return [self.finding(
                 "hit_rate", 0.0,
-                f"Prefix cache: {hits:,} of {lookups:,} prompt tokens ({rate:.0%}) served from cached blocks over "
-                f"{cb.size:,} admissions; no prompt repeated one that had finished, so no hit is proven missing.",
+                f"Prefix cache: {hits:,} of {lookups:,} prompt tokens looked up ({rate:.0%}) served from cached blocks "
+                f"over {cb.size:,} admissions; no prompt repeated one that had finished, so no hit is proven missing.",
                 evidence=evidence)]
         share = missed / expected
         score = alert(share, *MISSED_ALERT)
@@ -81,7 +84,7 @@ class PrefixCache(ServingDetector):
                if not hits else "")
         msg = (f"Prefix cache: {repeats:,} requests repeated a prompt that had already finished, yet found "
                f"{expected - missed:,} of the {expected:,} tokens its complete blocks held ({1 - share:.0%}); overall "
-               f"{hits:,} of {lookups:,} prompt tokens ({rate:.0%}) hit" + (f"; {why}." if why else "."))
+               f"{hits:,} of {lookups:,} prompt tokens looked up ({rate:.0%}) hit" + (f"; {why}." if why else "."))
         return [self.finding("missed_prefix_hits", score, msg, evidence=evidence, requests=repeat_ids)]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvtrace.analyzer.base import Finding, ev, register
+from kvtrace.analyzer.detectors._common import plural
 from kvtrace.analyzer.detectors._serving import (
     USAGE_ALERT,
     ServingDetector,
@@ -64,7 +65,7 @@ class ServingCapacity(ServingDetector):
         msg = (f"Manager {manager}: the paged KV pool ({format_bytes(pool)}) reached {usage[i]:.0%} block usage "
                f"at step {int(rows['step'][i])} ({format_bytes(pool - int(rows['free_bytes'][i]))} in blocks"
                + (f", {tok:.0%} holding valid tokens" if tok >= 0 else "") + f"); {above:,} of {rows.size:,} steps "
-               f"at >= 80%" + (f", with {int(rows['waiting'][i]):,} requests waiting" if rows["waiting"][i] else "")
+               f"at >= 80%" + (f", with {plural(int(rows['waiting'][i]), 'request')} waiting" if rows["waiting"][i] else "")
                + ".")
         return self.finding(
             "pool_usage", score, msg,
