@@ -46,7 +46,7 @@ def main() -> None:
             torch.manual_seed(0)
             AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY)).save_pretrained(model_dir)
         dist.barrier()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **_tp_auto())
     model.eval()
     import kvtrace
 
@@ -61,6 +61,20 @@ def main() -> None:
             del result
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _tp_auto() -> dict:
+    """tp_plan="auto" as this transformers takes it: distributed_config=DistributedConfig(tp_plan=...)
+    where DistributedConfig has tp_plan (5.23: passing tp_plan directly is deprecated), else tp_plan=."""
+    import inspect
+
+    try:
+        from transformers import DistributedConfig
+    except ImportError:
+        return {"tp_plan": "auto"}
+    if "tp_plan" in inspect.signature(DistributedConfig).parameters:
+        return {"distributed_config": DistributedConfig(tp_plan="auto")}
+    return {"tp_plan": "auto"}
 
 
 if __name__ == "__main__":
