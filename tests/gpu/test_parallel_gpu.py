@@ -22,6 +22,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+pytest.importorskip("zstandard", reason="the trace writer needs zstandard (carry it to the GPU host)")
 
 import kvtrace  # noqa: E402
 from kvtrace.analyzer import analyze  # noqa: E402
