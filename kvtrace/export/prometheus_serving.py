@@ -98,7 +98,7 @@ class ServingMetrics:
         for name, (kind, text, labels, _) in SERVING_METRICS.items():
             if kind == "histogram":
                 buckets = TTFT_BUCKETS if "first_token" in name or "queue" in name else ITL_BUCKETS
-                self._m[name] = pc.Histogram(name, text, labels, registry=None, buckets=buckets)
+                self._m[name] = _Histogram(name, text, buckets)
             else:
                 cls = pc.Counter if kind == "counter" else pc.Gauge
                 self._m[name] = cls(name, text, labels, registry=None)
@@ -151,8 +151,7 @@ class ServingMetrics:
             self._last_step_ns[int(sched.manager)] = int(sched.t_ns)
             if previous is not None and int(sched.decode_tokens) > 0 and int(sched.t_ns) > previous:
                 gap = (int(sched.t_ns) - previous) / 1e9
-                for _ in range(int(sched.decode_tokens)):
-                    m["kvtrace_serving_inter_token_latency_seconds"].observe(gap)
+                m["kvtrace_serving_inter_token_latency_seconds"].observe(gap, int(sched.decode_tokens))
         self._updated()
 
     def on_serving_event(self, kind: Any, request: int, value: int, t_ns: int) -> None:
@@ -230,6 +229,34 @@ class ServingMetrics:
         with self.exporter._lock:
             self.exporter._touch()
         self.exporter._maybe_textfile()
+
+
+class _Histogram:
+    """A histogram that takes one value n times in one call (a step's gap, once per decoded request:
+    64 requests would be 64 prometheus_client observe calls per step on the CB loop)."""
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help = name, help_text
+        self.bounds = np.array(buckets, dtype=np.float64)
+        self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)  # last: above the largest bound
+        self.total = 0.0
+        self._lock = threading.Lock()  # a scrape reads counts and sum of the same instant
+
+    def observe(self, value: float, n: int = 1) -> None:
+        """`n` observations of `value`; bucket `le` holds values <= its bound, as Prometheus defines."""
+        with self._lock:
+            self.counts[int(np.searchsorted(self.bounds, value, side="left"))] += n
+            self.total += value * n
+
+    def collect(self) -> Any:
+        from prometheus_client.core import HistogramMetricFamily
+
+        with self._lock:
+            counts, total = self.counts.copy(), self.total
+        cumulative = np.cumsum(counts)
+        buckets = [(repr(float(b)), int(c)) for b, c in zip(self.bounds, cumulative[:-1], strict=True)]
+        buckets.append(("+Inf", int(cumulative[-1])))
+        yield HistogramMetricFamily(self.name, self.help, buckets=buckets, sum_value=total)
 
 
 class _Served:

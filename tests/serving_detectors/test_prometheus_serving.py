@@ -203,3 +203,25 @@ def test_spec_table_lists_every_serving_metric_and_its_vllm_name():
         assert row is not None, name
         if vllm:
             assert vllm.split(" ")[0] in row, (name, vllm)
+
+
+def test_histogram_buckets_follow_prometheus_le(tmp_path):
+    """A value on a bound counts in that bound's bucket (le = less or equal); n observations at once."""
+    from prometheus_client import generate_latest
+
+    exp = PrometheusExporter(None, None, textfile=tmp_path / "m.prom", linger_s=0)
+    sm = ServingMetrics(exp)
+    sm.on_request_start(7)
+    sm._arrival[7] = 0
+    sm.on_serving_event(int(schema.EventKind.FIRST_TOKEN), 7, 0, 10_000_000)  # 0.01 s, a bucket bound
+    step = schema.SchedRow(0, 0, 0, 2, 0, 2, 2, 0, -1, -1, -1, -1, -1, -1, -1, 4, 0, 0, 0, 0)
+    sm.on_serving_step(step, [])
+    sm.on_serving_step(step._replace(step=1, t_ns=3_000_000), [])  # 3 ms gap, 2 requests decoded
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for fam in text_string_to_metric_families(generate_latest(exp.registry).decode()) for s in fam.samples}
+    ttft = "kvtrace_serving_time_to_first_token_seconds"
+    assert got[(f"{ttft}_bucket", (("le", "0.005"),))] == 0 and got[(f"{ttft}_bucket", (("le", "0.01"),))] == 1
+    itl = "kvtrace_serving_inter_token_latency_seconds"
+    assert got[(f"{itl}_bucket", (("le", "0.0025"),))] == 0 and got[(f"{itl}_bucket", (("le", "0.005"),))] == 2
+    assert got[(f"{itl}_count", ())] == 2 and got[(f"{itl}_sum", ())] == pytest.approx(0.006)
+    assert got[(f"{itl}_bucket", (("le", "+Inf"),))] == 2
