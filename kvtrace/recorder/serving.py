@@ -253,14 +253,19 @@ class ServingRecorder:
         """The key of a live manager object: a new manager whose id an earlier, dead one had gets a
         state (and index) of its own."""
         key = id(manager)
+        orphans: list[_Flight] = []
         with self.lock:
             m = self.managers.get(key)
             if m is not None and m.ref() is not manager:
                 del self.managers[key]
                 m = None
+                # requests the dead manager never ended: not to be mistaken for the new one's
+                orphans = [self.flights.pop(k) for k in [k for k in self.flights if k[0] == key]]
             if m is None:
                 m = self._manager(key)
                 m.ref = weakref.ref(manager)
+        for flight in orphans:
+            self._end(flight.rid, Outcome.INTERRUPTED, None, "its continuous-batching manager is gone")
         return key
 
     def _add_request(self, orig: Any, manager: Any, args: tuple, kwargs: dict) -> Any:
