@@ -102,17 +102,20 @@ def _layer_class() -> type:
         def get_seq_length(self) -> int:
             return self.seen
 
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        def get_mask_sizes(self, query: Any, *args: Any) -> tuple[int, int]:
+            # transformers 5.23 passes the query length, older 5.x the cache_position tensor
+            n = query if isinstance(query, int) else int(query.shape[0])
             held = 0 if self.keys is None or not self.is_initialized else int(self.keys.shape[-2])
-            return held + query_length, self.seen - held
+            return held + n, self.seen - held
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             n = key_states.shape[-2]
             if n != 1 and self.seen:
                 raise RuntimeError("the what-if rerun feeds one token per step after the prefill")
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
+            if not self.is_initialized:  # (not lazy_initialization: its signature varies across 5.x)
+                self.dtype, self.device = key_states.dtype, key_states.device
+                self.is_initialized = True
                 self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
                 self.pos = torch.zeros((*key_states.shape[:2], 0), dtype=torch.long, device=key_states.device)
             new_pos = torch.arange(self.seen, self.seen + n, device=key_states.device).expand(*key_states.shape[:2], -1)
