@@ -132,7 +132,8 @@ def _print(s: dict) -> None:
         if isinstance(every, int) and every > 1 else " (every step)" if every == 1 else ""))
     echo(f"rows       kv {rows['kv']}, steps {rows['steps']}, events {rows['events']}, "
                f"nvml {rows['telemetry/nvml']}, allocator {rows['telemetry/allocator']}, "
-               f"process {rows['telemetry/process']}")
+               f"process {rows['telemetry/process']}"
+               + "".join(f", {name} {rows[name]}" for name in ("sched", "sched_groups", "blocks") if name in rows))
     _print_serving(s.get("serving"), echo)
     kind = "incremental: new tokens per sample" if s["payloads"]["tokens"] == "new" else "whole samples"
     echo(f"payloads   {s['payloads']['count']} sampled tensors ({kind}), "

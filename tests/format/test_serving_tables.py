@@ -107,6 +107,7 @@ def test_info_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypa
     assert lines["serving"].startswith("serving    2 scheduler steps (1 manager(s)), pool 256.0 KiB, peak use 4.7% of "
                                        "blocks (1.0% of tokens), peak 2 running / 1 waiting; 1 preemptions")
     assert lines["phases"] == "phases     baseline, concurrent"
+    assert lines["rows"].endswith(", sched 2, sched_groups 2, blocks 4")
     code, out, _ = run_main(["info", str(path), "--json"], capsys)
     doc = json.loads(out)
     assert doc["rows"]["sched"] == 2 and doc["rows"]["blocks"] == 4 and doc["serving"]["evicted_blocks"] == 0
