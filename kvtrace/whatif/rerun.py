@@ -232,6 +232,8 @@ def teacher_forced_logprobs(model: Any, ids: torch.Tensor, policy: Policy | None
     as kvpress presses a prefill), then one token per step; and the wrapped cache layers."""
     import torch
 
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise Unavailable("what-if rerun: encoder-decoder models are not supported (decoder-only causal LMs)")
     applied = _Applied(policy, ratio)
     queries = isinstance(policy, P.ScorerPolicy) and policy.needs.startswith("Q") and applied.evicts
     if queries and getattr(model.config.get_text_config(), "kv_lora_rank", None):

@@ -176,3 +176,10 @@ def test_prefill_is_pressed_once_after_its_attention(llama):
             assert layers[0].queries[0].shape[2] == 16  # scored with the prefill's own queries
     m = _measures(ref, got, ids[0].numpy(), 16)
     assert m["kl_mean"] > 0 and m["perplexity"] > 0
+
+
+def test_encoder_decoder_models_are_refused_with_the_reason():
+    from kvtrace.errors import Unavailable
+
+    with pytest.raises(Unavailable, match="encoder-decoder"):
+        teacher_forced_logprobs(tiny_model("t5"), tiny_prompt(4))
