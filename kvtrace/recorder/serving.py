@@ -22,8 +22,9 @@ What it writes, per continuous-batching (CB) request of the recorded model:
   the positions it held; OFFLOADED follows with the bytes copied when they went to the CPU swap
   pool), EOS when its last token is an end-of-sequence token, REQUEST_END when finished or cancelled;
   and BLOCK_EVICTED (request −1, value = blocks) when cached prefix blocks go back to the pool;
-* per manager, /readings with request −1: BASELINE as its generation loop starts (before it builds
-  the paged cache), PEAK (CUDA) and AFTER_RETURN as the loop ends;
+* per manager, /readings with request −1: BASELINE just before it first builds its batch processor
+  and paged cache (in warmup() or as its generation loop starts), PEAK (CUDA) and AFTER_RETURN as
+  each run of its loop ends;
 * per scheduler step (one ``ContinuousBatchProcessor.prepare_next_batch`` that found work): one /sched
   row, one /sched_groups row per cache group and one /blocks row per running request and group, from
   the cache's own counters as the version adapter reads them (:mod:`kvtrace.recorder.serving_cache`).
@@ -88,7 +89,7 @@ class _Flight:
 class _Manager:
     """What the recorder keeps per CB manager of the recorded model."""
 
-    __slots__ = ("adapter", "cache", "counts", "index", "lag", "ref", "steps")
+    __slots__ = ("adapter", "baseline", "cache", "counts", "index", "lag", "ref", "steps")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -99,6 +100,7 @@ class _Manager:
         self.adapter: CacheAdapter | None = None  # None: this cache's layout is not known
         self.cache: Any = None
         self.ref: Any = lambda: None  # weakref to the manager object
+        self.baseline = False  # its BASELINE reading is written
 
 
 class ServingRecorder:
@@ -280,12 +282,10 @@ class ServingRecorder:
         return request_id
 
     def _loop(self, orig: Any, manager: Any, args: tuple, kwargs: dict) -> Any:
-        """The manager's generation loop (its background thread): a BASELINE reading before it builds
-        the paged cache, PEAK and AFTER_RETURN readings when it ends (the cache is still held then), all
-        with request -1 (they belong to the manager, not to one of its requests)."""
+        """The manager's generation loop (its background thread): PEAK and AFTER_RETURN readings when it
+        ends (the cache is still held then), request -1 (they belong to the manager, not to one of its
+        requests). The BASELINE is taken in :meth:`_create`, before the cache exists."""
         ours = self._ours(manager)
-        if ours:
-            self._reading("baseline")
         try:
             return orig(manager, *args, **kwargs)
         finally:
@@ -311,6 +311,13 @@ class ServingRecorder:
             self.ctx.error(f"cb-reading-{which}", exc)
 
     def _create(self, orig: Any, manager: Any, args: tuple, kwargs: dict) -> Any:
+        # the first build of a manager's processor allocates its paged cache (from warmup() or from the
+        # generation loop): the BASELINE reading goes just before it, once per manager
+        if self._ours(manager) and getattr(manager, "batch_processor", None) is None:
+            key = self._see(manager)
+            if not self.managers[key].baseline:
+                self.managers[key].baseline = True
+                self._reading("baseline")
         processor = orig(manager, *args, **kwargs)
         if self._ours(manager):
             try:

@@ -278,6 +278,14 @@ def test_eos_step_and_the_managers_readings(tmp_path):
     assert readings["t_ns"][0] < sched["t_ns"].min() and readings["t_ns"][1] > sched["t_ns"].max()
     assert np.all(readings["rss_bytes"] > 0)
 
+    # with warmup (transformers' default) the manager builds its cache in warmup(), before the loop:
+    # the BASELINE is still taken once, before that
+    path = tmp_path / "warm.kvt.h5"
+    with kvtrace.record(llama, path):
+        llama.generate_batch(inputs=[prompt], generation_config=gc, continuous_batching_config=cb, warmup=True)
+    t = open_trace(path)
+    assert t.readings()["label"].tolist() == [ReadingLabel.BASELINE, ReadingLabel.AFTER_RETURN]
+
 
 def test_cpu_offload_accounting(monkeypatch, tmp_path):
     """With a CPU swap pool, transformers copies a starved request's blocks there instead of a soft
