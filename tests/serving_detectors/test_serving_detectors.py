@@ -144,3 +144,21 @@ def test_generate_traces_skip_the_serving_detectors(tmp_path):
     for name in SERVING:
         r = report.result(name)
         assert (r.status, r.reason, r.findings) == ("skipped", NO_SCHED, [])
+
+
+def test_findings_name_the_load_test_phase(tmp_path):
+    """Phase markers (Recorder.mark_phase, as kvtrace loadtest writes them) name the phase in which the
+    pool filled, the most requests were offered and the spike arrived."""
+    model = S.model("llama")
+    gc, cfg = S._configs(4, page_size=16, num_blocks=16, max_batch_tokens=256)
+    path = tmp_path / "phases.kvt.h5"
+    with kvtrace.record(model, path) as rec:
+        rec.mark_phase("single")
+        model.generate_batch(inputs=S.prompts([6]), generation_config=gc, continuous_batching_config=cfg, warmup=False)
+        rec.mark_phase("concurrent")
+        model.generate_batch(inputs=S.prompts([20] * 10), generation_config=gc, continuous_batching_config=cfg,
+                             warmup=False)
+    report = kvtrace.analyze(path)
+    for detector in ("serving_capacity", "concurrency_headroom"):
+        (f,) = [f for f in report.result(detector).findings if f.score >= 0.5]
+        assert "(phase 'concurrent')" in f.message, f.message

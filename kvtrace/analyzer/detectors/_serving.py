@@ -126,3 +126,13 @@ def request_peak_bytes(ctx: ReplayContext, manager: int) -> dict[int, int]:
     for r, v in zip(req.tolist(), per_step.tolist(), strict=True):
         out[r] = max(out.get(r, 0), int(v))
     return out
+
+
+def phase_at(ctx: ReplayContext, t_ns: int) -> str:
+    """' (phase NAME)' for the load-test phase marker in force at `t_ns` (kvtrace loadtest, Recorder.mark_phase),
+    '' when the trace has none before it: messages name the phase of the four-phase protocol."""
+    phases = ctx.view.phases
+    if not phases.size:
+        return ""
+    i = int(np.searchsorted(phases["t_ns"], t_ns, side="right")) - 1
+    return f" (phase {str(phases['name'][i])!r})" if i >= 0 else ""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvtrace.analyzer.base import Finding, ev, register
-from kvtrace.analyzer.detectors._serving import ServingDetector, alert, held, request_peak_bytes
+from kvtrace.analyzer.detectors._serving import ServingDetector, alert, held, phase_at, request_peak_bytes
 from kvtrace.analyzer.replay import ReplayContext
 from kvtrace.units import format_bytes
 
@@ -44,7 +44,7 @@ class ConcurrencyHeadroom(ServingDetector):
         msg = (f"Manager {manager}: a typical request here holds {format_bytes(typical)} of the "
                f"{format_bytes(pool)} pool at its largest (median of {len(sizes):,} requests), so {fit:,} fit at once "
                f"({fit_largest:,} of the largest, request {largest_req}, {format_bytes(largest)}); "
-               f"{int(offered[i]):,} were offered at once at step {int(rows['step'][i])} "
+               f"{int(offered[i]):,} were offered at once at step {int(rows['step'][i])}{phase_at(ctx, int(rows['t_ns'][i]))} "
                f"({int(rows['running'][i]):,} running, {int(rows['waiting'][i]):,} waiting): "
                + (f"{ratio:.0%} of capacity." if np.isfinite(ratio) else "not one fits."))
         return self.finding(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvtrace.analyzer.base import Finding, ev, register
-from kvtrace.analyzer.detectors._serving import ServingDetector, admitted, alert, request_peak_bytes
+from kvtrace.analyzer.detectors._serving import ServingDetector, admitted, alert, phase_at, request_peak_bytes
 from kvtrace.analyzer.replay import ReplayContext
 from kvtrace.units import format_bytes
 
@@ -41,7 +41,8 @@ class ContextSpike(ServingDetector):
         pools = ctx.view.sched["pool_bytes"][ctx.view.sched["manager"] == manager]
         pool = int(pools.max()) if pools.size else -1
         share = kv / pool if kv is not None and pool > 0 else None
-        msg = (f"Request {rid} reached a {int(context[i]):,}-token context, {ratio:.1f}x the typical "
+        msg = (f"Request {rid}{phase_at(ctx, int(cb['arrival_ns'][i]))} reached a {int(context[i]):,}-token context, "
+               f"{ratio:.1f}x the typical "
                f"{typical:,.0f} tokens (median of {cb.size:,} requests)"
                + (f"; its blocks held {format_bytes(kv)}" + (f", {share:.0%} of the pool" if share is not None else "")
                   if kv is not None else "")

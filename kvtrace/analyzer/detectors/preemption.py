@@ -15,7 +15,7 @@ import numpy as np
 
 from kvtrace.analyzer.base import Finding, ev, register
 from kvtrace.analyzer.detectors._common import plural
-from kvtrace.analyzer.detectors._serving import ServingDetector, alert
+from kvtrace.analyzer.detectors._serving import ServingDetector, alert, phase_at
 from kvtrace.analyzer.replay import ReplayContext
 from kvtrace.format import schema
 
@@ -48,7 +48,8 @@ class Preemption(ServingDetector):
         by_req = {r: int(np.sum(pre["request"] == r)) for r in reqs}
         worst = sorted(by_req.items(), key=lambda kv: (-kv[1], kv[0]))[:5]
         named = ", ".join(f"{r} ({plural(k, 'time')})" for r, k in worst) + (", ..." if len(by_req) > 5 else "")
-        msg = (f"The scheduler preempted requests {plural(n, 'time')} "
+        first = phase_at(ctx, int(pre["t_ns"].min())) if pre.size else ""
+        msg = (f"The scheduler preempted requests {plural(n, 'time')}" + (f", first{first}" if first else "") + " "
                f"({int((~is_off).sum()):,} soft resets, {int(is_off.sum()):,} offloads to the CPU): "
                f"{recomputed:,} tokens recomputed, {share:.1%} of the {scheduled:,} tokens scheduled"
                + (f"; preempted: {named}" if named else "") + ". The pool is too small for the load offered.")

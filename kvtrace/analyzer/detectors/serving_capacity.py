@@ -27,6 +27,7 @@ from kvtrace.analyzer.detectors._serving import (
     held,
     known_pool,
     managers,
+    phase_at,
     token_usage,
 )
 from kvtrace.analyzer.replay import ReplayContext
@@ -42,7 +43,7 @@ class ServingCapacity(ServingDetector):
     def run(self, ctx: ReplayContext) -> list[Finding]:
         out: list[Finding] = []
         for manager, rows in managers(ctx).items():
-            f = self._pool(manager, known_pool(rows))
+            f = self._pool(ctx, manager, known_pool(rows))
             if f is not None:
                 out.append(f)
         gpu = self._gpu(ctx)
@@ -50,7 +51,7 @@ class ServingCapacity(ServingDetector):
             out.append(gpu)
         return out
 
-    def _pool(self, manager: int, rows: np.ndarray) -> Finding | None:
+    def _pool(self, ctx: ReplayContext, manager: int, rows: np.ndarray) -> Finding | None:
         if not rows.size:
             return None
         usage, tokens = block_usage(rows), token_usage(rows)
@@ -63,7 +64,8 @@ class ServingCapacity(ServingDetector):
         pool = int(rows["pool_bytes"][i])
         tok = float(tokens[i])
         msg = (f"Manager {manager}: the paged KV pool ({format_bytes(pool)}) reached {usage[i]:.0%} block usage "
-               f"at step {int(rows['step'][i])} ({format_bytes(pool - int(rows['free_bytes'][i]))} in blocks"
+               f"at step {int(rows['step'][i])}{phase_at(ctx, int(rows['t_ns'][i]))} "
+               f"({format_bytes(pool - int(rows['free_bytes'][i]))} in blocks"
                + (f", {tok:.0%} holding valid tokens" if tok >= 0 else "") + f"); {above:,} of {rows.size:,} steps "
                f"at >= 80%" + (f", with {plural(int(rows['waiting'][i]), 'request')} waiting" if rows["waiting"][i] else "")
                + ".")
