@@ -1,7 +1,8 @@
 """Fleet scale: export N traces to Parquet and time the default summary over them.
 
-    python bench/bench_fleet.py [--traces 1000] [--jobs 1,2] [--dask-workers 1,2] [--summary-runs 7]
-                                [--profile 54] [--dir /tmp/kvtrace-fleet-bench] [--json out.json]
+    python bench/bench_fleet.py [--traces 1000] [--jobs 1,2] [--dask-workers 1,2] [--rounds 1]
+                                [--summary-runs 7] [--profile 54] [--dir /tmp/kvtrace-fleet-bench]
+                                [--json out.json]
 
 The traces are copies of the real recordings under tests/data (H100/H200 runs of llama, gemma3,
 gpt-oss and qwen3 geometries with planted retention, fragmentation, OOM and duplication faults),
@@ -12,7 +13,9 @@ measurements: the query timings are what matters here, the diff verdicts are not
 Reports, with the 1-minute load average at each step (the machine may be shared: a busy machine
 slows everything, and 2 workers on 2 busy cores cannot show a speed-up):
 * export wall time per engine (fresh directory each): in-process, spawn process pools and dask
-  LocalClusters of the sizes given, so 1 vs 2 workers can be compared per engine;
+  LocalClusters of the sizes given, so 1 vs 2 workers can be compared per engine; with --rounds R
+  the list runs R times in turn and the medians are reported (interleaving is what makes 1 vs 2
+  workers comparable on a machine whose load drifts);
 * the incremental re-run (all skipped);
 * the default summary (connect + three queries) over the exported directory, every run timed,
   with the median; one `fleet diff` and one `fleet report` (with the diff);
@@ -95,6 +98,9 @@ def main() -> None:
     ap.add_argument("--traces", type=int, default=1000)
     ap.add_argument("--jobs", default="1,2", help="comma-separated process-pool sizes to time (1 = in-process)")
     ap.add_argument("--dask-workers", default="", help="comma-separated dask LocalCluster sizes to time, e.g. 1,2")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the engine list this many times, in turn, so that 1 and 2 workers meet the "
+                         "same load (a shared machine's load drifts within minutes); medians per engine")
     ap.add_argument("--summary-runs", type=int, default=7)
     ap.add_argument("--profile", type=int, default=54, help="traces to profile export_one on (0: skip)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/kvtrace-fleet-bench"))
@@ -107,7 +113,7 @@ def main() -> None:
     fleet = None
     engines = [("jobs", int(j)) for j in args.jobs.split(",") if j] + [
         ("dask", int(n)) for n in args.dask_workers.split(",") if n]
-    for kind, n in engines:
+    for kind, n in [e for _ in range(args.rounds) for e in engines]:
         fleet = args.dir / f"fleet-{kind}{n}"
         shutil.rmtree(fleet, ignore_errors=True)
         before = load()
@@ -119,6 +125,12 @@ def main() -> None:
         print(f"export {r.engine:28s} {r.seconds:7.2f} s  {len(r.exported) / r.seconds:6.1f} traces/s  "
               f"(load {before} -> {load()})", flush=True)
     assert fleet is not None
+    by_engine: dict[str, list[float]] = {}
+    for e in results["export"]:
+        by_engine.setdefault(e["engine"], []).append(e["seconds"])
+    results["export_median_s"] = {k: statistics.median(v) for k, v in by_engine.items()}
+    if args.rounds > 1:
+        print("export medians:", results["export_median_s"])
     t0 = time.perf_counter()
     again = export_parquet(paths, fleet)
     results["incremental_rerun_s"] = round(time.perf_counter() - t0, 3)
