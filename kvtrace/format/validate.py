@@ -166,6 +166,10 @@ def _check_block(name: str, rows: np.ndarray, text_len: int, seen: set[str]) -> 
         known = (rows["pool_bytes"] >= 0) & (rows["free_bytes"] >= 0)
         if np.any(known & (rows["free_bytes"] > rows["pool_bytes"])):
             seen.add("/sched has rows with more free than pool bytes")
+    if name == "sched_groups" and rows.size:
+        counted = rows["blocks_in_use"] + np.maximum(rows["blocks_cached"], 0) + np.maximum(rows["blocks_free"], 0)
+        if np.any((rows["blocks_total"] >= 0) & (counted > rows["blocks_total"])):
+            seen.add("/sched_groups has rows counting more blocks in use, cached and free than the pool holds")
     if name == "blocks" and rows.size and np.any(rows["blocks_shared"] > rows["blocks"]):
         seen.add("/blocks has rows sharing more blocks than they hold")
 

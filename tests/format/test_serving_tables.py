@@ -23,7 +23,8 @@ K = schema.EventKind
 POOL, BLOCK = 64 * 4096, 4096
 
 
-def _write(path: Path, *, free: int = POOL - 3 * BLOCK, shared: int = 0, orphan: bool = False) -> Path:
+def _write(path: Path, *, free: int = POOL - 3 * BLOCK, shared: int = 0, orphan: bool = False,
+           group_free: int = 1) -> Path:
     with TraceWriter(path, {"model_id": "test/cb", "model_type": "llama"}, [DeviceInfo(-1, "cpu", -1)]) as w:
         for rid, cb in ((0, "req_0"), (1, "req_1")):
             off, n = w.add_text(json.dumps({"cb_request_id": cb, "manager": 0, "max_new_tokens": 4}))
@@ -47,7 +48,7 @@ def _write(path: Path, *, free: int = POOL - 3 * BLOCK, shared: int = 0, orphan:
                                               2, 1, 0, 64, POOL, free, 2 * 5 * BLOCK // 16, 3, 0, 10 + 2 * step,
                                               16 if step == 0 else 0, 1 if step == 0 else 0, 0, step))
             w.append("sched_groups", schema.SchedGroupRow(0, step, 0, int(schema.LayerType.FULL), 2, -1, 16, BLOCK,
-                                                          64, 3, 0, 1, 10 + 2 * step))
+                                                          64, 3, 0, group_free, 10 + 2 * step))
             w.append("blocks", [schema.BlockRow(0, step, 0, 0, 2, shared, 5 + step),
                                 schema.BlockRow(0, step, 7 if orphan else 1, 0, 1, 0, 5 + step)])
     return path
@@ -92,6 +93,7 @@ def test_tables_roundtrip_validate_and_view(tmp_path: Path) -> None:
     ({"free": POOL + 1}, "/sched has rows with more free than pool bytes"),
     ({"shared": 3}, "/blocks has rows sharing more blocks than they hold"),
     ({"orphan": True}, "/blocks names requests absent from /requests: [7]"),
+    ({"group_free": 62}, "/sched_groups has rows counting more blocks in use, cached and free than the pool holds"),
 ])
 def test_validate_rules(tmp_path: Path, kwargs: dict, problem: str) -> None:
     report = validate(_write(tmp_path / "bad.kvt.h5", **kwargs))
