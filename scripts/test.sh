@@ -11,5 +11,13 @@ python3 -m venv "$VENV"
 # optional CUDA kernels. Best effort: without it the HQQ cache test skips and says why.
 DISABLE_CUDA=1 "$VENV/bin/python" -m pip install -q hqq==0.2.8.post1 torch==2.13.0 \
     || echo "note: hqq could not be installed; the HQQ QuantizedCache test will skip"
+# Side installs (--no-deps --target, never on the venv's path): transformers 5.17 proves the 5.17
+# continuous-batching adapter and rerun on the internals the GPU machines run; kvpress 0.5.5 (it pins
+# transformers<5.3) lets the what-if scorers be compared with kvpress's own. Best effort: without
+# them those tests skip and say why.
+"$VENV/bin/python" -m pip install -q --no-deps --target "${KVTRACE_TF517:-/tmp/tf517}" transformers==5.17.0 \
+    "huggingface-hub>=1.5,<2" || echo "note: transformers 5.17 side install failed; the 5.17 tests will skip"
+"$VENV/bin/python" -m pip install -q --no-deps --target "${KVPRESS_PATH:-/tmp/kvpress}" kvpress==0.5.5 \
+    || echo "note: kvpress could not be installed; the kvpress parity tests will skip"
 "$VENV/bin/ruff" check kvtrace tests bench
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
