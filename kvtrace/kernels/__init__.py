@@ -12,6 +12,7 @@ Modules:
     mla        Gram matrix and spectrum of MLA latents              (torch)
     spectrum   spectral summary of a Gram matrix                    (numpy only)
     analyses   dead heads, entropy classes, eviction what-ifs       (numpy; torch only if given tensors)
+    whatif     keep-set attention measures and quantisation error   (torch; Triton on CUDA)
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Exact CPU reference numerics of the what-if replay (numpy, float64): masked attention, the
 mass and output error of a keep-set, and quantise-dequantise round trips.
 
-No torch here: ``kvtrace whatif`` runs where only numpy and h5py are installed. A Triton fast path
-(kvtrace/kernels) is planned, not built (issue 17 stretch).
+No torch here: ``kvtrace whatif`` runs where only numpy and h5py are installed. The GPU fast path
+(Triton kernels in kvtrace/kernels/whatif.py, reached through kvtrace/whatif/accelerated.py with
+``--device cuda``) is checked against these functions.
 
 Shapes: queries ``[B, Hq, Tq, D]``, keys ``[B, Hk, T, D]``, values ``[B, Hk, T, Dv]``; a query head
 ``h`` reads KV head ``h // (Hq // Hk)`` (transformers' ``repeat_kv`` order).
