@@ -102,12 +102,17 @@ def block_rows(ctx: ReplayContext, manager: int) -> tuple[np.ndarray, np.ndarray
     g = groups(ctx, manager)
     tpb = np.zeros(b.shape[0], dtype=np.int64)
     bpt = np.zeros(b.shape[0], dtype=np.float64)
-    if b.size and g.size:
-        lookup = {(int(r["step"]), int(r["group"])): (int(r["tokens_per_block"]), int(r["bytes_per_block"])) for r in g}
-        for i, (step, group) in enumerate(zip(b["step"].tolist(), b["group"].tolist(), strict=True)):
-            t, nbytes = lookup.get((step, group), (0, 0))
-            tpb[i] = t
-            bpt[i] = nbytes / t if t > 0 else 0.0
+    if b.size and g.size:  # join on (step, group), vectorised: /blocks has a row per step x request x group
+        gkey = g["step"].astype(np.int64) * 256 + g["group"]
+        order = np.argsort(gkey, kind="stable")
+        gkey = gkey[order]
+        bkey = b["step"].astype(np.int64) * 256 + b["group"]
+        j = np.clip(np.searchsorted(gkey, bkey), 0, gkey.size - 1)
+        found = gkey[j] == bkey
+        per_block = g["tokens_per_block"][order][j]
+        tpb = np.where(found, per_block, 0).astype(np.int64)
+        nbytes = g["bytes_per_block"][order][j].astype(np.float64)
+        bpt = np.where(found & (tpb > 0), nbytes / np.maximum(tpb, 1), 0.0)
     return b, tpb, bpt
 
 

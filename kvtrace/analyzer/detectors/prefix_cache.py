@@ -13,8 +13,6 @@ evicted: evictions are counted and named). Otherwise the hit rate is reported as
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvtrace.analyzer.base import Finding, ev, register
 from kvtrace.analyzer.detectors._serving import FULL, ServingDetector, admitted, alert, groups
 from kvtrace.analyzer.replay import ReplayContext
@@ -41,16 +39,18 @@ class PrefixCache(ServingDetector):
         evicted = int(sched["evicted_blocks"].clip(min=0).sum())
         expected = missed = repeats = 0
         repeat_ids: list[int] = []
-        order = np.argsort(cb["admitted_ns"], kind="stable")
-        for k, i in enumerate(order):
-            r = cb[i]
-            page = _page(ctx, int(r["manager"]))
-            if page <= 0:
-                continue
-            twins = cb[order[:k]]
-            twins = twins[(twins["manager"] == r["manager"]) & (twins["end_ns"] > 0)
-                          & (twins["end_ns"] < r["admitted_ns"])]
-            if not any(sha.get(int(t["request"])) == sha.get(int(r["request"])) for t in twins):
+        # Per (manager, prompt): when the first request with that prompt finished. A request admitted
+        # after it repeats a finished prompt (its own end is after its admission, so it never counts).
+        first_end: dict[tuple[int, bytes], int] = {}
+        for r in cb:
+            key = (int(r["manager"]), sha.get(int(r["request"]), b""))
+            if int(r["end_ns"]) > 0:
+                first_end[key] = min(first_end.get(key, int(r["end_ns"])), int(r["end_ns"]))
+        pages = {m: _page(ctx, m) for m in {int(x) for x in cb["manager"]}}
+        for r in cb:
+            page = pages[int(r["manager"])]
+            done = first_end.get((int(r["manager"]), sha.get(int(r["request"]), b"")))
+            if page <= 0 or done is None or done >= int(r["admitted_ns"]):
                 continue
             want = (max(int(r["prompt_tokens"]) - 1, 0) // page) * page
             if want <= 0:
