@@ -129,5 +129,6 @@ def plant_context_spike(path: Path) -> Path:
 
 def default_pool(path: Path) -> Path:
     """transformers' own pool sizing (no num_blocks: free memory x max_memory_percent), a light load:
-    on a GPU the pool dwarfs what the load uses (over_reservation), the device looks full to NVML."""
-    return batch(path, MIXED, 8, page_size=16, max_batch_tokens=128)
+    on a GPU the pool dwarfs what the load uses (over_reservation), the device looks full to NVML.
+    200 tokens each: the run spans several NVML samples (5 Hz) for the GPU judgement."""
+    return batch(path, MIXED, 200, page_size=16, max_batch_tokens=128)
