@@ -168,7 +168,10 @@ def summarize(pairs: list[dict[str, Any]], variant: str | None = None) -> dict[s
     for key in ("enter_s", "exit_s"):
         vals = [p["variant"][key] for p in pairs if p["variant"].get(key) is not None]
         out[f"{key}_median"] = statistics.median(vals) if vals else None
-    for key in ("hook_s", "threads_cpu_s"):  # direct costs, as fractions of the base call
+    for key in ("flushes", "ticks"):
+        vals = [p["variant"][key] for p in pairs if p["variant"].get(key) is not None]
+        out[f"{key}_median"] = statistics.median(vals) if vals else None
+    for key in ("hook_s", "threads_cpu_s", "flush_cpu_s", "tick_cpu_s"):  # direct costs, fractions of the base call
         vals = [p["variant"][key] / p["base"]["total_s"] for p in pairs if p["variant"].get(key) is not None]
         out[f"{key[:-2]}_fraction_median"] = statistics.median(vals) if vals else None
     outside = [(p["variant"]["outside_decode_s"], p["base"]["outside_decode_s"]) for p in pairs
@@ -267,6 +270,19 @@ def kvtrace_thread_cpu_s() -> float | None:
     return total if found else 0.0
 
 
+def own_costs(rec: Any) -> dict[str, float]:
+    """The background work the recorder counts itself (newer kvtrace only): flushes and telemetry
+    ticks so far, with their wall and CPU seconds. CPU there is mostly time holding the GIL, i.e.
+    time the model's thread could not run Python."""
+    out: dict[str, float] = {}
+    w, tel = getattr(rec, "writer", None), getattr(rec, "telemetry", None)
+    if w is not None and hasattr(w, "flush_cpu_ns"):
+        out.update(flushes=w.flush_count, flush_s=w.flush_ns / 1e9, flush_cpu_s=w.flush_cpu_ns / 1e9)
+    if tel is not None and hasattr(tel, "tick_cpu_ns"):
+        out.update(ticks=tel.ticks, tick_s=tel.tick_ns / 1e9, tick_cpu_s=tel.tick_cpu_ns / 1e9)
+    return out
+
+
 def _sync() -> None:
     import torch
 
@@ -325,10 +341,11 @@ def run_generate(model: Any, variant: str, ids: Any, new: int, trace_dir: Path, 
             gen()
             t2 = time.perf_counter_ns()
             threads_s = kvtrace_thread_cpu_s()  # before close: the threads end there
+            own = own_costs(rec)  # the writer's flushes and telemetry ticks during the call
             rec.__exit__(None, None, None)
             t3 = time.perf_counter_ns()
         info = {"recorder_errors": rec.recorder_errors, "hook_s": rec.hook_time_ns / 1e9,
-                "threads_cpu_s": threads_s, "trace_bytes": path.stat().st_size}
+                "threads_cpu_s": threads_s, "trace_bytes": path.stat().st_size, **own}
         path.unlink()  # large traces would fill the disk and the page cache across pairs
     steps = len(clock.times)
     decode = (clock.times[-1] - clock.times[0]) / (steps - 1) / 1e9 if steps > 1 else None
@@ -476,6 +493,10 @@ def print_table(results: list[dict[str, Any]]) -> None:
             if s.get("median_step", {}).get("median") is not None:
                 print(f"{'':<7} {'':<12} {'':<5} {'':<15} {'':>5}  median step {_fmt(s['median_step'])}, "
                       f"model thread CPU {_fmt(s['main_cpu'])}")
+            if s.get("flush_cpu_fraction_median") is not None:
+                print(f"{'':<7} {'':<12} {'':<5} {'':<15} {'':>5}  during the call: {s['flushes_median']:.0f} flushes, "
+                      f"CPU {_pct(s['flush_cpu_fraction_median'])}; {s.get('ticks_median') or 0:.0f} telemetry ticks, "
+                      f"CPU {_pct(s.get('tick_cpu_fraction_median'))} (of the base call)")
             if s.get("per_default_rate"):
                 d = s["per_default_rate"]["decode"]
                 print(f"{'':<7} {'':<12} {'':<5} {'':<15} {'':>5}  amplified x{s['amplify']}: at the default rate "

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The GPU run behind docs/benchmarks.md "Recorder overhead" (issue 13): every job in its own
 # process, each parent invocation capped in time so one call fits a 10-minute device slot.
-# Usage: bench/run_overhead_gpu.sh OUTDIR [BEFORE_DIR]
+# Usage: bench/run_overhead_gpu.sh OUTDIR [BEFORE_DIR] [ROUND]
 #   BEFORE_DIR: a directory holding an older kvtrace package (git archive OLD kvtrace | tar -x -C DIR)
+#   ROUND: "matrix" (default: b1, amplified, b16, gpt-oss, anchors) or "third" (issue 13, third
+#          round: GPU syncs on the model's thread, b16 and b1 with aa/recorder/sampling32 and the
+#          per-step gaps, b16 'before' from BEFORE_DIR, open/close profile)
 set -u
 out=${1:?output directory}
 before=${2:-}
+round=${3:-matrix}
 b=()
 [ -n "$before" ] && b=(--before "$before")
 run() {  # seconds name args...
@@ -13,6 +17,15 @@ run() {  # seconds name args...
     timeout "$t" python3 bench/bench_overhead.py --quiet --json "$out/$name.json" "$@" 2>&1 | grep -v "attention mask"
 }
 export PYTHONUNBUFFERED=1
+if [ "$round" = third ]; then
+    timeout 70 python3 bench/profile_syncs.py --json "$out/syncs.json" 2>&1 | grep -v "attention mask"
+    run 250 overhead_b16 --suite gpu --models pythia-1.4b --shapes b16 --variants aa,recorder,sampling32 \
+        --pairs 40 --budget-s 125 --gaps "${b[@]}"
+    run 150 overhead_b1 --suite gpu --models pythia-1.4b --shapes b1 --variants aa,recorder,sampling32 \
+        --pairs 40 --budget-s 140 --gaps
+    timeout 60 python3 bench/profile_open_close.py --sessions 10 --top 12 > "$out/open_close.txt" 2>&1
+    exit 0
+fi
 run 220 overhead_b1 --suite gpu --models pythia-1.4b --shapes b1 --variants aa,recorder,sampling32 --pairs 12 \
     --budget-s 105 "${b[@]}"
 run 95 overhead_amplified --suite amplified --pairs 5 --budget-s 90

@@ -31,6 +31,7 @@ import atexit
 import contextlib
 import errno
 import functools
+import io
 import os
 import platform
 import threading
@@ -51,7 +52,10 @@ from kvtrace.format.codec import encode_chunks
 from kvtrace.format.storage import GuardedFile, StorageFault, fault_from, open_raw
 
 LIBVER = ("v110", "v110")  # superblock v3: needed by SWMR, opens in HDF5 >= 1.10
-TABLE_CHUNK_ROWS = 1024
+# Rows per table chunk. A flush recompresses the partly filled last chunk of each table it
+# touches: 256 rows cost ~60% of the CPU of 1024 per flush (held with the GIL) and leave less
+# dead space from rewritten chunks (bench numbers in docs/benchmarks.md, issue 13).
+TABLE_CHUNK_ROWS = 256
 TEXT_CHUNK_BYTES = 64 * 1024
 TEXT_MAX_BYTES = 1 << 20  # one string; longer ones are cut and say so
 
@@ -177,19 +181,32 @@ class TraceWriter:
         self._request_updates: dict[int, dict[str, Any]] = {}  # row index -> fields, for rows taken
         self._payload_chunks = {s: 0 for s in schema.PAYLOAD_ITEMSIZES}  # chunks in use
         self._payload_extent = {s: 0 for s in schema.PAYLOAD_ITEMSIZES}  # chunks the extent spans
-        self._payload_ds: dict[int, h5py.Dataset] = {}
+        # Row tables, text and status by name, opened once: a flush writes ~10 of them through
+        # h5py's low-level calls (the high-level path looks each up and rebuilds its dtype).
+        self._ds: _Handles = _Handles()
+        self._mtypes: dict[str, Any] = {}
+        # What the writer's own work cost so far (read by bench_overhead.py): flushes, their wall
+        # and CPU time (the CPU part holds the GIL: time the model's thread cannot run).
+        self.flush_count = 0
+        self.flush_ns = 0
+        self.flush_cpu_ns = 0
         self._last_yield_ns = 0
+        self._payload_unflushed = False  # payload chunks written since the last H5Fflush
         self._stop_offset: int | None = None
         self.failure: StorageFault | None = None  # set once, on the first storage fault
         self._on_failure = on_failure
         self._io = GuardedFile(open_raw(self.path) if raw is None else raw)
         try:
-            self._file = h5py.File(self._io, "w", libver=LIBVER)
+            # The empty layout (19 datasets with their descriptions) is built once per process
+            # and copied: creating it through h5py took most of a session's open (issue 13).
+            self._io.seek(0)
+            self._io.write(_layout_image(payload_level))
+            self._file = h5py.File(self._io, "r+", libver=LIBVER)
         except BaseException:
             self._io.close_raw()
             raise
         try:
-            self._create_layout(meta or {}, list(devices))
+            self._open_layout(meta or {}, list(devices))
             self._file.swmr_mode = True
             self._file.flush()
         except BaseException:
@@ -202,7 +219,7 @@ class TraceWriter:
                 with contextlib.suppress(OSError):
                     self.path.unlink()  # what we created holds nothing a reader could use
             raise OSError(fault.errno or errno.EIO, f"cannot write trace {self.path}: {fault.describe()}")
-        self._stop_offset = self._file["stop"].id.get_offset()  # contiguous: fixed address
+        self._stop_offset = self._ds["stop"].id.get_offset()  # contiguous: fixed address
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by append() when a buffer passes max_buffer_rows
         self._flusher = threading.Thread(target=self._flush_loop, name="kvtrace-flush", daemon=True)
@@ -211,52 +228,24 @@ class TraceWriter:
 
     # ---- layout -----------------------------------------------------------------------------
 
-    def _create_layout(self, meta: Mapping[str, Any], devices: list[DeviceInfo]) -> None:
+    def _open_layout(self, meta: Mapping[str, Any], devices: list[DeviceInfo]) -> None:
+        """This trace's own part of the layout (``/meta``, ``/devices``) over the copied image,
+        and the handles the writer keeps."""
         f = self._file
-        f.attrs["format"] = schema.FORMAT_NAME
-        f.attrs["format_version"] = schema.FORMAT_VERSION
-        f.attrs["format_major"] = schema.FORMAT_MAJOR
-        f.attrs["format_minor"] = schema.FORMAT_MINOR
-        g = f.create_group("meta")
+        g = f["meta"]
         for key, value in self._complete_meta(meta).items():
             g.attrs[key] = schema.meta_attr_value(key, value)
+        self._ds.file = f  # datasets open on first use: a session touches about half of them
         for name, table in schema.TABLE_DECLS.items():
-            ds = f.create_dataset(
-                name, shape=(0,), maxshape=(None,), dtype=table.hdf5_dtype, chunks=(TABLE_CHUNK_ROWS,),
-                compression="gzip", compression_opts=1, shuffle=True,
-            )
-            _describe(ds, table.attributes())
-        text = f.create_dataset(
-            "text", shape=(0,), maxshape=(None,), dtype="u1", chunks=(TEXT_CHUNK_BYTES,),
-            compression="gzip", compression_opts=1,
-        )
-        _describe(text, schema.TEXT_ATTRS)
-        for itemsize in schema.PAYLOAD_ITEMSIZES:
-            chunk = schema.payload_chunk_elements(itemsize)
-            self._payload_ds[itemsize] = f.create_dataset(
-                schema.payload_dataset_name(itemsize), shape=(0,), maxshape=(None,),
-                dtype=schema.payload_carrier(itemsize), chunks=(chunk,), shuffle=True,
-                compression=schema.FILTER_ZSTD, compression_opts=(self.payload_level,),
-                allow_unknown_filter=True,
-            )
-            _describe(self._payload_ds[itemsize], schema.PAYLOAD_CARRIER_ATTRS)
-        for group, description in schema.GROUP_DESCRIPTIONS.items():
-            f[group].attrs["description"] = description
-        status = f.create_dataset("status", shape=(1,), dtype=schema.STATUS)
-        status[0] = schema.StatusRow(closed_ns=0, last_flush_ns=0, flushes=0)
-        _describe(status, schema.STATUS_TABLE.attributes())
-        stop = f.create_dataset("stop", shape=(1,), dtype=schema.STOP)  # contiguous, allocated now
-        stop[0] = schema.StopRow(stopped_ns=0, errno=0, reason=b"")
-        _describe(stop, schema.STOP_TABLE.attributes())
+            self._mtypes[name] = h5py.h5t.py_create(table.hdf5_dtype)
+        self._mtypes["text"] = h5py.h5t.py_create(np.dtype("u1"))
         if devices:
             rows = [
                 schema.DeviceRow(d.index, name=d.name.encode()[:64], total_memory_bytes=d.total_memory_bytes,
                                  uuid=d.uuid.encode()[:64])
                 for d in devices
             ]
-            ds = f["devices"]
-            ds.resize((len(rows),))
-            ds[:] = np.array(rows, dtype=schema.DEVICES)
+            self._append_array("devices", 0, np.array(rows, dtype=schema.DEVICES))
             self._rows_written["devices"] = len(rows)
 
     @staticmethod
@@ -353,7 +342,7 @@ class TraceWriter:
             if self.failure is not None:
                 return False
             itemsize = payload.itemsize
-            ds = self._payload_ds[itemsize]
+            ds = self._ds[schema.payload_dataset_name(itemsize)]
             chunk = schema.payload_chunk_elements(itemsize)
             first = self._payload_chunks[itemsize]
             n = len(payload.frames)
@@ -367,6 +356,7 @@ class TraceWriter:
             if self.failure is not None:
                 return False
             self._payload_chunks[itemsize] = first + n
+            self._payload_unflushed = True
             row = schema.payload_index_row(payload, first_chunk=first, n_chunks=n)
             with self._buf_lock:
                 self._buffers["payloads/index"].append(row)
@@ -390,14 +380,14 @@ class TraceWriter:
         if needed <= extent:
             return
         extent = max(needed, extent + extent // 2, _PAYLOAD_GROW_CHUNKS)
-        self._payload_ds[itemsize].resize((extent * schema.payload_chunk_elements(itemsize),))
+        self._ds[schema.payload_dataset_name(itemsize)].resize((extent * schema.payload_chunk_elements(itemsize),))
         self._payload_extent[itemsize] = extent
 
     def _trim_payload_extents(self) -> None:
-        for itemsize, ds in self._payload_ds.items():
+        for itemsize in schema.PAYLOAD_ITEMSIZES:
             used = self._payload_chunks[itemsize]
             if self._payload_extent[itemsize] > used:
-                ds.resize((used * schema.payload_chunk_elements(itemsize),))
+                self._ds[schema.payload_dataset_name(itemsize)].resize((used * schema.payload_chunk_elements(itemsize),))
                 self._payload_extent[itemsize] = used
 
     # ---- flushing ------------------------------------------------------------------------------
@@ -425,7 +415,20 @@ class TraceWriter:
         ``_lock``."""
         text, taken, updates = self._take_buffers(tables)
         try:
-            self._write_text(text)  # text first: rows that reference it must never land before it
+            # What other rows refer to goes first, then one H5Fflush, then the rest: text (rows
+            # point into it), request and layer rows (rows name them), and the chunk index of
+            # payloads written since the last flush (/payloads/index rows point at chunks). One
+            # file flush orders them; without it HDF5 may write the datasets of one flush in any
+            # order, and a crash could leave a row pointing past what its target holds.
+            had_text = bool(text)
+            self._write_text(text)
+            referenced = [t for t in _REFERENCED if t in taken]
+            for table in referenced:
+                self._write_rows(table, taken[table])
+                del taken[table]
+            if taken and (had_text or referenced or self._payload_unflushed) and self._io.fault is None:
+                self._file.flush()
+                self._payload_unflushed = False
             while taken:
                 table = next(iter(taken))
                 self._write_rows(table, taken[table])
@@ -450,7 +453,7 @@ class TraceWriter:
             raise
 
     def _rewrite_request(self, index: int, fields: dict[str, Any]) -> None:
-        ds = self._file["requests"]
+        ds = self._ds["requests"]
         current = ds[index]
         for k, v in fields.items():
             current[k] = v
@@ -460,19 +463,26 @@ class TraceWriter:
         if not buf:
             return
         arr = _rows_array(buf, schema.TABLES[table][0])
-        ds = self._file[table]
         start = self._rows_written[table]
-        ds.resize((start + len(arr),))
-        ds[start:] = arr
+        self._append_array(table, start, arr)
         self._rows_written[table] = start + len(arr)
+
+    def _append_array(self, name: str, start: int, arr: np.ndarray) -> None:
+        """Grow dataset ``name`` to ``start + len(arr)`` and write ``arr`` there: what
+        ``ds.resize(...); ds[start:] = arr`` does, minus h5py's per-call lookups and dtype rebuilds
+        (a flush holds the GIL throughout; the model's thread waits for it)."""
+        dsid = self._ds[name].id
+        n = len(arr)
+        dsid.set_extent((start + n,))
+        fspace = dsid.get_space()
+        fspace.select_hyperslab((start,), (n,))
+        dsid.write(h5py.h5s.create_simple((n,)), fspace, np.ascontiguousarray(arr), mtype=self._mtypes[name])
 
     def _write_text(self, pieces: list[bytes]) -> None:
         if not pieces:
             return
         data = np.frombuffer(b"".join(pieces), dtype=np.uint8)
-        ds = self._file["text"]
-        ds.resize((self._text_written + data.size,))
-        ds[self._text_written :] = data
+        self._append_array("text", self._text_written, data)
         self._text_written += data.size
         pieces.clear()
 
@@ -481,14 +491,22 @@ class TraceWriter:
         with self._lock:
             if self._closed or self.failure is not None:
                 return
+            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
             with self._writing():
                 self._io.check_linked()
                 if self._io.fault is None:
                     self._drain_buffers()
                 if self._io.fault is None:
                     self._flushes += 1
-                    self._file["status"][0] = schema.StatusRow(0, monotonic_ns(), self._flushes)
+                    self._write_status(0, self._flushes)
                     self._file.flush()
+            self.flush_count += 1
+            self.flush_ns += time.perf_counter_ns() - t0
+            self.flush_cpu_ns += time.thread_time_ns() - c0
+
+    def _write_status(self, closed_ns: int, flushes: int) -> None:
+        row = np.array([schema.StatusRow(closed_ns, monotonic_ns(), flushes)], dtype=schema.STATUS)
+        self._ds["status"].id.write(h5py.h5s.ALL, h5py.h5s.ALL, row)
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
@@ -550,9 +568,10 @@ class TraceWriter:
                     self._trim_payload_extents()
                 self.flush()
                 if self.failure is None:
+                    # The complete stamp goes out with HDF5's close (which flushes): after the
+                    # rows it vouches for, which the flush above already wrote (spec §8).
                     with self._writing():
-                        self._file["status"][0] = schema.StatusRow(monotonic_ns(), monotonic_ns(), self._flushes)
-                        self._file.flush()
+                        self._write_status(monotonic_ns(), self._flushes)
             self._closed = True
             self._close_file()
             if self._io.fault is not None and self.failure is None:  # HDF5's own close failed
@@ -607,6 +626,9 @@ class TraceWriter:
         self.close()
 
 
+# Tables whose rows other rows refer to (by request id, layer index): written and flushed first.
+_REFERENCED = ("requests", "layers", "devices")
+
 _OPEN_WRITERS: weakref.WeakSet[TraceWriter] = weakref.WeakSet()
 
 
@@ -639,6 +661,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_detach_in_child)
 
 
+class _Handles(dict):
+    """Datasets by name, opened from ``file`` on first use (opening an existing dataset is
+    allowed in SWMR mode; only creating one is not)."""
+
+    file: Any = None
+
+    def __missing__(self, name: str) -> h5py.Dataset:
+        ds = self[name] = self.file[name]
+        return ds
+
+
 class RowBlock:
     """Rows whose numpy conversion is deferred to the flusher (see the module docstring).
     Subclasses return a structured array of the table's dtype from :meth:`rows_array`."""
@@ -664,6 +697,50 @@ def _rows_array(buf: list, dtype: np.dtype) -> np.ndarray:
     if run:
         parts.append(np.array(run, dtype=dtype))
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+@functools.cache
+def _layout_image(payload_level: int) -> bytes:
+    """The bytes of an empty trace: every group and dataset of the layout with its description
+    attributes, /status and /stop allocated and zeroed, /meta without attributes. What SWMR
+    needs (every object exists before writing starts) is all here; a writer copies it, adds
+    its /meta attributes and /devices rows, and starts SWMR."""
+    bio = io.BytesIO()
+    with h5py.File(bio, "w", libver=LIBVER) as f:
+        f.attrs["format"] = schema.FORMAT_NAME
+        f.attrs["format_version"] = schema.FORMAT_VERSION
+        f.attrs["format_major"] = schema.FORMAT_MAJOR
+        f.attrs["format_minor"] = schema.FORMAT_MINOR
+        f.create_group("meta")
+        for name, table in schema.TABLE_DECLS.items():
+            ds = f.create_dataset(
+                name, shape=(0,), maxshape=(None,), dtype=table.hdf5_dtype, chunks=(TABLE_CHUNK_ROWS,),
+                compression="gzip", compression_opts=1, shuffle=True,
+            )
+            _describe(ds, table.attributes())
+        text = f.create_dataset(
+            "text", shape=(0,), maxshape=(None,), dtype="u1", chunks=(TEXT_CHUNK_BYTES,),
+            compression="gzip", compression_opts=1,
+        )
+        _describe(text, schema.TEXT_ATTRS)
+        for itemsize in schema.PAYLOAD_ITEMSIZES:
+            chunk = schema.payload_chunk_elements(itemsize)
+            ds = f.create_dataset(
+                schema.payload_dataset_name(itemsize), shape=(0,), maxshape=(None,),
+                dtype=schema.payload_carrier(itemsize), chunks=(chunk,), shuffle=True,
+                compression=schema.FILTER_ZSTD, compression_opts=(payload_level,),
+                allow_unknown_filter=True,
+            )
+            _describe(ds, schema.PAYLOAD_CARRIER_ATTRS)
+        for group, description in schema.GROUP_DESCRIPTIONS.items():
+            f[group].attrs["description"] = description
+        status = f.create_dataset("status", shape=(1,), dtype=schema.STATUS)
+        status[0] = schema.StatusRow(closed_ns=0, last_flush_ns=0, flushes=0)
+        _describe(status, schema.STATUS_TABLE.attributes())
+        stop = f.create_dataset("stop", shape=(1,), dtype=schema.STOP)  # contiguous, allocated now
+        stop[0] = schema.StopRow(stopped_ns=0, errno=0, reason=b"")
+        _describe(stop, schema.STOP_TABLE.attributes())
+    return bio.getvalue()
 
 
 def _yield_gil() -> None:

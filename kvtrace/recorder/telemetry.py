@@ -120,6 +120,8 @@ class Telemetry:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.ticks = 0
+        self.tick_ns = 0  # wall and CPU time of the ticks so far: the thread's own cost, read
+        self.tick_cpu_ns = 0  # without A/B noise (bench_overhead.py); CPU here mostly holds the GIL
         self.tick_errors = 0
         self.last_tick_error = ""
         self.last_rss = -1  # the background thread's latest RSS sample (-1: none yet); see latest_rss
@@ -351,6 +353,14 @@ class Telemetry:
         self.last_tick_error = f"{type(exc).__name__}: {exc}"
 
     def _tick(self) -> None:
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        try:
+            self._read_and_write()
+        finally:
+            self.tick_ns += time.perf_counter_ns() - t0
+            self.tick_cpu_ns += time.thread_time_ns() - c0
+
+    def _read_and_write(self) -> None:
         writer = self._writer
         assert writer is not None
         t = monotonic_ns()

@@ -17,7 +17,7 @@ def test_extent_grows_ahead_and_is_trimmed_at_close(tmp_path):
     chunk = schema.payload_chunk_elements(2)
     resizes = []
     with TraceWriter(path, {"model_id": "t", "model_type": "llama"}, [DeviceInfo(-1, "cpu", -1)]) as w:
-        ds = w._payload_ds[2]
+        ds = w._ds[schema.payload_dataset_name(2)]
         original = ds.resize
         ds.resize = lambda shape: (resizes.append(shape), original(shape))  # count HDF5 resizes
         data = []
