@@ -17,7 +17,8 @@ TOTAL = 80 * GiB
 BLOCK = 2 << 20  # 2 MiB blocks of 16 tokens
 
 
-def _write(path: Path, *, pool: int, used: list[int], nvml_used: list[int] | None = None) -> Path:
+def _write(path: Path, *, pool: int, used: list[int], nvml_used: list[int] | None = None,
+           reserved: list[int] | None = None) -> Path:
     """One manager, one full-attention group; `used` pool bytes per step; NVML samples per step."""
     with TraceWriter(path, {"model_id": "test/cb-gpu", "model_type": "llama"},
                      [DeviceInfo(0, "Synthetic GPU", TOTAL)]) as w:
@@ -35,6 +36,9 @@ def _write(path: Path, *, pool: int, used: list[int], nvml_used: list[int] | Non
             w.append("blocks", [schema.BlockRow(0, step, 0, 0, blocks, 0, 16 * blocks)])
             if nvml_used is not None:
                 w.append("telemetry/nvml", schema.NvmlRow(t, 0, nvml_used[step], TOTAL - nvml_used[step], 0, TOTAL, -1))
+            if reserved is not None:
+                w.append("telemetry/allocator", schema.AllocatorRow(t, 0, reserved[step], reserved[step], reserved[step],
+                                                                    0, 0, 0))
     return path
 
 
@@ -133,3 +137,11 @@ def test_offloads_are_not_recomputation_and_waste_past_2_gib_is_critical(tmp_pat
     assert waste.evidence["waste_bytes"].value == 5 * GiB // 2
     assert waste.evidence["waste_share_of_pool"].value == pytest.approx(2.5 / 40, abs=1e-4)
     assert waste.severity == Severity.CRITICAL
+
+
+def test_without_nvml_the_allocator_reserved_bytes_are_judged(tmp_path):
+    # --no-nvml: the allocator reserved 78 GiB, the pool (60 GiB) nearly all in blocks: 96% of the device
+    pool, used = 60 * GiB, [59 * GiB, 59 * GiB, 59 * GiB]
+    f = _finding(_write(tmp_path / "alloc.kvt.h5", pool=pool, used=used, reserved=[78 * GiB] * 3), "serving_capacity")
+    assert f.kind == "gpu_usage" and f.severity == Severity.CRITICAL and "allocator reserved" in f.message
+    assert f.evidence["used_without_free_pool_bytes"].value == 77 * GiB

@@ -6,7 +6,8 @@ block-level usage overstates occupancy by the unfilled block tails and the cache
 The score follows the usual memory alerts: high (warning) at 80%, critical at 90%, reached at two
 steps at least.
 
-GPU usage comes from the NVML samples taken while the scheduler ran. transformers (like vLLM)
+GPU usage comes from the NVML samples taken while the scheduler ran (without NVML: the caching
+allocator's reserved bytes, this process only, against the device size). transformers (like vLLM)
 allocates the pool up front from free memory x max_memory_percent (0.9 by default in 5.23), so
 raw device usage sits near 90% on every healthy host; the score uses the device memory in use
 less the pool's free bytes at that moment (one GPU; with several, the pool's device is unknown and
@@ -85,35 +86,31 @@ class ServingCapacity(ServingDetector):
 
     def _gpu(self, ctx: ReplayContext) -> Finding | None:
         sched = ctx.view.sched
-        nvml = ctx.nvml
-        if not nvml.size:
-            return None
-        t0, t1 = int(sched["t_ns"].min()), int(sched["t_ns"].max())
-        rows = ctx.window(nvml, t0, t1)
-        rows = rows[(rows["total_bytes"] > 0) & (rows["used_bytes"] >= 0)]
-        if not rows.size:
+        rows, source = _device_samples(ctx, int(sched["t_ns"].min()), int(sched["t_ns"].max()))
+        if rows is None:
             return None
         devices = sorted({int(d) for d in rows["device"]})
         pool_rows = known_pool(np.sort(sched, order="t_ns"))
         best: tuple[float, int, np.ndarray, np.ndarray] | None = None
         for dev in devices:
             mine = rows[rows["device"] == dev]
-            used = mine["used_bytes"].astype(np.float64)
+            used = mine["used"].astype(np.float64)
             if len(devices) == 1 and pool_rows.size:
                 j = np.clip(np.searchsorted(pool_rows["t_ns"], mine["t_ns"], side="right") - 1, 0, pool_rows.size - 1)
                 used = np.maximum(used - pool_rows["free_bytes"][j], 0)
-            level = held(used / mine["total_bytes"])
+            level = held(used / mine["total"])
             if best is None or level > best[0]:
                 best = (level, dev, mine, used)
         assert best is not None
         level, dev, mine, used = best
         i = int(np.argmax(used))
-        total = int(mine["total_bytes"][i])
-        raw = int(mine["used_bytes"][i])
+        total = int(mine["total"][i])
+        raw = int(mine["used"][i])
         subtracted = len(devices) == 1 and pool_rows.size > 0
         msg = (f"While serving, {device_where(dev)} ({format_bytes(total)}) had {format_bytes(raw)} in use "
-               f"({raw / total:.0%})" + (f"; {format_bytes(int(used[i]))} ({used[i] / total:.0%}) without the KV pool's "
-                                        "free blocks, which are reserved up front by design" if subtracted else "")
+               f"({raw / total:.0%}, {source})" + (f"; {format_bytes(int(used[i]))} ({used[i] / total:.0%}) without the "
+                                                  "KV pool's free blocks, which are reserved up front by design"
+                                                  if subtracted else "")
                + f": {level:.0%} held over two samples at least.")
         return self.finding(
             "gpu_usage", alert(level, *USAGE_ALERT), msg, device=dev,
@@ -125,3 +122,28 @@ class ServingCapacity(ServingDetector):
                 "samples": ev(int(mine.size), "count"),
             },
         )
+
+
+SAMPLES = np.dtype([("t_ns", "<u8"), ("device", "<i2"), ("used", "<i8"), ("total", "<i8")])
+
+
+def _device_samples(ctx: ReplayContext, t0: int, t1: int) -> tuple[np.ndarray | None, str]:
+    """Device memory in use while the scheduler ran: NVML `used` (all processes), else the caching
+    allocator's reserved bytes (this process; the pool is allocated through it) against the device size."""
+    nvml = ctx.window(ctx.nvml, t0, t1)
+    nvml = nvml[(nvml["total_bytes"] > 0) & (nvml["used_bytes"] >= 0)]
+    if nvml.size:
+        out = np.zeros(nvml.size, dtype=SAMPLES)
+        out["t_ns"], out["device"], out["used"], out["total"] = (nvml["t_ns"], nvml["device"], nvml["used_bytes"],
+                                                               nvml["total_bytes"])
+        return out, "NVML"
+    alloc = ctx.window(ctx.allocator, t0, t1)
+    alloc = alloc[alloc["reserved_bytes"] >= 0]
+    totals = np.array([ctx.device_total(int(d)) or 0 for d in alloc["device"]], dtype=np.int64)
+    keep = totals > 0
+    if not keep.any():
+        return None, ""
+    out = np.zeros(int(keep.sum()), dtype=SAMPLES)
+    out["t_ns"], out["device"], out["used"], out["total"] = (alloc["t_ns"][keep], alloc["device"][keep],
+                                                           alloc["reserved_bytes"][keep], totals[keep])
+    return out, "allocator reserved"
