@@ -1,5 +1,6 @@
-"""Live Prometheus metrics of continuous batching (transformers generate_batch, the manager API,
-`kvtrace serve`), served by the recording's PrometheusExporter endpoint and textfile.
+"""Live Prometheus metrics of continuous batching (transformers generate_batch, the manager API, any
+serving loop recorded by kvtrace.record with a Prometheus option), served by the recording's
+PrometheusExporter endpoint and textfile.
 
 :class:`ServingMetrics` is a recorder observer (kvtrace.recorder.observers) that adds its families
 to an exporter's private registry. The serving recorder calls its optional methods
