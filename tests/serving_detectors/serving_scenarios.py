@@ -7,6 +7,9 @@ tests/serving_detectors and the accuracy suite (tests/accuracy/cases.py)."""
 
 from __future__ import annotations
 
+import functools
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,28 +75,52 @@ def sequential(path: Path, ids: list[list[int]], new: int, **cb: Any) -> Path:
     return path
 
 
+_RECORDED: dict[str, Path] = {}
+
+
+def once(fn: Callable[[Path], Path]) -> Callable[[Path], Path]:
+    """Record a scenario once per process: a later call copies that trace to its path (the accuracy
+    suite and tests/serving_detectors ask for the same recordings in one pytest session)."""
+
+    @functools.wraps(fn)
+    def record(path: Path) -> Path:
+        done = _RECORDED.get(fn.__name__)
+        if done is not None and done.exists():
+            shutil.copyfile(done, path)
+            return path
+        fn(path)
+        _RECORDED[fn.__name__] = path
+        return path
+
+    return record
+
+
 MIXED = [4, 7, 12, 5, 9, 6]
 PREFIX = list(range(3, 51))  # 48 tokens: 3 complete 16-token blocks
 
 
 # ---- clean controls -----------------------------------------------------------------------------
 
+@once
 def clean_llama(path: Path) -> Path:
     """Six mixed short requests on a pool sized for them (32 blocks of 16 tokens, at most 12 used)."""
     return batch(path, MIXED, 8, page_size=16, num_blocks=32, max_batch_tokens=128)
 
 
+@once
 def clean_gemma3(path: Path) -> Path:
     """gemma3_text: a sliding group (window 8, a ring buffer) and a full group, same load (64 blocks:
     transformers 5.17 splits them between the groups)."""
     return batch(path, MIXED, 12, arch="gemma3_text", page_size=16, num_blocks=64, max_batch_tokens=128)
 
 
+@once
 def clean_prefix_shared(path: Path) -> Path:
     """The same prompt three times, one after another, prefix sharing on: each repeat hits."""
     return sequential(path, [PREFIX + [60, 61]] * 3, 4, page_size=16, num_blocks=32, max_batch_tokens=128)
 
 
+@once
 def clean_budget_queue(path: Path) -> Path:
     """Requests wait for the token budget (64 per step), not for memory: the pool stays under 30%."""
     return batch(path, [40, 40, 40, 40], 4, page_size=16, num_blocks=64, max_batch_tokens=64)
@@ -101,27 +128,32 @@ def clean_budget_queue(path: Path) -> Path:
 
 # ---- planted faults -----------------------------------------------------------------------------
 
+@once
 def plant_pool_too_small(path: Path) -> Path:
     """Ten 2-block requests offered at once to a 16-block pool: 8 fit, the pool runs full, the rest wait."""
     return batch(path, [20] * 10, 4, page_size=16, num_blocks=16, max_batch_tokens=256)
 
 
+@once
 def plant_large_pages(path: Path) -> Path:
     """128-token pages for 4-8-token requests: each holds a whole block, the 8-block pool fills with tails."""
     return batch(path, [4, 5, 6, 7, 8, 5, 4, 6], 4, page_size=128, num_blocks=8, max_batch_tokens=128)
 
 
+@once
 def plant_preemption(path: Path) -> Path:
     """Four requests growing to 44 tokens (3 blocks) each in a 4-block pool: soft resets recompute them."""
     return batch(path, [4, 3, 5, 3], 40, page_size=16, num_blocks=4, max_batch_tokens=64)
 
 
+@once
 def plant_sharing_off(path: Path) -> Path:
     """The repeated prompt of clean_prefix_shared with allow_block_sharing=False: no repeat hits."""
     return sequential(path, [PREFIX + [60, 61]] * 3, 4, page_size=16, num_blocks=32, max_batch_tokens=128,
                       allow_block_sharing=False)
 
 
+@once
 def plant_context_spike(path: Path) -> Path:
     """Five 10-token requests and one 100-token request (5x the median context)."""
     return batch(path, [6, 6, 6, 6, 6, 96], 4, page_size=16, num_blocks=32, max_batch_tokens=256)
