@@ -172,6 +172,12 @@ def build_fleet_report(con: Any, out: str | os.PathLike[str], *, keys: list[str]
     overview.lead.append(html.para(f"{result.traces} traces in {result.groups} group(s)"
                                    + (f" by {', '.join(keys)}" if keys else "") + "."))
     overview.body.append(_result_table(s["groups"]))
+    failed = con.execute("SELECT path, analysis_error FROM traces WHERE NOT analysed OR analysis_error <> '' "
+                         "ORDER BY path").fetchall()
+    if failed:  # their findings columns are empty: say so rather than count them as clean
+        overview.body.append(html.absent(
+            f"{len(failed)} trace(s) could not be analysed, so their findings are missing from every table: "
+            + "; ".join(f"{Path(p).name}: {e}" for p, e in failed[:5]) + (" ..." if len(failed) > 5 else "")))
     sections.append(overview)
 
     dist = html.Section("distributions", "Distributions per group")

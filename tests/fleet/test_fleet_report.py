@@ -138,3 +138,21 @@ def test_report_refuses_outputs_inside_the_fleet_directory(fleet_dir, capsys):
         code, _, err = _report(capsys, str(fleet_dir), "-o", str(fleet_dir / target))
         assert code == exitcodes.USAGE and "inside the fleet directory" in err
     assert (fleet_dir / "traces.parquet").read_bytes() == before and not (fleet_dir / "fleet.html").exists()
+
+
+def test_traces_without_analysis_are_named(fleet_dir, tmp_path, capsys):
+    """A trace the detectors could not run on is named on the page, not counted as clean."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = tmp_path / "f"
+    d.mkdir()
+    t = pq.read_table(fleet_dir / "traces.parquet")
+    errors = ["detector crashed <b>" if i == 0 else "" for i in range(t.num_rows)]
+    t = t.set_column(t.schema.get_field_index("analysis_error"), "analysis_error", pa.array(errors))
+    pq.write_table(t, d / "traces.parquet")
+    code, _, _ = _report(capsys, str(d), "-o", str(tmp_path / "r.html"))
+    text = (tmp_path / "r.html").read_text()
+    assert code == 0 and "1 trace(s) could not be analysed" in text and "detector crashed &lt;b&gt;" in text
+    code, _, _ = _report(capsys, str(fleet_dir), "-o", str(tmp_path / "clean.html"))
+    assert "could not be analysed" not in (tmp_path / "clean.html").read_text()
