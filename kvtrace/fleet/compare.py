@@ -24,7 +24,7 @@ from kvtrace.fleet.query import FleetError, trace_columns
 BOOTSTRAP = 2000
 SEED = 0
 
-# name, SQL returning (trace_id, value) rows per observation, unit, higher_is_worse.
+# (name, SQL returning one (trace_id, value) row per observation, unit); higher is worse for all.
 NOISY_METRICS: tuple[tuple[str, str, str], ...] = (
     ("peak_allocated_bytes per request",
      "SELECT trace_id, peak_allocated_bytes::DOUBLE FROM requests WHERE peak_allocated_bytes IS NOT NULL", "bytes"),
