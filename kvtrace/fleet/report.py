@@ -86,7 +86,13 @@ def _distribution(title: str, unit: str, groups: list[tuple[str, np.ndarray]]) -
     # "$" would start matplotlib mathtext: a model called "$\\frac{" must not break the page
     ax.set_yticks(range(len(shown)), [f"{g} (n={v.size})".replace("$", r"\$") for g, v in shown])
     ax.invert_yaxis()
-    ax.set_xlabel(f"{name}" if unit == "bytes" else unit)
+    label = name if unit == "bytes" else unit
+    values = np.concatenate([v for _, v in shown if v.size]) / scale
+    positive = values[values > 0]
+    if positive.size and positive.max() > 100 * positive.min():  # spread over decades: log, zeros kept
+        ax.set_xscale("symlog", linthresh=float(positive.min()))
+        label += " (log scale above the smallest non-zero value)"
+    ax.set_xlabel(label)
     ax.set_title(title + ("" if len(groups) <= MAX_GROUPS else f" ({MAX_GROUPS} largest of {len(groups)} groups)"))
     ax.grid(axis="x", alpha=0.3)
     return fig
