@@ -74,8 +74,11 @@ def render(report: AnalysisReport, console: Console, *, show_info: bool = True) 
     else:
         console.print("Findings: none")
     skipped = [r for r in report.results if r.status != "ran"]
+    groups: dict[tuple[str, str], list[str]] = {}  # one line per reason (8 serving detectors share one)
     for r in skipped:
-        console.print(f"{r.status:8s}{r.name}: {r.reason}")
+        groups.setdefault((r.status, r.reason), []).append(r.name)
+    for (status, reason), names in groups.items():
+        console.print(f"{status:8s}{', '.join(names)}: {reason}")
     if report.contents is not None:
         render_contents(report.contents, console)
     worst = report.max_severity

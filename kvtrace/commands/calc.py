@@ -118,12 +118,13 @@ def calc(preset: str | None, config_path: str | None, trace_paths: tuple[str, ..
         raise click.UsageError("give exactly one of --preset, --config, --trace")
     check_json_out(json_out, [s for s in (config_path, *trace_paths) if s is not None])
     check = None
-    ranks = _rank_traces(trace_paths)  # None unless the traces are tensor-parallel ranks
+    # each trace is opened once: the first one's calc --trace reading comes from the same view
+    ranks, first = _rank_traces(trace_paths)  # ranks: None unless the traces are tensor-parallel ranks
     if tp is None:
         tp = ranks.world_size or len(ranks.members) if ranks is not None else 1
     preset_name = preset
     if trace_path is not None:
-        config, label, trace_kv_bytes, check = _from_trace(trace_path)
+        config, label, trace_kv_bytes, check = first
         kv_bytes = KV_DTYPES[kv_dtype] if kv_dtype else trace_kv_bytes
         if label.startswith("preset:"):  # random weights in the recording; plan for the checkpoint
             preset_name = label.split(":", 1)[1]
@@ -170,16 +171,6 @@ def _known_preset(name: str | None) -> str | None:
         return None if name is None else presets.get_preset(name).name
     except KeyError:
         return None
-
-
-def _from_trace(path: str) -> tuple[dict[str, Any], str, int, dict[str, Any]]:
-    """(config, label, cache element size, measured-vs-predicted check) of a recorded trace,
-    opened once and read through one TraceView."""
-    from kvtrace.analyzer.view import TraceView
-    from kvtrace.format.reader import Trace
-
-    with Trace(path) as t:
-        return render(TraceView(t), None)
 
 
 def render(view: TraceView, report: AnalysisReport | None) -> tuple[dict[str, Any], str, int, dict[str, Any]]:
@@ -233,29 +224,34 @@ def _format_check(check: dict[str, Any]) -> str:
     return head + f"DIFFERENT ({layers})"
 
 
-def _rank_traces(paths: tuple[str, ...]) -> Any:
-    """The RankSet of the --trace files when they are ranks of one tensor-parallel run; None for one
-    trace that is not a rank. Several traces that are not the ranks of one run: a usage error."""
+def _rank_traces(paths: tuple[str, ...]) -> tuple[Any, Any]:
+    """(the RankSet of the --trace files when they are ranks of one tensor-parallel run, else None;
+    the ``render`` of the first trace, else None). Several traces that are not the ranks of one run:
+    a usage error. Each trace is opened once."""
     from kvtrace.analyzer.ranks import group, rank_trace
     from kvtrace.analyzer.view import TraceView
     from kvtrace.format.reader import Trace
 
     members = []
-    for path in paths:
+    first = None
+    for i, path in enumerate(paths):
         with Trace(path) as t:
-            member = rank_trace(TraceView(t))
+            view = TraceView(t)
+            member = rank_trace(view)
+            if i == 0:
+                first = render(view, None)
         if member is None and len(paths) > 1:
             raise click.UsageError(f"{path} is not a tensor-parallel rank trace: several --trace must be the rank "
                                    "traces of one run")
         if member is not None:
             members.append(member)
     if not members:
-        return None
+        return None, first
     sets = group(members)
     if len(sets) > 1:
         raise click.UsageError(f"the --trace files belong to {len(sets)} runs ({', '.join(s.run_id for s in sets)}); "
                                "give the ranks of one run")
-    return sets[0]
+    return sets[0], first
 
 
 def _rank_check(rs: Any, plan: Any) -> dict[str, Any]:

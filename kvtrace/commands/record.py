@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from kvtrace.commands.common import guarded
+from kvtrace.commands.metrics_options import check_metrics_options, metrics_options
 from kvtrace.errors import CannotWrite, TraceIncomplete, Unavailable
 from kvtrace.loading import encode, load_model, model_config_dict
 from kvtrace.units import format_bytes
@@ -34,22 +35,6 @@ def check_sample_selection(config: dict[str, Any], layers: list[int] | None, hea
     problem = geometry.selection_problem(config, layers, heads)
     if problem is not None:
         raise click.BadParameter(problem[0], param_hint=f"--sample-{problem[1]}")
-
-
-def check_bindable(host: str, port: int) -> None:
-    """Bind and release ``host:port`` the way the metrics server will, so a busy port or a bad
-    host fails before the model loads (the server binds again when recording starts)."""
-    import socket
-
-    if port == 0:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server does
-            s.bind((host, port))
-    except OSError as exc:
-        raise Unavailable(f"cannot serve Prometheus metrics on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def read_prompts(prompt: tuple[str, ...], prompts_file: str | None) -> list[str]:
@@ -139,16 +124,7 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
               help="Presets: shrink to a few layers showing every layer kind, hidden ~256, vocab 512 "
                    "(builds and runs on a CPU in seconds); --layers/--width/--vocab override it.")
 @click.option("--force", is_flag=True, help="Replace an existing -o file (never one of the inputs).")
-@click.option("--prometheus", "prometheus", default=None, metavar="HOST:PORT",
-              help="Serve live metrics at http://HOST:PORT/metrics while recording (bind 127.0.0.1 "
-                   "unless the scraper is on another host).")
-@click.option("--prometheus-textfile", default=None, type=click.Path(dir_okay=False), metavar="FILE",
-              help="Write the metrics to FILE for node_exporter's textfile collector "
-                   "(atomic rewrite, at most once a second, at each request end and at exit).")
-@click.option("--prometheus-linger", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              metavar="SECONDS",
-              help="After recording, keep serving the final metrics until every scraper seen has fetched "
-                   "them, at most this long (0: stop at once).")
+@metrics_options
 @click.option("--quiet", "-q", is_flag=True, help="Print only errors.")
 @click.option("-o", "--output", required=True, type=click.Path(), metavar="TRACE", help="Trace file to write.")
 @guarded
@@ -185,9 +161,6 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
 
     check_output(output, option="-o", inputs=[prompts_file] if prompts_file else [], refuse_existing=True,
                  force=force, others=[("--prometheus-textfile", prometheus_textfile)])
-    if prometheus_textfile is not None:
-        check_output(prometheus_textfile, option="--prometheus-textfile", what=f"Prometheus textfile {prometheus_textfile}",
-                     inputs=[prompts_file] if prompts_file else [])
     if (layer_list is not None or head_list is not None) and not (sample_every or sample_queries):
         raise click.UsageError("--sample-layers/--sample-heads select what is sampled: add --sample-every N "
                                "(or --sample-queries)")
@@ -206,34 +179,17 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
     config = model_config_dict(model_spec, layers=layers, width=width, vocab=vocab)
     if config is not None:
         check_sample_selection(config, layer_list, head_list)
-    if prometheus is not None or prometheus_textfile is not None:
-        from kvtrace.export.prometheus import require_client
-
-        try:
-            require_client()
-        except ImportError as exc:
-            raise Unavailable(str(exc)) from None
-    if prometheus is not None:
-        from kvtrace.export.prometheus import parse_address
-
-        try:
-            host, port = parse_address(prometheus)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--prometheus") from None
-        check_bindable(host, port)  # before the (possibly slow) model load
+    check_metrics_options(prometheus, prometheus_textfile, [prompts_file] if prompts_file else [])
     try:
         from kvtrace.recorder.session import (
             CannotServeMetrics,
             CannotWriteOutput,
-            check_textfile,
             check_writable,
         )
     except ImportError as exc:
         raise Unavailable(f"recording needs torch and transformers ({exc}); install kvtrace[record]") from None
     try:
         check_writable(output)  # before the (possibly slow) model load
-        if prometheus_textfile is not None:
-            check_textfile(prometheus_textfile)
     except CannotWriteOutput as exc:
         raise CannotWrite(str(exc)) from None
     from kvtrace.recorder.sampling import SamplingSettings

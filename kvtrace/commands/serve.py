@@ -9,6 +9,7 @@ import click
 
 from kvtrace import exitcodes
 from kvtrace.commands.common import fail, guarded
+from kvtrace.commands.metrics_options import check_metrics_options, metrics_options
 from kvtrace.commands.record import DTYPES
 from kvtrace.errors import BadOption, CannotWrite, TraceIncomplete, Unavailable
 
@@ -94,11 +95,13 @@ def check_port(host: str, port: int) -> None:
               help="Presets: scale hidden/MLP/expert widths (KV geometry kept).")
 @click.option("--vocab", type=click.IntRange(min=256), default=None, help="Presets: vocabulary size.")
 @click.option("--force", is_flag=True, help="Replace an existing -o file (never one of the inputs).")
+@metrics_options
 @click.option("--quiet", "-q", is_flag=True, help="Print only errors (transformers and uvicorn still log).")
 @click.argument("serve_args", nargs=-1, type=click.UNPROCESSED, metavar="[SERVE_OPTIONS]...")
 @guarded
 def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no_nvml: bool, tiny: bool,
-          layers: int | None, width: float | None, vocab: int | None, force: bool, quiet: bool,
+          layers: int | None, width: float | None, vocab: int | None, force: bool, prometheus: str | None,
+          prometheus_textfile: str | None, prometheus_linger: float, quiet: bool,
           serve_args: tuple[str, ...]) -> None:
     """Serve MODEL with transformers' own server (`transformers serve`) and record it into TRACE.
 
@@ -117,7 +120,9 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
     trace) and GET /kvtrace/status (requests recorded, paged-cache pool and free bytes, running and
     waiting requests). Ctrl-C or SIGTERM stops it: open requests are drained, the trace is closed
     complete, and the exit code is 0. Needs kvtrace[serve]. An existing -o file is refused (exit 64)
-    unless --force.
+    unless --force. --prometheus HOST:PORT serves live serving metrics (pool usage, running and
+    waiting requests, preemptions, prefix-cache hits, TTFT/ITL histograms: spec/prometheus-serving.md)
+    on a port of its own.
     """
     check_model(model)
     if not model.startswith("preset:") and (tiny or any(v is not None for v in (layers, width, vocab))):
@@ -125,11 +130,11 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
     from kvtrace.commands.outputs import check_output
 
     check_output(output, option="-o", inputs=[model] if os.path.exists(model) else [], refuse_existing=True,
-                 force=force)
+                 force=force, others=[("--prometheus-textfile", prometheus_textfile)])
     try:
         from transformers.utils.import_utils import is_serve_available
 
-        from kvtrace.recorder.session import CannotWriteOutput, check_writable
+        from kvtrace.recorder.session import CannotServeMetrics, CannotWriteOutput, check_writable
     except ImportError as exc:
         raise Unavailable(f"serving needs torch and transformers ({exc}); install kvtrace[serve]") from None
     if not is_serve_available():
@@ -139,6 +144,10 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
     except CannotWriteOutput as exc:
         raise CannotWrite(str(exc)) from None
     check_port(host, port)  # a busy port fails now, not after the model load (exit 69)
+    metrics_at = check_metrics_options(prometheus, prometheus_textfile, [model] if os.path.exists(model) else [])
+    if metrics_at is not None and metrics_at[1] == port:
+        raise click.BadParameter(f"port {port} is the server's own (--port): give the metrics another",
+                                 param_hint="--prometheus")
 
     def say(msg: str) -> None:
         if not quiet:
@@ -153,7 +162,9 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
                         "serve_args": list(serve_args), "tiny": tiny, "layers": layers, "width": width,
                         "vocab": vocab}}
     preloaded = load_preset(model, serve_args, tiny, layers, width, vocab) if model.startswith("preset:") else None
-    options = {"telemetry_hz": telemetry_hz, "nvml": not no_nvml, "settings_extra": settings}
+    options = {"telemetry_hz": telemetry_hz, "nvml": not no_nvml, "settings_extra": settings,
+               "prometheus": prometheus, "prometheus_textfile": prometheus_textfile,
+               "prometheus_linger_s": prometheus_linger}
     try:
         outcome = run_server(model, output, host=host, port=port, serve_args=list(serve_args),
                              record_options=options,
@@ -166,6 +177,8 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
         return
     except (click.exceptions.ClickException, click.exceptions.Exit, BadOption):
         raise
+    except CannotServeMetrics as exc:
+        raise Unavailable(str(exc)) from None
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
         # transformers could not load the model (missing files, not cached offline, bad --dtype...)
         raise Unavailable(f"cannot serve {model}: {type(exc).__name__}: {exc}") from None

@@ -694,6 +694,9 @@ def render(view: TraceView, report: AnalysisReport | None, textfile: str | os.Pa
     n_errors = int(np.sum(kinds == int(schema.EventKind.RECORDER_ERROR)))
     if n_errors:
         exp._metrics["kvtrace_recorder_errors_total"].inc(n_errors)
+    from kvtrace.export.prometheus_serving import replay
+
+    replay(exp, view)  # a serving trace: the kvtrace_serving_* end state (nothing without /sched)
     # "last update" is when the trace's last row was stamped, not when this replay ran
     last_ns = max([int(requests["end_ns"].max()) if requests.size else 0,
                    *(int(t["t_ns"].max()) for t in (nvml, alloc, process) if t.size)])

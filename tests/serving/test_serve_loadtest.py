@@ -62,16 +62,26 @@ def _phase_names(t: Trace) -> list[str]:
 
 @pytest.mark.slow
 def test_kvtrace_serve_continuous_batching_loadtest_then_sigterm(model_dir, tmp_path):
-    port = free_port()
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port, metrics_port = free_port(), free_port()
     trace = tmp_path / "served.kvt.h5"
     proc = _start(kvtrace_cmd("serve", str(model_dir), "-o", str(trace), "--port", str(port), "--no-nvml",
+                              "--prometheus", f"127.0.0.1:{metrics_port}", "--prometheus-linger", "0",
                               "--continuous-batching", "--device", "cpu", "--cb-num-blocks", "64",
                               "--cb-block-size", "16"), port)
     try:
         run = _loadtest(f"http://127.0.0.1:{port}", *PHASES, "--trace", str(trace),
                         "--json-out", str(tmp_path / "run.json"), "--fail-on", "warning")
+        # the live serving metrics of kvtrace serve --prometheus, scraped while it still serves
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10, trust_env=False).text
     finally:
         rc, out = _stop(proc)
+    live = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert live["kvtrace_serving_kv_pool_bytes"] > 0, sorted(live)
+    assert live["kvtrace_serving_requests_running"] == 0  # every request had ended when scraped
+    assert live["kvtrace_serving_scheduler_steps_total"] >= N_REQUESTS
     assert run.returncode == 3, run.stderr + run.stdout  # the long phase's context spike reaches --fail-on
     assert "phase long (1 request(s), 1 at once, 128 prompt words" in run.stdout and "WARNING" in run.stdout
     assert rc == 0, out
