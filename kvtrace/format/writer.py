@@ -184,7 +184,7 @@ class TraceWriter:
         # Row tables, text and status by name, opened once: a flush writes ~10 of them through
         # h5py's low-level calls (the high-level path looks each up and rebuilds its dtype).
         self._ds: _Handles = _Handles()
-        self._mtypes: dict[str, Any] = {}
+        self._mtypes: dict[str, Any] = {}  # HDF5 memory type per table: built once per process
         # What the writer's own work cost so far (read by bench_overhead.py): flushes, their wall
         # and CPU time (the CPU part holds the GIL: time the model's thread cannot run).
         self.flush_count = 0
@@ -236,9 +236,7 @@ class TraceWriter:
         for key, value in self._complete_meta(meta).items():
             g.attrs[key] = schema.meta_attr_value(key, value)
         self._ds.file = f  # datasets open on first use: a session touches about half of them
-        for name, table in schema.TABLE_DECLS.items():
-            self._mtypes[name] = h5py.h5t.py_create(table.hdf5_dtype)
-        self._mtypes["text"] = h5py.h5t.py_create(np.dtype("u1"))
+        self._mtypes = _memory_types()
         if devices:
             rows = [
                 schema.DeviceRow(d.index, name=d.name.encode()[:64], total_memory_bytes=d.total_memory_bytes,
@@ -697,6 +695,14 @@ def _rows_array(buf: list, dtype: np.dtype) -> np.ndarray:
     if run:
         parts.append(np.array(run, dtype=dtype))
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+@functools.cache
+def _memory_types() -> dict[str, Any]:
+    """HDF5 memory types of the row tables and the text heap (transient types serve any file)."""
+    types = {name: h5py.h5t.py_create(table.hdf5_dtype) for name, table in schema.TABLE_DECLS.items()}
+    types["text"] = h5py.h5t.py_create(np.dtype("u1"))
+    return types
 
 
 @functools.cache
