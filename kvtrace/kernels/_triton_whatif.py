@@ -157,7 +157,9 @@ def _keep_packed_kernel(
     q = _load_q(Q, b, h, qi, sqb, sqh, sqt, offs_d, valid, d_valid, DOT_F32)
     k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
-    keep_row = KEEP + row_s.to(tl.int64) * kps + b.to(tl.int64) * kpb + kvh.to(tl.int64) * kph
+    # Set 0 keeps every key and has no row in KEEP (set s > 0 reads KEEP[s - 1]).
+    keep_row = KEEP + (row_s - 1).to(tl.int64) * kps + b.to(tl.int64) * kpb + kvh.to(tl.int64) * kph
+    has_keep = valid & (row_s > 0)
     lo, hi = _key_range(pid_split, keys_per_split, Tk, pos, valid, window, CAUSAL, HAS_WINDOW, BLOCK_N)
 
     m_i = tl.zeros([ROWS], dtype=tl.float32) - float("inf")
@@ -168,7 +170,7 @@ def _keep_packed_kernel(
         n_valid = offs_n < Tk
         kt, v = _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32)
         s = _scaled(tl.dot(q, kt, input_precision=PREC_QK), scale, ROUNDED)
-        kept = tl.load(keep_row[:, None] + offs_n[None, :], mask=valid[:, None] & n_valid[None, :], other=0)
+        kept = tl.load(keep_row[:, None] + offs_n[None, :], mask=has_keep[:, None] & n_valid[None, :], other=1)
         use = (kept != 0) & _visible(offs_n, n_valid, pos, valid, window, CAUSAL, HAS_WINDOW)
         s = tl.where(use, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -220,7 +222,8 @@ def _keep_shared_kernel(
     q = _load_q(Q, b, h, qi, sqb, sqh, sqt, offs_d, valid, d_valid, DOT_F32)
     k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
-    keep_base = KEEP + sets.to(tl.int64) * kps + b.to(tl.int64) * kpb + kvh.to(tl.int64) * kph
+    keep_base = KEEP + (sets - 1).to(tl.int64) * kps + b.to(tl.int64) * kpb + kvh.to(tl.int64) * kph
+    has_keep = s_valid & (sets > 0)  # set 0: every key
     lo, hi = _key_range(pid_split, keys_per_split, Tk, pos, valid, window, CAUSAL, HAS_WINDOW, BLOCK_N)
 
     m_i = tl.zeros([SETS, BLOCK_M], dtype=tl.float32) - float("inf")
@@ -232,7 +235,7 @@ def _keep_shared_kernel(
         kt, v = _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32)
         s = _scaled(tl.dot(q, kt, input_precision=PREC_QK), scale, ROUNDED)
         vis = _visible(offs_n, n_valid, pos, valid, window, CAUSAL, HAS_WINDOW)
-        kept = tl.load(keep_base[:, None] + offs_n[None, :], mask=s_valid[:, None] & n_valid[None, :], other=0)
+        kept = tl.load(keep_base[:, None] + offs_n[None, :], mask=has_keep[:, None] & n_valid[None, :], other=1)
         use = (kept[:, None, :] != 0) & vis[None, :, :]
         s3 = tl.where(use, s[None, :, :], float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s3, axis=2))
@@ -290,15 +293,16 @@ def split_unit() -> int:
 
 
 def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window, causal,
-             keys_per_split, n_splits) -> None:
-    """Launch a keep-set kernel. q [B, Hq, Tq, D], k [B, Hk, T, D], v [B, Hk, T, Dv] (last dim
-    contiguous), keep int8 [S, B, Hk, T] contiguous, qpos int32 [Tq]; pm/pl fp32
-    [S * B * Hq * Tq * n_splits], pacc fp32 [... * Dv] outputs."""
+             keys_per_split, n_splits, n_sets) -> None:
+    """Launch a keep-set kernel for ``n_sets`` sets: set 0 keeps every key, set s > 0 the keys of
+    keep[s - 1]. q [B, Hq, Tq, D], k [B, Hk, T, D], v [B, Hk, T, Dv] (last dim contiguous), keep
+    int8 [n_sets - 1, B, Hk, T] (last dim contiguous), qpos int32 [Tq]; pm/pl fp32
+    [n_sets * B * Hq * Tq * n_splits], pacc fp32 [... * Dv] outputs."""
     import torch
 
     B, Hq, Tq, D = q.shape
     Hk, Tk, DV = k.shape[1], k.shape[2], v.shape[3]
-    S = keep.shape[0]
+    S = n_sets
     block_d = max(16, triton.next_power_of_2(D))
     block_dv = max(16, triton.next_power_of_2(DV))
     # The interpreter computes bf16 dots on raw bits: upcast there. On the GPU 16-bit inputs feed
@@ -336,6 +340,65 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
             FALLBACKS.append(f"shared-scores kernel unavailable ({type(exc).__name__}: {str(exc)[:200]}); "
                              "using the packed kernel for every query count")
     _tuned("packed")[lambda meta: (triton.cdiv(S * nvq, meta["ROWS"]), B * Hk, n_splits)](*args, **flags)
+
+
+@triton.jit
+def _merge_step(m, lsum, acc, PM, PL, PACC, idx, ok, offs_dv, dv_ok, DV):
+    """Fold one key split's partial state (m, lsum, acc) at ``idx`` into the running one."""
+    mj = tl.load(PM + idx, mask=ok, other=float("-inf"))
+    lj = tl.load(PL + idx, mask=ok, other=0.0)
+    aj = tl.load(PACC + idx[:, None] * DV + offs_dv[None, :], mask=ok[:, None] & dv_ok[None, :], other=0.0)
+    m_new = tl.maximum(m, mj)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no inf - inf where nothing was used yet
+    a = tl.exp(m - m_use)
+    b = tl.exp(mj - m_use)
+    return m_new, a * lsum + b * lj, acc * a[:, None] + aj * b[:, None]
+
+
+@triton.jit
+def _keep_finish_kernel(PM, PL, PACC, RECALL, ERR, R, DV, n_splits, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Per keep-set s >= 1 and output row: merge the key splits of set 0 (all keys) and of set s,
+    then recall = exp(m_s - m_0) l_s / l_0 and error = ||o_s - o_0|| / ||o_0|| (the torch merge of
+    kernels/whatif.py's _merged_states, in one launch instead of ~30 small ops)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    s = tl.program_id(1) + 1
+    ok = rows < R
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+    m0 = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
+    l0 = tl.zeros([BLOCK_R], dtype=tl.float32)
+    a0 = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
+    ms = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
+    ls = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc_s = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
+    base0 = rows.to(tl.int64) * n_splits  # partials laid out [S1, R, n_splits] (x DV)
+    bases = (s.to(tl.int64) * R + rows.to(tl.int64)) * n_splits
+    for j in range(0, n_splits):
+        m0, l0, a0 = _merge_step(m0, l0, a0, PM, PL, PACC, base0 + j, ok, offs_dv, dv_ok, DV)
+        ms, ls, acc_s = _merge_step(ms, ls, acc_s, PM, PL, PACC, bases + j, ok, offs_dv, dv_ok, DV)
+    o0 = a0 / tl.where(l0 > 0, l0, 1.0)[:, None]  # 0 where no key was visible (acc 0)
+    o_s = acc_s / tl.where(ls > 0, ls, 1.0)[:, None]
+    both = (ls > 0) & (l0 > 0)
+    recall = tl.where(both, tl.exp(tl.where(both, ms - m0, 0.0)) * ls / tl.where(l0 > 0, l0, 1.0), 0.0)
+    d = o_s - o0
+    num = tl.sqrt(tl.sum(d * d, axis=1))
+    den = tl.sqrt(tl.sum(o0 * o0, axis=1))
+    err = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), float("nan"))
+    out = (s - 1).to(tl.int64) * R + rows
+    tl.store(RECALL + out, recall, mask=ok)
+    tl.store(ERR + out, err, mask=ok)
+
+
+def run_keep_finish(pm, pl, pacc, recall, err, *, rows: int, dv: int, n_splits: int) -> None:
+    """Merge the partial states of ``run_keep`` ([S1, rows, n_splits], acc x dv) into recall and
+    error [S1 - 1, rows] fp32."""
+    n_sets = recall.shape[0]
+    if n_sets == 0 or rows == 0:
+        return
+    block_dv = max(16, triton.next_power_of_2(dv))
+    block_r = INTERP_ROWS if interpreting() else max(16, min(128, 8192 // block_dv))
+    _keep_finish_kernel[(triton.cdiv(rows, block_r), n_sets)](pm, pl, pacc, recall, err, rows, dv, n_splits,
+                                                              BLOCK_R=block_r, BLOCK_DV=block_dv, num_warps=4)
 
 
 # Why a kernel was replaced by another in this process (empty: none was); the benchmark reports it.

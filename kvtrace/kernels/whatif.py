@@ -20,6 +20,8 @@ set; float64 by default, the exact reference). ``auto``: triton for CUDA tensors
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -145,16 +147,20 @@ def _last_contig(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _low_bits(x: torch.Tensor) -> torch.Tensor:
+    """The low 16 bits of each fp32 of ``x`` as an int16 view (no temporary tensor)."""
+    halves = x.contiguous().view(torch.int16)
+    return halves[..., 0::2] if sys.byteorder == "little" else halves[..., 1::2]
+
+
 def _bf16_exact(x: torch.Tensor) -> bool:
     """Whether every value of ``x`` is a bf16 value (K/V/Q recorded in bf16 and upcast): an fp32
-    holds a bf16 value iff its low 16 bits are 0 (read as int16 halves: no temporary tensor)."""
+    holds a bf16 value iff its low 16 bits are 0."""
     if x.dtype == torch.bfloat16:
         return True
     if x.dtype != torch.float32 or x.numel() == 0:
         return False
-    halves = x.contiguous().view(torch.int16)
-    low = halves[..., 0::2] if torch.tensor([1], dtype=torch.int16).view(torch.uint8)[0] == 1 else halves[..., 1::2]
-    return not bool(low.any())
+    return not bool(_low_bits(x).any())
 
 
 def as_bf16_if_exact(x: torch.Tensor) -> torch.Tensor:
@@ -163,48 +169,88 @@ def as_bf16_if_exact(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16) if x.dtype == torch.float32 and _bf16_exact(x) else x
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _split_plan(g: _Attn, n_sets: int, device: torch.device, num_splits: int | None) -> tuple[int, int]:
-    from kvtrace.kernels._triton_whatif import split_unit
+    """(key splits, keys per split): enough programs for ~4 per SM (a decode step's few rows
+    would otherwise leave most SMs idle), at least 256 keys a split."""
+    from kvtrace.kernels._triton_whatif import packed, split_unit
 
     unit = split_unit()
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        base = g.B * g.Hq * -(-g.Tq * n_sets // 32)  # programs without splits, ~32 rows each
-        want = -(-2 * sms // max(base, 1))
-        num_splits = max(1, min(want, -(-g.T // 1024)))  # at least ~1k keys per split
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 4
+        nvq = g.group * g.Tq
+        per_kv = -(-n_sets * nvq // 32) if packed(g.group, g.Tq) else -(-nvq // 32) * -(-n_sets // 4)
+        want = -(-4 * sms // max(g.B * g.Hk * per_kv, 1))  # programs without splits: ~32 rows, 4 sets each
+        num_splits = max(1, min(want, g.T // 256))
     per = -(-g.T // max(1, num_splits))
     per = max(unit, -(-per // unit) * unit)
     return -(-g.T // per), per
 
 
-def _states_triton(q, k, v, keep_all, g: _Attn, num_splits: int | None):
-    """Merged per-set softmax states (m, l, o) ``[S1, B, Hq, Tq]`` (o: ``x Dv``) over the keys
-    each set keeps, ``keep_all`` [S1, B, Hk, T] int8 (set 0 = keep everything)."""
+def _keep_arg(keep: torch.Tensor) -> torch.Tensor:
+    """Keep-sets as int8 (nonzero = kept), last dim contiguous; bool is reinterpreted, not copied."""
+    if keep.dtype == torch.bool:
+        keep = keep.view(torch.int8)
+    elif keep.dtype not in (torch.int8, torch.uint8):
+        keep = (keep != 0).view(torch.int8)
+    elif keep.dtype == torch.uint8:
+        keep = keep.view(torch.int8)
+    return keep if keep.stride(-1) == 1 else keep.contiguous()
+
+
+def _partials_triton(q, k, v, keep, g: _Attn, num_splits: int | None):
+    """Per key split, the softmax states (m, l, acc) of set 0 (every key) and of each set in
+    ``keep`` [S, B, Hk, T] (over the keys it keeps): (pm, pl [S+1, R, n_splits], pacc
+    [... x Dv], n_splits), R = B * Hq * Tq; None when there are no rows or keys."""
     from kvtrace.kernels import _triton_whatif as tw
 
-    if abs(g.k_start) >= _LIMIT or g.T >= _LIMIT or (g.Tq and int(g.positions.abs().max()) >= _LIMIT):
-        raise ValueError("positions and lengths must be below 2**29 for the Triton path")
     window = None if g.window is None else min(g.window, _LIMIT)
+    # One host sync for every check the launch depends on (each is a read of a whole tensor).
+    checks = []
+    if g.Tq:
+        checks.append(g.positions.abs().max() >= _LIMIT)
+    fp32 = [x for x in (q, k, v) if x.dtype == torch.float32 and x.numel()]
+    checks += [_low_bits(x).any() for x in fp32]
+    flags = torch.stack(checks).tolist() if checks else []
+    if abs(g.k_start) >= _LIMIT or g.T >= _LIMIT or (g.Tq and flags[0]):
+        raise ValueError("positions and lengths must be below 2**29 for the Triton path")
+    inexact = dict(zip((id(x) for x in fp32), flags[1:] if g.Tq else flags, strict=True))
+
+    def bf16(x: torch.Tensor) -> bool:
+        return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and id(x) in inexact and not inexact[id(x)])
+
     dt = _kernel_dtype(q, k)
-    if dt == torch.float32 and _bf16_exact(q) and _bf16_exact(k):
+    if dt == torch.float32 and bf16(q) and bf16(k):
         dt = torch.bfloat16  # recorded bf16 upcast to fp32: the same values, on the tensor cores exactly
-    q, k = _last_contig(q, dt), _last_contig(k, dt)
     vt = v.dtype if v.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
-    if vt == torch.float32 and _bf16_exact(v):
+    if vt == torch.float32 and bf16(v):
         vt = torch.bfloat16  # p @ V then takes three bf16 dots against the exact V
-    v = _last_contig(v, vt)
-    dev, S1, Dv = q.device, keep_all.shape[0], v.shape[3]
-    rows = S1 * g.B * g.Hq * g.Tq
+    q, k, v = _last_contig(q, dt), _last_contig(k, dt), _last_contig(v, vt)
+    S1, Dv = keep.shape[0] + 1, v.shape[3]
+    rows = g.B * g.Hq * g.Tq
     if rows == 0 or g.T == 0:
-        z = torch.zeros(S1, g.B, g.Hq, g.Tq, dtype=torch.float32, device=dev)
-        return z - float("inf"), z, torch.zeros(*z.shape, Dv, dtype=torch.float32, device=dev)
-    n_splits, per = _split_plan(g, S1, dev, num_splits)
-    pm = torch.empty(rows * n_splits, dtype=torch.float32, device=dev)
+        return None
+    n_splits, per = _split_plan(g, S1, q.device, num_splits)
+    pm = torch.empty(S1 * rows * n_splits, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
-    pacc = torch.empty(rows * n_splits * Dv, dtype=torch.float32, device=dev)
-    tw.run_keep(q, k, v, keep_all, g.positions.to(torch.int32).contiguous(), pm, pl, pacc, group=g.group,
+    pacc = torch.empty(S1 * rows * n_splits * Dv, dtype=torch.float32, device=q.device)
+    tw.run_keep(q, k, v, _keep_arg(keep), g.positions.to(torch.int32), pm, pl, pacc, group=g.group,
                 scale=g.scale, k_start=g.k_start, window=window, causal=g.causal, keys_per_split=per,
-                n_splits=n_splits)
+                n_splits=n_splits, n_sets=S1)
+    return pm, pl, pacc, n_splits
+
+
+def _merged_states(parts, g: _Attn, S1: int, Dv: int, device: torch.device):
+    """Merged per-set states (m, l, o) ``[S1, B, Hq, Tq]`` (o: ``x Dv``) from ``_partials_triton``."""
+    if parts is None:
+        z = torch.zeros(S1, g.B, g.Hq, g.Tq, dtype=torch.float32, device=device)
+        return z - float("inf"), z, torch.zeros(*z.shape, Dv, dtype=torch.float32, device=device)
+    pm, pl, pacc, n_splits = parts
     pm = pm.view(S1, g.B, g.Hq, g.Tq, n_splits)
     pl = pl.view_as(pm)
     pacc = pacc.view(S1, g.B, g.Hq, g.Tq, n_splits, Dv)
@@ -218,26 +264,27 @@ def _states_triton(q, k, v, keep_all, g: _Attn, num_splits: int | None):
     return m, lsum, o
 
 
-def _with_full(keep: torch.Tensor) -> torch.Tensor:
-    k8 = (keep != 0).to(torch.int8)
-    return torch.cat([torch.ones_like(k8[:1]), k8]).contiguous()
-
-
 def keep_measures_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
     q_positions: torch.Tensor | Sequence[int] | None = None, k_start: int = 0, window: int | None = None,
     scale: float | None = None, causal: bool = True, num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(recall, error) ``[S, B, Hq, Tq]`` fp32 from one Triton pass over the keys for all sets."""
+    """(recall, error) ``[S, B, Hq, Tq]`` fp32 from one Triton pass over the keys for all sets and
+    one launch merging the key splits into the measures."""
+    from kvtrace.kernels import _triton_whatif as tw
+
     g = _geometry(q, k, v, q_positions, k_start, window, scale, causal)
     keep = _keep_sets(keep, g)
-    m, lsum, o = _states_triton(q, k, v, _with_full(keep), g, num_splits)
-    m0, l0, o0 = m[:1], lsum[:1], o[:1]
-    ok = (lsum[1:] > 0) & (l0 > 0)
-    shift = torch.where(ok, m[1:] - m0, torch.zeros_like(m[1:]))  # finite wherever ok
-    recall = torch.where(ok, torch.exp(shift) * lsum[1:] / torch.where(l0 > 0, l0, torch.ones_like(l0)),
-                         torch.zeros_like(shift))
-    return recall, _rel_error(o[1:], o0.expand_as(o[1:]))
+    S = keep.shape[0]
+    recall = torch.zeros(S, g.B, g.Hq, g.Tq, dtype=torch.float32, device=q.device)
+    err = torch.full_like(recall, float("nan"))  # nothing visible (or no keys): ||o|| = 0
+    if S == 0:
+        return recall, err
+    parts = _partials_triton(q, k, v, keep, g, num_splits)
+    if parts is not None:
+        pm, pl, pacc, n_splits = parts
+        tw.run_keep_finish(pm, pl, pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3], n_splits=n_splits)
+    return recall, err
 
 
 def keep_measures(
@@ -263,9 +310,9 @@ def output_error(
     if k2.shape != k.shape or v2.shape != v.shape:
         raise ValueError("k2, v2 must have the shapes of k, v")
     if resolve_backend(backend, q) == "triton":
-        ones = torch.ones(1, g.B, g.Hk, g.T, dtype=torch.int8, device=q.device)
-        o = _states_triton(q, k, v, ones, g, None)[2][0]
-        o2 = _states_triton(q, k2, v2, ones, g, None)[2][0]
+        none = torch.zeros(0, g.B, g.Hk, g.T, dtype=torch.int8, device=q.device)  # set 0 (every key) only
+        o = _merged_states(_partials_triton(q, k, v, none, g, None), g, 1, v.shape[3], q.device)[2][0]
+        o2 = _merged_states(_partials_triton(q, k2, v2, none, g, None), g, 1, v2.shape[3], q.device)[2][0]
         return _rel_error(o2, o)
     dt = torch.float64
     vis = _visible(g, q.device)
