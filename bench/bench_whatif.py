@@ -11,6 +11,11 @@ Rows:
          Eager: kernels.whatif.keep_measures_reference in fp32 -- the straightforward torch: the
          scores [B, Hq, Tq, T] materialised once, then a masked softmax, a mass sum and p @ V per
          keep-set (TF32 off). Goal (issue 17): >= 10x eager at 32k keys, memory O(rows).
+         The kernel time is the whole keep_measures_triton call on the fp32 inputs: the bf16-grid
+         and position checks (one host sync), allocations, the key pass and the split-merge
+         launch. Two more columns say where it goes: "prep" = the same call on inputs already
+         converted by as_bf16_if_exact (what the replay's per-unit cache passes), "launch" = the
+         two kernels alone on buffers allocated beforehand.
   quant  MSE + cosine per head of a quantise-dequantise round trip of one layer's K or V
          [1, 8, T, 128] (KIVI 2-bit keys per channel / values per token, quanto int4 groups of
          64, fp8 e4m3). Kernel: fused, float64 rounding and sums, nothing dequantised in memory.
@@ -163,6 +168,16 @@ def bench_keep(torch, W, dev: str, sz: dict, T: int, Tq: int, grid: str = "bf16"
         got = kern()
     except Exception as exc:
         row["kernel_error"] = _error_text(exc)
+    if got is not None:  # where the time goes (not part of the speed-up)
+        try:
+            prepared = [W.as_bf16_if_exact(x) for x in (q, k, v)]  # what the replay's unit cache passes
+            row["kernel_prepared_ms"], _ = time_ms(torch, lambda: W.keep_measures_triton(*prepared, keep, **kw), cuda,
+                                                   sz["budget_ms"], sz["max_reps"])
+            del prepared
+            row["kernels_only_ms"], _ = time_ms(torch, W.keep_kernels_only(q, k, v, keep, **kw), cuda,
+                                                sz["budget_ms"], sz["max_reps"])
+        except Exception as exc:
+            row["breakdown_error"] = _error_text(exc)
     try:
         row["eager_ms"], row["eager_reps"] = time_ms(torch, eager, cuda, sz["budget_ms"], sz["max_reps"])
         row["eager_peak_bytes"] = peak_extra_bytes(torch, eager, cuda)
@@ -261,8 +276,8 @@ def _fmt(x: Any, spec: str) -> str:
 
 def print_table(doc: dict[str, Any]) -> None:
     print(f"\nwhat-if kernels on {doc['device']} (torch {doc['torch']}, triton {doc['triton']})")
-    hdr = f"{'kind':<6} {'case':<48} {'keys':>6} {'q':>5} {'kernel ms':>10} {'eager ms':>10} {'speed-up':>9} " \
-          f"{'kern MiB':>9} {'eager MiB':>10} {'max|diff|':>10}"
+    hdr = f"{'kind':<6} {'case':<48} {'keys':>6} {'q':>5} {'kernel ms':>10} {'prep ms':>8} {'launch ms':>9} " \
+          f"{'eager ms':>10} {'speed-up':>9} {'kern MiB':>9} {'eager MiB':>10} {'max|diff|':>10}"
     print(hdr)
     print("-" * len(hdr))
     for r in doc["rows"]:
@@ -270,10 +285,11 @@ def print_table(doc: dict[str, Any]) -> None:
                              f"{r.get('values_on')} values")
         diff = r.get("max_diff_error", r.get("max_diff_cosine"))
         print(f"{r['kind']:<6} {case:<48} {r['keys']:>6} {r.get('queries', '-')!s:>5} "
-              f"{_fmt(r.get('kernel_ms'), '10.3f')} {_fmt(r.get('eager_ms'), '10.3f')} "
+              f"{_fmt(r.get('kernel_ms'), '10.3f')} {_fmt(r.get('kernel_prepared_ms'), '8.3f'):>8} "
+              f"{_fmt(r.get('kernels_only_ms'), '9.3f'):>9} {_fmt(r.get('eager_ms'), '10.3f')} "
               f"{_fmt(r.get('speedup'), '8.1f')}x {_mib(r.get('kernel_peak_bytes')):>9} "
               f"{_mib(r.get('eager_peak_bytes')):>10} {_fmt(diff, '10.2e')}")
-        for key in ("kernel_error", "eager_error"):
+        for key in ("kernel_error", "breakdown_error", "eager_error"):
             if key in r:
                 print(f"       {key}: {r[key]}")
     print("\nfloat64 check:", json.dumps(doc["float64_check"]))

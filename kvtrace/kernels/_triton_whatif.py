@@ -93,15 +93,21 @@ def _load_q(Q, b, h, qi, sqb, sqh, sqt, offs_d, valid, d_valid, DOT_F32: tl.cons
 
 
 @triton.jit
-def _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32: tl.constexpr):
+def _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32: tl.constexpr,
+             CAST_K: tl.constexpr, CAST_V: tl.constexpr):
     """A key block transposed [BLOCK_D, BLOCK_N] (dot operand dtype) and its values [BLOCK_N, BLOCK_DV]
-    (as stored)."""
+    (as stored, or bf16). ``CAST_K``/``CAST_V``: fp32 memory holding bf16 values (recorded bf16
+    upcast), cast to bf16 in registers -- exact, and no converted copy of K/V in memory."""
     kt = tl.load(k_base + offs_n[None, :].to(tl.int64) * skt + offs_d[:, None],
                  mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+    if CAST_K:
+        kt = kt.to(tl.bfloat16)
     if DOT_F32:
         kt = kt.to(tl.float32)
     v = tl.load(v_base + offs_n[:, None].to(tl.int64) * svt + offs_dv[None, :],
                 mask=n_valid[:, None] & dv_valid[None, :], other=0.0)
+    if CAST_V:
+        v = v.to(tl.bfloat16)
     return kt, v
 
 
@@ -135,7 +141,8 @@ def _keep_packed_kernel(
     Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, kps, kpb, kph,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr,
-    PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, ROUNDED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, CAST_K: tl.constexpr, CAST_V: tl.constexpr,
+    ROUNDED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Few queries (a decode step): rows are dense (set, query head of the group, query) triples,
@@ -168,7 +175,8 @@ def _keep_packed_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < Tk
-        kt, v = _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32)
+        kt, v = _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32,
+                         CAST_K, CAST_V)
         s = _scaled(tl.dot(q, kt, input_precision=PREC_QK), scale, ROUNDED)
         kept = tl.load(keep_row[:, None] + offs_n[None, :], mask=has_keep[:, None] & n_valid[None, :], other=1)
         use = (kept != 0) & _visible(offs_n, n_valid, pos, valid, window, CAUSAL, HAS_WINDOW)
@@ -195,7 +203,8 @@ def _keep_shared_kernel(
     Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, kps, kpb, kph,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr,
-    PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, ROUNDED: tl.constexpr, BLOCK_M: tl.constexpr, SETS: tl.constexpr,
+    PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, CAST_K: tl.constexpr, CAST_V: tl.constexpr,
+    ROUNDED: tl.constexpr, BLOCK_M: tl.constexpr, SETS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Many queries: BLOCK_M query rows (of the KV head's query heads) score each key block once;
@@ -232,7 +241,8 @@ def _keep_shared_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < Tk
-        kt, v = _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32)
+        kt, v = _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32,
+                         CAST_K, CAST_V)
         s = _scaled(tl.dot(q, kt, input_precision=PREC_QK), scale, ROUNDED)
         vis = _visible(offs_n, n_valid, pos, valid, window, CAUSAL, HAS_WINDOW)
         kept = tl.load(keep_base[:, None] + offs_n[None, :], mask=has_keep[:, None] & n_valid[None, :], other=1)
@@ -293,11 +303,12 @@ def split_unit() -> int:
 
 
 def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window, causal,
-             keys_per_split, n_splits, n_sets) -> None:
+             keys_per_split, n_splits, n_sets, cast_k=False, cast_v=False) -> None:
     """Launch a keep-set kernel for ``n_sets`` sets: set 0 keeps every key, set s > 0 the keys of
     keep[s - 1]. q [B, Hq, Tq, D], k [B, Hk, T, D], v [B, Hk, T, Dv] (last dim contiguous), keep
     int8 [n_sets - 1, B, Hk, T] (last dim contiguous), qpos int32 [Tq]; pm/pl fp32
-    [n_sets * B * Hq * Tq * n_splits], pacc fp32 [... * Dv] outputs."""
+    [n_sets * B * Hq * Tq * n_splits], pacc fp32 [... * Dv] outputs. ``cast_k``/``cast_v``: fp32
+    k/v holding bf16 values, read as bf16 (q then bf16)."""
     import torch
 
     B, Hq, Tq, D = q.shape
@@ -307,7 +318,8 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
     block_dv = max(16, triton.next_power_of_2(DV))
     # The interpreter computes bf16 dots on raw bits: upcast there. On the GPU 16-bit inputs feed
     # the tensor cores (exact products, fp32 sums); fp32 inputs and p @ V use 3xTF32.
-    dot_f32 = interpreting() and torch.bfloat16 in (q.dtype, v.dtype)
+    v_bf16 = v.dtype == torch.bfloat16 or cast_v
+    dot_f32 = interpreting() and (q.dtype == torch.bfloat16 or v_bf16)
     prec_qk = "ieee" if interpreting() else ("tf32x3" if q.dtype == torch.float32 else "tf32")
     prec_pv = "ieee" if interpreting() else "tf32x3"
     args = (q, k, v, keep, qpos, pm, pl, pacc, Hq, Tq, Tk, S, group, D, DV, float(scale), int(k_start),
@@ -315,7 +327,7 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), keep.stride(0), keep.stride(1), keep.stride(2))
     flags = dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, DOT_F32=dot_f32, PREC_QK=prec_qk,
-                 PREC_PV=prec_pv, PV_SPLIT=v.dtype == torch.bfloat16, ROUNDED=not interpreting(), BLOCK_D=block_d,
+                 PREC_PV=prec_pv, PV_SPLIT=v_bf16, CAST_K=bool(cast_k), CAST_V=bool(cast_v), ROUNDED=not interpreting(), BLOCK_D=block_d,
                  BLOCK_DV=block_dv)
     nvq = group * Tq
     if packed(group, Tq):

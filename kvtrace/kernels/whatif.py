@@ -207,6 +207,16 @@ def _partials_triton(q, k, v, keep, g: _Attn, num_splits: int | None):
     """Per key split, the softmax states (m, l, acc) of set 0 (every key) and of each set in
     ``keep`` [S, B, Hk, T] (over the keys it keeps): (pm, pl [S+1, R, n_splits], pacc
     [... x Dv], n_splits), R = B * Hq * Tq; None when there are no rows or keys."""
+    plan = _keep_plan(q, k, v, keep, g, num_splits)
+    if plan is None:
+        return None
+    plan[0]()
+    return plan[1:]
+
+
+def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
+    """Checks, conversions and output buffers of ``_partials_triton``, and the launch as a
+    callable: (launch, pm, pl, pacc, n_splits), or None."""
     from kvtrace.kernels import _triton_whatif as tw
 
     window = None if g.window is None else min(g.window, _LIMIT)
@@ -224,13 +234,18 @@ def _partials_triton(q, k, v, keep, g: _Attn, num_splits: int | None):
     def bf16(x: torch.Tensor) -> bool:
         return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and id(x) in inexact and not inexact[id(x)])
 
+    # Recorded bf16 upcast to fp32: the same values run as bf16 (exact scores on the tensor cores;
+    # p @ V as three bf16 dots against the exact V). K and V stay fp32 in memory and are cast in
+    # registers (a converted copy would cost a pass over them and their size again in memory).
     dt = _kernel_dtype(q, k)
-    if dt == torch.float32 and bf16(q) and bf16(k):
-        dt = torch.bfloat16  # recorded bf16 upcast to fp32: the same values, on the tensor cores exactly
+    as_bf16 = dt == torch.float32 and bf16(q) and bf16(k)
+    cast_k = as_bf16 and k.dtype == torch.float32
+    dt = torch.bfloat16 if as_bf16 else dt
     vt = v.dtype if v.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
-    if vt == torch.float32 and bf16(v):
-        vt = torch.bfloat16  # p @ V then takes three bf16 dots against the exact V
-    q, k, v = _last_contig(q, dt), _last_contig(k, dt), _last_contig(v, vt)
+    cast_v = v.dtype == torch.float32 and bf16(v)
+    q = _last_contig(q, dt)
+    k = _last_contig(k, torch.float32) if cast_k else _last_contig(k, dt)
+    v = _last_contig(v, vt)
     S1, Dv = keep.shape[0] + 1, v.shape[3]
     rows = g.B * g.Hq * g.Tq
     if rows == 0 or g.T == 0:
@@ -239,10 +254,14 @@ def _partials_triton(q, k, v, keep, g: _Attn, num_splits: int | None):
     pm = torch.empty(S1 * rows * n_splits, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pacc = torch.empty(S1 * rows * n_splits * Dv, dtype=torch.float32, device=q.device)
-    tw.run_keep(q, k, v, _keep_arg(keep), g.positions.to(torch.int32), pm, pl, pacc, group=g.group,
-                scale=g.scale, k_start=g.k_start, window=window, causal=g.causal, keys_per_split=per,
-                n_splits=n_splits, n_sets=S1)
-    return pm, pl, pacc, n_splits
+    keep8, qpos = _keep_arg(keep), g.positions.to(torch.int32)
+
+    def launch() -> None:
+        tw.run_keep(q, k, v, keep8, qpos, pm, pl, pacc, group=g.group, scale=g.scale, k_start=g.k_start,
+                    window=window, causal=g.causal, keys_per_split=per, n_splits=n_splits, n_sets=S1,
+                    cast_k=cast_k, cast_v=cast_v)
+
+    return launch, pm, pl, pacc, n_splits
 
 
 def _merged_states(parts, g: _Attn, S1: int, Dv: int, device: torch.device):
@@ -285,6 +304,27 @@ def keep_measures_triton(
         pm, pl, pacc, n_splits = parts
         tw.run_keep_finish(pm, pl, pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3], n_splits=n_splits)
     return recall, err
+
+
+def keep_kernels_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, **kw):
+    """For benchmarks: a callable running only the two launches of ``keep_measures_triton`` (key
+    pass, split merge) on inputs checked, converted and buffers allocated once, here."""
+    from kvtrace.kernels import _triton_whatif as tw
+
+    num_splits = kw.pop("num_splits", None)
+    g = _geometry(q, k, v, kw.pop("q_positions", None), kw.pop("k_start", 0), kw.pop("window", None),
+                  kw.pop("scale", None), kw.pop("causal", True))
+    keep = _keep_sets(keep, g)
+    launch, pm, pl, pacc, n_splits = _keep_plan(q, k, v, keep, g, num_splits)
+    recall = torch.empty(keep.shape[0], g.B, g.Hq, g.Tq, dtype=torch.float32, device=q.device)
+    err = torch.empty_like(recall)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        launch()
+        tw.run_keep_finish(pm, pl, pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3], n_splits=n_splits)
+        return recall, err
+
+    return run
 
 
 def keep_measures(

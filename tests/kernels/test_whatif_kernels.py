@@ -216,3 +216,39 @@ def test_dispatch_and_bad_input():
         W.keep_measures(args[0][:, :3], *args[1:], q_positions=pos, backend="torch")
     with pytest.raises(ValueError, match="kind"):
         W.QuantSpec(kind="int3")
+
+
+def test_bf16_grid_fp32_kv_is_read_as_bf16_in_registers(tri_device, monkeypatch):
+    """fp32 K/V holding bf16 values are cast in the kernel (no converted copy); full fp32 values
+    are not. Both agree with numerics.py."""
+    from kvtrace.kernels import _triton_whatif as tw
+
+    seen = []
+    real = tw.run_keep
+
+    def spy(*a, **kw):
+        seen.append((kw["cast_k"], kw["cast_v"], a[0].dtype, a[1].dtype))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tw, "run_keep", spy)
+    q, k, v, keep, pos = _case(11, Tq=3)
+    grid = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v)]
+    for arrays in (grid, (q, k, v)):
+        want_r, want_e = _numpy_sets(*arrays, keep, pos, 0, None, q.shape[-1] ** -0.5)
+        r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (*arrays, keep)), q_positions=pos)
+        _close(r.cpu().numpy(), want_r, RECALL)
+        _close(e.cpu().numpy(), want_e, ERROR)
+    assert seen[0] == (True, True, torch.bfloat16, torch.float32)
+    assert seen[1] == (False, False, torch.float32, torch.float32)
+
+
+def test_keep_set_dtypes_and_no_sets(tri_device):
+    """int8 keep-sets with any nonzero value mean kept, as bool ones; zero sets give empty results."""
+    q, k, v, keep, pos = _case(12)
+    args = [_t(x, tri_device) for x in (q, k, v)]
+    r_b, e_b = W.keep_measures_triton(*args, _t(keep, tri_device), q_positions=pos)
+    r_i, e_i = W.keep_measures_triton(*args, _t(keep.astype(np.int8) * 3, tri_device), q_positions=pos)
+    _close(r_i.cpu().numpy(), r_b.cpu().numpy(), EXACT)
+    _close(e_i.cpu().numpy(), e_b.cpu().numpy(), EXACT)
+    r0, e0 = W.keep_measures_triton(*args, _t(keep[:0], tri_device), q_positions=pos)
+    assert r0.shape == e0.shape == (0, 1, 4, 5)
