@@ -523,11 +523,16 @@ def _quant_kernel(
     tl.store(CNT + out, tl.sum(cnt, axis=0))
 
 
-def quant_grid(Tn: int, mode: int, group: int) -> tuple[int, int]:
-    """(programs per head, tokens per program) for ``Tn`` quantised tokens."""
+def quant_grid(Tn: int, mode: int, group: int, lanes: int = 1, sms: int = 1) -> tuple[int, int]:
+    """(programs per head, tokens per program) for ``Tn`` quantised tokens of ``lanes`` heads
+    (x batch): up to 256 tokens a program, fewer when that leaves under ~4 programs per SM (a
+    4k-token layer of 8 heads at 256 gave 128 programs: one wave of long, latency-bound loops)."""
     if mode == MODE_TOKEN_GROUPS:
         return triton.cdiv(Tn, group), group
-    chunk = INTERP_BLOCK_T if interpreting() else 256
+    if interpreting():
+        chunk = INTERP_BLOCK_T
+    else:
+        chunk = max(32, min(256, triton.next_power_of_2(triton.cdiv(Tn * max(lanes, 1), 4 * max(sms, 1)))))
     return triton.cdiv(Tn, chunk), chunk
 
 

@@ -252,3 +252,17 @@ def test_keep_set_dtypes_and_no_sets(tri_device):
     _close(e_i.cpu().numpy(), e_b.cpu().numpy(), EXACT)
     r0, e0 = W.keep_measures_triton(*args, _t(keep[:0], tri_device), q_positions=pos)
     assert r0.shape == e0.shape == (0, 1, 4, 5)
+
+
+def test_quant_error_all_zero_head_and_residual_tokens(tri_device):
+    """A head with no nonzero token has no cosine (NaN) and MSE 0; residual tokens count as exact."""
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((1, 2, 40, 16)).astype(np.float32)
+    x[0, 1] = 0.0
+    x[0, 0, 35] = 0.0  # an all-zero residual token: not counted
+    spec = W.QuantSpec(bits=2, axis="channel", group=8, residual=9)
+    ref_m, ref_c = W.quant_error_reference(torch.from_numpy(x), spec)
+    got_m, got_c = W.quant_error_triton(_t(x, tri_device), spec)
+    assert np.isnan(got_c[1].item()) and got_m[1].item() == 0.0
+    _close(got_m.cpu().numpy(), ref_m.numpy(), QUANT_TOL)
+    _close(got_c.cpu().numpy(), ref_c.numpy(), QUANT_TOL)
