@@ -355,50 +355,52 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
 
 
 @triton.jit
-def _merge_step(m, lsum, acc, PM, PL, PACC, idx, ok, offs_dv, dv_ok, DV):
-    """Fold one key split's partial state (m, lsum, acc) at ``idx`` into the running one."""
-    mj = tl.load(PM + idx, mask=ok, other=float("-inf"))
-    lj = tl.load(PL + idx, mask=ok, other=0.0)
-    aj = tl.load(PACC + idx[:, None] * DV + offs_dv[None, :], mask=ok[:, None] & dv_ok[None, :], other=0.0)
-    m_new = tl.maximum(m, mj)
+def _merge_chunk(m, lsum, acc, PM, PL, PACC, base, j0, n_splits, offs_s, offs_dv, dv_ok, DV):
+    """Fold key splits ``j0 .. j0 + BLOCK_S`` of one row's partial states (at ``base``) into the
+    running (m, lsum, acc) -- scalars and a [BLOCK_DV] vector."""
+    js = j0 + offs_s
+    ok = js < n_splits
+    mj = tl.load(PM + base + js, mask=ok, other=float("-inf"))
+    lj = tl.load(PL + base + js, mask=ok, other=0.0)
+    aj = tl.load(PACC + (base + js)[:, None] * DV + offs_dv[None, :], mask=ok[:, None] & dv_ok[None, :], other=0.0)
+    m_new = tl.maximum(m, tl.max(mj, axis=0))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no inf - inf where nothing was used yet
     a = tl.exp(m - m_use)
-    b = tl.exp(mj - m_use)
-    return m_new, a * lsum + b * lj, acc * a[:, None] + aj * b[:, None]
+    w = tl.exp(mj - m_use)  # 0 for splits that used no key
+    return m_new, a * lsum + tl.sum(w * lj, axis=0), acc * a + tl.sum(w[:, None] * aj, axis=0)
 
 
 @triton.jit
-def _keep_finish_kernel(PM, PL, PACC, RECALL, ERR, R, DV, n_splits, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Per keep-set s >= 1 and output row: merge the key splits of set 0 (all keys) and of set s,
-    then recall = exp(m_s - m_0) l_s / l_0 and error = ||o_s - o_0|| / ||o_0|| (the torch merge of
-    kernels/whatif.py's _merged_states, in one launch instead of ~30 small ops)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _keep_finish_kernel(PM, PL, PACC, RECALL, ERR, R, DV, n_splits, BLOCK_S: tl.constexpr,
+                        BLOCK_DV: tl.constexpr):
+    """One program per (output row, keep-set s >= 1): merge the key splits of set 0 (all keys)
+    and of set s, BLOCK_S splits a step, then recall = exp(m_s - m_0) l_s / l_0 and error =
+    ||o_s - o_0|| / ||o_0|| (what ~30 small torch ops did, in one launch)."""
+    row = tl.program_id(0)
     s = tl.program_id(1) + 1
-    ok = rows < R
+    offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < DV
-    m0 = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
-    l0 = tl.zeros([BLOCK_R], dtype=tl.float32)
-    a0 = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
-    ms = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
-    ls = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc_s = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
-    base0 = rows.to(tl.int64) * n_splits  # partials laid out [S1, R, n_splits] (x DV)
-    bases = (s.to(tl.int64) * R + rows.to(tl.int64)) * n_splits
-    for j in range(0, n_splits):
-        m0, l0, a0 = _merge_step(m0, l0, a0, PM, PL, PACC, base0 + j, ok, offs_dv, dv_ok, DV)
-        ms, ls, acc_s = _merge_step(ms, ls, acc_s, PM, PL, PACC, bases + j, ok, offs_dv, dv_ok, DV)
-    o0 = a0 / tl.where(l0 > 0, l0, 1.0)[:, None]  # 0 where no key was visible (acc 0)
-    o_s = acc_s / tl.where(ls > 0, ls, 1.0)[:, None]
+    m0 = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0)
+    l0 = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), axis=0)
+    a0 = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    ms, ls, acc_s = m0, l0, a0
+    base0 = row.to(tl.int64) * n_splits  # partials laid out [S1, R, n_splits] (x DV)
+    bases = (s.to(tl.int64) * R + row) * n_splits
+    for j0 in range(0, n_splits, BLOCK_S):
+        m0, l0, a0 = _merge_chunk(m0, l0, a0, PM, PL, PACC, base0, j0, n_splits, offs_s, offs_dv, dv_ok, DV)
+        ms, ls, acc_s = _merge_chunk(ms, ls, acc_s, PM, PL, PACC, bases, j0, n_splits, offs_s, offs_dv, dv_ok, DV)
+    o0 = a0 / tl.where(l0 > 0, l0, 1.0)  # 0 where no key was visible (acc 0)
+    o_s = acc_s / tl.where(ls > 0, ls, 1.0)
     both = (ls > 0) & (l0 > 0)
     recall = tl.where(both, tl.exp(tl.where(both, ms - m0, 0.0)) * ls / tl.where(l0 > 0, l0, 1.0), 0.0)
     d = o_s - o0
-    num = tl.sqrt(tl.sum(d * d, axis=1))
-    den = tl.sqrt(tl.sum(o0 * o0, axis=1))
+    num = tl.sqrt(tl.sum(d * d, axis=0))
+    den = tl.sqrt(tl.sum(o0 * o0, axis=0))
     err = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), float("nan"))
-    out = (s - 1).to(tl.int64) * R + rows
-    tl.store(RECALL + out, recall, mask=ok)
-    tl.store(ERR + out, err, mask=ok)
+    out = (s - 1).to(tl.int64) * R + row
+    tl.store(RECALL + out, recall)
+    tl.store(ERR + out, err)
 
 
 def run_keep_finish(pm, pl, pacc, recall, err, *, rows: int, dv: int, n_splits: int) -> None:
@@ -408,9 +410,10 @@ def run_keep_finish(pm, pl, pacc, recall, err, *, rows: int, dv: int, n_splits: 
     if n_sets == 0 or rows == 0:
         return
     block_dv = max(16, triton.next_power_of_2(dv))
-    block_r = INTERP_ROWS if interpreting() else max(16, min(128, 8192 // block_dv))
-    _keep_finish_kernel[(triton.cdiv(rows, block_r), n_sets)](pm, pl, pacc, recall, err, rows, dv, n_splits,
-                                                              BLOCK_R=block_r, BLOCK_DV=block_dv, num_warps=4)
+    # The interpreter takes 2 splits a step (exercises the loop and its masking).
+    block_s = 2 if interpreting() else max(2, min(32, triton.next_power_of_2(n_splits)))
+    _keep_finish_kernel[(rows, n_sets)](pm, pl, pacc, recall, err, rows, dv, n_splits, BLOCK_S=block_s,
+                                        BLOCK_DV=block_dv, num_warps=4)
 
 
 # Why a kernel was replaced by another in this process (empty: none was); the benchmark reports it.

@@ -110,7 +110,7 @@ def whatif_jobs(all_configs: bool, smoke: bool = False):
         if dt == "fp32":  # the split merge reads only fp32 partial states
             yield ("keep finish", tw._keep_finish_kernel,
                    dict(PM="*fp32", PL="*fp32", PACC="*fp32", RECALL="*fp32", ERR="*fp32", R="i32", DV="i32",
-                        n_splits="i32"), dict(BLOCK_R=64, BLOCK_DV=128), dict(num_warps=4))
+                        n_splits="i32"), dict(BLOCK_S=32, BLOCK_DV=128), dict(num_warps=4))
         for mode in (tw.MODE_TOKEN_GROUPS,) if smoke else (tw.MODE_CHANNEL_GROUPS, tw.MODE_TOKEN_GROUPS, tw.MODE_FP8):
             yield (f"quant {dt} mode {mode}", tw._quant_kernel,
                    dict(X=f"*{dt}", SSE="*fp64", COS="*fp64", CNT="*fp64", Hn="i32", Tn="i32", D="i32", group="i32",
