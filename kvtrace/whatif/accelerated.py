@@ -130,16 +130,20 @@ class Accelerated:
         sets = self.compute.tensor(np.stack([np.asarray(kp, dtype=bool) for kp in keeps]))
         recall, err = self.compute.keep_measures(self._dev(q), self._dev(k), self._dev(v), sets,
                                                  **self._attn_kw(q_pos, k_pos, window, scale))
-        r = recall.double().cpu().numpy()
-        e = err.double().cpu().numpy()
+        import torch
+
+        r, e = torch.stack([recall, err]).double().cpu().numpy()  # one device-to-host copy (one sync)
         return [(r[i], e[i]) for i in range(len(keeps))]
 
     def reconstruction(self, pol: Quantizer, x: np.ndarray, which: str) -> tuple[list[float], list[float]]:
         spec = quant_spec(pol, which)
         if spec is None:
             return self.exact.reconstruction(pol, x, which)
+        import torch
+
         mse, cos = self.compute.quant_error(self._dev(x), spec, backend=self.compute.backend)
-        return mse.cpu().tolist(), cos.cpu().tolist()
+        both = torch.stack([mse, cos]).cpu().tolist()  # one device-to-host copy
+        return both[0], both[1]
 
     def output_error(self, pol: Quantizer, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
                      k_pos: np.ndarray, window: int | None, scale: float) -> np.ndarray:
