@@ -175,13 +175,15 @@ def prepare(args: list[str], work: Path, inputs: Path) -> list[str]:
             if not (inputs / "fleet").is_dir():
                 pytest.skip("the fleet extra (duckdb, pyarrow) is not installed")
             shutil.copytree(inputs / "fleet", target, dirs_exist_ok=True)
-        elif prev == "--model" and not arg.startswith("preset:"):
+        elif prev in ("--model", "--rerun") and not arg.startswith("preset:"):
             shutil.copytree(inputs / "model", target, dirs_exist_ok=True)
         elif prev == "--config":
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(inputs / "config.json", target if arg.endswith(".json") else target / "config.json")
         elif prev == "--prompts":
             target.write_text("The quick brown fox\njumps over the lazy dog\n")
+        elif prev == "--text":
+            target.write_text("The quick brown fox jumps over the lazy dog. " * 4)
         elif arg.endswith(".kvt.h5"):
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(inputs / "shared.kvt.h5", target)

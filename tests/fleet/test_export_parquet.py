@@ -8,10 +8,10 @@ import shutil
 
 import pyarrow.parquet as pq
 from cli_run import run_main
-from conftest import make_trace
 
 import kvtrace
 from kvtrace import exitcodes
+from tests.fleet.conftest import make_trace
 
 TRACE_TABLES = {"requests": "requests", "steps": "steps", "kv": "kv", "events": "events",
                 "layers": "layers", "readings": "readings"}

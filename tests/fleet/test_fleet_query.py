@@ -240,9 +240,9 @@ def test_exact_geometry_change_is_caught_without_statistics(tmp_path, capsys):
     """One trace per side is enough for exact metrics: 64 extra valid bytes on every full layer moves
     full-layer bytes per token (regressed) and leaves sliding layers unchanged."""
     import h5py
-    from conftest import write_synthetic_trace
 
     from kvtrace.fleet.export import export_parquet
+    from tests.fleet.conftest import write_synthetic_trace
 
     paths = []
     for version, extra in (("A", 0), ("B", 64)):

@@ -12,9 +12,9 @@ import tempfile
 import h5py
 import pytest
 from cli_run import run_main
-from conftest import make_trace, write_synthetic_trace
 
 from kvtrace import exitcodes
+from tests.fleet.conftest import make_trace, write_synthetic_trace
 
 pytest.importorskip("matplotlib")
 

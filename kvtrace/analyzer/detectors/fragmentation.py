@@ -207,6 +207,8 @@ class Fragmentation(Detector):
     @staticmethod
     def _when(ctx: ReplayContext, t: int, t0: int) -> str:
         req = ctx.request_at(t)
+        if t < t0:  # a telemetry sample taken before the recording's time origin (its first request)
+            return f"{format_ns(t0 - t)} before the first request"
         if req is None:
             return f"at +{format_ns(t - t0)} (between requests)"
         step = req.step_of_time(t)
