@@ -9,11 +9,19 @@ A leaf module (numpy only): the analyser, the renderers and the commands all use
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kvtrace.format.errors import InvalidTrace
+
+# A JSON document kvtrace reads back (an analysis report, a what-if document) is parsed whole in
+# memory: larger files are refused rather than risk the reader's memory.
+MAX_JSON_DOCUMENT_BYTES = 256 * 1024 * 1024
 
 
 def _leaf(obj: Any) -> Any:
@@ -46,3 +54,14 @@ def json_default(obj: Any) -> Any:
     if isinstance(obj, (np.generic, np.ndarray, bytes)):
         return _leaf(obj)
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def read_json_document(path: Path, what: str = "JSON") -> Any:
+    """The parsed contents of a JSON file kvtrace reads back; InvalidTrace (one line) when it is
+    larger than MAX_JSON_DOCUMENT_BYTES or not valid JSON. ``what`` names it in the refusal."""
+    if path.stat().st_size > MAX_JSON_DOCUMENT_BYTES:
+        raise InvalidTrace(f"{path}: {what} larger than {MAX_JSON_DOCUMENT_BYTES} bytes; refused")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidTrace(f"{path}: not valid JSON ({exc})") from None

@@ -5,7 +5,6 @@ changed severity. For a transformers upgrade, a config change or a patch.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,10 +13,10 @@ from typing import Any
 from kvtrace.analyzer.base import severity_for
 from kvtrace.analyzer.report import SCHEMA_NAME, SCHEMA_VERSION
 from kvtrace.format.errors import InvalidTrace, NotATrace
+from kvtrace.jsonable import read_json_document
 
 DIFF_SCHEMA_NAME = "kvtrace-analysis-diff"
 DIFF_SCHEMA_VERSION = "1.0"
-MAX_REPORT_BYTES = 256 * 1024 * 1024
 
 _REQ_FIELDS = (
     "final_tokens", "peak_kv_bytes", "final_kv_bytes", "peak_allocated_bytes", "retained_allocated_bytes",
@@ -34,12 +33,7 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
         with open(p, "rb") as fh:
             head = fh.read(8)
         if head.lstrip()[:1] == b"{":
-            if p.stat().st_size > MAX_REPORT_BYTES:
-                raise InvalidTrace(f"{p}: JSON report larger than {MAX_REPORT_BYTES} bytes; refused")
-            try:
-                doc = json.loads(p.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise InvalidTrace(f"{p}: not valid JSON ({exc})") from None
+            doc = read_json_document(p, "JSON report")
             if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_NAME or not doc.get("reports"):
                 raise NotATrace(f"{p}: JSON but not a kvtrace analysis report")
             major = str(doc.get("schema_version", "0")).split(".")[0]

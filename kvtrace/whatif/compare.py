@@ -6,7 +6,6 @@ documents, in any mix. JSON contract: spec/whatif-json.md ("kvtrace diff --whati
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,12 +14,12 @@ from typing import Any
 import numpy as np
 
 from kvtrace.format.errors import InvalidTrace, NotATrace
+from kvtrace.jsonable import read_json_document
 from kvtrace.whatif.run import NEEDS, SCHEMA
 
 __all__ = ["DIFF_SCHEMA", "diff_whatif", "is_whatif_json", "load_whatif", "render"]
 
 DIFF_SCHEMA = 1
-MAX_JSON_BYTES = 256 * 1024 * 1024
 _BYTES = ("kept_peak", "kept_mean", "saved_peak", "saved_mean")
 
 
@@ -38,12 +37,7 @@ def load_whatif(path: str | os.PathLike[str], policies: Sequence[Any], ratios: S
     """The what-if document of ``path``: a saved one as it is, or a trace replayed now."""
     p = Path(path)
     if is_whatif_json(p):
-        if p.stat().st_size > MAX_JSON_BYTES:
-            raise InvalidTrace(f"{p}: JSON larger than {MAX_JSON_BYTES} bytes; refused")
-        try:
-            doc = json.loads(p.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InvalidTrace(f"{p}: not valid JSON ({exc})") from None
+        doc = read_json_document(p)
         if not isinstance(doc, dict) or "kvtrace_whatif" not in doc or not isinstance(doc.get("policies"), list):
             raise NotATrace(f"{p}: JSON but not a kvtrace whatif document (kvtrace whatif --json-out)")
         if doc["kvtrace_whatif"] != SCHEMA:
