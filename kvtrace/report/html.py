@@ -11,9 +11,12 @@ from __future__ import annotations
 import base64
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from jinja2 import Environment, StrictUndefined
 from markupsafe import Markup
+
+from kvtrace.errors import CannotWrite
 
 CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:0;background:#fafafa;color:#222}
@@ -138,3 +141,11 @@ def raw_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> Markup:
 def render(title: str, header_lines: Sequence[str], sections: Sequence[Section], footer: str) -> str:
     return _PAGE.render(title=title, header_lines=header_lines, sections=sections, footer=footer,
                         css=trusted(CSS))
+
+
+def write_page(out: Path, page: str) -> None:
+    """Write a rendered page; a failure is CannotWrite (one line, exit 73), never a traceback."""
+    try:
+        out.write_text(page, encoding="utf-8")
+    except OSError as exc:
+        raise CannotWrite(f"{out}: cannot write report ({exc.strerror})") from None
