@@ -33,7 +33,10 @@ What it writes, per continuous-batching (CB) request of the recorded model:
 wrapper passes it through, and its sequences are recorded here, one CB request each.
 
 Nothing goes to /steps, /kv or /layers: those tables describe one request's forwards through a
-transformers Cache, and the paged cache is not one (it reaches attention as ``cache=``).
+transformers Cache, and the paged cache is not one (it reaches attention as ``cache=``). No forward
+hook is used either, so CUDA graphs (transformers 5.23 replays captured forwards, which no hook sees)
+change nothing recorded here. Each manager gets one NOTE that says so, with its CUDA-graph and
+async-batching settings.
 
 The hooks wrap methods on the transformers classes for the duration of the recording, and act only
 for managers whose ``model`` is the recorded model; :meth:`ServingRecorder.remove` restores the
@@ -41,9 +44,12 @@ exact originals. The methods wrapped are those DESIGN.md lists as stable across 
 (manager, processor, scheduler, offloading manager, ``PagedAttentionCache.search_prefix_match``) plus
 ``_create_batch_processor`` (to tie a scheduler and a cache to their manager), ``_run_generation_loop``
 (present in 5.17 and 5.23; the readings) and the adapter's
-eviction method. Where a hooked method is missing, nothing is patched; where the cache layout is
-unknown, requests and scheduler steps are recorded but not the cache (its /sched columns are -1): both say "unsupported transformers version" in a
-NOTE and in one line on stderr, never an empty recording without a word.
+eviction method. Where a hooked method is missing, nothing is patched but the entry point
+(``init_continuous_batching``); where the cache layout is unknown, requests and scheduler steps are
+recorded but not the cache (its /sched columns are -1). Both say "unsupported transformers version"
+when the recorded model actually enters continuous batching (not to every generate() user): a NOTE
+in that session's trace and one line on stderr once per process, never an empty recording without
+a word.
 """
 
 from __future__ import annotations
@@ -72,6 +78,10 @@ from kvtrace.recorder.serving_cache import (
 
 __all__ = ["UNSUPPORTED", "ServingRecorder", "batch_tokens"]
 
+# "unsupported transformers version" lines already written to stderr by this process
+_SAID_ON_STDERR: set[str] = set()
+_STDERR_LOCK = threading.Lock()
+
 
 class _Flight:
     """One CB request in flight: its trace id, whether the scheduler admitted it (since its last
@@ -89,7 +99,7 @@ class _Flight:
 class _Manager:
     """What the recorder keeps per CB manager of the recorded model."""
 
-    __slots__ = ("adapter", "baseline", "cache", "counts", "index", "lag", "ref", "steps")
+    __slots__ = ("adapter", "baseline", "cache", "counts", "index", "lag", "noted", "ref", "steps")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -101,6 +111,7 @@ class _Manager:
         self.cache: Any = None
         self.ref: Any = lambda: None  # weakref to the manager object
         self.baseline = False  # its BASELINE reading is written
+        self.noted = False  # its NOTE (no per-layer rows; graph and async settings) is written
 
 
 class ServingRecorder:
@@ -145,9 +156,6 @@ class ServingRecorder:
         proc = getattr(continuous_api, "ContinuousBatchProcessor", None)
         sched = getattr(scheduler, "Scheduler", None)
         paged = getattr(cache, "PagedAttentionCache", None)
-        if mgr is None or proc is None or sched is None:
-            return
-        self.adapter = adapter_for()
         hooks = [(mgr, "add_request"), (mgr, "_create_batch_processor"), (mgr, "_run_generation_loop"),
                  (proc, "prepare_next_batch"),
                  (proc, "update_batch"), (proc, "_handle_request_error"), (sched, "finish_request"),
@@ -155,13 +163,11 @@ class ServingRecorder:
         missing = [f"{getattr(cls, '__name__', '?')}.{name}" for cls, name in hooks
                    if cls is None or name not in cls.__dict__]
         if missing:  # all or nothing: half the hooks would write rows that never end
-            self._unsupported(f"continuous batching is not recorded: {UNSUPPORTED} {transformers_version()} "
-                              f"(transformers lacks {', '.join(missing)})")
+            # said when the recorded model enters continuous batching, not to every generate() user
+            self._say_on_entry(continuous_api, f"continuous batching is not recorded: {UNSUPPORTED} "
+                                               f"{transformers_version()} (transformers lacks {', '.join(missing)})")
             return
-        if self.adapter is None:
-            self._unsupported(f"continuous batching is recorded without its paged cache (/sched cache columns -1, no /blocks): "
-                              f"{UNSUPPORTED} {transformers_version()} (no known cache layout: neither 5.23's "
-                              f"cache_allocators nor 5.17's BlockManager)")
+        self.adapter = adapter_for()  # None: said when a manager builds its cache (_register)
         me = self
         self._wrap(mgr, "add_request", lambda orig: lambda m, *a, **k: me._add_request(orig, m, a, k))
         self._wrap(mgr, "_create_batch_processor", lambda orig: lambda m, *a, **k: me._create(orig, m, a, k))
@@ -177,12 +183,35 @@ class ServingRecorder:
         if hook is not None and hook[1] in hook[0].__dict__:
             self._wrap(hook[0], hook[1], lambda orig: lambda t, *a, **k: me._evict(orig, t, a, k))
 
+    def _say_on_entry(self, continuous_api: Any, text: str) -> None:
+        """Continuous batching cannot be recorded: wrap its entry point (``init_continuous_batching``,
+        which generate_batch, generate(cache_implementation="paged") and transformers serve all go
+        through) so that the recorded model's first use of it says so."""
+        mixin = getattr(continuous_api, "ContinuousMixin", None)
+        if mixin is None or "init_continuous_batching" not in mixin.__dict__:
+            return  # no entry point known: continuous batching cannot be used the way we know
+        me = self
+
+        def make(orig: Any) -> Any:
+            def entry(model: Any, *a: Any, **k: Any) -> Any:
+                if model is me.model and not me.closed:
+                    me._unsupported(text)
+                return orig(model, *a, **k)
+            return entry
+
+        self._wrap(mixin, "init_continuous_batching", make)
+
     def _unsupported(self, text: str) -> None:
-        """Say it once per session: a NOTE in the trace and one line on stderr."""
+        """Say it: a NOTE in this session's trace (once per session), and one line on stderr once per
+        process (a server records session after session; the line would repeat at every one)."""
         if text in self._said:
             return
         self._said.add(text)
         self.ctx.event(EventKind.NOTE, text=text)
+        with _STDERR_LOCK:
+            if text in _SAID_ON_STDERR:
+                return
+            _SAID_ON_STDERR.add(text)
         try:
             sys.stderr.write(f"kvtrace: warning: {text}\n")
             sys.stderr.flush()
@@ -339,10 +368,14 @@ class ServingRecorder:
                         adapter.eviction_target(cache) if adapter is not None else None):
                 if obj is not None:
                     self.owner[id(obj)] = (key, weakref.ref(obj))
-        if adapter is None and self.adapter is not None:
-            self._unsupported(f"continuous batching is recorded without its paged cache (/sched cache columns -1, no /blocks): "
-                              f"{UNSUPPORTED} {transformers_version()} ({type(cache).__name__} is not the "
-                              f"{self.adapter.label})")
+        if not m.noted:
+            m.noted = True
+            self.ctx.event(EventKind.NOTE, text=_manager_note(m.index, processor))
+        if adapter is None:
+            why = (f"{type(cache).__name__} is not the {self.adapter.label}" if self.adapter is not None else
+                   "no known cache layout: neither 5.23's cache_allocators nor 5.17's BlockManager")
+            self._unsupported(f"continuous batching is recorded without its paged cache (/sched cache columns -1, "
+                              f"no /blocks): {UNSUPPORTED} {transformers_version()} ({why})")
 
     def _prepare(self, orig: Any, processor: Any, args: tuple, kwargs: dict) -> Any:
         found = orig(processor, *args, **kwargs)
@@ -610,6 +643,23 @@ class ServingRecorder:
         if blocks:
             w.append("blocks", blocks)  # GroupBlocks: converted by the flusher
         self._tell("on_serving_step", sched, groups)
+
+
+def _manager_note(index: int, processor: Any) -> str:
+    """What a reader of the trace must know about a manager's forwards: they leave no per-layer rows
+    (the paged cache reaches attention as ``cache=``, not as a transformers Cache, and under CUDA
+    graphs a forward is a replay that no hook sees), and the graph and async settings it ran with."""
+    cfg = getattr(processor, "cb_config", None)
+    graphs: Any = "unknown"
+    try:
+        graphs = tuple(bool(b) for b in cfg.cuda_graph_booleans)
+    except Exception:  # noqa: BLE001, S110 - a version without the property: said as unknown
+        pass
+    use_async = getattr(processor, "use_async_batching", None)
+    asynchronous = "unknown" if use_async is None else "on" if use_async else "off"
+    return (f"continuous-batching manager {index}: no per-layer rows (/steps, /kv, /layers) for its requests; "
+            f"their paged KV cache is in /sched, /sched_groups and /blocks, read from the scheduler and cache "
+            f"every step. CUDA graphs (varlen, decode): {graphs}; async batching {asynchronous}")
 
 
 def _new_tokens(state: Any) -> int:

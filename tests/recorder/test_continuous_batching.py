@@ -71,6 +71,12 @@ def test_generate_batch_is_recorded_request_by_request(name, llama, tmp_path):
     assert all(len(o.generated_tokens) == NEW for o in out.values())
 
     t = open_trace(path)
+    # one NOTE per manager: no per-layer rows for its requests, and how its forwards ran (CPU: no graphs)
+    assert t_notes(path) == ["continuous-batching manager 0: no per-layer rows (/steps, /kv, /layers) for its "
+                             "requests; their paged KV cache is in /sched, /sched_groups and /blocks, read from the "
+                             "scheduler and cache every step. CUDA graphs (varlen, decode): (False, False); async "
+                             "batching off"]
+    assert t.kv().size == 0 and t.steps().size == 0
     reqs = t.requests()
     assert len(reqs) == len(PROMPTS)
     by_cb = {}
@@ -182,17 +188,34 @@ def open_requests(rec) -> int:
     return len(rec._serving.flights)
 
 
-def test_missing_hook_is_said_not_half_patched(llama, tmp_path, monkeypatch):
-    """A transformers without one of the hooked methods: nothing is patched, one NOTE says why."""
+def test_missing_hook_is_said_not_half_patched(llama, tmp_path, monkeypatch, capfd):
+    """A transformers without one of the hooked methods: nothing is patched but the entry point, and
+    only a recording whose model enters continuous batching says why (a NOTE; stderr once per
+    process); the entry point is the original again after close."""
+    from kvtrace.recorder import serving
+
+    monkeypatch.setattr(serving, "_SAID_ON_STDERR", set())
     monkeypatch.delattr(continuous_api.ContinuousBatchingManager, "_create_batch_processor")
     before = continuous_api.ContinuousBatchingManager.__dict__["add_request"]
-    with kvtrace.record(llama, tmp_path / "old.kvt.h5"):
+    entry = continuous_api.ContinuousMixin.__dict__["init_continuous_batching"]
+    with kvtrace.record(llama, tmp_path / "plain.kvt.h5"):
         assert continuous_api.ContinuousBatchingManager.__dict__["add_request"] is before
-    t = open_trace(tmp_path / "old.kvt.h5")
-    notes = [t.text(e["text_off"], e["text_len"]) for e in t.events(EventKind.NOTE)]
-    assert len(notes) == 1 and notes[0].startswith("continuous batching is not recorded: unsupported transformers "
-                                                   "version 5.")
-    assert notes[0].endswith("(transformers lacks ContinuousBatchingManager._create_batch_processor)")
+    assert not t_notes(tmp_path / "plain.kvt.h5") and "unsupported" not in capfd.readouterr().err
+    for i in range(2):
+        with kvtrace.record(llama, tmp_path / f"old{i}.kvt.h5"):
+            llama.init_continuous_batching(generation_config=_configs()[0], continuous_batching_config=_configs()[1])
+        err = [line for line in capfd.readouterr().err.splitlines() if "unsupported transformers version" in line]
+        assert len(err) == (1 if i == 0 else 0)
+        notes = t_notes(tmp_path / f"old{i}.kvt.h5")
+        assert len(notes) == 1 and notes[0].startswith("continuous batching is not recorded: unsupported "
+                                                       "transformers version 5.")
+        assert notes[0].endswith("(transformers lacks ContinuousBatchingManager._create_batch_processor)")
+    assert continuous_api.ContinuousMixin.__dict__["init_continuous_batching"] is entry
+
+
+def t_notes(path) -> list[str]:
+    t = open_trace(path)
+    return [t.text(e["text_off"], e["text_len"]) for e in t.events(EventKind.NOTE)]
 
 
 def test_preemption_is_an_event_not_an_end(llama, tmp_path):

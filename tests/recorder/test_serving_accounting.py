@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("transformers.generation.continuous_batching.cache_allocators")  # the 5.23 layout
 
@@ -26,6 +27,7 @@ from kvtrace.analyzer.view import TraceView  # noqa: E402
 from kvtrace.format.reader import open_trace  # noqa: E402
 from kvtrace.format.schema import EventKind, LayerType, Outcome  # noqa: E402
 from kvtrace.format.validate import validate  # noqa: E402
+from kvtrace.recorder.serving import UNSUPPORTED  # noqa: E402
 from kvtrace.testing_models import tiny_model  # noqa: E402
 
 PAGE = 16
@@ -230,7 +232,7 @@ def test_unknown_cache_layout_is_said_not_recorded_as_zeros(monkeypatch, tmp_pat
     assert len(lines) == 1 and lines[0].startswith("kvtrace: warning: continuous batching is recorded without its paged cache")
     t = open_trace(path)
     notes = [t.text(e["text_off"], e["text_len"]) for e in t.events(EventKind.NOTE)]
-    assert notes == [lines[0][len("kvtrace: warning: "):]]
+    assert [n for n in notes if UNSUPPORTED in n] == [lines[0][len("kvtrace: warning: "):]]
     assert len(t.requests()) == 1 and t.requests()["outcome"][0] == Outcome.OK
     sched = t.sched()
     assert sched.size == 3 and sched["running"].tolist() == [1, 1, 1]  # the scheduler's side is version-free
@@ -239,14 +241,35 @@ def test_unknown_cache_layout_is_said_not_recorded_as_zeros(monkeypatch, tmp_pat
     assert t.sched_groups().size == 0 and t.blocks().size == 0
 
 
-def test_no_known_generation_is_said_at_start(monkeypatch, tmp_path, capfd):
+def _notes(path) -> list[str]:
+    t = open_trace(path)
+    return [t.text(e["text_off"], e["text_len"]) for e in t.events(EventKind.NOTE)]
+
+
+def test_no_known_generation_is_said_when_used_once_per_process(monkeypatch, tmp_path, capfd):
+    """No known cache layout: nothing is said to a recording that never enters continuous batching
+    (plain generate() users); a recording that does gets the NOTE, and stderr gets the line once per
+    process, not at every recording a server opens."""
     from kvtrace.recorder import serving
 
     monkeypatch.setattr(serving, "adapter_for", lambda: None)
-    with kvtrace.record(tiny_model("llama"), tmp_path / "none.kvt.h5"):
-        pass
-    err = [line for line in capfd.readouterr().err.splitlines() if "unsupported transformers version" in line]
-    assert len(err) == 1 and "neither 5.23's cache_allocators nor 5.17's BlockManager" in err[0]
+    monkeypatch.setattr(serving, "_SAID_ON_STDERR", set())
+    llama = tiny_model("llama")
+    with kvtrace.record(llama, tmp_path / "plain.kvt.h5"):
+        llama.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+    assert UNSUPPORTED not in capfd.readouterr().err
+    assert not [n for n in _notes(tmp_path / "plain.kvt.h5") if UNSUPPORTED in n]
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=16, max_batch_tokens=64)
+    for i in range(2):
+        with kvtrace.record(llama, tmp_path / f"cb{i}.kvt.h5"):
+            llama.generate_batch(inputs=[[1, 2, 3]], generation_config=_gc(2), continuous_batching_config=cb,
+                                 warmup=False)
+        err = [line for line in capfd.readouterr().err.splitlines() if UNSUPPORTED in line]
+        assert len(err) == (1 if i == 0 else 0), err
+        if i == 0:
+            assert "neither 5.23's cache_allocators nor 5.17's BlockManager" in err[0]
+        said = [n for n in _notes(tmp_path / f"cb{i}.kvt.h5") if UNSUPPORTED in n]
+        assert len(said) == 1 and said[0].startswith("continuous batching is recorded without its paged cache")
 
 
 def test_eos_step_and_the_managers_readings(tmp_path):
