@@ -19,9 +19,28 @@ _MODELS: dict[str, Any] = {}
 DEVICE = "cpu"  # serving_check.py --device cuda moves the models to the GPU
 
 
+# Architectures kvtrace.testing_models does not build: the same tiny geometry (hidden 64, 2 layers,
+# GQA 4:2 x 16) on the real config classes, seeded like tiny_model.
+_EXTRA: dict[str, dict[str, Any]] = {
+    "phi3": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, max_position_embeddings=256),  # fused qkv projection
+    "qwen2": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, max_position_embeddings=256),
+}
+
+
+def _extra_model(name: str) -> Any:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(name, vocab_size=256, bos_token_id=1, eos_token_id=2, pad_token_id=0, **_EXTRA[name])
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
 def model(name: str = "llama") -> Any:
     if name not in _MODELS:
-        _MODELS[name] = tiny_model(name).to(DEVICE)
+        _MODELS[name] = (_extra_model(name) if name in _EXTRA else tiny_model(name)).to(DEVICE)
     return _MODELS[name]
 
 
@@ -73,6 +92,49 @@ def sequential(path: Path, ids: list[list[int]], new: int, **cb: Any) -> Path:
         finally:
             manager.stop(block=True)
     return path
+
+
+def waves(path: Path, plan: list[list[tuple[list[int], int]]], arch: str = "llama", cancel: int | None = None,
+          **cb: Any) -> Path:
+    """Bursty arrivals through a manager: `plan` is a list of waves of (prompt, max_new_tokens); a wave
+    is added once the first request of the previous wave has returned (arrivals follow the service,
+    not a wall clock). `cancel`: the index (over all requests) of one request cancelled right after
+    that first result, while it still runs."""
+    import kvtrace
+
+    m = model(arch)
+    gc, cfg = _configs(max(n for wave in plan for _, n in wave), **cb)
+    ids: list[str] = []
+    got: set[str] = set()  # results returned (in any order: the manager has one output queue)
+    with kvtrace.record(m, path):
+        manager = m.init_continuous_batching(generation_config=gc, continuous_batching_config=cfg)
+        manager.start()
+        try:
+            for wave in plan:
+                first = len(ids)
+                ids += [manager.add_request(p, max_new_tokens=n) for p, n in wave]
+                _wait(manager, ids[first], got)
+                if cancel is not None and first <= cancel < len(ids):
+                    manager.cancel_request(ids[cancel])
+                    got.add(ids[cancel])  # a cancelled request returns no result
+            for rid in ids:
+                _wait(manager, rid, got)
+        finally:
+            manager.stop(block=True)
+    return path
+
+
+def _wait(manager: Any, rid: str, got: set[str], timeout: float = 60.0) -> None:
+    """Take results off the manager's queue until `rid`'s has come (others are noted in `got`)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while rid not in got:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"request {rid} gave no result in {timeout:.0f} s")
+        result = manager.get_result(timeout=1.0)
+        if result is not None:
+            got.add(result.request_id)
 
 
 _RECORDED: dict[str, Path] = {}
@@ -164,3 +226,138 @@ def default_pool(path: Path) -> Path:
     on a GPU the pool dwarfs what the load uses (over_reservation), the device looks full to NVML.
     200 tokens each: the run spans several NVML samples (5 Hz) for the GPU judgement."""
     return batch(path, MIXED, 200, page_size=16, max_batch_tokens=128)
+
+
+# ---- the broader matrix: other architectures, other arrival patterns, other ways to the same fault ----
+
+def _wave(lengths: list[int], new: int, start: int = 3) -> list[tuple[list[int], int]]:
+    return [(p, new) for p in prompts(lengths, start)]
+
+
+@once
+def clean_qwen3(path: Path) -> Path:
+    """qwen3 (q/k norms), the mixed short load of clean_llama."""
+    return batch(path, MIXED, 8, arch="qwen3", page_size=16, num_blocks=32, max_batch_tokens=128)
+
+
+@once
+def clean_mistral(path: Path) -> Path:
+    """mistral: every layer sliding (window 8, one ring-buffer group); 12 new tokens pass the window."""
+    return batch(path, MIXED, 12, arch="mistral", page_size=16, num_blocks=32, max_batch_tokens=128)
+
+
+@once
+def clean_gpt_oss(path: Path) -> Path:
+    """gpt-oss: hybrid sliding + full groups and MoE experts."""
+    return batch(path, MIXED, 12, arch="gpt_oss", page_size=16, num_blocks=64, max_batch_tokens=128)
+
+
+@once
+def clean_phi3(path: Path) -> Path:
+    """phi3 (fused qkv projection), the mixed short load."""
+    return batch(path, MIXED, 8, arch="phi3", page_size=16, num_blocks=32, max_batch_tokens=128)
+
+
+@once
+def unsupported_deepseek_v3(path: Path) -> Path:
+    """deepseek_v3 (MLA latent cache), the mixed short load: transformers 5.23's paged cache sizes its
+    pages for num_kv_heads x head_dim K/V, not the MLA latent, and every request fails at the first
+    forward (index_copy_ shape mismatch): the trace records them failed, with the error."""
+    return batch(path, MIXED, 8, arch="deepseek_v3", page_size=16, num_blocks=32, max_batch_tokens=128)
+
+
+@once
+def clean_bursty(path: Path) -> Path:
+    """qwen2 manager: three waves of requests, each added when the previous wave's first request returned."""
+    plan = [_wave([6, 9, 5], 10), _wave([8, 4, 11, 7], 10, start=40), _wave([5, 10], 10, start=90)]
+    return waves(path, plan, arch="qwen2", page_size=16, num_blocks=32, max_batch_tokens=64)
+
+
+@once
+def clean_long_tail(path: Path) -> Path:
+    """A legitimate long tail: nine 8-token prompts and three 4x longer (32) in one load, a quarter of
+    the requests: a mode of the traffic, not a spike."""
+    lengths = [8, 8, 32, 8, 8, 8, 32, 8, 8, 8, 32, 8]
+    return batch(path, lengths, 8, page_size=16, num_blocks=64, max_batch_tokens=256)
+
+
+@once
+def clean_cancel(path: Path) -> Path:
+    """llama manager: four requests, the long one (40 new tokens) cancelled after the first short returned."""
+    plan = [[(prompts([6])[0], 4), (prompts([7], 20)[0], 40), (prompts([5], 40)[0], 6), (prompts([8], 60)[0], 6)]]
+    return waves(path, plan, cancel=1, page_size=16, num_blocks=32, max_batch_tokens=64)
+
+
+SYSTEM = list(range(3, 51))  # a 48-token shared prefix (3 complete 16-token blocks)
+
+
+@once
+def clean_prefix_hits(path: Path) -> Path:
+    """Prompts sharing a 48-token system prefix with distinct questions: one request first, then four
+    at once; the four find the prefix blocks in the cache (clean hits)."""
+    q = prompts([5, 6, 4, 7, 5], start=100)
+    plan = [[(SYSTEM + q[0], 6)], [(SYSTEM + x, 6) for x in q[1:]]]
+    return waves(path, plan, page_size=16, num_blocks=64, max_batch_tokens=256)
+
+
+@once
+def clean_well_used(path: Path) -> Path:
+    """A pool sized for its load: six 2-block requests (30-token contexts) in a 22-block pool, peak
+    block usage 55% (25 points under the 80% warning, 15 under the 70% knee of serving_capacity)
+    and 6 offered where 11 fit (55%, under the 60% knee of concurrency_headroom)."""
+    return batch(path, [20] * 6, 10, page_size=16, num_blocks=22, max_batch_tokens=256)
+
+
+@once
+def clean_many_short(path: Path) -> Path:
+    """gemma3_text: 24 short requests (3-6 tokens, 4 new) in waves on a 64-token budget."""
+    lengths = [3, 4, 5, 6] * 6
+    return batch(path, lengths, 4, arch="gemma3_text", page_size=16, num_blocks=96, max_batch_tokens=64)
+
+
+def _memory_percent(nbytes: int) -> float:
+    """The max_memory_percent that leaves `nbytes` for the cache, from the host figures transformers'
+    CPU sizing reads (psutil total - RSS)."""
+    import psutil
+
+    return nbytes / (psutil.virtual_memory().total - psutil.Process().memory_info().rss)
+
+
+@once
+def plant_memory_percent(path: Path) -> Path:
+    """max_memory_percent set so low that the pool transformers sizes itself from it (no num_blocks)
+    holds 5 blocks: six requests growing to 40 tokens (3 blocks each) preempt each other."""
+    return batch(path, [4, 5, 6, 4, 5, 6], 36, arch="qwen3", page_size=16, max_batch_tokens=32,
+                 max_requests_per_batch=8, max_memory_percent=_memory_percent(200 << 10))
+
+
+@once
+def plant_budget_starved(path: Path) -> Path:
+    """max_batch_tokens set to 8 for ten 24-token prompts: each prefill takes three steps, requests
+    queue behind the budget while most of the pool stays free."""
+    return batch(path, [24] * 10, 4, page_size=16, num_blocks=64, max_batch_tokens=8)
+
+
+@once
+def plant_long_generation(path: Path) -> Path:
+    """gpt-oss manager: uniform traffic (ten 10-token prompts, 6 new) and one request that generates 60
+    tokens, arriving in the second wave: a 70-token context, 4.4x the rest."""
+    plan = [_wave([10] * 5, 6), [(prompts([10], 50)[0], 60)] + _wave([10] * 5, 6, start=80)]
+    return waves(path, plan, arch="gpt_oss", page_size=16, num_blocks=64, max_batch_tokens=128)
+
+
+@once
+def plant_default_pages(path: Path) -> Path:
+    """qwen3 manager at transformers' default page size (256 tokens) for 4-9-token chat turns in two
+    waves: each request holds a whole 256-token block, 7 at once in the 8-block pool, nearly all tail."""
+    plan = [_wave([5, 7, 4, 9, 6, 8, 5], 6), _wave([6, 8, 5, 4], 6, start=60)]
+    return waves(path, plan, arch="qwen3", page_size=256, num_blocks=8, max_batch_tokens=256)
+
+
+@once
+def plant_prefix_evicted(path: Path) -> Path:
+    """Prefix sharing on, but a pool of 8 blocks: the first prompt's cached blocks are evicted by the
+    distinct prompts served after it, so its repeat finds nothing."""
+    first = PREFIX + [60, 61]
+    others = [p + [60, 61] for p in prompts([48, 48, 48], start=90)]
+    return sequential(path, [first, *others, first], 4, page_size=16, num_blocks=8, max_batch_tokens=128)

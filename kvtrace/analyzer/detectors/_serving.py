@@ -78,10 +78,33 @@ def known_pool(rows: np.ndarray) -> np.ndarray:
     return rows[(rows["pool_bytes"] > 0) & (rows["free_bytes"] >= 0)]
 
 
-def block_usage(rows: np.ndarray) -> np.ndarray:
-    """Block-level usage per row, (pool - free) / pool: vLLM's kv_cache_usage_perc."""
+def block_usage(rows: np.ndarray, cached: np.ndarray | None = None) -> np.ndarray:
+    """Block-level usage per row, (pool - free - cached) / pool: vLLM's kv_cache_usage_perc. `cached`
+    (cached_bytes) are the unreferenced blocks kept for prefix reuse: the cache evicts them on demand,
+    so they are free room, as vLLM counts them (its free-block queue holds them); transformers' own
+    free count leaves them out."""
     pool = rows["pool_bytes"].astype(np.float64)
-    return (pool - rows["free_bytes"]) / pool
+    used = pool - rows["free_bytes"] - (0 if cached is None else cached)
+    return np.maximum(used, 0) / pool
+
+
+def cached_bytes(ctx: ReplayContext, manager: int, rows: np.ndarray) -> np.ndarray:
+    """Per /sched row: the bytes of the evictable cached prefix blocks, Σ over the step's groups of
+    blocks_cached x bytes_per_block (0 where unknown)."""
+    g = groups(ctx, manager)
+    out = np.zeros(rows.size, dtype=np.float64)
+    if not g.size or not rows.size:
+        return out
+    nbytes = np.clip(g["blocks_cached"].astype(np.int64), 0, None) * np.clip(g["bytes_per_block"].astype(np.int64), 0, None)
+    steps, inv = np.unique(g["step"].astype(np.int64), return_inverse=True)
+    per_step = np.bincount(inv, weights=nbytes.astype(np.float64), minlength=steps.size)
+    j = np.clip(np.searchsorted(steps, rows["step"].astype(np.int64)), 0, steps.size - 1)
+    return np.where(steps[j] == rows["step"], per_step[j], 0.0)
+
+
+def in_use(ctx: ReplayContext, manager: int, rows: np.ndarray) -> np.ndarray:
+    """block_usage of one manager's known-pool rows, cached prefix blocks counted as free."""
+    return block_usage(rows, cached_bytes(ctx, manager, rows))
 
 
 def token_usage(rows: np.ndarray) -> np.ndarray:

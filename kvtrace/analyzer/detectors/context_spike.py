@@ -1,10 +1,17 @@
 """context_spike: a served request whose context (prompt + generated tokens) is at least twice the
-run's typical context (the median over its requests): the issue's 2x context-spike alert. One
-such request holds twice the KV of the requests the pool was sized around; a few of them at once
-fill it.
+run's typical context: the issue's 2x context-spike alert (the seed method's "long requests consume
+disproportionate memory"). One such request holds twice the KV of the requests the pool was sized
+around; a few of them at once fill it.
 
-Needs three requests at least for a typical context. High at 2x, critical at 4x; the
-spike's KV (its largest block tables, /blocks) and its share of the pool are quoted.
+Typical is what the traffic itself sustains, not its middle: the context reached by the top fifth
+of the admitted requests (the k-th largest, k = max(2, ceil(n / 5))). A long tail that is a fifth of
+the requests or more (a mix of short chats and 4x longer documents) is the workload the pool must
+hold, judged by concurrency_headroom and serving_capacity, not a spike; a spike is rarer than that
+(one request among up to ten, or under a fifth of them). k >= 2 keeps a request from being its own
+typical. Needs three requests at least. Score on the largest request's ratio: 0.1 at 1.5x
+(ordinary spread of prompt lengths), high at 2x (the alert), critical at 4x (four typical
+requests' KV in one). The spike's KV (its largest block tables, /blocks) and its share of the pool
+are quoted.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from kvtrace.units import format_bytes
 
 SPIKE_ALERT = ((1.5, 2.0, 4.0), (0.1, 0.5, 0.8))
 MIN_REQUESTS = 3
+TAIL_SHARE = 5  # a context reached by a fifth of the requests is typical of the traffic
 
 
 @register
@@ -30,7 +38,8 @@ class ContextSpike(ServingDetector):
         if cb.size < MIN_REQUESTS:
             return []
         context = cb["prompt_tokens"].astype(np.int64) + cb["new_tokens"].astype(np.int64)
-        typical = float(np.median(context))
+        k = max(2, -(-context.size // TAIL_SHARE))
+        typical = float(np.sort(context)[-k])
         if typical <= 0:
             return []
         i = int(np.argmax(context))
@@ -43,7 +52,8 @@ class ContextSpike(ServingDetector):
         share = kv / pool if kv is not None and pool > 0 else None
         msg = (f"Request {rid}{phase_at(ctx, int(cb['arrival_ns'][i]))} reached a {int(context[i]):,}-token context, "
                f"{ratio:.1f}x the typical "
-               f"{typical:,.0f} tokens (median of {cb.size:,} requests)"
+               f"{typical:,.0f} tokens (the context a fifth of the {cb.size:,} requests reach, #{k} from the top; "
+               f"median {np.median(context):,.0f})"
                + (f"; its blocks held {format_bytes(kv)}" + (f", {share:.0%} of the pool" if share is not None else "")
                   if kv is not None else "")
                + (f"; {spikes.size:,} requests at >= 2x." if spikes.size > 1 else "."))
@@ -52,6 +62,7 @@ class ContextSpike(ServingDetector):
             evidence={
                 "context_tokens": ev(int(context[i]), "tokens"),
                 "typical_context_tokens": ev(round(typical, 1), "tokens"),
+                "median_context_tokens": ev(round(float(np.median(context)), 1), "tokens"),
                 "ratio_to_typical": ev(round(float(ratio), 3), "ratio"),
                 "requests_at_2x": ev(int(spikes.size), "count"),
                 "spike_kv_bytes": ev(kv, "bytes"),

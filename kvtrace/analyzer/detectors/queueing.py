@@ -1,11 +1,18 @@
 """queueing: requests waiting for admission while the paged pool is full (memory-bound queueing),
-told apart from waiting for the scheduler's token budget while the pool has room (compute-bound,
-info).
+told apart from waiting for the scheduler's token budget while the pool has room (compute-bound).
 
-A pressured step has requests waiting and block usage >= 80% (the capacity alert) or running
-requests starved of blocks. The score is the share of scheduler steps that are pressured, counted
-once the queue has been seen at two such steps (persistence): high at 10%, critical at 30%. The
-queue time each request spent before its first admission (/events SCHEDULED - arrival) is quoted.
+A pressured step has requests waiting and block usage >= 80% (the capacity warning; cached prefix
+blocks count as free, they are evicted on demand) or running requests starved of blocks. The score
+is the share of scheduler steps that are pressured, counted once the queue has been seen at two
+such steps (persistence): 0.1 at 2% (a moment of a burst), high at 10%, critical at 30% (the queue
+is the normal state). The queue time each request spent before its first admission (/events
+SCHEDULED - arrival) is quoted.
+
+Waiting on the budget is normal under load (info), except when the budget per step
+(max_batch_tokens) is below the median prompt: then not even one typical prompt fits a step,
+every prefill is chunked over several steps and the queue forms while the pool idles. That is a
+misconfiguration scored on the share of steps with requests waiting, on the same ramp, capped at
+0.6 (high, never critical: latency is lost, no memory is at risk).
 """
 
 from __future__ import annotations
@@ -13,12 +20,13 @@ from __future__ import annotations
 import numpy as np
 
 from kvtrace.analyzer.base import Finding, ev, register
-from kvtrace.analyzer.detectors._serving import ServingDetector, admitted, alert
+from kvtrace.analyzer.detectors._serving import ServingDetector, admitted, alert, in_use
 from kvtrace.analyzer.replay import ReplayContext
 from kvtrace.units import format_ns
 
 PRESSURE = 0.8
 STEPS_ALERT = ((0.02, 0.1, 0.3), (0.1, 0.5, 0.8))
+BUDGET_CAP = 0.6
 
 
 @register
@@ -31,8 +39,8 @@ class Queueing(ServingDetector):
         if not np.any(waiting > 0):
             return None
         known = (rows["pool_bytes"] > 0) & (rows["free_bytes"] >= 0)
-        pool = np.where(known, rows["pool_bytes"], 1).astype(np.float64)
-        usage = np.where(known, (pool - rows["free_bytes"]) / pool, -1.0)
+        usage = np.full(rows.size, -1.0)
+        usage[known] = in_use(ctx, manager, rows[known])
         starved = rows["starved"].astype(np.int64) > 0
         pressured = (waiting > 0) & ((usage >= PRESSURE) | starved)
         n = int(pressured.sum())
@@ -53,10 +61,21 @@ class Queueing(ServingDetector):
                  if p50 is not None and worst is not None else "")
         if n < 2:
             i = int(np.argmax(waiting))
+            budgets = rows["max_batch_tokens"][rows["max_batch_tokens"] > 0]
+            budget = int(budgets.min()) if budgets.size else None
+            prompt = float(np.median(cb["prompt_tokens"])) if cb.size else 0.0
+            evidence["max_batch_tokens"] = ev(budget, "tokens")
+            evidence["median_prompt_tokens"] = ev(round(prompt, 1), "tokens")
+            share = float(np.mean(waiting > 0))
+            starved = budget is not None and budget < prompt
+            score = min(alert(share, *STEPS_ALERT), BUDGET_CAP) if starved else 0.0
+            why = (f" The budget ({budget:,} tokens per step) is below the median prompt ({prompt:,.0f} tokens): "
+                   f"each prefill takes several steps and requests waited at {share:.0%} of the steps; raise "
+                   "max_batch_tokens." if starved else "")
             return self.finding(
-                "queued_on_budget", 0.0,
+                "queued_on_budget", score,
                 f"Manager {manager}: up to {int(waiting[i]):,} requests waited (step {int(rows['step'][i])}) while the "
-                f"pool had room: the scheduler's token budget per step, not memory, held them back.{times}",
+                f"pool had room: the scheduler's token budget per step, not memory, held them back.{why}{times}",
                 evidence=evidence, steps=[int(rows["step"][i])])
         share = n / rows.size
         idx = np.flatnonzero(pressured)

@@ -1,10 +1,12 @@
 """serving_capacity: how full the paged KV pool and the GPU got while serving.
 
-Pool usage is block-level, (pool - free) / pool per scheduler step (what vLLM exports as
-kv_cache_usage_perc); the token-level usage (valid KV bytes / pool) is quoted beside it, since
-block-level usage overstates occupancy by the unfilled block tails and the cached prefix blocks.
-The score follows the usual memory alerts: high (warning) at 80%, critical at 90%, reached at two
-steps at least.
+Pool usage is block-level, (pool - free - cached) / pool per scheduler step (what vLLM exports as
+kv_cache_usage_perc: unreferenced cached prefix blocks are evicted on demand, so they count as
+free room there and here); the token-level usage (valid KV bytes / pool) is quoted beside it, since
+block-level usage overstates occupancy by the unfilled block tails. The score follows the issue's
+memory alerts (the seed method's "leave headroom for bursts"): 0.1 at 70% where a trend starts to
+matter, high (warning) at 80%, critical at 90%, 1.0 at 100% where admissions stop; reached at two
+steps at least (one step is one instant: at most low).
 
 GPU usage comes from the NVML samples taken while the scheduler ran (without NVML: the caching
 allocator's reserved bytes, this process only, against the device size). transformers (like vLLM)
@@ -24,8 +26,9 @@ from kvtrace.analyzer.detectors._serving import (
     USAGE_ALERT,
     ServingDetector,
     alert,
-    block_usage,
+    cached_bytes,
     held,
+    in_use,
     known_pool,
     managers,
     phase_at,
@@ -55,7 +58,8 @@ class ServingCapacity(ServingDetector):
     def _pool(self, ctx: ReplayContext, manager: int, rows: np.ndarray) -> Finding | None:
         if not rows.size:
             return None
-        usage, tokens = block_usage(rows), token_usage(rows)
+        cached = cached_bytes(ctx, manager, rows)
+        usage, tokens = in_use(ctx, manager, rows), token_usage(rows)
         level = held(usage)
         i = int(np.argmax(usage))
         above = int(np.sum(usage >= 0.8))
@@ -66,7 +70,8 @@ class ServingCapacity(ServingDetector):
         tok = float(tokens[i])
         msg = (f"Manager {manager}: the paged KV pool ({format_bytes(pool)}) reached {usage[i]:.0%} block usage "
                f"at step {int(rows['step'][i])}{phase_at(ctx, int(rows['t_ns'][i]))} "
-               f"({format_bytes(pool - int(rows['free_bytes'][i]))} in blocks"
+               f"({format_bytes(pool - int(rows['free_bytes'][i]) - int(cached[i]))} in blocks"
+               + (f", {format_bytes(int(cached[i]))} more in cached prefix blocks, evictable" if cached[i] else "")
                + (f", {tok:.0%} holding valid tokens" if tok >= 0 else "") + f"); {above:,} of {rows.size:,} steps "
                f"at >= 80%" + (f", with {plural(int(rows['waiting'][i]), 'request')} waiting" if rows["waiting"][i] else "")
                + ".")
@@ -77,6 +82,7 @@ class ServingCapacity(ServingDetector):
                 "peak_block_usage": ev(round(float(usage[i]), 4), "ratio"),
                 "held_block_usage": ev(round(level, 4), "ratio"),
                 "token_usage_at_peak": ev(round(tok, 4) if tok >= 0 else None, "ratio"),
+                "cached_prefix_bytes_at_peak": ev(int(cached[i]), "bytes"),
                 "steps_at_or_above_80pct": ev(above, "count"),
                 "steps": ev(int(rows.size), "count"),
                 "peak_step": ev(int(rows["step"][i]), "step"),
