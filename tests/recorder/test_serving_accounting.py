@@ -112,23 +112,30 @@ def _gc(new: int) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
 
 
+def run_prefix_scenario(model, path, cb: ContinuousBatchingConfig, timeout: float = 60):
+    """Through the manager API, one request after another: A (48-token prefix + 2) finishes and leaves
+    3 complete 16-token blocks cached; B (the same prefix + 3) shares them; C (100 tokens) needs the
+    8-block pool and evicts them. Returns the closed recorder."""
+    prefix = list(range(3, 51))
+    with kvtrace.record(model, path) as rec:
+        manager = model.init_continuous_batching(generation_config=_gc(4), continuous_batching_config=cb)
+        manager.start()
+        try:
+            for prompt in (prefix + [60, 61], prefix + [70, 71, 72], list(range(100, 200))):
+                rid = manager.add_request(prompt, max_new_tokens=4)
+                assert manager.get_result(rid, timeout=timeout) is not None
+        finally:
+            manager.stop(block=True)
+    return rec
+
+
 def test_llama_prefix_hit_and_eviction_match_the_cache(monkeypatch, tmp_path):
     """A finishes and leaves 3 complete 16-token blocks cached; B shares them (prefix hit 48 tokens);
     C's 100-token prompt needs the pool, so the scheduler evicts B's cached blocks."""
     probe = Probe(monkeypatch)
     llama = tiny_model("llama")  # 4 query heads, 2 KV heads
     path = tmp_path / "prefix.kvt.h5"
-    prefix = list(range(3, 51))
-    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=8, max_batch_tokens=128)
-    with kvtrace.record(llama, path) as rec:
-        manager = llama.init_continuous_batching(generation_config=_gc(4), continuous_batching_config=cb)
-        manager.start()
-        try:
-            for prompt in (prefix + [60, 61], prefix + [70, 71, 72], list(range(100, 200))):
-                rid = manager.add_request(prompt, max_new_tokens=4)
-                assert manager.get_result(rid, timeout=60) is not None
-        finally:
-            manager.stop(block=True)
+    rec = run_prefix_scenario(llama, path, ContinuousBatchingConfig(page_size=PAGE, num_blocks=8, max_batch_tokens=128))
     assert rec.recorder_errors == 0
     assert_equal_to_cache(path, probe)
     t = open_trace(path)
