@@ -50,13 +50,18 @@ class LoadedModel:
     model_id: str
     note: str  # what the user should know about how it was built
 
-def resolve_device(device: str) -> str:
-    import torch
+def resolve_device(device: str, option: str = "--device") -> str:
+    """``device`` with "auto" resolved; a CUDA device on a machine without one is Unavailable
+    (exit 69), named by ``option`` (the command's own option name)."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise Unavailable(f"{option} {device}: running a model needs torch ({exc})") from None
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise Unavailable(f"--device {device}: CUDA is not available on this machine")
+        raise Unavailable(f"{option} {device}: CUDA is not available on this machine")
     return device
 
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # `kvtrace calc` without --trace loads no reader
     from kvtrace.analyzer.report import AnalysisReport
     from kvtrace.analyzer.view import TraceView
 
+MAX_TOKENS = (1 << 63) - 1
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
@@ -38,7 +39,10 @@ def parse_tokens(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]+)\s*(k|ki|K|Ki|KI)?\s*", text)
     if not m:
         raise ValueError(f"{text!r} is not a token count (e.g. 8192 or 128k)")
-    return int(m.group(1)) * (1024 if m.group(2) else 1)
+    tokens = int(m.group(1)) * (1024 if m.group(2) else 1)
+    if tokens > MAX_TOKENS:  # the planner counts in int64
+        raise ValueError(f"{text!r} is more tokens than can be planned (at most {MAX_TOKENS})")
+    return tokens
 
 
 class _Size(click.ParamType):
@@ -251,6 +255,8 @@ def _rank_traces(paths: tuple[str, ...]) -> tuple[Any, Any]:
     if len(sets) > 1:
         raise click.UsageError(f"the --trace files belong to {len(sets)} runs ({', '.join(s.run_id for s in sets)}); "
                                "give the ranks of one run")
+    if sets[0].problems:  # a rank given twice, world sizes that disagree, a rank outside the world
+        raise click.UsageError(f"the --trace files are not the ranks of one run: {'; '.join(sets[0].problems)}")
     return sets[0], first
 
 

@@ -32,7 +32,8 @@ def whatif_options(fn: F) -> F:
     return click.option("--whatif", "whatif_policies", multiple=True, metavar="NAME[:k=v,...]", expose_value=False,
                         callback=_store("policies"),
                         help="Also compare what-if results (see 'kvtrace whatif') of A and B for these policies; "
-                        "A and B may also be saved 'kvtrace whatif --json-out' documents.")(fn)
+                        "A and B may also be saved 'kvtrace whatif --json-out' documents (a trace beside one is replayed "
+                        "with its policies and ratios).")(fn)
 
 
 @dataclass
@@ -48,26 +49,39 @@ class WhatIfPart:
 
 
 def whatif_part(a: str, b: str) -> WhatIfPart | None:
-    """The what-if diff of A and B when --whatif was given or both are what-if documents."""
-    from kvtrace.whatif.compare import diff_whatif, is_whatif_json, load_whatif
+    """The what-if diff of A and B when --whatif was given or either is a what-if document. A
+    saved document beside a trace: the trace is replayed with the document's policies and ratios
+    (unless --whatif / --whatif-ratio say otherwise), and only the what-if parts are compared
+    (a what-if document holds no analysis to diff)."""
+    from kvtrace.whatif.compare import diff_whatif, load_whatif
 
     opts = click.get_current_context().meta.get(_KEY, {})
     texts, ratio_text = opts.get("policies") or (), opts.get("ratio")
-    both_docs = is_whatif_json(a) and is_whatif_json(b) and _is_whatif(a) and _is_whatif(b)
-    if not (texts or ratio_text or both_docs):
+    saved = {p: load_whatif(p, (), ()) for p in (a, b) if _is_whatif(p)}
+    if not (texts or ratio_text or saved):
         return None
     from kvtrace.commands.whatif import DEFAULT_POLICIES, _ratios
     from kvtrace.whatif import PolicyError, parse_policy
 
+    first = next(iter(saved.values()), None)
     try:
-        policies = [parse_policy(p) for p in (texts or DEFAULT_POLICIES)]
+        labels = texts or ([p["label"] for p in first["policies"]] if first else DEFAULT_POLICIES)
+        policies = [parse_policy(p) for p in labels]
     except PolicyError as exc:
         raise click.BadParameter(str(exc), param_hint="--whatif") from None
-    ratios = _ratios(ratio_text) if ratio_text else [0.25, 0.5, 0.75]
-    return WhatIfPart(diff_whatif(load_whatif(a, policies, ratios), load_whatif(b, policies, ratios)), both_docs)
+    if ratio_text:
+        ratios = _ratios(ratio_text, "--whatif-ratio")
+    else:
+        ratios = list(first.get("ratios") or ()) if first else [0.25, 0.5, 0.75]
+    docs = [saved[p] if p in saved else load_whatif(p, policies, ratios) for p in (a, b)]
+    return WhatIfPart(diff_whatif(*docs), bool(saved))
 
 
 def _is_whatif(path: str) -> bool:
     """A JSON file whose head names the what-if schema (an analysis report JSON is not one)."""
+    from kvtrace.whatif.compare import is_whatif_json
+
+    if not is_whatif_json(path):
+        return False
     with open(path, "rb") as fh:
         return b'"kvtrace_whatif"' in fh.read(4096)

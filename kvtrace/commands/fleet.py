@@ -69,16 +69,45 @@ def fleet() -> None:
     """
 
 
+def _read_only(sql: str) -> None:
+    """--sql runs one query that reads: COPY, ATTACH, EXPORT, INSTALL, SET... could write files
+    (the fleet directory's own Parquet included: no output may replace an input) or change the
+    session, and several statements would print only the last result. Exit 64 otherwise."""
+    import duckdb
+
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as exc:
+        (query,) = fleet_modules("query")
+        raise click.UsageError(f"query failed: {query.first_line(exc)}") from None
+    if len(statements) != 1:
+        raise click.BadParameter(f"give one SQL statement, got {len(statements)}", param_hint="--sql")
+    kind = statements[0].type
+    if kind not in (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN):
+        raise click.BadParameter(f"only queries that read (SELECT, WITH, DESCRIBE, EXPLAIN ...) run here, not "
+                                 f"{kind.name}: kvtrace fleet writes no file", param_hint="--sql")
+
+
+def _built_in(directory: str, exc: Exception) -> None:
+    """A FleetError from a query kvtrace wrote itself (not --sql): "query failed" means the exported
+    tables are not what the query reads (damaged, or of another schema), exit 2; other
+    FleetErrors (an unknown key, no trace matching a selector) are the command line's, exit 64."""
+    if str(exc).startswith("query failed"):
+        fail(f"{directory}: cannot read the exported tables ({exc})", exitcodes.UNREADABLE)
+    raise click.UsageError(str(exc)) from None
+
+
 def _print_table(title: str, columns: list[str], rows: list[tuple[Any, ...]]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kvtrace.analyzer.terminal import console_for
 
     table = Table(title=title, title_justify="left")
     for c in columns:
         table.add_column(c)
     for r in rows:
         table.add_row(*(format_cell(c, v) for c, v in zip(columns, r, strict=True)))
-    Console().print(table)
+    console_for().print(table)  # a closed stdout (`| head`) exits 141 quietly, as every command
 
 
 @fleet.command("summary")
@@ -95,12 +124,20 @@ def summary(directory: str, group_by: str, sql: str | None, as_json: bool, json_
     check_json_out(json_out, (directory,))
     _outside(directory, ("--json-out", json_out))
     (query,) = fleet_modules("query")
-    con = _connect(directory, query.tables_named(sql) if sql else query.SUMMARY_TABLES)
+    if sql is not None:
+        _read_only(sql)
+    con = _connect(directory, query.tables_named(sql) if sql is not None else query.SUMMARY_TABLES)
     keys = [k.strip() for k in group_by.split(",") if k.strip()]
     try:
-        results = {"result": query.run_sql(con, sql)} if sql else query.summary(con, keys)
+        if sql is not None:
+            results = {"result": query.run_sql(con, sql)}
+        else:
+            query.check_keys(con, keys)
+            results = query.summary(con, keys)
     except query.FleetError as exc:
-        raise click.UsageError(str(exc)) from None
+        if sql is not None:  # the user's own query: a usage error
+            raise click.UsageError(str(exc)) from None
+        _built_in(directory, exc)
     write_json({name: r.records() for name, r in results.items()}, json_out, as_json=as_json)
     if not as_json:
         for name, r in results.items():
@@ -194,7 +231,7 @@ def report(directory: str, output: str, group_by: str, baseline: str | None, can
         res = fleet_report.build_fleet_report(con, output, keys=keys, worst=worst, directory=directory,
                                               baseline=sel[0] if sel else None, candidate=sel[1] if sel else None)
     except query.FleetError as exc:
-        raise click.UsageError(str(exc)) from None
+        _built_in(directory, exc)
     except query.DatabaseError as exc:
         fail(f"{directory}: cannot read the exported tables ({query.first_line(exc)})", exitcodes.UNREADABLE)
     except OSError as exc:

@@ -31,7 +31,10 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 def is_hdf5(path: str | os.PathLike[str]) -> bool:
-    """True when ``path`` is a regular file starting with the HDF5 signature (how traces start)."""
+    """True when ``path`` is a regular file starting with the HDF5 signature (how traces start).
+    Nothing else is opened: reading ``/dev/stdout`` when it is a pipe would wait forever."""
+    if not os.path.isfile(path):
+        return False
     try:
         with open(path, "rb") as fh:
             return fh.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE
@@ -115,7 +118,26 @@ def write_json(doc: Any, json_out: str | None, *, as_json: bool) -> None:
         click.echo(text)
     if json_out is not None:
         try:
-            with open(json_out, "w", encoding="utf-8") as fh:
-                fh.write(text + "\n")
+            write_text_whole(json_out, text + "\n")
         except OSError as exc:
             raise CannotWrite(f"cannot write --json-out {json_out}: {exc.strerror}") from None
+
+
+def write_text_whole(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a full disk or a size limit mid-write leaves
+    no truncated document behind (nor replaces a previous one). A regular file is written beside
+    itself and renamed over ``path``; a symlink, a FIFO or a device (``/dev/stdout``) is written in
+    place, as renaming would replace the link or the device node itself."""
+    p = Path(path)
+    if p.is_symlink() or (p.exists() and not p.is_file()):
+        with open(p, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return
+    part = p.with_name(f".{p.name}.{os.getpid()}.part")
+    try:
+        with open(part, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(part, p)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise

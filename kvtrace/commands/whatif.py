@@ -13,14 +13,27 @@ from kvtrace.units import format_bytes
 DEFAULT_POLICIES = ("paging:page_size=16", "streaming_llm", "knorm", "snapkv", "kivi:nbits=4", "fp8")
 
 
-def _ratios(text: str) -> list[float]:
+def _ratios(text: str, option: str | None = None) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated numbers, got {text!r}") from None
+        raise click.BadParameter(f"expected comma-separated numbers, got {text!r}", param_hint=option) from None
     if not vals or any(not 0 <= v < 1 for v in vals):
-        raise click.BadParameter(f"every ratio must be in [0, 1), got {text!r}")
+        raise click.BadParameter(f"every ratio must be in [0, 1), got {text!r}", param_hint=option)
     return vals
+
+
+def _check_rerun(model: str, device: str) -> str:
+    """--rerun MODEL as `record --model` checks it (a missing directory: 64; a hub id not in the
+    cache: 69) and --rerun-device resolved (cuda without a GPU: 69), before the replay runs."""
+    from kvtrace.errors import BadOption
+    from kvtrace.loading import model_config_dict, resolve_device
+
+    try:
+        model_config_dict(model)
+    except BadOption as exc:
+        raise BadOption(str(exc), option="--rerun") from None
+    return resolve_device(device, option="--rerun-device")
 
 
 @click.command("whatif")
@@ -71,7 +84,7 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_t
     """
     from kvtrace.whatif import PolicyError, parse_policy
 
-    ratios = _ratios(ratio_text)
+    ratios = _ratios(ratio_text, "--ratio")
     try:
         policies = [parse_policy(p) for p in (policy_texts or DEFAULT_POLICIES)]
     except PolicyError as exc:
@@ -83,6 +96,7 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_t
     if tiny and rerun_model is None:
         raise click.UsageError("--tiny only applies to --rerun preset:NAME")
     check_json_out(json_out, [p for p in (trace, text_file) if p])
+    rerun_dev = _check_rerun(rerun_model, rerun_device) if rerun_model is not None else rerun_device
     doc: dict[str, Any] = {"trace": trace}
     if trace is not None:
         from kvtrace.format.reader import Trace
@@ -96,11 +110,10 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_t
         doc["kvtrace_whatif"] = SCHEMA
     if rerun_model is not None:
         from kvtrace.jsonable import plain
-        from kvtrace.loading import resolve_device
         from kvtrace.whatif.rerun import rerun_quality
 
         assert text_file is not None
-        doc["rerun"] = plain(rerun_quality(rerun_model, text_file, policies, ratios, device=resolve_device(rerun_device),
+        doc["rerun"] = plain(rerun_quality(rerun_model, text_file, policies, ratios, device=rerun_dev,
                                            max_tokens=max_tokens, tiny=tiny, prefill=rerun_prefill))
     write_json(doc, json_out, as_json=as_json)
     if not as_json:

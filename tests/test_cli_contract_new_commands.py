@@ -1,0 +1,680 @@
+"""The CLI error contract on the newest commands (whatif, diff --whatif, fleet, calc --trace with
+rank traces, loadtest, serve): bad input is one stderr line and a documented exit code
+(kvtrace/exitcodes.py), never a traceback, never 70; no output replaces an input; a full disk is
+exit 73 with no truncated document left behind; a closed stdout (`| head -1`) is a quiet 141.
+
+tests/test_outputs_never_clobber.py and tests/test_cli_habits.py hold the same checks for the
+older commands; this module extends them to the commands they do not reach.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from cli_run import run_main
+from test_cli_habits import _closed_pipe_run  # stdout a pipe whose reader already closed
+
+from kvtrace import exitcodes
+
+DATA = Path(__file__).parent / "data"
+LLAMA = DATA / "gpu_contents" / "llama.kvt.h5"  # sampled K/V/Q: the what-if measures run
+GEMMA = DATA / "gpu_contents" / "gemma3_text.kvt.h5"
+RANKS = [DATA / "parallel_h200" / f"run.rank{r}.kvt.h5" for r in (0, 1)]
+FLEET_TRACES = [DATA / "gpu" / "gpu_clean.kvt.h5", DATA / "gpu" / "gpu_oom.kvt.h5"]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _fleet_extra() -> bool:
+    try:
+        import duckdb  # noqa: F401
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Inputs for every case: traces, a truncated one, saved what-if and analysis documents, JSON that
+    is neither, text files, a fleet directory (when the fleet extra is installed), rank traces."""
+    d = tmp_path_factory.mktemp("contract")
+    f: dict[str, Path] = {"dir": d}
+    for name, src in (("a", LLAMA), ("b", GEMMA), ("r0", RANKS[0]), ("r1", RANKS[1])):
+        f[name] = d / f"{name}.kvt.h5"
+        shutil.copyfile(src, f[name])
+    f["trunc"] = d / "trunc.kvt.h5"
+    f["trunc"].write_bytes(LLAMA.read_bytes()[:3000])
+    for name, text in (("notwi", '{"a": 1}'), ("wrongver", '{"kvtrace_whatif": 99, "policies": []}'),
+                       ("badjson", '{ "kvtrace_whatif": 1, '), ("text", "hello world, a few words to score\n"),
+                       ("empty", "")):
+        f[name] = d / f"{name}.json" if name not in ("text", "empty") else d / f"{name}.txt"
+        f[name].write_text(text)
+    f["binary"] = d / "binary.txt"
+    f["binary"].write_bytes(b"\xff\xfe\x00\x01 not UTF-8")
+    f["nomodel"] = d / "nomodel"
+    f["nomodel"].mkdir()
+    for side, src in (("wa", "a"), ("wb", "b")):
+        f[side] = d / f"{side}.json"
+        code, _, err = run_main(["whatif", str(f[src]), "--policy", "knorm", "--ratio", "0.5", "--json-out", str(f[side])],
+                                _Quiet())
+        assert code == 0, err
+    f["ra"] = d / "ra.json"
+    code, _, err = run_main(["analyze", str(f["a"]), "--json-out", str(f["ra"])], _Quiet())
+    assert code == 0, err
+    if _fleet_extra():
+        from kvtrace.fleet.export import export_parquet
+
+        f["fleet"] = d / "fleet"
+        assert not export_parquet([str(p) for p in FLEET_TRACES], f["fleet"]).failed
+        f["fleet_foreign"] = _fleet_copy(f["fleet"], d / "fleet_foreign", "foreign")
+        f["fleet_typed"] = _fleet_copy(f["fleet"], d / "fleet_typed", "typed")
+        f["fleet_damaged"] = _fleet_copy(f["fleet"], d / "fleet_damaged", "damaged")
+    f["emptydir"] = d / "emptydir"
+    f["emptydir"].mkdir()
+    return f
+
+
+class _Quiet:
+    """A stand-in for capsys in the module fixture (run_main reads it after the command)."""
+
+    def readouterr(self):  # noqa: ANN201 - mirrors pytest's CaptureResult
+        class R:
+            out = err = ""
+
+        return R()
+
+
+def _fleet_copy(src: Path, dst: Path, how: str) -> Path:
+    """A fleet directory whose traces.parquet is another table (foreign), has every column as
+    text (typed: right names, wrong types), or is not Parquet at all (damaged)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shutil.copytree(src, dst)
+    traces = dst / "traces.parquet"
+    if how == "foreign":
+        pq.write_table(pa.table({"x": [1, 2], "y": ["a", "b"]}), traces)
+    elif how == "typed":
+        t = pq.read_table(traces)
+        pq.write_table(pa.table({n: pa.array([None if v is None else str(v) for v in t[n].to_pylist()],
+                                             pa.string()) for n in t.column_names}), traces)
+    else:
+        traces.write_bytes(b"PAR1 but not really Parquet")
+    return dst
+
+
+def _argv(template: list[str], work: dict[str, Path]) -> list[str]:
+    return [part.format(**{k: str(v) for k, v in work.items()}) for part in template]
+
+
+# (argv template, exit code, a phrase of the message). {x} names a path of the `work` fixture.
+WHATIF = [
+    (["whatif", "{a}", "--policy", "nope"], exitcodes.USAGE, "unknown policy 'nope'"),
+    (["whatif", "{a}", "--policy", "knorm:foo=1"], exitcodes.USAGE, "unknown parameter 'foo'"),
+    (["whatif", "{a}", "--policy", "knorm:foo"], exitcodes.USAGE, "unknown parameter 'foo'"),
+    (["whatif", "{a}", "--policy", "paging:page_size=abc"], exitcodes.USAGE, "must be an integer"),
+    (["whatif", "{a}", "--policy", "paging:page_size=7"], exitcodes.USAGE, "page_size must be"),
+    (["whatif", "{a}", "--policy", "kivi:nbits=3"], exitcodes.USAGE, "--policy"),
+    (["whatif", "{a}", "--policy", ":"], exitcodes.USAGE, "unknown policy ''"),
+    (["whatif", "{a}", "--ratio", "1.0"], exitcodes.USAGE, "--ratio: every ratio must be in [0, 1)"),
+    (["whatif", "{a}", "--ratio", "-0.1"], exitcodes.USAGE, "--ratio"),
+    (["whatif", "{a}", "--ratio", "nan"], exitcodes.USAGE, "--ratio"),
+    (["whatif", "{a}", "--ratio", "0.5,abc"], exitcodes.USAGE, "--ratio: expected comma-separated numbers"),
+    (["whatif", "{a}", "--ratio", ","], exitcodes.USAGE, "--ratio"),
+    (["whatif", "{a}", "--steps", "some"], exitcodes.USAGE, "--steps"),
+    (["whatif", "{a}", "--device", "tpu"], exitcodes.USAGE, "--device"),
+    (["whatif", "{a}", "--json-out", "{a}"], exitcodes.USAGE, "is also an input"),
+    (["whatif", "{a}", "--json-out", "{b}"], exitcodes.USAGE, "existing trace"),
+    (["whatif", "{a}", "--json-out", "{dir}"], exitcodes.USAGE, "directory"),
+    (["whatif", "{a}", "--json-out", "{dir}/no/such/w.json"], exitcodes.CANNOT_WRITE, "does not exist"),
+    (["whatif", "{trunc}"], exitcodes.UNREADABLE, "truncated or corrupt"),
+    (["whatif", "{notwi}"], exitcodes.UNREADABLE, "not an HDF5 file"),
+    (["whatif", "{dir}"], exitcodes.UNREADABLE, "directory"),
+    (["whatif", "{dir}/missing.kvt.h5"], exitcodes.UNREADABLE, "no such file"),
+    (["whatif"], exitcodes.USAGE, "give a TRACE"),
+    (["whatif", "{a}", "--rerun", "preset:llama-3.1-8b"], exitcodes.USAGE, "go together"),
+    (["whatif", "{a}", "--tiny"], exitcodes.USAGE, "--tiny only applies"),
+    # --rerun MODEL is checked as `record --model` and `serve MODEL` check it, before any replay
+    (["whatif", "{a}", "--rerun", "{dir}/no/such/model", "--text", "{text}"], exitcodes.USAGE,
+     "--rerun: {dir}/no/such/model: no such model directory"),
+    (["whatif", "--rerun", "{nomodel}", "--text", "{text}"], exitcodes.USAGE, "holds no config.json"),
+    (["whatif", "--rerun", "{text}", "--text", "{text}"], exitcodes.USAGE, "is a file, not a model directory"),
+    (["whatif", "--rerun", "preset:nosuch", "--text", "{text}"], exitcodes.USAGE, "unknown preset 'nosuch'"),
+    (["whatif", "--rerun", "preset:llama-3.1-8b", "--tiny", "--text", "{binary}"], exitcodes.USAGE,
+     "--text"),
+    (["whatif", "--rerun", "preset:llama-3.1-8b", "--tiny", "--text", "{empty}"], exitcodes.USAGE,
+     "leave none to score"),
+    (["whatif", "--rerun", "preset:llama-3.1-8b", "--tiny", "--text", "{dir}/missing.txt"], exitcodes.USAGE,
+     "--text"),
+    (["whatif", "--rerun", "preset:llama-3.1-8b", "--tiny", "--text", "{dir}"], exitcodes.USAGE, "directory"),
+    (["whatif", "--rerun", "preset:llama-3.1-8b", "--tiny", "--text", "{text}", "--json-out", "{text}"],
+     exitcodes.USAGE, "is also an input"),
+]
+
+DIFF_WHATIF = [
+    (["diff", "{wa}", "{notwi}"], exitcodes.UNREADABLE, "notwi.json: JSON but not a kvtrace whatif document"),
+    (["diff", "{notwi}", "{wa}"], exitcodes.UNREADABLE, "notwi.json: JSON but not a kvtrace whatif document"),
+    (["diff", "{wa}", "{ra}"], exitcodes.UNREADABLE, "ra.json: JSON but not a kvtrace whatif document"),
+    (["diff", "{wa}", "{wrongver}"], exitcodes.INVALID, "what-if schema 99 is not 1"),
+    (["diff", "{wrongver}", "{a}", "--whatif", "knorm"], exitcodes.INVALID, "what-if schema 99 is not 1"),
+    (["diff", "{badjson}", "{wa}"], exitcodes.INVALID, "not valid JSON"),
+    (["diff", "{wa}", "{trunc}"], exitcodes.UNREADABLE, "truncated or corrupt"),
+    (["diff", "{a}", "{trunc}", "--whatif", "knorm"], exitcodes.UNREADABLE, "truncated or corrupt"),
+    (["diff", "{a}", "{b}", "--whatif", "nope"], exitcodes.USAGE, "--whatif: unknown policy"),
+    (["diff", "{a}", "{b}", "--whatif", "knorm", "--whatif-ratio", "2"], exitcodes.USAGE,
+     "--whatif-ratio: every ratio must be in [0, 1)"),
+    (["diff", "{a}", "{b}", "--whatif-ratio", "abc"], exitcodes.USAGE, "--whatif-ratio"),
+    (["diff", "{wa}", "{wb}", "--json-out", "{wa}"], exitcodes.USAGE, "is also an input"),
+    (["diff", "{a}", "{wb}", "--json-out", "{a}"], exitcodes.USAGE, "is also an input"),
+    (["diff", "{wa}", "{wb}", "--json-out", "{b}"], exitcodes.USAGE, "existing trace"),
+    (["diff", "{wa}"], exitcodes.USAGE, "give two traces"),
+]
+
+FLEET = [
+    (["fleet", "{emptydir}"], exitcodes.UNREADABLE, "no exported traces"),
+    (["fleet", "diff", "{emptydir}", "--baseline", "a=b", "--candidate", "a=c"], exitcodes.UNREADABLE,
+     "no exported traces"),
+    (["fleet", "report", "{emptydir}", "-o", "{dir}/r.html"], exitcodes.UNREADABLE, "no exported traces"),
+    (["fleet", "{dir}/missing"], exitcodes.UNREADABLE, "not a directory"),
+    (["fleet", "{a}"], exitcodes.UNREADABLE, "not a directory"),
+    (["fleet", "{fleet_foreign}"], exitcodes.UNREADABLE, "traces lacks trace_id"),
+    (["fleet", "report", "{fleet_foreign}", "-o", "{dir}/r.html"], exitcodes.UNREADABLE, "traces lacks"),
+    (["fleet", "{fleet_typed}"], exitcodes.UNREADABLE, "cannot read the exported tables"),
+    (["fleet", "report", "{fleet_typed}", "-o", "{dir}/r.html"], exitcodes.UNREADABLE,
+     "cannot read the exported tables"),
+    (["fleet", "{fleet_damaged}"], exitcodes.UNREADABLE, "cannot read the exported tables"),
+    (["fleet", "diff", "{fleet_damaged}", "--baseline", "a=b", "--candidate", "a=c"], exitcodes.UNREADABLE,
+     "cannot read the exported tables"),
+    (["fleet", "report", "{fleet_damaged}", "-o", "{dir}/r.html"], exitcodes.UNREADABLE,
+     "cannot read the exported tables"),
+    # --sql reads; a statement that writes (the fleet's own files included) or several are refused
+    (["fleet", "{fleet}", "--sql", "COPY (SELECT 1) TO '{fleet}/traces.parquet' (FORMAT parquet)"],
+     exitcodes.USAGE, "not COPY"),
+    (["fleet", "{fleet}", "--sql", "ATTACH '{dir}/x.duckdb'"], exitcodes.USAGE, "not ATTACH"),
+    (["fleet", "{fleet}", "--sql", "EXPORT DATABASE '{dir}/exported'"], exitcodes.USAGE, "not EXPORT"),
+    (["fleet", "{fleet}", "--sql", "SELECT 1; COPY (SELECT 1) TO '{dir}/x.csv'"], exitcodes.USAGE,
+     "one SQL statement, got 2"),
+    (["fleet", "{fleet}", "--sql", ""], exitcodes.USAGE, "one SQL statement, got 0"),
+    (["fleet", "{fleet}", "--sql", "SELEC 1"], exitcodes.USAGE, "syntax error"),
+    (["fleet", "{fleet}", "--sql", "SELECT nope FROM traces"], exitcodes.USAGE, "query failed"),
+    (["fleet", "{fleet}", "--group-by", "no_such_key"], exitcodes.USAGE, "unknown group key"),
+    (["fleet", "{fleet}", "--json-out", "{fleet}/traces.parquet"], exitcodes.USAGE, "inside the fleet directory"),
+    (["fleet", "{fleet}", "--json-out", "{a}"], exitcodes.USAGE, "existing trace"),
+    (["fleet", "{fleet}", "--json-out", "{dir}/no/such/f.json"], exitcodes.CANNOT_WRITE, "does not exist"),
+    (["fleet", "diff", "{fleet}", "--baseline", "x", "--candidate", "y"], exitcodes.USAGE, "expected KEY=VALUE"),
+    (["fleet", "diff", "{fleet}", "--baseline", "nokey=1", "--candidate", "model_type=llama"], exitcodes.USAGE,
+     "unknown key 'nokey'"),
+    (["fleet", "diff", "{fleet}", "--baseline", "model_type=none", "--candidate", "model_type=llama"],
+     exitcodes.USAGE, "no exported trace has model_type = 'none'"),
+    (["fleet", "diff", "{fleet}", "--baseline", "a=b"], exitcodes.USAGE, "--candidate"),
+    (["fleet", "diff", "{fleet}", "--baseline", "a=b", "--candidate", "a=c", "--alpha", "1"], exitcodes.USAGE,
+     "--alpha"),
+    (["fleet", "diff", "{fleet}", "--baseline", "a=b", "--candidate", "a=c", "--json-out", "{fleet}/x.json"],
+     exitcodes.USAGE, "inside the fleet directory"),
+    (["fleet", "report", "{fleet}", "-o", "{fleet}/traces.parquet"], exitcodes.USAGE, "inside the fleet directory"),
+    (["fleet", "report", "{fleet}", "-o", "{a}"], exitcodes.USAGE, "existing trace"),
+    (["fleet", "report", "{fleet}", "-o", "{dir}/r.html", "--json-out", "{dir}/r.html"], exitcodes.USAGE,
+     "name the same file"),
+    (["fleet", "report", "{fleet}", "-o", "{dir}"], exitcodes.USAGE, "directory"),
+    (["fleet", "report", "{fleet}", "-o", "{dir}/no/such/r.html"], exitcodes.CANNOT_WRITE, "does not exist"),
+    (["fleet", "report", "{fleet}", "-o", "{dir}/r.html", "--baseline", "a=b"], exitcodes.USAGE, "go together"),
+    (["fleet", "report", "{fleet}", "-o", "{dir}/r.html", "--group-by", "nokey"], exitcodes.USAGE,
+     "unknown group key"),
+    (["fleet", "report", "{fleet}", "-o", "{dir}/r.html", "--worst", "0"], exitcodes.USAGE, "--worst"),
+]
+
+CALC = [
+    (["calc", "--trace", "{r0}", "--trace", "{r0}", "--context", "4k", "--gpu-memory", "80GiB"], exitcodes.USAGE,
+     "rank 0 is given twice"),
+    (["calc", "--trace", "{r0}", "--trace", "{a}", "--context", "4k", "--gpu-memory", "80GiB"], exitcodes.USAGE,
+     "is not a tensor-parallel rank trace"),
+    (["calc", "--trace", "{a}", "--trace", "{b}", "--context", "4k", "--gpu-memory", "80GiB"], exitcodes.USAGE,
+     "is not a tensor-parallel rank trace"),
+    (["calc", "--trace", "{r0}", "--trace", "{trunc}", "--context", "4k", "--gpu-memory", "80GiB"],
+     exitcodes.UNREADABLE, "truncated or corrupt"),
+    (["calc", "--trace", "{r0}", "--trace", "{notwi}", "--context", "4k", "--gpu-memory", "80GiB"],
+     exitcodes.UNREADABLE, "not an HDF5 file"),
+    (["calc", "--trace", "{r0}", "--trace", "{r1}", "--preset", "llama-3.1-8b", "--context", "4k",
+      "--gpu-memory", "80GiB"], exitcodes.USAGE, "exactly one of"),
+    (["calc", "--trace", "{r0}", "--trace", "{r1}", "--context", "4k", "--gpu-memory", "80GiB", "--json-out", "{r1}"],
+     exitcodes.USAGE, "is also an input"),
+    (["calc", "--trace", "{r0}", "--trace", "{r1}", "--context", "4k", "--gpu-memory", "80GiB", "--tp", "0"],
+     exitcodes.USAGE, "--tp"),
+    # an int64 overflow in the planner was an internal error (70)
+    (["calc", "--preset", "llama-3.1-8b", "--context", "99999999999999999999", "--gpu-memory", "80GiB"],
+     exitcodes.USAGE, "more tokens than can be planned"),
+    (["calc", "--preset", "llama-3.1-8b", "--context", "9223372036854775807k", "--gpu-memory", "80GiB"],
+     exitcodes.USAGE, "--context"),
+]
+
+CASES = [*WHATIF, *DIFF_WHATIF, *[(*c, "fleet") for c in FLEET], *CALC]
+
+
+def _case(c: tuple) -> tuple:
+    argv, code, phrase, *needs = c
+    marks = [pytest.mark.skipif(not _fleet_extra(), reason="needs the fleet extra (duckdb, pyarrow)")] if needs else []
+    return pytest.param(argv, code, phrase, marks=marks, id=" ".join(argv[:2]) + f" {code} {phrase[:40]}")
+
+
+@pytest.mark.parametrize(("argv", "code", "phrase"), [_case(c) for c in CASES])
+def test_bad_input_is_one_line_and_its_exit_code(work, capsys, argv, code, phrase):
+    inputs = [p for k, p in work.items() if k != "dir" and p.is_file()]
+    before = {p: digest(p) for p in inputs}
+    fleet_files = {p: digest(p) for d in ("fleet",) if d in work for p in work[d].rglob("*") if p.is_file()}
+    rc, out, err = run_main(_argv(argv, work), capsys)
+    assert rc == code, err
+    assert err.count("\n") == 1 and err.startswith("kvtrace: "), err
+    assert "Traceback" not in err and "internal error" not in err
+    assert phrase.format(**{k: str(v) for k, v in work.items()}) in err, err
+    assert {p: digest(p) for p in inputs} == before  # no input touched
+    assert {p: digest(p) for p in fleet_files} == fleet_files
+    for leftover in ("x.duckdb", "x.csv", "exported", "r.html"):
+        assert not (work["dir"] / leftover).exists(), leftover
+
+
+def test_whatif_device_cuda_without_a_gpu_runs_exactly_and_says_so(work, capsys):
+    """Documented (spec/whatif-json.md "numerics", docs/kernels.md): --device cuda without a GPU
+    computes the same numbers with the exact CPU reference and says why, on the terminal and in
+    the JSON; it is not an error (unlike --rerun-device cuda, which needs the GPU to run a model)."""
+    if _cuda():
+        pytest.skip("a GPU is visible: the fallback is not taken")
+    rc, out, err = run_main(["whatif", str(work["a"]), "--policy", "knorm", "--ratio", "0.5", "--device", "cuda"],
+                            capsys)
+    assert rc == 0 and err == "", err
+    assert "GPU asked for but" in out
+    rc, out, _ = run_main(["whatif", str(work["a"]), "--policy", "knorm", "--ratio", "0.5", "--device", "cuda",
+                           "--json"], capsys)
+    numerics = json.loads(out)["numerics"]
+    assert numerics["backend"] == "numpy-float64/cpu" and numerics["note"].startswith("GPU asked for but")
+
+
+def test_whatif_rerun_device_cuda_without_a_gpu_is_69(work, capsys):
+    if _cuda():
+        pytest.skip("a GPU is visible")
+    pytest.importorskip("torch")
+    rc, _, err = run_main(["whatif", str(work["a"]), "--rerun", "preset:llama-3.1-8b", "--tiny", "--text",
+                           str(work["text"]), "--rerun-device", "cuda"], capsys)
+    assert rc == exitcodes.UNAVAILABLE and err.count("\n") == 1
+    assert "--rerun-device cuda: CUDA is not available" in err
+
+
+def test_diff_a_saved_whatif_document_beside_a_trace(work, capsys):
+    """A saved what-if document beside a trace: the trace is replayed with the document's policies
+    and ratios and only the what-if parts are compared (was: 'JSON but not a kvtrace analysis
+    report', naming the what-if document)."""
+    rc, out, err = run_main(["diff", str(work["wa"]), str(work["b"]), "--json"], capsys)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["kvtrace_whatif_diff"] == 1
+    assert [(r["label"], r["ratio"]) for r in doc["results"]] == [("knorm", 0.5)]
+    assert doc["only_a"] == doc["only_b"] == []
+    # the control: the same trace on both sides (one replayed now, one saved) differs by nothing
+    rc, out, err = run_main(["diff", str(work["a"]), str(work["wa"]), "--json"], capsys)
+    assert rc == 0, err
+    same = json.loads(out)
+    assert all(m["delta"] in (0, 0.0, None) for r in same["results"] for m in r["bytes"].values())
+    # two traces without --whatif stay an analysis diff, with no what-if part
+    rc, out, err = run_main(["diff", str(work["a"]), str(work["b"]), "--json"], capsys)
+    assert rc == 0 and "whatif" not in json.loads(out), err
+
+
+def test_diff_refuses_a_huge_whatif_document_before_reading_it(work, capsys):
+    huge = work["dir"] / "huge.json"
+    with open(huge, "wb") as fh:  # sparse: 300 MiB on paper, a few bytes on disk
+        fh.write(b'{"kvtrace_whatif": 1, "policies": [')
+        fh.truncate(300 << 20)
+    try:
+        for argv in (["diff", str(huge), str(work["wa"])], ["diff", str(work["a"]), str(huge)]):
+            rc, _, err = run_main(argv, capsys)
+            assert rc == exitcodes.INVALID and "larger than" in err and err.count("\n") == 1, err
+    finally:
+        huge.unlink()
+
+
+@pytest.mark.skipif(not _fleet_extra(), reason="needs the fleet extra (duckdb, pyarrow)")
+def test_fleet_sql_reads_still_run(work, capsys):
+    """The clean controls of the --sql refusals: queries that read run, in every form DuckDB has."""
+    for sql in ("SELECT count(*) AS n FROM traces", "WITH x AS (SELECT * FROM traces) SELECT count(*) AS n FROM x",
+                "FROM traces SELECT count(*) AS n", "(SELECT 1 AS n) UNION ALL (SELECT 2)"):
+        rc, out, err = run_main(["fleet", str(work["fleet"]), "--sql", sql, "--json"], capsys)
+        assert rc == 0, (sql, err)
+        assert json.loads(out)["result"][0]["n"] in (1, 2, len(FLEET_TRACES))
+    rc, out, err = run_main(["fleet", str(work["fleet"]), "--sql", "DESCRIBE traces", "--json"], capsys)
+    assert rc == 0 and any(r["column_name"] == "trace_id" for r in json.loads(out)["result"]), err
+
+
+# ---- full disk ------------------------------------------------------------------------------------
+
+# Every command that writes an output, with the output on a full file system. {out} is the output
+# path; the expected exit is 73 with one line. `whole`: the command writes its document whole or not
+# at all (no truncated file left behind; the commands sharing outputs.write_json).
+_EXPORT_PARQUET_BUG = pytest.mark.xfail(
+    strict=True, reason="bug, not in this helper's files (commands/export.py, fleet/export.py): pyarrow's OSError on "
+                        "a full disk is an internal error (exit 70), and a .part file stays behind")
+WRITERS = [
+    (["info", "{a}", "--json-out", "{out}"], True),
+    (["validate", "{a}", "--json-out", "{out}"], True),
+    (["analyze", "{a}", "--json-out", "{out}"], True),
+    (["diff", "{a}", "{b}", "--json-out", "{out}"], True),
+    (["diff", "{wa}", "{wb}", "--json-out", "{out}"], True),
+    (["calc", "--preset", "llama-3.1-8b", "--context", "4k", "--gpu-memory", "80GiB", "--json-out", "{out}"], True),
+    (["calc", "--trace", "{r0}", "--trace", "{r1}", "--context", "4k", "--gpu-memory", "80GiB", "--json-out", "{out}"],
+     True),
+    (["whatif", "{a}", "--policy", "knorm", "--ratio", "0.5", "--json-out", "{out}"], True),
+    (["presets", "--json-out", "{out}"], True),
+    (["report", "{a}", "-o", "{out}", "--no-whatif"], False),
+    (["export", "perfetto", "{a}", "-o", "{out}"], False),
+    (["export", "prometheus-textfile", "{a}", "-o", "{out}"], False),
+    (["fleet", "{fleet}", "--json-out", "{out}"], True),
+    (["fleet", "diff", "{fleet}", "--baseline", "model_type=llama", "--candidate", "model_type=llama",
+      "--json-out", "{out}"], True),
+    (["fleet", "report", "{fleet}", "-o", "{out}"], False),
+    (["export", "parquet", "{a}", "-o", "{out}"], False, _EXPORT_PARQUET_BUG),
+]
+
+
+def _writer_params() -> list:
+    out = []
+    for argv, whole, *marks in WRITERS:
+        name = " ".join(a for a in argv if not a.startswith(("{", "-")) and "=" not in a)
+        out.append(pytest.param(argv, whole, marks=marks, id=f"{name} {argv[argv.index('{out}') - 1]}"))
+    return out
+
+
+def _needs_fleet(argv: list[str]) -> None:
+    if any("{fleet}" in a for a in argv) and not _fleet_extra():
+        pytest.skip("needs the fleet extra (duckdb, pyarrow)")
+
+
+@pytest.fixture
+def full_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs filled to the last byte (every write: ENOSPC), where this process may mount one."""
+    mnt = tmp_path / f"full-{uuid.uuid4().hex[:8]}"
+    mnt.mkdir()
+    try:
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot run mount: {exc}")
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {res.stderr.strip()}")
+    try:
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:  # ENOSPC: full
+            pass
+        finally:
+            os.close(fd)
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
+
+
+def _out_name(argv: list[str]) -> str:
+    return "out.html" if argv[0] in ("report",) or argv[:2] == ["fleet", "report"] else "out.json"
+
+
+def _left(directory: Path, keep: set[str]) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name not in keep)
+
+
+@pytest.mark.parametrize(("argv", "whole"), _writer_params())
+def test_full_disk_is_73_in_one_line(work, capsys, full_fs, argv, whole):
+    _needs_fleet(argv)
+    out = full_fs / _out_name(argv)
+    rc, _, err = run_main(_argv(argv, {**work, "out": out}), capsys)
+    assert rc == exitcodes.CANNOT_WRITE, err
+    assert err.count("\n") == 1 and "Traceback" not in err and "No space left on device" in err, err
+    if whole:
+        assert _left(full_fs, {"filler"}) == []  # neither a truncated document nor a temporary file
+
+
+# RLIMIT_FSIZE (as `ulimit -f` sets it) in a child process: CPython ignores SIGXFSZ, so a write past
+# the limit fails with EFBIG. 200 bytes: every JSON document here is larger.
+_LIMIT = 200
+
+
+def _limited() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (_LIMIT, _LIMIT))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "win32", reason="RLIMIT_FSIZE needs POSIX")
+@pytest.mark.parametrize("argv", [
+    ["whatif", "{a}", "--policy", "knorm", "--ratio", "0.5", "--json-out", "{out}"],
+    ["diff", "{wa}", "{wb}", "--json-out", "{out}"],
+    ["calc", "--trace", "{r0}", "--trace", "{r1}", "--context", "4k", "--gpu-memory", "80GiB", "--json-out", "{out}"],
+    ["fleet", "{fleet}", "--json-out", "{out}"],
+], ids=lambda a: " ".join(a[:2]))
+def test_file_size_limit_is_73_and_leaves_no_partial_document(work, tmp_path, argv):
+    _needs_fleet(argv)
+    out = tmp_path / "limited" / "out.json"
+    out.parent.mkdir()
+    out.write_text('{"previous": "document"}\n')  # an earlier run's output: kept whole on failure
+    proc = subprocess.run([sys.executable, "-m", "kvtrace.cli", *_argv(argv, {**work, "out": out})],
+                          capture_output=True, text=True, timeout=300, preexec_fn=_limited)
+    assert proc.returncode == exitcodes.CANNOT_WRITE, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "File too large" in proc.stderr, proc.stderr
+    assert out.read_text() == '{"previous": "document"}\n'
+    assert _left(out.parent, {"out.json"}) == []
+
+
+def test_json_out_onto_a_pipe_does_not_wait_to_read_it(work, tmp_path):
+    """`--json-out /dev/stdout | jq` must not hang: the check for an existing trace read from the
+    pipe (its own stdout) and waited forever."""
+    script = (f'"{sys.executable}" -m kvtrace.cli calc --trace "{work["r0"]}" --trace "{work["r1"]}" --context 4k '
+              f'--gpu-memory 80GiB --json-out /dev/stdout --quiet | cat; echo "rc=${{PIPESTATUS[0]}}"')
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.rstrip().endswith("rc=0"), (proc.stdout[-500:], proc.stderr[-2000:])
+    body = proc.stdout[:proc.stdout.rindex("rc=0")]
+    assert '"rank_check"' in body and body.rstrip().endswith("FITS")
+
+
+# ---- a closed stdout ----------------------------------------------------------------------------
+
+PRINTERS = [
+    ["whatif", "{a}", "--policy", "knorm", "--ratio", "0.5"],
+    ["whatif", "{a}", "--policy", "knorm", "--ratio", "0.5", "--json"],
+    ["diff", "{wa}", "{wb}"],
+    ["diff", "{a}", "{b}", "--whatif", "knorm", "--whatif-ratio", "0.5"],
+    ["calc", "--trace", "{r0}", "--trace", "{r1}", "--context", "4k", "--gpu-memory", "80GiB"],
+    ["fleet", "{fleet}"],
+    ["fleet", "{fleet}", "--sql", "SELECT * FROM steps"],
+    ["fleet", "{fleet}", "--json"],
+    ["fleet", "diff", "{fleet}", "--baseline", "model_type=llama", "--candidate", "model_type=llama"],
+    ["presets"],
+]
+
+
+@pytest.mark.parametrize("argv", PRINTERS, ids=lambda a: " ".join(x for x in a[:3] if not x.startswith("{")))
+def test_closed_stdout_is_a_quiet_141(work, argv):
+    _needs_fleet(argv)
+    proc = _closed_pipe_run(*_argv(argv, work))
+    assert proc.returncode == exitcodes.BROKEN_PIPE, proc.stderr[-2000:]
+    assert proc.stderr == ""
+
+
+# ---- loadtest and serve (kvtrace/serving/**, commands/loadtest.py and serve.py: tested here) ---------
+
+class _Server:
+    """A local HTTP server answering /health 200 and, on POST, as ``mode`` says: "openai" streams
+    a completion as an OpenAI-compatible server does; "html" answers 200 with a web page; "404"
+    answers every POST with 404 (a server that is not an OpenAI one)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _send(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path == "/health":
+                    self._send(200, b'{"status": "ok"}', "application/json")
+                else:
+                    self._send(404, b"not found", "text/plain")
+
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if server.mode == "openai" and self.path.startswith("/v1/"):
+                    chunks = [json.dumps({"choices": [{"index": 0, "text": w}]}) for w in ("a", " b")]
+                    chunks.append(json.dumps({"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 2}}))
+                    body = "".join(f"data: {c}\n\n" for c in chunks) + "data: [DONE]\n\n"
+                    self._send(200, body.encode(), "text/event-stream")
+                elif server.mode == "html":
+                    self._send(200, b"<html><body>a web page</body></html>", "text/html")
+                else:
+                    self._send(404, b"not found", "text/plain")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest) -> Iterator[_Server]:
+    pytest.importorskip("httpx")
+    s = _Server(getattr(request, "param", "openai"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_QUICK = ["--phases", "single", "--tokens", "8", "--max-tokens", "2", "--timeout", "10"]
+
+
+@pytest.mark.parametrize(("args", "code", "phrase"), [
+    (["notaurl"], exitcodes.USAGE, "is not an http(s) URL"),
+    (["ftp://host/"], exitcodes.USAGE, "is not an http(s) URL"),
+    (["http://127.0.0.1:99999"], exitcodes.USAGE, "Port out of range"),
+    (["{url}", "--phases", "nope"], exitcodes.USAGE, "unknown phase(s) nope"),
+    (["{url}", "--phases", ""], exitcodes.USAGE, "no phase named"),
+    (["{url}", "--phases", ","], exitcodes.USAGE, "no phase named"),
+    (["{url}", "--concurrency", "0"], exitcodes.USAGE, "--concurrency"),
+    (["{url}", "--trace", "{a}", "-o", "{a}"], exitcodes.USAGE, "is also an input"),
+    (["{url}", "--json-out", "{b}"], exitcodes.USAGE, "existing trace"),
+    (["{url}", "-o", "{dir}/no/such/lat.csv"], exitcodes.CANNOT_WRITE, "does not exist"),
+    (["http://127.0.0.1:{port}", *_QUICK], exitcodes.UNAVAILABLE, "cannot load-test"),
+    pytest.param(["http://[::1", *_QUICK], exitcodes.USAGE, "URL", marks=pytest.mark.xfail(
+        strict=True, reason="bug in commands/loadtest.py (not this helper's file): a malformed IPv6 URL is "
+                            "'internal error: ValueError: Invalid IPv6 URL' (exit 70)")),
+], ids=lambda v: v if isinstance(v, (int, str)) else " ".join(map(str, v[:2])))
+def test_loadtest_bad_input(work, capsys, server, args, code, phrase):
+    argv = ["loadtest", *_argv(args, {**work, "url": server.url, "port": _free_port()})]  # type: ignore[dict-item]
+    rc, _, err = run_main(argv, capsys)
+    assert rc == code, err
+    assert err.count("\n") == 1 and "Traceback" not in err and phrase in err, err
+
+
+@pytest.mark.parametrize("server", ["html", "404"], indirect=True)
+@pytest.mark.xfail(strict=True, reason="bug in kvtrace/serving (not this helper's files): a port answering HTTP "
+                   "that is not an OpenAI-compatible server (a web page, or 404 on /v1/completions) is load-tested "
+                   "to the end and exits 0 (the html server's requests even count as 'ok' with 0 tokens, and its "
+                   "200 on POST /kvtrace/phase is taken for kvtrace serve's phase markers)")
+def test_loadtest_against_a_server_that_is_not_openai_is_69(work, capsys, server):
+    rc, _, err = run_main(["loadtest", server.url, *_QUICK, "--warmup", "1"], capsys)
+    assert rc == exitcodes.UNAVAILABLE, err
+    assert err.count("\n") == 1 and "OpenAI" in err, err
+
+
+def test_loadtest_clean_control_and_its_outputs(work, capsys, server, tmp_path):
+    """The fake OpenAI server is load-tested (exit 0): the refusals above are about the input."""
+    csv, doc = tmp_path / "lat.csv", tmp_path / "lt.json"
+    rc, _, err = run_main(["loadtest", server.url, *_QUICK, "-o", str(csv), "--json-out", str(doc)], capsys)
+    assert rc == 0, err
+    rows = csv.read_text().splitlines()
+    assert len(rows) >= 2 and json.loads(doc.read_text())["url"] == server.url
+
+
+def test_loadtest_full_disk_is_73(work, capsys, server, full_fs):
+    for opt, name in (("-o", "lat.csv"), ("--json-out", "lt.json")):
+        rc, _, err = run_main(["loadtest", server.url, *_QUICK, opt, str(full_fs / name)], capsys)
+        assert rc == exitcodes.CANNOT_WRITE, err
+        assert err.count("\n") == 1 and "No space left on device" in err, err
+
+
+def test_loadtest_closed_stdout_is_a_quiet_141(work, server):
+    proc = _closed_pipe_run("loadtest", server.url, *_QUICK)
+    assert proc.returncode == exitcodes.BROKEN_PIPE, proc.stderr[-2000:]
+    assert proc.stderr == ""
+
+
+@pytest.mark.parametrize(("args", "code", "phrase"), [
+    (["{dir}/no/such/model", "-o", "{dir}/s.kvt.h5"], exitcodes.USAGE, "no such model directory"),
+    (["{nomodel}", "-o", "{dir}/s.kvt.h5"], exitcodes.USAGE, "config.json"),
+    (["preset:nosuch", "-o", "{dir}/s.kvt.h5"], exitcodes.USAGE, "unknown preset 'nosuch'"),
+    (["preset:llama-3.1-8b", "--tiny", "-o", "{dir}/no/such/s.kvt.h5"], exitcodes.CANNOT_WRITE, "does not exist"),
+    (["preset:llama-3.1-8b", "--tiny", "-o", "{a}"], exitcodes.USAGE, "--force"),
+    (["preset:llama-3.1-8b", "--tiny", "-o", "{dir}"], exitcodes.USAGE, "directory"),
+    (["preset:llama-3.1-8b", "--tiny", "-o", "{dir}/s.kvt.h5", "--port", "0"], exitcodes.USAGE, "--port"),
+], ids=lambda v: v if isinstance(v, (int, str)) else " ".join(map(str, v[:1])))
+def test_serve_bad_input(work, capsys, args, code, phrase):
+    before = digest(work["a"])
+    rc, _, err = run_main(["serve", *_argv(args, work)], capsys)
+    assert rc == code, err
+    assert err.count("\n") == 1 and "Traceback" not in err and phrase in err, err
+    assert digest(work["a"]) == before and not (work["dir"] / "s.kvt.h5").exists()
+
+
+def test_serve_port_in_use_is_69_and_writes_no_trace(work, tmp_path):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("torch")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = tmp_path / "s.kvt.h5"
+        proc = subprocess.run([sys.executable, "-m", "kvtrace.cli", "serve", "preset:llama-3.1-8b", "--tiny",
+                               "-o", str(out), "--port", str(port), "--device", "cpu", "--quiet"],
+                              capture_output=True, text=True, timeout=300)
+    assert proc.returncode == exitcodes.UNAVAILABLE, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvtrace: cannot serve on") and "in use" in last, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not out.exists()
