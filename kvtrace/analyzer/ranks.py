@@ -288,11 +288,18 @@ def group(members: Sequence[RankTrace]) -> list[RankSet]:
     return out
 
 
+def ranks_text(ranks: Sequence[int], limit: int = 16) -> str:
+    """'2, 3, 5' for the lines that name ranks; past `limit` the rest is counted (a world may hold
+    up to 2^20 ranks: one line never lists them all)."""
+    text = ", ".join(str(r) for r in ranks[:limit])
+    return text + (f", ... ({len(ranks)} in all)" if len(ranks) > limit else "")
+
+
 def missing_message(rs: RankSet) -> str | None:
     """One line naming the missing rank files of a set (None when it is whole)."""
     if not rs.missing:
         return None
     have = ", ".join(f"rank {m.rank} ({m.path})" for m in rs.members)
-    miss = ", ".join(str(r) for r in rs.missing)
+    miss = ranks_text(rs.missing)
     return (f"run {rs.run_id}: rank trace(s) {miss} of world size {rs.world_size} not given (have {have}); "
             "pass every rank's file, e.g. run.rank*.kvt.h5")

@@ -17,7 +17,15 @@ from rich.table import Table
 
 from kvtrace.analyzer.base import Severity
 from kvtrace.analyzer.detectors.rank_balance import RankBalance, RankFinding
-from kvtrace.analyzer.ranks import RankSet, RankTrace, group, missing_message, parallel_of, rank_trace
+from kvtrace.analyzer.ranks import (
+    RankSet,
+    RankTrace,
+    group,
+    missing_message,
+    parallel_of,
+    rank_trace,
+    ranks_text,
+)
 from kvtrace.units import format_bytes
 
 __all__ = ["RankCollector", "RankSetResult", "missing_message", "render"]
@@ -76,7 +84,7 @@ def render(result: RankSetResult, console: Console, *, show_info: bool = True) -
     d = rs.to_dict()
     console.print(f"[bold]tensor-parallel run {rs.run_id}[/bold]: world size {rs.world_size}, ranks "
                   f"{', '.join(map(str, rs.ranks)) or 'none'}"
-                  + (f" ([red]missing {', '.join(map(str, rs.missing))}[/red])" if rs.missing else ""))
+                  + (f" ([red]missing {ranks_text(rs.missing)}[/red])" if rs.missing else ""))
     t = Table(title=None)
     for col in ("rank", "trace", "KV heads/layer", "peak KV", "KV alive after", "peak allocated", "requests"):
         t.add_column(col, justify="right" if col not in ("trace",) else "left")

@@ -13,6 +13,8 @@ from kvtrace.commands.outputs import check_json_out, json_options, write_json
 from kvtrace.labels import device_text
 from kvtrace.units import format_bytes
 
+MAX_DEVICES_LISTED = 16
+
 
 @click.command("info")
 @click.argument("traces", nargs=-1, required=True, type=click.Path())  # a directory: "not a trace" (exit 2)
@@ -74,12 +76,17 @@ def _print_parallel(par: dict | None, echo: Any) -> None:
     placed: dict[str, int] = {}
     for place in (par.get("device_map") or {}).values():
         placed[str(place)] = placed.get(str(place), 0) + 1
-    where = ", ".join(f"{d} {n} module{'s' if n != 1 else ''}" for d, n in sorted(placed.items()))
+    shown = sorted(placed.items())[:MAX_DEVICES_LISTED]  # a hostile map may name 10^5 devices: one short line
+    where = ", ".join(f"{d} {n} module{'s' if n != 1 else ''}" for d, n in shown)
+    if len(placed) > len(shown):
+        where += f", and {len(placed) - len(shown)} more devices"
     echo(f"parallel   {par.get('mode')}: {where or 'no map recorded'}")
 
 
 def _print_rank_set(d: dict) -> None:
-    missing = f"; MISSING rank(s) {', '.join(map(str, d['missing_ranks']))}" if d["missing_ranks"] else ""
+    from kvtrace.analyzer.ranks import ranks_text
+
+    missing = f"; MISSING rank(s) {ranks_text(d['missing_ranks'])}" if d["missing_ranks"] else ""
     click.echo(f"run {d['run_id']}  tensor parallel, world size {d['world_size']}, ranks "
                f"{', '.join(map(str, d['ranks_present']))}{missing}")
     for p in d["problems"]:

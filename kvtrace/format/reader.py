@@ -34,6 +34,7 @@ from kvtrace.format.errors import (
     UnsupportedVersion,
 )
 from kvtrace.format.numeric import to_float32
+from kvtrace.format.parallel_meta import parallel_problems
 from kvtrace.units import format_bytes
 
 # One /meta JSON attribute. Real ones are kilobytes (the largest Hugging Face configs, with label
@@ -264,8 +265,11 @@ class Trace:
                     decoded = json.loads(text)
                     if "\\ud" in text.lower():  # a \uD800-\uDFFF escape may decode to a lone surrogate
                         decoded = _clean_json(decoded)
-                except (json.JSONDecodeError, RecursionError):  # nesting deeper than Python's stack
-                    raise InvalidTrace(f"{self.path}: /meta {key} is not valid JSON (or nested too deeply)") from None
+                # ValueError: JSONDecodeError, and an integer of more digits than Python converts
+                # (4300); RecursionError: nesting deeper than Python's stack
+                except (ValueError, RecursionError):
+                    raise InvalidTrace(f"{self.path}: /meta {key} is not valid JSON (or nested too deeply, "
+                                       "or holds a number too long to read)") from None
                 values[key[: -len("_json")]] = decoded
             else:
                 values[key] = _plain(value)
@@ -678,6 +682,8 @@ def structure_problems(trace: Trace) -> tuple[list[str], set[str]]:
         if meta.payload_tokens not in schema.PAYLOAD_TOKENS and trace.minor >= schema.FIELDS_MINOR:
             problems.append(f"/meta payload_tokens {meta.payload_tokens!r} is not one of "
                             f"{', '.join(schema.PAYLOAD_TOKENS)}")
+        if "parallel" in meta.extra:  # 1.4 (spec §3.1): ranks and device maps every consumer trusts
+            problems.extend(parallel_problems(meta.extra["parallel"], newer_minor=trace.minor > schema.FORMAT_MINOR))
     except TraceError as exc:
         problems.append(str(exc).split(": ", 1)[-1])
     present: set[str] = set()

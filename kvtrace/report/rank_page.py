@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from kvtrace import __version__
+from kvtrace.analyzer.ranks import ranks_text
 from kvtrace.analyzer.rankset import RankSetResult
 from kvtrace.report import html
 from kvtrace.units import format_bytes
@@ -33,7 +34,7 @@ def render(result: RankSetResult, pages: dict[int, Path], out_html: str | os.Pat
     ranks = html.Section("ranks", "Ranks", body=[html.raw_table(
         ["rank", "trace (its own report)", "KV heads/layer", "peak KV", "KV alive after", "peak allocated"], rows)])
     if d["missing_ranks"]:
-        ranks.body.append(html.para(f"Missing: rank trace(s) {', '.join(map(str, d['missing_ranks']))} of world size "
+        ranks.body.append(html.para(f"Missing: rank trace(s) {ranks_text(d['missing_ranks'])} of world size "
                                     f"{d['world_size']} were not given."))
     sums = html.Section("sums", "Ranks against the model")
     if d["model_kv_heads_per_layer"]:
