@@ -4,16 +4,25 @@ Keep-set attention: many candidate keep-sets in one pass over the keys. One prog
 of rows, batch * KV head, key split): its rows are queries of all the query heads that read this
 KV head (GQA: K and V are loaded once for the group), times keep-sets. Per row it keeps an
 online-softmax state over the keys that are visible AND kept by the row's set: running max ``m``,
-``l = sum exp(s - m)`` and ``acc = sum exp(s - m) v``; the partial states of the key splits are
-merged in torch (a few floats per row). Set 0 is "keep every key" (the full attention), so mass
-recall ``exp(m_s - m_0) l_s / l_0`` and the output error follow from the merged states alone.
-Nothing of size rows x keys x sets is formed: memory O(rows * sets * splits * Dv).
+``l = sum exp(s - m)`` and ``acc = sum exp(s - m) v``; ``_keep_finish_kernel`` merges the key
+splits' partial states. Set 0 is "keep every key" (the full attention), so mass recall
+``exp(m_s - m_0) l_s / l_0`` and the output error follow from the merged states alone. Nothing of
+size rows x keys x sets is formed: memory O(rows * sets * splits * Dv). Both keep kernels share
+their prologue (``_program``) and loads.
 
 * ``_keep_packed_kernel`` (fewer than 16 query rows per KV head: a decode step's samples): rows
-  are dense (set, query) pairs, each scoring the keys itself (memory-bound; no padding rows).
-* ``_keep_shared_kernel`` (more queries): BLOCK_M query rows score a key block once; SETS
-  keep-sets mask those scores as a [SETS, BLOCK_M, BLOCK_N] tile whose probabilities go through
-  one [SETS * BLOCK_M, BLOCK_N] @ V dot.
+  are dense (set, query) pairs, each scoring the keys itself with its own running max
+  (memory-bound; no padding rows).
+* ``_keep_shared_kernel`` (more queries): BLOCK_M query rows score a key block once and take ONE
+  running max per row, the full attention's, which every set shares (a set is a subset of the
+  keys): the exponentials and the bf16 split of p are computed once, then SETS keep-sets mask p
+  into one [SETS * BLOCK_M, BLOCK_N] @ V dot per part. A set whose kept keys all sit >= ~27 nats
+  below the row max would lose precision or underflow there: the finish kernel sees its small
+  mass (``UNDERFLOW``) and recomputes that (row, set) exactly with its own max (``_exact_row``).
+
+``_grid_check_kernel`` -- one pass over fp32 q, k, v (whether they hold bf16 values: then the
+keep kernels read them as bf16) and the query positions (the int32 bound), one launch and one
+host sync per call.
 
 ``_quant_kernel`` -- min-max (or fp8) quantise-dequantise of K or V in registers, returning per
 (batch * head, program) the sum of squared errors and the sum and count of per-token cosines; the
@@ -44,7 +53,7 @@ INTERP_SETS = 2
 INTERP_BLOCK_N = 16
 INTERP_BLOCK_T = 16
 # Key splits are a multiple of the largest BLOCK_N an autotuned config may use.
-MAX_BLOCK_N = 64
+MAX_BLOCK_N = 128
 
 
 @triton.jit
@@ -83,28 +92,31 @@ def _rows(vq, kvh, b, Hq, Tq, GROUP, QPOS, k_start, valid):
 
 
 @triton.jit
-def _load_q(Q, b, h, qi, sqb, sqh, sqt, offs_d, valid, d_valid, DOT_F32: tl.constexpr):
-    """Query rows [rows, BLOCK_D] of heads ``h`` and query indices ``qi`` (a gather)."""
-    q = tl.load(Q + b.to(tl.int64) * sqb + h[:, None].to(tl.int64) * sqh + qi[:, None].to(tl.int64) * sqt
-                + offs_d[None, :], mask=valid[:, None] & d_valid[None, :], other=0.0)
+def _load_q(Q, qrow, D, offs_d, valid, d_valid, CAST_Q: tl.constexpr, DOT_F32: tl.constexpr):
+    """Query rows [rows, BLOCK_D] at row offsets ``qrow`` of the contiguous Q (a gather); ``CAST_Q``:
+    fp32 holding bf16 values, cast to bf16 (exact)."""
+    q = tl.load(Q + qrow[:, None] * D + offs_d[None, :], mask=valid[:, None] & d_valid[None, :], other=0.0)
+    if CAST_Q:
+        q = q.to(tl.bfloat16)
     if DOT_F32:
         q = q.to(tl.float32)
     return q
 
 
 @triton.jit
-def _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32: tl.constexpr,
+def _load_kv(k_base, v_base, offs_n, n_valid, D, DV, offs_d, d_valid, offs_dv, dv_valid, DOT_F32: tl.constexpr,
              CAST_K: tl.constexpr, CAST_V: tl.constexpr):
     """A key block transposed [BLOCK_D, BLOCK_N] (dot operand dtype) and its values [BLOCK_N, BLOCK_DV]
-    (as stored, or bf16). ``CAST_K``/``CAST_V``: fp32 memory holding bf16 values (recorded bf16
-    upcast), cast to bf16 in registers -- exact, and no converted copy of K/V in memory."""
-    kt = tl.load(k_base + offs_n[None, :].to(tl.int64) * skt + offs_d[:, None],
+    (as stored, or bf16) of contiguous K/V rows. ``CAST_K``/``CAST_V``: fp32 memory holding bf16
+    values (recorded bf16 upcast), cast to bf16 in registers -- exact, and no converted copy of K/V
+    in memory."""
+    kt = tl.load(k_base + offs_n[None, :].to(tl.int64) * D + offs_d[:, None],
                  mask=n_valid[None, :] & d_valid[:, None], other=0.0)
     if CAST_K:
         kt = kt.to(tl.bfloat16)
     if DOT_F32:
         kt = kt.to(tl.float32)
-    v = tl.load(v_base + offs_n[:, None].to(tl.int64) * svt + offs_dv[None, :],
+    v = tl.load(v_base + offs_n[:, None].to(tl.int64) * DV + offs_dv[None, :],
                 mask=n_valid[:, None] & dv_valid[None, :], other=0.0)
     if CAST_V:
         v = v.to(tl.bfloat16)
@@ -135,39 +147,50 @@ def _pv(acc, p, v, PV_SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC_PV: tl.co
         return tl.dot(p, v.to(tl.float32), acc, input_precision=PREC_PV)
 
 
-@triton.jit(do_not_specialize=["Tq", "Tk", "S", "k_start", "window", "keys_per_split"])
-def _keep_packed_kernel(
-    Q, K, V, KEEP, QPOS, PM, PL, PACC,
-    Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits,
-    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, kps, kpb, kph,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr,
-    PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, CAST_K: tl.constexpr, CAST_V: tl.constexpr,
-    ROUNDED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """Few queries (a decode step): rows are dense (set, query head of the group, query) triples,
-    each with its own score row (scores recomputed per set; this case is memory-bound)."""
-    pid_bk = tl.program_id(1)
-    pid_split = tl.program_id(2)
+@triton.jit
+def _program(Q, K, V, QPOS, vq, valid, Hq, Tq, Tk, GROUP, D, DV, k_start, window, keys_per_split,
+             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, CAST_Q: tl.constexpr, DOT_F32: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The prologue both keep kernels share: this program's (batch, KV head), its rows' positions
+    and output rows, their queries, the K/V bases and the key range of its split."""
     Hk = Hq // GROUP
-    b = pid_bk // Hk
-    kvh = pid_bk % Hk
-    nvq = GROUP * Tq
-    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    valid = i < S * nvq
-    row_s = i // nvq
-    h, qi, pos, out_row = _rows(i % nvq, kvh, b, Hq, Tq, GROUP, QPOS, k_start, valid)
+    b = tl.program_id(1) // Hk
+    kvh = tl.program_id(1) % Hk
+    _, _, pos, out_row = _rows(vq, kvh, b, Hq, Tq, GROUP, QPOS, k_start, valid)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     d_valid = offs_d < D
     dv_valid = offs_dv < DV
-    q = _load_q(Q, b, h, qi, sqb, sqh, sqt, offs_d, valid, d_valid, DOT_F32)
-    k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    q = _load_q(Q, out_row, D, offs_d, valid, d_valid, CAST_Q, DOT_F32)
+    head = b.to(tl.int64) * Hk + kvh  # K/V/keep are contiguous [B, Hk, Tk, ...]
+    k_base = K + head * Tk * D
+    v_base = V + head * Tk * DV
+    lo, hi = _key_range(tl.program_id(2), keys_per_split, Tk, pos, valid, window, CAUSAL, HAS_WINDOW, BLOCK_N)
+    return head, pos, out_row, q, k_base, v_base, lo, hi, offs_d, d_valid, offs_dv, dv_valid
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk", "S", "k_start", "window", "keys_per_split"])
+def _keep_packed_kernel(
+    Q, K, V, KEEP, QPOS, PM, PL, PACC,
+    Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr,
+    PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, CAST_Q: tl.constexpr, CAST_K: tl.constexpr,
+    CAST_V: tl.constexpr, ROUNDED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Few queries (a decode step): rows are dense (set, query head of the group, query) triples,
+    each with its own score row and its own running max (scores recomputed per set; this case is
+    memory-bound, and no padding rows)."""
+    nvq = GROUP * Tq
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    valid = i < S * nvq
+    row_s = i // nvq
+    head, pos, out_row, q, k_base, v_base, lo, hi, offs_d, d_valid, offs_dv, dv_valid = _program(
+        Q, K, V, QPOS, i % nvq, valid, Hq, Tq, Tk, GROUP, D, DV, k_start, window, keys_per_split, CAUSAL,
+        HAS_WINDOW, CAST_Q, DOT_F32, BLOCK_N, BLOCK_D, BLOCK_DV)
     # Set 0 keeps every key and has no row in KEEP (set s > 0 reads KEEP[s - 1]).
-    keep_row = KEEP + (row_s - 1).to(tl.int64) * kps + b.to(tl.int64) * kpb + kvh.to(tl.int64) * kph
+    keep_row = KEEP + ((row_s - 1).to(tl.int64) * tl.num_programs(1) + head) * Tk
     has_keep = valid & (row_s > 0)
-    lo, hi = _key_range(pid_split, keys_per_split, Tk, pos, valid, window, CAUSAL, HAS_WINDOW, BLOCK_N)
 
     m_i = tl.zeros([ROWS], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -175,7 +198,7 @@ def _keep_packed_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < Tk
-        kt, v = _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32,
+        kt, v = _load_kv(k_base, v_base, offs_n, n_valid, D, DV, offs_d, d_valid, offs_dv, dv_valid, DOT_F32,
                          CAST_K, CAST_V)
         s = _scaled(tl.dot(q, kt, input_precision=PREC_QK), scale, ROUNDED)
         kept = tl.load(keep_row[:, None] + offs_n[None, :], mask=has_keep[:, None] & n_valid[None, :], other=1)
@@ -191,75 +214,96 @@ def _keep_packed_kernel(
         m_i = m_new
 
     # Partial states, laid out [S, B * Hq, Tq, n_splits] (and x DV for acc).
-    out = (row_s.to(tl.int64) * tl.num_programs(1) * GROUP * Tq + out_row) * n_splits + pid_split
+    out = (row_s.to(tl.int64) * tl.num_programs(1) * GROUP * Tq + out_row) * n_splits + tl.program_id(2)
     tl.store(PM + out, m_i, mask=valid)
     tl.store(PL + out, l_i, mask=valid)
     tl.store(PACC + out[:, None] * DV + offs_dv[None, :], acc, mask=valid[:, None] & dv_valid[None, :])
+
+
+@triton.jit
+def _masked_rows(x, kept, SETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[SETS * BLOCK_M, BLOCK_N]: the rows of x [BLOCK_M, BLOCK_N] once per set, zero at the keys
+    the set drops (exact for any dtype)."""
+    x3 = tl.where(kept[:, None, :], x[None, :, :], tl.zeros_like(x)[None, :, :])
+    return tl.reshape(x3, (SETS * BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _pv_sets(acc, p, kept, v, SETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             PV_SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC_PV: tl.constexpr):
+    """acc [SETS * BLOCK_M, DV] + every set's masked p @ v in one stacked dot per part. p is split
+    (bf16 V: hi + mid + lo, see ``_pv``) once for all sets; masking a part is exact."""
+    if PV_SPLIT:
+        hi = p.to(tl.bfloat16)
+        r = p - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16)
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+        if DOT_F32:  # the interpreter: same parts, fp32 products
+            vf = v.to(tl.float32)
+            acc = tl.dot(_masked_rows(lo.to(tl.float32), kept, SETS, BLOCK_M, BLOCK_N), vf, acc, input_precision="ieee")
+            acc = tl.dot(_masked_rows(mid.to(tl.float32), kept, SETS, BLOCK_M, BLOCK_N), vf, acc,
+                         input_precision="ieee")
+            acc = tl.dot(_masked_rows(hi.to(tl.float32), kept, SETS, BLOCK_M, BLOCK_N), vf, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(_masked_rows(lo, kept, SETS, BLOCK_M, BLOCK_N), v, acc)
+            acc = tl.dot(_masked_rows(mid, kept, SETS, BLOCK_M, BLOCK_N), v, acc)
+            acc = tl.dot(_masked_rows(hi, kept, SETS, BLOCK_M, BLOCK_N), v, acc)
+        return acc
+    else:
+        return tl.dot(_masked_rows(p, kept, SETS, BLOCK_M, BLOCK_N), v.to(tl.float32), acc, input_precision=PREC_PV)
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "S", "k_start", "window", "keys_per_split"])
 def _keep_shared_kernel(
     Q, K, V, KEEP, QPOS, PM, PL, PACC,
     Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits,
-    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, kps, kpb, kph,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr,
-    PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, CAST_K: tl.constexpr, CAST_V: tl.constexpr,
-    ROUNDED: tl.constexpr, BLOCK_M: tl.constexpr, SETS: tl.constexpr,
+    PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, CAST_Q: tl.constexpr, CAST_K: tl.constexpr,
+    CAST_V: tl.constexpr, ROUNDED: tl.constexpr, BLOCK_M: tl.constexpr, SETS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Many queries: BLOCK_M query rows (of the KV head's query heads) score each key block once;
-    SETS keep-sets each mask those scores ([SETS, BLOCK_M, BLOCK_N]) and their probabilities go
-    through one [SETS * BLOCK_M, BLOCK_N] @ V dot."""
-    pid_bk = tl.program_id(1)
-    pid_split = tl.program_id(2)
-    Hk = Hq // GROUP
-    b = pid_bk // Hk
-    kvh = pid_bk % Hk
+    """Many queries: BLOCK_M query rows (of the KV head's query heads) score a key block once and
+    take one running max per row -- the full attention's, which every keep-set (a subset of the
+    keys) shares -- so the exponentials and the split of p are computed once for all sets; SETS
+    keep-sets then mask p ([SETS, BLOCK_M, BLOCK_N]) into one [SETS * BLOCK_M, BLOCK_N] @ V dot
+    per part. A set whose kept keys all sit far below the row max underflows here; the finish
+    kernel detects it (l below ``UNDERFLOW``) and recomputes that row exactly."""
     nvq = GROUP * Tq
     n_mblocks = tl.cdiv(nvq, BLOCK_M)
-    mb = tl.program_id(0) % n_mblocks
-    sb = tl.program_id(0) // n_mblocks
-    vq = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    vq = (tl.program_id(0) % n_mblocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = vq < nvq
-    h, qi, pos, out_row = _rows(vq, kvh, b, Hq, Tq, GROUP, QPOS, k_start, valid)
-    sets = sb * SETS + tl.arange(0, SETS)
+    head, pos, out_row, q, k_base, v_base, lo, hi, offs_d, d_valid, offs_dv, dv_valid = _program(
+        Q, K, V, QPOS, vq, valid, Hq, Tq, Tk, GROUP, D, DV, k_start, window, keys_per_split, CAUSAL,
+        HAS_WINDOW, CAST_Q, DOT_F32, BLOCK_N, BLOCK_D, BLOCK_DV)
+    sets = (tl.program_id(0) // n_mblocks) * SETS + tl.arange(0, SETS)
     s_valid = sets < S
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_valid = offs_d < D
-    dv_valid = offs_dv < DV
-    q = _load_q(Q, b, h, qi, sqb, sqh, sqt, offs_d, valid, d_valid, DOT_F32)
-    k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
-    keep_base = KEEP + (sets - 1).to(tl.int64) * kps + b.to(tl.int64) * kpb + kvh.to(tl.int64) * kph
+    keep_base = KEEP + ((sets - 1).to(tl.int64) * tl.num_programs(1) + head) * Tk
     has_keep = s_valid & (sets > 0)  # set 0: every key
-    lo, hi = _key_range(pid_split, keys_per_split, Tk, pos, valid, window, CAUSAL, HAS_WINDOW, BLOCK_N)
 
-    m_i = tl.zeros([SETS, BLOCK_M], dtype=tl.float32) - float("inf")
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([SETS, BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([SETS * BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < Tk
-        kt, v = _load_kv(k_base, v_base, offs_n, n_valid, skt, svt, offs_d, d_valid, offs_dv, dv_valid, DOT_F32,
+        kt, v = _load_kv(k_base, v_base, offs_n, n_valid, D, DV, offs_d, d_valid, offs_dv, dv_valid, DOT_F32,
                          CAST_K, CAST_V)
         s = _scaled(tl.dot(q, kt, input_precision=PREC_QK), scale, ROUNDED)
-        vis = _visible(offs_n, n_valid, pos, valid, window, CAUSAL, HAS_WINDOW)
-        kept = tl.load(keep_base[:, None] + offs_n[None, :], mask=has_keep[:, None] & n_valid[None, :], other=1)
-        use = (kept[:, None, :] != 0) & vis[None, :, :]
-        s3 = tl.where(use, s[None, :, :], float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s3, axis=2))
+        s = tl.where(_visible(offs_n, n_valid, pos, valid, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_use)
-        p3 = tl.exp(s3 - m_use[:, :, None])
-        l_i = alpha * l_i + tl.sum(p3, axis=2)
-        p = tl.reshape(p3, (SETS * BLOCK_M, BLOCK_N))
-        acc = _pv(acc * tl.reshape(alpha, (SETS * BLOCK_M,))[:, None], p, v, PV_SPLIT, DOT_F32, PREC_PV)
+        p = tl.exp(s - m_use[:, None])  # [BLOCK_M, BLOCK_N], 0 where not visible
+        kept = tl.load(keep_base[:, None] + offs_n[None, :], mask=has_keep[:, None] & n_valid[None, :], other=1) != 0
+        l_i = alpha[None, :] * l_i + tl.sum(tl.where(kept[:, None, :], p[None, :, :], 0.0), axis=2)
+        a_rows = tl.reshape(tl.broadcast_to(alpha[None, :], (SETS, BLOCK_M)), (SETS * BLOCK_M,))
+        acc = _pv_sets(acc * a_rows[:, None], p, kept, v, SETS, BLOCK_M, BLOCK_N, PV_SPLIT, DOT_F32, PREC_PV)
         m_i = m_new
 
-    out = (sets[:, None].to(tl.int64) * tl.num_programs(1) * GROUP * Tq + out_row[None, :]) * n_splits + pid_split
+    out = (sets[:, None].to(tl.int64) * tl.num_programs(1) * GROUP * Tq + out_row[None, :]) * n_splits \
+        + tl.program_id(2)
     ok = s_valid[:, None] & valid[None, :]
-    tl.store(PM + out, m_i, mask=ok)
+    tl.store(PM + out, tl.broadcast_to(m_i[None, :], (SETS, BLOCK_M)), mask=ok)
     tl.store(PL + out, l_i, mask=ok)
     out1 = tl.reshape(out, (SETS * BLOCK_M,))
     ok1 = tl.reshape(ok, (SETS * BLOCK_M,))
@@ -267,18 +311,18 @@ def _keep_shared_kernel(
 
 
 def _packed_configs() -> list:
-    """(ROWS, BLOCK_N, warps, stages) for the few-query kernel."""
-    specs = [(16, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 1), (64, 32, 4, 1), (16, 32, 4, 1)]
+    """(ROWS, BLOCK_N, warps, stages) for the few-query kernel (memory-bound: long key blocks)."""
+    specs = [(64, 128, 4, 1), (64, 64, 4, 2), (32, 128, 4, 1), (16, 128, 4, 2), (16, 64, 4, 2), (64, 32, 4, 2)]
     return [triton.Config({"ROWS": r, "BLOCK_N": bn}, num_warps=w, num_stages=st) for r, bn, w, st in specs]
 
 
 def _shared_configs() -> list:
-    """(BLOCK_M, SETS, BLOCK_N, warps, stages) for the many-query kernel: 32-128 rows of fp32
-    state against 32-64 keys a step. fp32 inputs (the replay's) take 3xTF32 dots, whose operand
-    splits need up to ~200 KiB of shared memory at D = 128 (AOT-compiled for sm_90): small tiles
-    and one stage are offered too, and the autotuner skips what does not fit."""
-    specs = [(16, 4, 64, 4, 2), (16, 4, 32, 4, 1), (32, 2, 64, 4, 2), (16, 8, 32, 8, 1), (32, 4, 32, 8, 1),
-             (64, 2, 32, 8, 1)]
+    """(BLOCK_M, SETS, BLOCK_N, warps, stages) for the many-query kernel: 64-256 stacked rows of
+    fp32 state against 32-64 keys a step. fp32 inputs (the replay's) take 3xTF32 dots, whose
+    operand splits need up to ~200 KiB of shared memory at D = 128 (AOT-compiled for sm_90): small
+    tiles and one stage are offered too, and the autotuner skips what does not fit."""
+    specs = [(16, 4, 64, 4, 2), (16, 8, 64, 8, 2), (32, 4, 64, 8, 2), (16, 4, 32, 4, 1), (32, 2, 64, 4, 2),
+             (64, 2, 32, 8, 1), (32, 8, 32, 8, 1)]
     return [triton.Config({"BLOCK_M": bm, "SETS": sets, "BLOCK_N": bn}, num_warps=w, num_stages=st)
             for bm, sets, bn, w, st in specs]
 
@@ -303,12 +347,12 @@ def split_unit() -> int:
 
 
 def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window, causal,
-             keys_per_split, n_splits, n_sets, cast_k=False, cast_v=False) -> None:
+             keys_per_split, n_splits, n_sets, cast_q=False, cast_k=False, cast_v=False) -> bool:
     """Launch a keep-set kernel for ``n_sets`` sets: set 0 keeps every key, set s > 0 the keys of
-    keep[s - 1]. q [B, Hq, Tq, D], k [B, Hk, T, D], v [B, Hk, T, Dv] (last dim contiguous), keep
-    int8 [n_sets - 1, B, Hk, T] (last dim contiguous), qpos int32 [Tq]; pm/pl fp32
-    [n_sets * B * Hq * Tq * n_splits], pacc fp32 [... * Dv] outputs. ``cast_k``/``cast_v``: fp32
-    k/v holding bf16 values, read as bf16 (q then bf16)."""
+    keep[s - 1]. q [B, Hq, Tq, D], k [B, Hk, T, D], v [B, Hk, T, Dv], keep int8 [n_sets - 1, B,
+    Hk, T] (all contiguous), qpos int32 [Tq]; pm/pl fp32 [n_sets * B * Hq * Tq * n_splits], pacc
+    fp32 [... * Dv] outputs. ``cast_*``: fp32 tensors holding bf16 values, read as bf16. Returns
+    whether the shared-max kernel ran (its partial states need the finish kernel's underflow check)."""
     import torch
 
     B, Hq, Tq, D = q.shape
@@ -319,39 +363,39 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
     # The interpreter computes bf16 dots on raw bits: upcast there. On the GPU 16-bit inputs feed
     # the tensor cores (exact products, fp32 sums); fp32 inputs and p @ V use 3xTF32.
     v_bf16 = v.dtype == torch.bfloat16 or cast_v
-    dot_f32 = interpreting() and (q.dtype == torch.bfloat16 or v_bf16)
-    prec_qk = "ieee" if interpreting() else ("tf32x3" if q.dtype == torch.float32 else "tf32")
+    q_bf16 = q.dtype == torch.bfloat16 or cast_q
+    dot_f32 = interpreting() and (q_bf16 or v_bf16)
+    prec_qk = "ieee" if interpreting() else ("tf32x3" if q.dtype == torch.float32 and not cast_q else "tf32")
     prec_pv = "ieee" if interpreting() else "tf32x3"
     args = (q, k, v, keep, qpos, pm, pl, pacc, Hq, Tq, Tk, S, group, D, DV, float(scale), int(k_start),
-            int(window or 0), keys_per_split, n_splits,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), keep.stride(0), keep.stride(1), keep.stride(2))
+            int(window or 0), keys_per_split, n_splits)
     flags = dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, DOT_F32=dot_f32, PREC_QK=prec_qk,
-                 PREC_PV=prec_pv, PV_SPLIT=v_bf16, CAST_K=bool(cast_k), CAST_V=bool(cast_v), ROUNDED=not interpreting(), BLOCK_D=block_d,
-                 BLOCK_DV=block_dv)
+                 PREC_PV=prec_pv, PV_SPLIT=v_bf16, CAST_Q=bool(cast_q), CAST_K=bool(cast_k), CAST_V=bool(cast_v),
+                 ROUNDED=not interpreting(), BLOCK_D=block_d, BLOCK_DV=block_dv)
     nvq = group * Tq
     if packed(group, Tq):
         if interpreting():
             grid = (triton.cdiv(S * nvq, INTERP_ROWS), B * Hk, n_splits)
             _keep_packed_kernel[grid](*args, **flags, ROWS=INTERP_ROWS, BLOCK_N=INTERP_BLOCK_N)
-            return
+            return False
         _tuned("packed")[lambda meta: (triton.cdiv(S * nvq, meta["ROWS"]), B * Hk, n_splits)](*args, **flags)
-        return
+        return False
     if interpreting():
         grid = (triton.cdiv(nvq, INTERP_BLOCK_M) * triton.cdiv(S, INTERP_SETS), B * Hk, n_splits)
         _keep_shared_kernel[grid](*args, **flags, BLOCK_M=INTERP_BLOCK_M, SETS=INTERP_SETS, BLOCK_N=INTERP_BLOCK_N)
-        return
+        return True
     if not FALLBACKS:
         try:
             _tuned("shared")[lambda meta: (triton.cdiv(nvq, meta["BLOCK_M"]) * triton.cdiv(S, meta["SETS"]), B * Hk,
                                            n_splits)](*args, **flags)
-            return
+            return True
         except Exception as exc:  # a compiler that rejects the 3-D tile: the packed kernel computes the same
             if "out of memory" in str(exc).lower():
                 raise
             FALLBACKS.append(f"shared-scores kernel unavailable ({type(exc).__name__}: {str(exc)[:200]}); "
                              "using the packed kernel for every query count")
     _tuned("packed")[lambda meta: (triton.cdiv(S * nvq, meta["ROWS"]), B * Hk, n_splits)](*args, **flags)
+    return False
 
 
 @triton.jit
@@ -371,11 +415,62 @@ def _merge_chunk(m, lsum, acc, PM, PL, PACC, base, j0, n_splits, offs_s, offs_dv
 
 
 @triton.jit
-def _keep_finish_kernel(PM, PL, PACC, RECALL, ERR, R, DV, n_splits, BLOCK_S: tl.constexpr,
+def _exact_row(Q, K, V, KEEP, row, s, R, Hq, Tq, Tk, GROUP, D, DV, scale, k_start, window, QPOS, m, lsum, acc,
+               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ROUNDED: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """(m, l, acc) of output row ``row`` over the visible keys keep-set ``s`` keeps, with the set's
+    own running max, in fp32 on the CUDA cores: the rare row whose set underflowed against the
+    shared max. Folded into the given (empty) state."""
+    qi = row % Tq
+    h = (row // Tq) % Hq
+    head = (row // (Tq * Hq)) * (Hq // GROUP) + h // GROUP  # b * Hk + KV head
+    pos = tl.load(QPOS + qi) - k_start
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + row.to(tl.int64) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    lo = 0
+    hi = Tk
+    if CAUSAL:
+        hi = tl.minimum(hi, pos + 1)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, pos - window + 1)
+    keep_row = KEEP + ((s - 1).to(tl.int64) * (R // (Tq * Hq)) * (Hq // GROUP) + head) * Tk
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        k = tl.load(K + (head * Tk + offs_n[:, None]).to(tl.int64) * D + offs_d[None, :],
+                    mask=n_ok[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
+        sc = _scaled(tl.sum(k * q[None, :], axis=1), scale, ROUNDED)
+        kept = tl.load(keep_row + offs_n, mask=n_ok, other=0) != 0
+        sc = tl.where(kept & n_ok, sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - m_use)
+        p = tl.exp(sc - m_use)
+        v = tl.load(V + (head * Tk + offs_n[:, None]).to(tl.int64) * DV + offs_dv[None, :],
+                    mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0).to(tl.float32)
+        lsum = a * lsum + tl.sum(p, axis=0)
+        acc = acc * a + tl.sum(p[:, None] * v, axis=0)
+        m = m_new
+    return m, lsum, acc
+
+
+# A keep-set's mass below this, against the shared max (where the full attention's mass is >= 1),
+# is recomputed with the set's own max: its terms sit >= 27 nats below the max, where the shared
+# max would cost them relative precision (~|s - max| * 6e-8 each) or flush them to zero.
+UNDERFLOW = 2.0 ** -40
+
+
+@triton.jit
+def _keep_finish_kernel(PM, PL, PACC, RECALL, ERR, R, DV, n_splits,
+                        Q, K, V, KEEP, QPOS, Hq, Tq, Tk, GROUP, D, scale, k_start, window,
+                        CHECK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ROUNDED: tl.constexpr,
+                        UNDER: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_DV: tl.constexpr):
     """One program per (output row, keep-set s >= 1): merge the key splits of set 0 (all keys)
     and of set s, BLOCK_S splits a step, then recall = exp(m_s - m_0) l_s / l_0 and error =
-    ||o_s - o_0|| / ||o_0|| (what ~30 small torch ops did, in one launch)."""
+    ||o_s - o_0|| / ||o_0||. ``CHECK`` (partial states of the shared-max kernel): a set whose
+    mass underflowed (l_s < UNDER) is recomputed exactly for this row (``_exact_row``)."""
     row = tl.program_id(0)
     s = tl.program_id(1) + 1
     offs_s = tl.arange(0, BLOCK_S)
@@ -390,6 +485,13 @@ def _keep_finish_kernel(PM, PL, PACC, RECALL, ERR, R, DV, n_splits, BLOCK_S: tl.
     for j0 in range(0, n_splits, BLOCK_S):
         m0, l0, a0 = _merge_chunk(m0, l0, a0, PM, PL, PACC, base0, j0, n_splits, offs_s, offs_dv, dv_ok, DV)
         ms, ls, acc_s = _merge_chunk(ms, ls, acc_s, PM, PL, PACC, bases, j0, n_splits, offs_s, offs_dv, dv_ok, DV)
+    if CHECK:
+        if (l0 > 0) & (ls * tl.exp(tl.where(l0 > 0, ms - m0, 0.0)) < UNDER):
+            ms, ls, acc_s = _exact_row(Q, K, V, KEEP, row, s, R, Hq, Tq, Tk, GROUP, D, DV, scale, k_start, window,
+                                       QPOS, tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0),
+                                       tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), axis=0),
+                                       tl.zeros([BLOCK_DV], dtype=tl.float32), CAUSAL, HAS_WINDOW, ROUNDED, BLOCK_N,
+                                       BLOCK_D, BLOCK_DV)
     o0 = a0 / tl.where(l0 > 0, l0, 1.0)  # 0 where no key was visible (acc 0)
     o_s = acc_s / tl.where(ls > 0, ls, 1.0)
     both = (ls > 0) & (l0 > 0)
@@ -403,17 +505,80 @@ def _keep_finish_kernel(PM, PL, PACC, RECALL, ERR, R, DV, n_splits, BLOCK_S: tl.
     tl.store(ERR + out, err)
 
 
-def run_keep_finish(pm, pl, pacc, recall, err, *, rows: int, dv: int, n_splits: int) -> None:
+def run_keep_finish(pm, pl, pacc, recall, err, *, rows: int, dv: int, n_splits: int, check: bool = False,
+                    q=None, k=None, v=None, keep=None, qpos=None, group: int = 1, scale: float = 1.0,
+                    k_start: int = 0, window: int | None = None, causal: bool = True) -> None:
     """Merge the partial states of ``run_keep`` ([S1, rows, n_splits], acc x dv) into recall and
-    error [S1 - 1, rows] fp32."""
+    error [S1 - 1, rows] fp32. ``check``: the states came from the shared-max kernel; rows whose
+    set underflowed are recomputed from q, k, v, keep, qpos (``run_keep``'s inputs)."""
     n_sets = recall.shape[0]
     if n_sets == 0 or rows == 0:
         return
     block_dv = max(16, triton.next_power_of_2(dv))
     # The interpreter takes 2 splits a step (exercises the loop and its masking).
     block_s = 2 if interpreting() else max(2, min(32, triton.next_power_of_2(n_splits)))
-    _keep_finish_kernel[(rows, n_sets)](pm, pl, pacc, recall, err, rows, dv, n_splits, BLOCK_S=block_s,
+    if check:
+        _, Hq, Tq, D = q.shape
+        extra = (q, k, v, keep, qpos, Hq, Tq, k.shape[2], group, D, float(scale), int(k_start), int(window or 0))
+        block_d = max(16, triton.next_power_of_2(D))
+    else:  # never read (CHECK off)
+        extra = (pm, pm, pm, pm, pm, 1, 1, 1, 1, 1, 1.0, 0, 0)
+        block_d = 16
+    _keep_finish_kernel[(rows, n_sets)](pm, pl, pacc, recall, err, rows, dv, n_splits, *extra, CHECK=bool(check),
+                                        CAUSAL=bool(causal), HAS_WINDOW=window is not None,
+                                        ROUNDED=not interpreting(), UNDER=UNDERFLOW, BLOCK_S=block_s,
+                                        BLOCK_N=INTERP_BLOCK_N if interpreting() else 32, BLOCK_D=block_d,
                                         BLOCK_DV=block_dv, num_warps=4)
+
+
+@triton.jit
+def _grid_check_kernel(Q, K, V, POS, FLAGS, nq, nk, nv, n_pos, chunk, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+    """One pass over q, k, v (fp32 viewed as int32; n 0 for a tensor not checked) and the query
+    positions (int64): per program a bitmask -- 1: a position's magnitude >= LIMIT, 2/4/8: q/k/v
+    has a value off the bf16 grid (low 16 bits not zero). One launch for every check the Triton
+    path's choice depends on (they were ~8 torch ops)."""
+    pid = tl.program_id(0)
+    lo = pid.to(tl.int64) * chunk
+    offs = tl.arange(0, BLOCK)
+    bad_q = tl.zeros([BLOCK], dtype=tl.int32)
+    bad_k = tl.zeros([BLOCK], dtype=tl.int32)
+    bad_v = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, chunk, BLOCK):
+        i = lo + start + offs
+        bad_q = bad_q | (tl.load(Q + i, mask=i < nq, other=0) & 0xFFFF)
+        bad_k = bad_k | (tl.load(K + i, mask=i < nk, other=0) & 0xFFFF)
+        bad_v = bad_v | (tl.load(V + i, mask=i < nv, other=0) & 0xFFFF)
+    flag = tl.where(tl.max(bad_q, axis=0) != 0, 2, 0) | tl.where(tl.max(bad_k, axis=0) != 0, 4, 0) \
+        | tl.where(tl.max(bad_v, axis=0) != 0, 8, 0)
+    if pid == 0:
+        big = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, n_pos, BLOCK):
+            i = start + offs
+            p = tl.load(POS + i, mask=i < n_pos, other=0)
+            big = big | ((p >= LIMIT) | (p <= -LIMIT)).to(tl.int32)
+        flag = flag | tl.where(tl.max(big, axis=0) != 0, 1, 0)
+    tl.store(FLAGS + pid, flag)
+
+
+def run_grid_check(q, k, v, positions, limit: int, sms: int) -> tuple[bool, bool, bool, bool]:
+    """(a position's magnitude >= limit, q / k / v off the bf16 grid) from one launch and one
+    device-to-host copy. q, k, v: contiguous, or None (not checked: not fp32); positions int64."""
+    import torch
+
+    views = [None if x is None or x.numel() == 0 else x.view(torch.int32) for x in (q, k, v)]
+    ns = [0 if x is None else x.numel() for x in views]
+    block = 16 if interpreting() else 1024
+    biggest = max(*ns, 1)
+    # ~4 programs per SM over the largest tensor, whole blocks each.
+    chunk = max(block, triton.cdiv(triton.cdiv(biggest, 4 * max(sms, 1)), block) * block)
+    n_prog = triton.cdiv(biggest, chunk)
+    flags = torch.empty(n_prog, dtype=torch.int32, device=positions.device)
+    _grid_check_kernel[(n_prog,)](*(flags if x is None else x for x in views), positions, flags, *ns,
+                                  positions.numel(), chunk, LIMIT=limit, BLOCK=block, num_warps=4)
+    bits = 0
+    for f in flags.tolist():  # the one host sync of a keep-set call
+        bits |= f
+    return bool(bits & 1), bool(bits & 2), bool(bits & 4), bool(bits & 8)
 
 
 # Why a kernel was replaced by another in this process (empty: none was); the benchmark reports it.
@@ -555,3 +720,4 @@ def run_quant(x, sse, cos, cnt, *, Tn, mode, group, chunk, bits, fp8=(3, -6, 448
         LEVELS=float((1 << bits) - 1), MODE=mode, MAN=int(man), EMIN=int(emin), TOP=float(top), BLOCK_T=block_t, BLOCK_D=block_d,
         num_warps=4,
     )
+

@@ -174,6 +174,13 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (4 elsewhere: the interpreter's launches)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _split_plan(g: _Attn, n_sets: int, device: torch.device, num_splits: int | None) -> tuple[int, int]:
     """(key splits, keys per split): enough programs for ~4 per SM (a decode step's few rows
     would otherwise leave most SMs idle), at least 256 keys a split."""
@@ -181,8 +188,7 @@ def _split_plan(g: _Attn, n_sets: int, device: torch.device, num_splits: int | N
 
     unit = split_unit()
     if num_splits is None:
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else 4
+        sms = _sms(device)
         nvq = g.group * g.Tq
         per_kv = -(-n_sets * nvq // 32) if packed(g.group, g.Tq) else -(-nvq // 32) * -(-n_sets // 4)
         want = -(-4 * sms // max(g.B * g.Hk * per_kv, 1))  # programs without splits: ~32 rows, 4 sets each
@@ -211,41 +217,38 @@ def _partials_triton(q, k, v, keep, g: _Attn, num_splits: int | None):
     if plan is None:
         return None
     plan[0]()
-    return plan[1:]
+    return plan[1:5]
 
 
 def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
     """Checks, conversions and output buffers of ``_partials_triton``, and the launch as a
-    callable: (launch, pm, pl, pacc, n_splits), or None."""
+    callable: (launch, pm, pl, pacc, n_splits, finish_kw), or None. ``finish_kw``: what
+    ``run_keep_finish`` needs besides the buffers (set after the launch: which kernel ran)."""
     from kvtrace.kernels import _triton_whatif as tw
 
     window = None if g.window is None else min(g.window, _LIMIT)
-    # One host sync for every check the launch depends on (each is a read of a whole tensor).
-    checks = []
-    if g.Tq:
-        checks.append(g.positions.abs().max() >= _LIMIT)
-    fp32 = [x for x in (q, k, v) if x.dtype == torch.float32 and x.numel()]
-    checks += [_low_bits(x).any() for x in fp32]
-    flags = torch.stack(checks).tolist() if checks else []
-    if abs(g.k_start) >= _LIMIT or g.T >= _LIMIT or (g.Tq and flags[0]):
+    if abs(g.k_start) >= _LIMIT or g.T >= _LIMIT:
         raise ValueError("positions and lengths must be below 2**29 for the Triton path")
-    inexact = dict(zip((id(x) for x in fp32), flags[1:] if g.Tq else flags, strict=True))
-
-    def bf16(x: torch.Tensor) -> bool:
-        return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and id(x) in inexact and not inexact[id(x)])
-
+    q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
+    # One launch and one host sync for every check the launch depends on: the position bound
+    # and, for fp32 tensors, whether they hold bf16 values (each a read of the whole tensor).
+    fp32 = [x if x.dtype == torch.float32 else None for x in (q, k, v)]
+    big, *off = tw.run_grid_check(*fp32, g.positions.contiguous(), _LIMIT, _sms(q.device))
+    if big:
+        raise ValueError("positions and lengths must be below 2**29 for the Triton path")
+    bf16 = [x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not bad) for x, bad in zip((q, k, v), off,
+                                                                                                  strict=True)]
     # Recorded bf16 upcast to fp32: the same values run as bf16 (exact scores on the tensor cores;
-    # p @ V as three bf16 dots against the exact V). K and V stay fp32 in memory and are cast in
-    # registers (a converted copy would cost a pass over them and their size again in memory).
+    # p @ V as three bf16 dots against the exact V), cast in registers: a converted copy would
+    # cost a pass over the tensor and its size again in memory.
     dt = _kernel_dtype(q, k)
-    as_bf16 = dt == torch.float32 and bf16(q) and bf16(k)
-    cast_k = as_bf16 and k.dtype == torch.float32
-    dt = torch.bfloat16 if as_bf16 else dt
+    as_bf16 = dt == torch.float32 and bf16[0] and bf16[1]
+    cast_q, cast_k = as_bf16 and q.dtype == torch.float32, as_bf16 and k.dtype == torch.float32
+    if not as_bf16:
+        q, k = q.to(dt), k.to(dt)
     vt = v.dtype if v.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
-    cast_v = v.dtype == torch.float32 and bf16(v)
-    q = _last_contig(q, dt)
-    k = _last_contig(k, torch.float32) if cast_k else _last_contig(k, dt)
-    v = _last_contig(v, vt)
+    cast_v = v.dtype == torch.float32 and bf16[2]
+    v = v.to(vt)
     S1, Dv = keep.shape[0] + 1, v.shape[3]
     rows = g.B * g.Hq * g.Tq
     if rows == 0 or g.T == 0:
@@ -255,13 +258,15 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
     pl = torch.empty_like(pm)
     pacc = torch.empty(S1 * rows * n_splits * Dv, dtype=torch.float32, device=q.device)
     keep8, qpos = _keep_arg(keep), g.positions.to(torch.int32)
+    finish_kw = dict(q=q, k=k, v=v, keep=keep8, qpos=qpos, group=g.group, scale=g.scale, k_start=g.k_start,
+                     window=window, causal=g.causal)
 
     def launch() -> None:
-        tw.run_keep(q, k, v, keep8, qpos, pm, pl, pacc, group=g.group, scale=g.scale, k_start=g.k_start,
-                    window=window, causal=g.causal, keys_per_split=per, n_splits=n_splits, n_sets=S1,
-                    cast_k=cast_k, cast_v=cast_v)
+        finish_kw["check"] = tw.run_keep(q, k, v, keep8, qpos, pm, pl, pacc, group=g.group, scale=g.scale,
+                                         k_start=g.k_start, window=window, causal=g.causal, keys_per_split=per,
+                                         n_splits=n_splits, n_sets=S1, cast_q=cast_q, cast_k=cast_k, cast_v=cast_v)
 
-    return launch, pm, pl, pacc, n_splits
+    return launch, pm, pl, pacc, n_splits, finish_kw
 
 
 def _merged_states(parts, g: _Attn, S1: int, Dv: int, device: torch.device):
@@ -295,14 +300,16 @@ def keep_measures_triton(
     g = _geometry(q, k, v, q_positions, k_start, window, scale, causal)
     keep = _keep_sets(keep, g)
     shape = (keep.shape[0], g.B, g.Hq, g.Tq)
-    parts = _partials_triton(q, k, v, keep, g, num_splits) if keep.shape[0] else None
-    if parts is None:  # no sets, queries or keys: recall 0, error NaN (||o|| = 0)
+    plan = _keep_plan(q, k, v, keep, g, num_splits) if keep.shape[0] else None
+    if plan is None:  # no sets, queries or keys: recall 0, error NaN (||o|| = 0)
         recall = torch.zeros(shape, dtype=torch.float32, device=q.device)
         return recall, torch.full_like(recall, float("nan"))
+    launch, pm, pl, pacc, n_splits, finish_kw = plan
+    launch()
     recall = torch.empty(shape, dtype=torch.float32, device=q.device)
     err = torch.empty_like(recall)
-    pm, pl, pacc, n_splits = parts
-    tw.run_keep_finish(pm, pl, pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3], n_splits=n_splits)
+    tw.run_keep_finish(pm, pl, pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3], n_splits=n_splits,
+                       **finish_kw)
     return recall, err
 
 
@@ -315,13 +322,14 @@ def keep_kernels_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: t
     g = _geometry(q, k, v, kw.pop("q_positions", None), kw.pop("k_start", 0), kw.pop("window", None),
                   kw.pop("scale", None), kw.pop("causal", True))
     keep = _keep_sets(keep, g)
-    launch, pm, pl, pacc, n_splits = _keep_plan(q, k, v, keep, g, num_splits)
+    launch, pm, pl, pacc, n_splits, finish_kw = _keep_plan(q, k, v, keep, g, num_splits)
     recall = torch.empty(keep.shape[0], g.B, g.Hq, g.Tq, dtype=torch.float32, device=q.device)
     err = torch.empty_like(recall)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
         launch()
-        tw.run_keep_finish(pm, pl, pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3], n_splits=n_splits)
+        tw.run_keep_finish(pm, pl, pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3], n_splits=n_splits,
+                           **finish_kw)
         return recall, err
 
     return run
@@ -474,8 +482,7 @@ def quant_error_triton(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, 
     # Few small ops after the launch: at 4k tokens they, not the kernel, were most of the time.
     if n > 0 and D > 0:
         mode = tw.MODE_FP8 if spec.kind == "fp8" else tw.MODE_TOKEN_GROUPS if spec.axis == "token" else tw.MODE_CHANNEL_GROUPS
-        sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
-            if x.device.type == "cuda" else 4
+        sms = _sms(x.device)
         n_prog, chunk = tw.quant_grid(n, mode, spec.group, lanes=B * H, sms=sms)
         parts = torch.empty(3, B * H * n_prog, dtype=torch.float64, device=x.device)
         tw.run_quant(x, parts[0], parts[1], parts[2], Tn=n, mode=mode, group=spec.group, chunk=chunk,

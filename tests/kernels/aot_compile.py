@@ -88,8 +88,7 @@ def jobs(all_configs: bool, smoke: bool = False):
 def _keep_types(dt: str) -> dict:
     return dict(Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", KEEP="*i8", QPOS="*i32", PM="*fp32", PL="*fp32", PACC="*fp32",
                 Hq="i32", Tq="i32", Tk="i32", S="i32", GROUP="i32", D="i32", DV="i32", scale="fp32", k_start="i32",
-                window="i32", keys_per_split="i32", n_splits="i32", sqb="i64", sqh="i64", sqt="i64", skb="i64",
-                skh="i64", skt="i64", svb="i64", svh="i64", svt="i64", kps="i64", kpb="i64", kph="i64")
+                window="i32", keys_per_split="i32", n_splits="i32")
 
 
 def whatif_jobs(all_configs: bool, smoke: bool = False):
@@ -101,16 +100,23 @@ def whatif_jobs(all_configs: bool, smoke: bool = False):
                     # cast: fp32 K/V holding bf16 values, read as bf16 in registers (bf16 queries)
                     c = dict(CAUSAL=True, HAS_WINDOW=True, DOT_F32=False,
                              PREC_QK="tf32x3" if dt == "fp32" else "tf32", PREC_PV="tf32x3", PV_SPLIT=dt == "bf16",
-                             CAST_K=cast, CAST_V=cast, ROUNDED=True, BLOCK_D=128, BLOCK_DV=128, **cfg.kwargs)
-                    types = {**_keep_types(dt), **(dict(K="*fp32", V="*fp32") if cast else {})}
+                             CAST_Q=cast, CAST_K=cast, CAST_V=cast, ROUNDED=True, BLOCK_D=128, BLOCK_DV=128, **cfg.kwargs)
+                    types = {**_keep_types(dt), **(dict(Q="*fp32", K="*fp32", V="*fp32") if cast else {})}
                     yield (f"{fn.__name__} {dt}{' cast' if cast else ''} {cfg.kwargs} w{cfg.num_warps}", fn, types, c,
                            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         if smoke and dt != "fp32":
             continue
-        if dt == "fp32":  # the split merge reads only fp32 partial states
-            yield ("keep finish", tw._keep_finish_kernel,
-                   dict(PM="*fp32", PL="*fp32", PACC="*fp32", RECALL="*fp32", ERR="*fp32", R="i32", DV="i32",
-                        n_splits="i32"), dict(BLOCK_S=32, BLOCK_DV=128), dict(num_warps=4))
+        if dt == "fp32":  # the split merge reads fp32 partial states (and, checking, the inputs)
+            for check in (False, True):
+                yield (f"keep finish check={check}", tw._keep_finish_kernel,
+                       dict(PM="*fp32", PL="*fp32", PACC="*fp32", RECALL="*fp32", ERR="*fp32", R="i32", DV="i32",
+                            n_splits="i32", Q="*fp32", K="*fp32", V="*fp32", KEEP="*i8", QPOS="*i32", Hq="i32",
+                            Tq="i32", Tk="i32", GROUP="i32", D="i32", scale="fp32", k_start="i32", window="i32"),
+                       dict(CHECK=check, CAUSAL=True, HAS_WINDOW=True, ROUNDED=True, UNDER=tw.UNDERFLOW, BLOCK_S=32,
+                            BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128), dict(num_warps=4))
+            yield ("grid check", tw._grid_check_kernel,
+                   dict(Q="*i32", K="*i32", V="*i32", POS="*i64", FLAGS="*i32", nq="i32", nk="i32", nv="i32",
+                        n_pos="i32", chunk="i32"), dict(LIMIT=2**29, BLOCK=1024), dict(num_warps=4))
         for mode in (tw.MODE_TOKEN_GROUPS,) if smoke else (tw.MODE_CHANNEL_GROUPS, tw.MODE_TOKEN_GROUPS, tw.MODE_FP8):
             yield (f"quant {dt} mode {mode}", tw._quant_kernel,
                    dict(X=f"*{dt}", SSE="*fp64", COS="*fp64", CNT="*fp64", Hn="i32", Tn="i32", D="i32", group="i32",

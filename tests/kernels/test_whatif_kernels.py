@@ -139,6 +139,39 @@ def test_planted_heavy_hitter_and_far_below_max_keep_sets(tri_device):
     _close(e, want_e, ERROR)
 
 
+@pytest.mark.parametrize("tq", [1, 16])  # 1 x 1 rows: packed kernel (own max per set); 1 x 16: shared max
+def test_keep_sets_far_below_the_row_max_are_recomputed_exactly(tq, tri_device):
+    """The shared-max kernel takes one running max per row (the full attention's). A set keeping
+    only keys ~120 nats below it underflows to zero mass there; the finish kernel sees that and
+    recomputes the row with the set's own max, so its renormalised output stays exact. A set
+    ~20 nats below (no underflow) and one keeping no visible key (error 1) are checked too."""
+    T, D = 48, 16
+    rng = np.random.default_rng(14)
+    q = np.zeros((1, 1, tq, D), np.float32)
+    q[..., 0] = 1.0
+    q[..., 2:] = rng.standard_normal((tq, D - 2)) * 0.1
+    k = rng.standard_normal((1, 1, T, D)).astype(np.float32) * 0.3
+    k[0, 0, :, 0] = 0.0
+    k[0, 0, 3, 0] = 480.0  # score ~120 above every other key
+    k[0, 0, 7, 0] = 400.0  # ~100 above the rest, ~20 below key 3
+    v = rng.standard_normal((1, 1, T, 8)).astype(np.float32)
+    keep = np.zeros((4, 1, 1, T), bool)
+    keep[0] = True
+    keep[0, 0, 0, 3] = False  # only key 7 near the top: ~20 nats below the max
+    keep[1, 0, 0, [5, 9, 30]] = True  # ~120 nats below the max: underflows against it
+    keep[2, 0, 0, T - 1] = True  # one key, visible only to the last query
+    keep[3, 0, 0, [3, 40]] = True  # the top key and one far below
+    pos = np.arange(T - tq, T)
+    want_r, want_e = _numpy_sets(q, k, v, keep, pos, 0, None, 0.25)
+    r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (q, k, v, keep)), q_positions=pos, scale=0.25)
+    r, e = r.cpu().numpy(), e.cpu().numpy()
+    assert np.all(r[1] < 1e-6) and np.all(want_e[1] > 0.1)  # the underflowing set matters to the error
+    if tq > 1:
+        assert np.all(e[2, 0, 0, :-1] == 1.0)  # keeps no key these queries see: o' = 0
+    _close(r, want_r, RECALL)
+    _close(e, want_e, ERROR)
+
+
 def test_bf16_inputs_match_the_reference_on_the_same_values(tri_device):
     q, k, v, keep, pos = _case(5, T=33, Tq=12)
     qb, kb, vb = (torch.from_numpy(x).to(torch.bfloat16) for x in (q, k, v))
@@ -219,7 +252,7 @@ def test_dispatch_and_bad_input():
 
 
 def test_bf16_grid_fp32_kv_is_read_as_bf16_in_registers(tri_device, monkeypatch):
-    """fp32 K/V holding bf16 values are cast in the kernel (no converted copy); full fp32 values
+    """fp32 Q/K/V holding bf16 values are cast in the kernel (no converted copy); full fp32 values
     are not. Both agree with numerics.py."""
     from kvtrace.kernels import _triton_whatif as tw
 
@@ -227,7 +260,7 @@ def test_bf16_grid_fp32_kv_is_read_as_bf16_in_registers(tri_device, monkeypatch)
     real = tw.run_keep
 
     def spy(*a, **kw):
-        seen.append((kw["cast_k"], kw["cast_v"], a[0].dtype, a[1].dtype))
+        seen.append((kw["cast_q"], kw["cast_k"], kw["cast_v"], a[0].dtype, a[1].dtype))
         return real(*a, **kw)
 
     monkeypatch.setattr(tw, "run_keep", spy)
@@ -238,8 +271,8 @@ def test_bf16_grid_fp32_kv_is_read_as_bf16_in_registers(tri_device, monkeypatch)
         r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (*arrays, keep)), q_positions=pos)
         _close(r.cpu().numpy(), want_r, RECALL)
         _close(e.cpu().numpy(), want_e, ERROR)
-    assert seen[0] == (True, True, torch.bfloat16, torch.float32)
-    assert seen[1] == (False, False, torch.float32, torch.float32)
+    assert seen[0] == (True, True, True, torch.float32, torch.float32)
+    assert seen[1] == (False, False, False, torch.float32, torch.float32)
 
 
 def test_keep_set_dtypes_and_no_sets(tri_device):
