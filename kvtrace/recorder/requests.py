@@ -22,7 +22,7 @@ import torch
 
 from kvtrace.format.schema import EventKind, Outcome, ReadingLabel
 from kvtrace.format.writer import monotonic_ns
-from kvtrace.memory_errors import is_host_oom
+from kvtrace.memory_errors import is_host_oom, named_gpu, requested_bytes
 from kvtrace.recorder.context import MAX_ERROR_TEXT, RequestState, SessionContext
 from kvtrace.recorder.readings import MemoryReadings
 from kvtrace.recorder.rows import RequestRow
@@ -186,8 +186,12 @@ class Requests:
             summary = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]
             if isinstance(exc, OOM_ERRORS) or is_host_oom(exc):  # host OOMs too (one rule, memory_errors)
                 outcome = Outcome.OOM
-                device = self.readings.devices[0] if self.readings.devices else -1
-                self.ctx.event(EventKind.OOM, rid, step=req.step, device=device, text=summary)
+                device, note = oom_device(exc, self.readings.devices)
+                want = requested_bytes(str(exc))
+                self.ctx.event(EventKind.OOM, rid, step=req.step, device=device,
+                               value=-1 if want is None else want, text=summary)
+                if note:
+                    self.ctx.event(EventKind.NOTE, rid, step=req.step, device=device, text=note)
                 self.readings.write(rid, ReadingLabel.AT_OOM)
             elif isinstance(exc, KeyboardInterrupt):
                 outcome = Outcome.INTERRUPTED
@@ -217,6 +221,21 @@ class Requests:
             except Exception as exc:  # noqa: BLE001
                 self.ctx.error("prompt-decode", exc)
         return "\n".join("token ids: " + " ".join(map(str, r)) for r in rows)
+
+
+def oom_device(exc: BaseException, devices: list[int]) -> tuple[int, str]:
+    """(device, note) of an OOM event: -1 for a host allocation failure; else the device torch's
+    message names (a model spread over GPUs runs out on any of them); else the model's first
+    device, with a note saying the error named none ("" when nothing needs saying)."""
+    if not isinstance(exc, OOM_ERRORS) and is_host_oom(exc):
+        return -1, ""
+    named = named_gpu(str(exc))
+    if named is not None:
+        return named, ""
+    if not devices:
+        return -1, ""
+    return devices[0], (f"oom: the error names no device; stamped on device {devices[0]}, the model's first "
+                        f"(the model is on {', '.join(map(str, devices))})")
 
 
 def _rewrites_cache(model: Any, kwargs: dict) -> bool:

@@ -17,44 +17,27 @@ from kvtrace.analyzer.detectors._common import device_cap
 from kvtrace.analyzer.replay import ReplayContext, RequestTimeline
 from kvtrace.format import schema
 from kvtrace.labels import device_where
-from kvtrace.memory_errors import is_cpu_oom_text
+from kvtrace.memory_errors import SIZE_TEXT, is_cpu_oom_text, named_gpu, requested_bytes, size_bytes
 from kvtrace.units import format_bytes
 
-_NUM = r"([0-9.]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|bytes)"
-_TRIED = re.compile(r"[Tt]ried to allocate\s+" + _NUM)
-_ALLOWED = re.compile(r"with\s+" + _NUM + r"\s+allowed")
-_SCALE = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
-          "KB": 1000, "MB": 1000**2, "GB": 1000**3}
+_ALLOWED = re.compile(r"with\s+" + SIZE_TEXT + r"\s+allowed")
 # A cap "binds" when it is below the device (or host) memory by more than rounding.
 CAP_BELOW_TOTAL = 0.99
 
 
-# torch's CUDA OOM message names the device that failed: "... GPU 1 has a total capacity of ..."
-_GPU = re.compile(r"\bGPU (\d+) has a total capacity")
-
-
 def failed_device(ctx: ReplayContext, text: str, recorded: int) -> int:
     """The device an OOM happened on: the one torch's message names when the trace knows it (a
-    model spread over GPUs fails on any of them), else the event's device."""
-    m = _GPU.search(text or "")
-    if m is not None and int(m.group(1)) in ctx.gpu_devices:
-        return int(m.group(1))
+    model spread over GPUs fails on any of them; recorders before the fix stamped the model's
+    first device), else the event's device."""
+    named = named_gpu(text)
+    if named is not None and named in ctx.gpu_devices:
+        return named
     return recorded
-
-
-def _bytes(m: re.Match | None) -> int | None:
-    return int(float(m.group(1)) * _SCALE[m.group(2)]) if m else None
-
-
-def requested_bytes(text: str) -> int | None:
-    """The size the failed allocation asked for: torch's CUDA message (binary units) or the CPU
-    allocator's ("you tried to allocate N bytes")."""
-    return _bytes(_TRIED.search(text or ""))
 
 
 def allowed_bytes(text: str) -> int | None:
     """The per-process cap torch's CUDA OOM message states ("..., with 819.20 MiB allowed")."""
-    return _bytes(_ALLOWED.search(text or ""))
+    return size_bytes(_ALLOWED.search(text or ""))
 
 
 def is_cpu_oom(text: str) -> bool:
