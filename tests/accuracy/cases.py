@@ -409,6 +409,29 @@ SERVING_CLEAN: list[Case] = [
          serving.clean_prefix_shared, arch="llama", scenario="serving_prefix"),
     Case("clean:serving:budget_queue", None, None, (), "llama; 4 x 40-token prompts wait on a 64-token budget",
          serving.clean_budget_queue, arch="llama", scenario="serving_queue"),
+    # the broader matrix: architectures and loads the detectors were not calibrated on
+    Case("clean:serving:qwen3", None, None, (), "qwen3 generate_batch, the 6 mixed short requests",
+         serving.clean_qwen3, arch="qwen3", scenario="serving"),
+    Case("clean:serving:mistral", None, None, (), "mistral (every layer sliding, one ring-buffer group), 12 new tokens",
+         serving.clean_mistral, arch="mistral", scenario="serving"),
+    Case("clean:serving:gpt_oss", None, None, (), "gpt-oss (sliding + full groups, MoE), the mixed short load",
+         serving.clean_gpt_oss, arch="gpt_oss", scenario="serving"),
+    Case("clean:serving:phi3", None, None, (), "phi3 (fused qkv), the mixed short load",
+         serving.clean_phi3, arch="phi3", scenario="serving"),
+    Case("clean:serving:bursty", None, None, (), "qwen2 manager; 3 waves of requests, each when the last wave's first returned",
+         serving.clean_bursty, arch="qwen2", scenario="serving_bursty"),
+    Case("clean:serving:long_tail", None, None, (), "llama; nine 8-token prompts and three 4x longer (a quarter of the load)",
+         serving.clean_long_tail, arch="llama", scenario="serving_long_tail"),
+    Case("clean:serving:cancel", None, None, (), "llama manager; the long one of four requests cancelled while it runs",
+         serving.clean_cancel, arch="llama", scenario="serving_cancel"),
+    Case("clean:serving:prefix_hits", None, None, (), "llama manager; a 48-token system prefix, four distinct questions hit it",
+         serving.clean_prefix_hits, arch="llama", scenario="serving_prefix"),
+    Case("clean:serving:hybrid_repeats", None, None, (), "gpt-oss manager; one prompt 3 times in turn: sliding groups cannot share",
+         serving.clean_hybrid_repeats, arch="gpt_oss", scenario="serving_prefix"),
+    Case("clean:serving:well_used", None, None, (), "llama; six 2-block requests in 22 blocks: 55% peak use",
+         serving.clean_well_used, arch="llama", scenario="serving_well_used"),
+    Case("clean:serving:many_short", None, None, (), "gemma3_text; 24 requests of 3-6 tokens on a 64-token budget",
+         serving.clean_many_short, arch="gemma3_text", scenario="serving_many_short"),
 ]
 # over_reservation needs a GPU of known size: tests/serving_detectors/test_serving_gpu_synthetic.py
 SERVING_PLANTED: list[Case] = [
@@ -426,6 +449,23 @@ SERVING_PLANTED: list[Case] = [
          "llama manager; one prompt 3 times in turn, allow_block_sharing=False", serving.plant_sharing_off),
     Case("serving:context_spike", "context_spike", "context_spike", ("context_spike",),
          "llama; five 10-token requests and one of 100", serving.plant_context_spike),
+    # the same faults caused other ways
+    Case("serving:memory_percent_full", "pool_full", "serving_capacity", ("pool_usage",),
+         "qwen3; max_memory_percent so low that transformers sizes a 5-block pool", serving.plant_memory_percent),
+    Case("serving:memory_percent_preemption", "preemption", "preemption", ("preemption",),
+         "qwen3; the same: six requests growing to 3 blocks preempt each other", serving.plant_memory_percent),
+    Case("serving:burst_over_offered", "concurrency", "concurrency_headroom", ("concurrency",),
+         "llama manager; a second wave of 6 arrives while 7 fill a pool of 8", serving.plant_burst_queue),
+    Case("serving:burst_queue", "queueing", "queueing", ("queued_on_memory",),
+         "llama manager; the same: the second wave waits for memory", serving.plant_burst_queue),
+    Case("serving:budget_starved", "queueing", "queueing", ("queued_on_budget",),
+         "llama; max_batch_tokens 8 below 24-token prompts, the pool idles", serving.plant_budget_starved),
+    Case("serving:default_pages", "block_waste", "block_waste", ("block_tail_waste",),
+         "qwen3 manager; the default 256-token pages for 4-9-token turns", serving.plant_default_pages),
+    Case("serving:prefix_evicted", "prefix_cache", "prefix_cache", ("missed_prefix_hits",),
+         "llama manager; an 8-block pool evicts the cached prompt before it repeats", serving.plant_prefix_evicted),
+    Case("serving:long_generation", "context_spike", "context_spike", ("context_spike",),
+         "gpt-oss manager; one request generates 60 tokens among 10-token turns", serving.plant_long_generation),
 ]
 PLANTED += SERVING_PLANTED
 

@@ -24,10 +24,19 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-CLEAN = ("clean_llama", "clean_gemma3", "clean_prefix_shared", "clean_budget_queue")
+CLEAN = ("clean_llama", "clean_gemma3", "clean_prefix_shared", "clean_budget_queue", "clean_qwen3", "clean_mistral",
+         "clean_gpt_oss", "clean_phi3", "clean_bursty", "clean_long_tail", "clean_cancel", "clean_prefix_hits",
+         "clean_hybrid_repeats", "clean_well_used", "clean_many_short")
 PLANTED = {"plant_pool_too_small": ("serving_capacity", "concurrency_headroom", "queueing"),
            "plant_large_pages": ("block_waste",), "plant_preemption": ("preemption",),
-           "plant_sharing_off": ("prefix_cache",), "plant_context_spike": ("context_spike",)}
+           "plant_sharing_off": ("prefix_cache",), "plant_context_spike": ("context_spike",),
+           "plant_memory_percent": ("serving_capacity", "preemption"),
+           "plant_burst_queue": ("concurrency_headroom", "queueing"), "plant_budget_starved": ("queueing",),
+           "plant_default_pages": ("block_waste",), "plant_prefix_evicted": ("prefix_cache",),
+           "plant_long_generation": ("context_spike",)}
+CPU_ONLY = {"plant_memory_percent"}  # sized from host memory (psutil), as transformers sizes a CPU pool
+# 5.17's cache evicts the newest cached blocks first: the first prompt survives and its repeat hits
+NOT_517 = {"plant_prefix_evicted"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             if loud:
                 failures.append(f"{name}: {loud}")
         for name, detectors in PLANTED.items():
+            if (name in CPU_ONLY and args.device != "cpu") or (name in NOT_517 and transformers.__version__ < "5.18"):
+                continue
             r = analyse(name)
             scores = {d: r.result(d).score for d in detectors}
             bad = {d: round(s, 2) for d, s in scores.items() if s < 0.5}

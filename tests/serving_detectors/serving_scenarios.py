@@ -75,11 +75,11 @@ def batch(path: Path, lengths: list[int], new: int, arch: str = "llama", **cb: A
     return path
 
 
-def sequential(path: Path, ids: list[list[int]], new: int, **cb: Any) -> Path:
+def sequential(path: Path, ids: list[list[int]], new: int, arch: str = "llama", **cb: Any) -> Path:
     """One request at a time through a manager: each is admitted after the previous one finished."""
     import kvtrace
 
-    m = model()
+    m = model(arch)
     gc, cfg = _configs(new, **cb)
     with kvtrace.record(m, path):
         manager = m.init_continuous_batching(generation_config=gc, continuous_batching_config=cfg)
@@ -301,6 +301,14 @@ def clean_prefix_hits(path: Path) -> Path:
 
 
 @once
+def clean_hybrid_repeats(path: Path) -> Path:
+    """gpt-oss (a sliding group) serving one prompt three times in turn, sharing allowed: transformers'
+    sliding allocators cannot share blocks, so no repeat hits, and nothing can be switched on."""
+    return sequential(path, [PREFIX + [60, 61]] * 3, 4, arch="gpt_oss", page_size=16, num_blocks=64,
+                      max_batch_tokens=128)
+
+
+@once
 def clean_well_used(path: Path) -> Path:
     """A pool sized for its load: six 2-block requests (30-token contexts) in a 22-block pool, peak
     block usage 55% (25 points under the 80% warning, 15 under the 70% knee of serving_capacity)
@@ -310,9 +318,10 @@ def clean_well_used(path: Path) -> Path:
 
 @once
 def clean_many_short(path: Path) -> Path:
-    """gemma3_text: 24 short requests (3-6 tokens, 4 new) in waves on a 64-token budget."""
+    """gemma3_text: 24 short requests (3-6 tokens, 4 new) admitted in turns on a 64-token budget (192
+    blocks: 5.17 splits them between the two groups, 5.23 gives each group its own)."""
     lengths = [3, 4, 5, 6] * 6
-    return batch(path, lengths, 4, arch="gemma3_text", page_size=16, num_blocks=96, max_batch_tokens=64)
+    return batch(path, lengths, 4, arch="gemma3_text", page_size=16, num_blocks=192, max_batch_tokens=64)
 
 
 def _memory_percent(nbytes: int) -> float:
@@ -357,7 +366,18 @@ def plant_default_pages(path: Path) -> Path:
 @once
 def plant_prefix_evicted(path: Path) -> Path:
     """Prefix sharing on, but a pool of 8 blocks: the first prompt's cached blocks are evicted by the
-    distinct prompts served after it, so its repeat finds nothing."""
+    distinct prompts served after it, so its repeat finds nothing (transformers 5.23, whose cache
+    evicts cached blocks to keep a safety margin free; 5.17 evicts the newer ones first and the
+    repeat hits: no fault there)."""
     first = PREFIX + [60, 61]
     others = [p + [60, 61] for p in prompts([48, 48, 48], start=90)]
     return sequential(path, [first, *others, first], 4, page_size=16, num_blocks=8, max_batch_tokens=128)
+
+
+@once
+def plant_burst_queue(path: Path) -> Path:
+    """A burst into a busy pool: eight 17-token prompts hold 2 of the 16 16-token blocks each from
+    admission (and never need a third: 32 tokens at most); one returns after 2 tokens, the other seven
+    decode 15 while a second wave of six arrives and waits for memory."""
+    plan = [[(prompts([17])[0], 2)] + [(p, 15) for p in prompts([17] * 7, 30)], _wave([17] * 6, 4, start=90)]
+    return waves(path, plan, page_size=16, num_blocks=16, max_batch_tokens=512)

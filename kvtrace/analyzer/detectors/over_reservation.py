@@ -5,9 +5,11 @@ transformers sizes the pool from free device memory x max_memory_percent (vLLM d
 gpu_memory_utilization), so a pool far above the load is memory no other process on the GPU can
 have. It costs something only against a device: on a trace whose pool device memory is unknown
 (a CPU run) the numbers are info. With a GPU of known size and a pool of at least a tenth of
-it, the score grows with the unused share of the pool: medium at 75% never used, high at 90%.
-It never reaches critical: the unused room is the headroom a burst would need, and this run's
-load may not be the host's peak.
+it (a smaller pool cannot crowd another process out), the score grows with the unused share of
+the pool: 0.1 at half (the headroom the 80% alert asks for, and some), medium at 75% never used,
+high at 90%. It never reaches critical: the unused room is the headroom a burst would need, and
+this run's load may not be the host's peak. "Used" counts cached prefix blocks: they hold KV that
+later prompts reuse, so a pool that fills with them is working.
 """
 
 from __future__ import annotations

@@ -5,8 +5,11 @@ A soft reset drops the request's blocks: every token it held is computed again w
 re-admitted (recomputed tokens = the event's value). An offload (an OFFLOADED event for the same
 request and step) moves the blocks to the CPU swap pool: nothing is recomputed, the cost is the
 copy. Any preemption is a proven mechanism (vLLM dashboards and AIPerf flag preemptions > 0 as
-memory pressure), so it starts at medium; the score grows with the share of all scheduled
-tokens spent on recomputation: high at 5%, critical at 20%.
+memory pressure), so it starts at medium (0.3) whatever its cost; the score grows with the share
+of all scheduled tokens spent on recomputation: high at 5% (a twentieth of the compute thrown away,
+about what a healthy server spends on padding), critical at 20% (a fifth of the throughput lost).
+Offload-only preemptions recompute nothing and stay at medium (not exercised on CPU: transformers
+needs an accelerator's pinned memory for its swap pool).
 """
 
 from __future__ import annotations

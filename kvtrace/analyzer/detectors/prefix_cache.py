@@ -5,19 +5,30 @@ missed prefixes it should have had.
 The trace holds a salted sha256 of each whole prompt, not of its prefixes, so the expected hits
 are proven only for repeated prompts: a request whose prompt equals one that had already
 finished when it was admitted should find that prompt's complete blocks, floor((L - 1) / page)
-x page tokens (the last prompt token is always computed). Missing at least half of those tokens
-is an ineffective cache: high when the repeats are a tenth of the prompt tokens looked up or
-more, critical when nearly all of them were missed (sharing off, `allow_block_sharing=False`, or
-evicted: evictions are counted and named). Otherwise the hit rate is reported as info.
+x page tokens (the last prompt token is always computed). On the share of those tokens missed:
+0.1 at 50% (a partial hit rate is the cache working under pressure), high at 80%, critical at
+95% (practically no repeat hit: sharing off, `allow_block_sharing=False`, or evicted: evictions
+are counted and named). At most low when the repeats are under a tenth of the prompt tokens
+looked up (they cost too little compute to matter). Otherwise the hit rate is reported as info.
+
+A manager with a sliding-window group that never hit at all is a cache that cannot share
+(transformers' sliding allocators do not support block sharing, so prefix sharing is off for
+hybrid and sliding models whatever the configuration): nothing can be switched on, the missed
+tokens are reported as info.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvtrace.analyzer.base import Finding, ev, register
+from kvtrace.analyzer.detectors._common import plural
 from kvtrace.analyzer.detectors._serving import FULL, ServingDetector, admitted, alert, groups
 from kvtrace.analyzer.replay import ReplayContext
+from kvtrace.format import schema
 
 MISSED_ALERT = ((0.5, 0.8, 0.95), (0.1, 0.5, 0.8))
+SLIDING = int(schema.LayerType.SLIDING)
 MIN_REPEAT_SHARE = 0.1  # repeats below a tenth of the lookups cost too little to be more than low
 
 
@@ -60,6 +71,7 @@ class PrefixCache(ServingDetector):
             expected += want
             missed += max(want - int(r["prefix_hit_tokens"]), 0)
         rate = hits / lookups if lookups else 0.0
+        cannot_share = not hits and any(_sliding(ctx, m) for m in pages)
         evidence = {
             "lookup_tokens": ev(lookups, "tokens"),
             "hit_tokens": ev(hits, "tokens"),
@@ -79,13 +91,22 @@ class PrefixCache(ServingDetector):
         score = alert(share, *MISSED_ALERT)
         if expected / lookups < MIN_REPEAT_SHARE:
             score = min(score, 0.29)
-        why = (f"{evicted:,} cached blocks were evicted to make room" if evicted
+        if cannot_share:
+            score = min(score, 0.1)
+        why = ("the cache has a sliding-window group, and transformers' sliding allocators cannot share blocks: "
+               "prefix sharing is off for this model whatever the configuration (info)" if cannot_share
+               else f"{evicted:,} cached blocks were evicted to make room" if evicted
                else "no cached block was evicted, so sharing is off (allow_block_sharing=False) or unsupported"
                if not hits else "")
-        msg = (f"Prefix cache: {repeats:,} requests repeated a prompt that had already finished, yet found "
+        msg = (f"Prefix cache: {plural(repeats, 'request')} repeated a prompt that had already finished, yet found "
                f"{expected - missed:,} of the {expected:,} tokens its complete blocks held ({1 - share:.0%}); overall "
                f"{hits:,} of {lookups:,} prompt tokens looked up ({rate:.0%}) hit" + (f"; {why}." if why else "."))
         return [self.finding("missed_prefix_hits", score, msg, evidence=evidence, requests=repeat_ids)]
+
+
+def _sliding(ctx: ReplayContext, manager: int) -> bool:
+    """Whether the manager's cache has a sliding-window group."""
+    return bool(np.any(groups(ctx, manager)["layer_type"] == SLIDING))
 
 
 def _page(ctx: ReplayContext, manager: int) -> int:
