@@ -342,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             for recorded in (False, True):
                 one_run(model, prompts(n, args.prompt, vocab, seed=-1), kw, recorded, trace, probe)
         slowest = time.perf_counter() - t
+        print(f"warm-up round (each side and shape once): {slowest:.1f} s", file=sys.stderr, flush=True)
         i = min(len(runs[str(n)]) for n in shapes)
         while i < args.pairs:
             if args.budget_s is not None and time.perf_counter() - t_start + slowest > args.budget_s:
