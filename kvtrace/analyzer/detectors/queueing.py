@@ -9,10 +9,12 @@ is the normal state). The queue time each request spent before its first admissi
 SCHEDULED - arrival) is quoted.
 
 Waiting on the budget is normal under load (info), except when the budget per step
-(max_batch_tokens) is below the median prompt: then not even one typical prompt fits a step,
-every prefill is chunked over several steps and the queue forms while the pool idles. That is a
-misconfiguration scored on the share of steps with requests waiting, on the same ramp, capped at
-0.6 (high, never critical: latency is lost, no memory is at risk).
+(max_batch_tokens) is below the median prompt and the pool never got half used: then not even
+one typical prompt fits a step, every prefill is chunked over several steps and the queue forms
+while the memory that could hold the waiting requests idles. That is a misconfiguration scored on
+the share of steps with requests waiting, on the same ramp, capped at 0.6 (high, never critical:
+latency is lost, no memory is at risk). A deliberately small chunked-prefill budget under long
+prompts on an idle pool is named too: the advice (raise max_batch_tokens) holds there as well.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvtrace.units import format_ns
 PRESSURE = 0.8
 STEPS_ALERT = ((0.02, 0.1, 0.3), (0.1, 0.5, 0.8))
 BUDGET_CAP = 0.6
+IDLE = 0.5  # a pool never half used had room for the requests the budget held back
 
 
 @register
@@ -67,11 +70,12 @@ class Queueing(ServingDetector):
             evidence["max_batch_tokens"] = ev(budget, "tokens")
             evidence["median_prompt_tokens"] = ev(round(prompt, 1), "tokens")
             share = float(np.mean(waiting > 0))
-            starved = budget is not None and budget < prompt
+            idle = not known.any() or float(usage[known].max()) < IDLE
+            starved = budget is not None and budget < prompt and idle
             score = min(alert(share, *STEPS_ALERT), BUDGET_CAP) if starved else 0.0
             why = (f" The budget ({budget:,} tokens per step) is below the median prompt ({prompt:,.0f} tokens): "
-                   f"each prefill takes several steps and requests waited at {share:.0%} of the steps; raise "
-                   "max_batch_tokens." if starved else "")
+                   f"each prefill takes several steps and requests waited at {share:.0%} of the steps while the pool "
+                   f"stayed under {IDLE:.0%} used; raise max_batch_tokens." if starved else "")
             return self.finding(
                 "queued_on_budget", score,
                 f"Manager {manager}: up to {int(waiting[i]):,} requests waited (step {int(rows['step'][i])}) while the "
