@@ -146,9 +146,58 @@ def check_preset_memory(config: dict[str, Any], dtype_bytes: int, device: str, *
     return need
 
 
+def torchrun_rank() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) from torchrun's environment when it launched two or more
+    processes, else None."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    except (KeyError, ValueError):
+        return None
+    return (rank, world, local) if world > 1 else None
+
+
+def tp_kwargs(tp_plan: str) -> dict[str, Any]:
+    """``tp_plan`` as this transformers' from_pretrained takes it: DistributedConfig(tp_plan=...)
+    where that class has the field (5.23: a bare tp_plan= is deprecated), else tp_plan=."""
+    import inspect
+
+    try:
+        from transformers import DistributedConfig
+    except ImportError:
+        return {"tp_plan": tp_plan}
+    if "tp_plan" in inspect.signature(DistributedConfig).parameters:
+        return {"distributed_config": DistributedConfig(tp_plan=tp_plan)}
+    return {"tp_plan": tp_plan}
+
+
+def start_tensor_parallel(device: str) -> str:
+    """Join the torchrun group for a tensor-parallel load (gloo on the CPU, nccl on CUDA) and return
+    this rank's device (cuda:LOCAL_RANK on CUDA). Outside torchrun: BadOption."""
+    import torch
+    import torch.distributed as dist
+
+    ranks = torchrun_rank()
+    if ranks is None:
+        raise BadOption("--tp-plan runs one process per rank under torchrun, e.g. torchrun --nproc-per-node 2 "
+                        "-m kvtrace.cli record ... --tp-plan auto", option="--tp-plan")
+    rank, _, local = ranks
+    if device.startswith("cuda"):
+        if torch.cuda.device_count() <= local:
+            raise Unavailable(f"--tp-plan: rank {rank} needs cuda:{local}, this machine has "
+                              f"{torch.cuda.device_count()} GPU(s)")
+        device = f"cuda:{local}"
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return device
+
+
 def load_model(spec: str, *, device: str, dtype: str, layers: int | None, width: float | None,
-               vocab: int | None, seed: int = 0) -> LoadedModel:
+               vocab: int | None, seed: int = 0, tp_plan: str | None = None) -> LoadedModel:
     """A model from ``preset:NAME`` (random weights), a local directory, or an HF id already on disk.
+    ``tp_plan`` ("auto"): each torchrun rank loads its shard (transformers tensor parallel); a
+    preset is built once and loaded by every rank through a temporary checkpoint.
 
     Never downloads: HF_HUB_OFFLINE is set for this process unless the user set it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -159,6 +208,8 @@ def load_model(spec: str, *, device: str, dtype: str, layers: int | None, width:
         raise Unavailable(f"recording needs torch and transformers ({exc}); "
                           "install kvtrace[record]") from None
     device = resolve_device(device)
+    if tp_plan is not None:
+        device = start_tensor_parallel(device)
     if spec.startswith("preset:"):
         from kvtrace import presets
 
@@ -175,8 +226,11 @@ def load_model(spec: str, *, device: str, dtype: str, layers: int | None, width:
                             name=presets.get_preset(name).name)
         torch.manual_seed(seed)
         auto = transformers.AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else transformers.AutoModelForCausalLM
-        with torch.device(device):
-            model = auto.from_config(cfg, dtype=torch_dtype)
+        if tp_plan is not None:
+            model = _sharded_preset(auto, cfg, torch_dtype, tp_plan)
+        else:
+            with torch.device(device):
+                model = auto.from_config(cfg, dtype=torch_dtype)
         model.eval()
         gen = model.generation_config
         if gen.pad_token_id is None:
@@ -193,13 +247,15 @@ def load_model(spec: str, *, device: str, dtype: str, layers: int | None, width:
     try:
         cfg = transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
         auto = transformers.AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else transformers.AutoModelForCausalLM
-        model = auto.from_pretrained(spec, local_files_only=True, dtype=resolve_dtype(dtype, device, preset=False))
+        model = auto.from_pretrained(spec, local_files_only=True, dtype=resolve_dtype(dtype, device, preset=False),
+                                     **(tp_kwargs(tp_plan) if tp_plan is not None else {}))
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise Unavailable(f"cannot load model {spec!r} from disk ({first}); kvtrace never downloads: "
                           "give a local directory, an id already in the Hugging Face cache, or preset:NAME "
                           "(see 'kvtrace presets')") from None
-    model.to(device)
+    if tp_plan is None:  # tensor parallel placed each shard on its rank's device
+        model.to(device)
     model.eval()
     try:
         tok = transformers.AutoTokenizer.from_pretrained(spec, local_files_only=True)
@@ -211,6 +267,32 @@ def load_model(spec: str, *, device: str, dtype: str, layers: int | None, width:
         model.generation_config.pad_token_id = tok.pad_token_id
     return LoadedModel(model, tok, spec, note)
 
+
+
+def _sharded_preset(auto: Any, cfg: Any, dtype: Any, tp_plan: str) -> Any:
+    """A preset's random weights, built once by rank 0 on the CPU and saved to a temporary
+    checkpoint that every rank loads with ``tp_plan`` (transformers shards weights only in
+    from_pretrained, and saves only on rank 0). The ranks share one host's file system."""
+    import shutil
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    where: list[str | None] = [None]
+    try:
+        if rank == 0:
+            where[0] = tempfile.mkdtemp(prefix="kvtrace-tp-")
+            with torch.device("cpu"):
+                auto.from_config(cfg, dtype=dtype).save_pretrained(where[0])
+        dist.broadcast_object_list(where, src=0)
+        model = auto.from_pretrained(where[0], local_files_only=True, dtype=dtype, **tp_kwargs(tp_plan))
+        dist.barrier()  # every rank has read the checkpoint before rank 0 removes it
+    finally:
+        if rank == 0 and where[0]:
+            shutil.rmtree(where[0], ignore_errors=True)
+    return model
 
 
 def encode(tok: Any, text: str, device: str) -> Any:

@@ -123,6 +123,10 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
 @click.option("--tiny", is_flag=True,
               help="Presets: shrink to a few layers showing every layer kind, hidden ~256, vocab 512 "
                    "(builds and runs on a CPU in seconds); --layers/--width/--vocab override it.")
+@click.option("--tp-plan", "tp_plan", type=click.Choice(["auto"]), default=None,
+              help="Tensor parallel: run under torchrun (one process per rank, e.g. torchrun --nproc-per-node 2 "
+                   "-m kvtrace.cli record ...); each rank loads its shard with transformers' tp_plan and writes "
+                   "its own trace, the rank in the name (run.kvt.h5 -> run.rank0.kvt.h5, or {rank} in -o).")
 @click.option("--force", is_flag=True, help="Replace an existing -o file (never one of the inputs).")
 @metrics_options
 @click.option("--quiet", "-q", is_flag=True, help="Print only errors.")
@@ -135,7 +139,7 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
            telemetry_hz: float,
            no_nvml: bool,
            store_prompts: bool, empty_cache: bool, device: str, dtype: str, cache_implementation: str,
-           layers: int | None, width: float | None, vocab: int | None, tiny: bool, force: bool,
+           layers: int | None, width: float | None, vocab: int | None, tiny: bool, tp_plan: str | None, force: bool,
            prometheus: str | None, prometheus_textfile: str | None, prometheus_linger: float, quiet: bool,
            output: str) -> None:
     """Record the KV cache of generate() on a model into a trace file.
@@ -149,6 +153,8 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
       kvtrace record --model preset:llama-3.1-8b --tiny --prompt hi --max-new-tokens 8 \\
           --sample-every 4 --sample-heads 0,1 -o sampled.kvt.h5
       kvtrace record --model ./my-llama --prompts prompts.txt --max-new-tokens 64 -o run.kvt.h5
+      torchrun --nproc-per-node 2 -m kvtrace.cli record --model ./my-llama --tp-plan auto \\
+          --prompt hi --max-new-tokens 16 -o run.kvt.h5      # run.rank0.kvt.h5, run.rank1.kvt.h5
     Nothing is downloaded. Prompt text and tensor contents are stored only when asked.
     Presets build random weights: at full size they warn with the memory needed and are refused
     (exit 69) when it exceeds what is available; --tiny or --layers/--width/--vocab shrink them.
@@ -159,6 +165,10 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
     layer_list, head_list = parse_int_list(sample_layers), parse_int_list(sample_heads)
     from kvtrace.commands.outputs import check_output
 
+    rank = _tensor_parallel_rank(tp_plan, prometheus, prometheus_textfile)
+    if rank is not None:  # the file this rank writes (the recorder names it the same way)
+        output = _rank_output(output, rank)
+        quiet = quiet or rank != 0  # one rank speaks; every rank's errors still reach stderr
     check_output(output, option="-o", inputs=[prompts_file] if prompts_file else [], refuse_existing=True,
                  force=force, others=[("--prometheus-textfile", prometheus_textfile)])
     if (layer_list is not None or head_list is not None) and not (sample_every or sample_queries):
@@ -208,7 +218,7 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
 
     torch.manual_seed(seed)
     loaded = load_model(model_spec, device=device, dtype=dtype, layers=layers, width=width, vocab=vocab,
-                        seed=seed)
+                        seed=seed, tp_plan=tp_plan)
     say(f"model   {loaded.model_id} ({loaded.model.config.model_type}): {loaded.note}")
     if config is None:  # a hub id: its config is known now, before any generation
         check_sample_selection(loaded.model.config.to_dict(), layer_list, head_list)
@@ -220,7 +230,7 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
                              cache_implementation)
     settings = {"cli": {"command": "record", "model": model_spec, "device": device, "dtype": dtype,
                         "cache_implementation": cache_implementation, "layers": layers, "width": width,
-                        "vocab": vocab, "seed": seed, "prompts": len(prompts), **gen_kw}}
+                        "vocab": vocab, "seed": seed, "prompts": len(prompts), "tp_plan": tp_plan, **gen_kw}}
     import kvtrace
 
     dev = str(next(loaded.model.parameters()).device)
@@ -248,8 +258,34 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
                               f"({rec.storage_failure.describe()}); it holds everything up to its last flush")
     if rec.recorder_errors:
         say(f"warning: {rec.recorder_errors} recorder error(s) were caught and recorded (RECORDER_ERROR events)")
-    if not quiet:
+    if rank is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if not quiet or rank is not None:  # each rank names its own trace
         print_summary(output)
+
+
+def _tensor_parallel_rank(tp_plan: str | None, prometheus: str | None, prometheus_textfile: str | None) -> int | None:
+    """This process's rank when --tp-plan is given (under torchrun; else exit 64), else None."""
+    if tp_plan is None:
+        return None
+    from kvtrace.loading import torchrun_rank
+
+    ranks = torchrun_rank()
+    if ranks is None:
+        raise click.BadParameter("runs one process per rank under torchrun: torchrun --nproc-per-node N -m "
+                                 "kvtrace.cli record ... --tp-plan auto", param_hint="--tp-plan")
+    if prometheus or prometheus_textfile:
+        raise click.UsageError("--prometheus/--prometheus-textfile with --tp-plan: every rank would serve or write "
+                               "the same metrics; record the ranks without them")
+    return ranks[0]
+
+
+def _rank_output(output: str, rank: int) -> str:
+    from kvtrace.recorder.parallel import rank_path
+
+    return rank_path(output, rank)
 
 
 def print_summary(path: str) -> None:

@@ -64,17 +64,10 @@ def main() -> None:
 
 
 def _tp_auto() -> dict:
-    """tp_plan="auto" as this transformers takes it: distributed_config=DistributedConfig(tp_plan=...)
-    where DistributedConfig has tp_plan (5.23: passing tp_plan directly is deprecated), else tp_plan=."""
-    import inspect
+    """tp_plan="auto" as this transformers takes it (kvtrace record --tp-plan uses the same rule)."""
+    from kvtrace.loading import tp_kwargs
 
-    try:
-        from transformers import DistributedConfig
-    except ImportError:
-        return {"tp_plan": "auto"}
-    if "tp_plan" in inspect.signature(DistributedConfig).parameters:
-        return {"distributed_config": DistributedConfig(tp_plan="auto")}
-    return {"tp_plan": "auto"}
+    return tp_kwargs("auto")
 
 
 if __name__ == "__main__":
