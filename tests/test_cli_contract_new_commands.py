@@ -387,7 +387,7 @@ WRITERS = [
     (["presets", "--json-out", "{out}"], True),
     (["report", "{a}", "-o", "{out}", "--no-whatif"], False),
     (["export", "perfetto", "{a}", "-o", "{out}"], False),
-    (["export", "prometheus-textfile", "{a}", "-o", "{out}"], False),
+    (["export", "prometheus-textfile", "{a}", "-o", "{out}"], True),
     (["fleet", "{fleet}", "--json-out", "{out}"], True),
     (["fleet", "diff", "{fleet}", "--baseline", "model_type=llama", "--candidate", "model_type=llama",
       "--json-out", "{out}"], True),
@@ -452,6 +452,44 @@ def test_full_disk_is_73_in_one_line(work, capsys, full_fs, argv, whole):
     assert err.count("\n") == 1 and "Traceback" not in err and "No space left on device" in err, err
     if whole:
         assert _left(full_fs, {"filler"}) == []  # neither a truncated document nor a temporary file
+
+
+_PARTIAL = "bug, not in this helper's files ({}): on a full disk the command exits 73 but leaves {} behind"
+
+
+@pytest.mark.parametrize("argv", [
+    pytest.param(["report", "{a}", "-o", "{out}", "--no-whatif"], id="report", marks=pytest.mark.xfail(
+        strict=True, reason=_PARTIAL.format("kvtrace/report", "an empty out.html"))),
+    pytest.param(["export", "perfetto", "{a}", "-o", "{out}"], id="export perfetto", marks=pytest.mark.xfail(
+        strict=True, reason=_PARTIAL.format("kvtrace/export", "an empty out.json"))),
+    pytest.param(["fleet", "report", "{fleet}", "-o", "{out}"], id="fleet report", marks=pytest.mark.xfail(
+        strict=True, reason=_PARTIAL.format("kvtrace/fleet/report.py", "its .out.html.PID.part temporary"))),
+])
+def test_full_disk_leaves_no_partial_output(work, capsys, full_fs, argv):
+    _needs_fleet(argv)
+    rc, _, err = run_main(_argv(argv, {**work, "out": full_fs / _out_name(argv)}), capsys)
+    assert rc == exitcodes.CANNOT_WRITE, err
+    assert _left(full_fs, {"filler"}) == []
+
+
+def test_read_only_file_system_is_73_and_says_so(work, capsys, tmp_path):
+    """A read-only mount: exit 73 naming the cause (root may write anywhere else, so os.access is
+    what tells; the message said 'permission denied')."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(mnt)], capture_output=True,
+                         text=True, timeout=30)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        for argv in (["whatif", str(work["a"]), "--policy", "knorm", "--ratio", "0.5", "--json-out", str(mnt / "w.json")],
+                     ["calc", "--preset", "llama-3.1-8b", "--context", "4k", "--gpu-memory", "80GiB",
+                      "--json-out", str(mnt / "c.json")],
+                     ["serve", "preset:llama-3.1-8b", "--tiny", "-o", str(mnt / "s.kvt.h5")]):
+            rc, _, err = run_main(argv, capsys)
+            assert rc == exitcodes.CANNOT_WRITE and "read-only file system" in err and err.count("\n") == 1, err
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
 
 
 # RLIMIT_FSIZE (as `ulimit -f` sets it) in a child process: CPython ignores SIGXFSZ, so a write past

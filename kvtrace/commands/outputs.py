@@ -76,8 +76,15 @@ def check_output(path: str | os.PathLike[str], *, option: str, inputs: Iterable[
     if not parent.is_dir():
         raise CannotWrite(f"cannot write {what}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise CannotWrite(f"cannot write {what}: permission denied")
+        raise CannotWrite(f"cannot write {what}: {'read-only file system' if _read_only(parent) else 'permission denied'}")
     return p
+
+
+def _read_only(directory: Path) -> bool:
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs (Windows): say "permission denied"
+        return False
 
 
 def check_json_out(json_out: str | None, inputs: Iterable[str | os.PathLike[str]],
