@@ -428,6 +428,8 @@ SERVING_CLEAN: list[Case] = [
          serving.clean_prefix_hits, arch="llama", scenario="serving_prefix"),
     Case("clean:serving:hybrid_repeats", None, None, (), "gpt-oss manager; one prompt 3 times in turn: sliding groups cannot share",
          serving.clean_hybrid_repeats, arch="gpt_oss", scenario="serving_prefix"),
+    Case("clean:serving:eos_sampled", None, None, (), "qwen2; sampling with EOS live: 20 prompts of 3-40, answers of 1-24",
+         serving.clean_eos_sampled, arch="qwen2", scenario="serving_sampling"),
     Case("clean:serving:well_used", None, None, (), "llama; six 2-block requests in 22 blocks: 55% peak use",
          serving.clean_well_used, arch="llama", scenario="serving_well_used"),
     Case("clean:serving:many_short", None, None, (), "gemma3_text; 24 requests of 3-6 tokens on a 64-token budget",

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CLEAN = ("clean_llama", "clean_gemma3", "clean_prefix_shared", "clean_budget_queue", "clean_qwen3", "clean_mistral",
          "clean_gpt_oss", "clean_phi3", "clean_bursty", "clean_long_tail", "clean_cancel", "clean_prefix_hits",
-         "clean_hybrid_repeats", "clean_well_used", "clean_many_short")
+         "clean_hybrid_repeats", "clean_eos_sampled", "clean_well_used", "clean_many_short")
 PLANTED = {"plant_pool_too_small": ("serving_capacity", "concurrency_headroom", "queueing"),
            "plant_large_pages": ("block_waste",), "plant_preemption": ("preemption",),
            "plant_sharing_off": ("prefix_cache",), "plant_context_spike": ("context_spike",),

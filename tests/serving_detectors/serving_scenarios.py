@@ -309,6 +309,26 @@ def clean_hybrid_repeats(path: Path) -> Path:
 
 
 @once
+def clean_eos_sampled(path: Path) -> Path:
+    """qwen2, sampling on and EOS live (28 of the 256 ids end a request): 20 prompts of 3-40 tokens
+    whose answers end anywhere from 1 to 24 tokens, the spread of real traffic."""
+    import random
+
+    from transformers import GenerationConfig
+
+    import kvtrace
+
+    m = model("qwen2")
+    lengths = [random.Random(5).randint(3, 40) for _ in range(20)]
+    gc = GenerationConfig(max_new_tokens=24, do_sample=True, temperature=1.0, eos_token_id=list(range(2, 30)),
+                          pad_token_id=0)
+    _, cfg = _configs(24, page_size=16, num_blocks=96, max_batch_tokens=256, seed=5)
+    with kvtrace.record(m, path):
+        m.generate_batch(inputs=prompts(lengths), generation_config=gc, continuous_batching_config=cfg, warmup=False)
+    return path
+
+
+@once
 def clean_well_used(path: Path) -> Path:
     """A pool sized for its load: six 2-block requests (30-token contexts) in a 22-block pool, peak
     block usage 55% (25 points under the 80% warning, 15 under the 70% knee of serving_capacity)

@@ -3,9 +3,11 @@ at once, against how many were offered at once (running + waiting at one schedul
 
 A request's size is the most pool bytes its block tables referenced at one step (all cache
 groups, /blocks); the typical size is the median over the run's requests. The alert is the
-issue's concurrency rule (the seed method's requests_in_flight vs max_concurrent): 0.1 at 60%
-(room for a burst of a third more), high (warning) once the offered load reaches 80% of what fits,
-critical at 100% (requests must wait or be preempted), 1.0 at 150% (a queue half the pool deep).
+issue's concurrency rule (the seed method's requests_in_flight vs max_concurrent): 0.1 at 70%,
+the knee serving_capacity uses for the same 80% alert (offered / fit estimates the pool's usage at
+every request's peak, so the two judge one load alike), high (warning) once the offered load
+reaches 80% of what fits, critical at 100% (requests must wait or be preempted), 1.0 at 150% (a
+queue half the pool deep).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from kvtrace.analyzer.detectors._serving import ServingDetector, alert, held, ph
 from kvtrace.analyzer.replay import ReplayContext
 from kvtrace.units import format_bytes
 
-# offered / fit: 60% leaves room for a burst of a third more, 80% the issue's alert (high), 100% saturated
-# (critical), 150% a queue half the pool deep (1.0).
-RATIO_ALERT = ((0.6, 0.8, 1.0, 1.5), (0.1, 0.5, 0.8, 1.0))
+# offered / fit: 70% where a trend starts to matter (serving_capacity's knee), 80% the issue's alert (high),
+# 100% saturated (critical), 150% a queue half the pool deep (1.0).
+RATIO_ALERT = ((0.7, 0.8, 1.0, 1.5), (0.1, 0.5, 0.8, 1.0))
 
 
 @register

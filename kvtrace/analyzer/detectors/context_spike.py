@@ -8,10 +8,10 @@ of the admitted requests (the k-th largest, k = max(2, ceil(n / 5))). A long tai
 the requests or more (a mix of short chats and 4x longer documents) is the workload the pool must
 hold, judged by concurrency_headroom and serving_capacity, not a spike; a spike is rarer than that
 (one request among up to ten, or under a fifth of them). k >= 2 keeps a request from being its own
-typical. Needs three requests at least. Score on the largest request's ratio: 0.1 at 1.5x
-(ordinary spread of prompt lengths), high at 2x (the alert), critical at 4x (four typical
-requests' KV in one). The spike's KV (its largest block tables, /blocks) and its share of the pool
-are quoted.
+typical. Needs three requests at least. Score on the largest request's ratio: under 2x info
+(0 at 1x rising to 0.1: answers that end at EOS spread that much from request to request, and the
+alert is 2x), high at 2x (the alert), critical at 4x (four typical requests' KV in one). The
+spike's KV (its largest block tables, /blocks) and its share of the pool are quoted.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from kvtrace.analyzer.detectors._serving import ServingDetector, admitted, alert
 from kvtrace.analyzer.replay import ReplayContext
 from kvtrace.units import format_bytes
 
-SPIKE_ALERT = ((1.5, 2.0, 4.0), (0.1, 0.5, 0.8))
+SPIKE_ALERT = ((2.0, 4.0), (0.5, 0.8))
+UNDER_ALERT = 0.1  # the most a context under 2x the typical scores: ordinary spread, info
 MIN_REQUESTS = 3
 TAIL_SHARE = 5  # a context reached by a fifth of the requests is typical of the traffic
 
@@ -58,7 +59,7 @@ class ContextSpike(ServingDetector):
                   if kv is not None else "")
                + (f"; {spikes.size:,} requests at >= 2x." if spikes.size > 1 else "."))
         return [self.finding(
-            "context_spike", alert(float(ratio), *SPIKE_ALERT), msg,
+            "context_spike", _score(float(ratio)), msg,
             evidence={
                 "context_tokens": ev(int(context[i]), "tokens"),
                 "typical_context_tokens": ev(round(typical, 1), "tokens"),
@@ -70,3 +71,10 @@ class ContextSpike(ServingDetector):
             },
             requests=[int(r) for r in spikes] or [rid],
         )]
+
+
+def _score(ratio: float) -> float:
+    """0 at 1x rising to 0.1 just under 2x (info), then the alert: 0.5 at 2x, 0.8 at 4x."""
+    if ratio < SPIKE_ALERT[0][0]:
+        return UNDER_ALERT * max(ratio - 1.0, 0.0) / (SPIKE_ALERT[0][0] - 1.0)
+    return alert(ratio, *SPIKE_ALERT)
