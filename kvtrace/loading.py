@@ -60,8 +60,15 @@ def resolve_device(device: str, option: str = "--device") -> str:
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise Unavailable(f"{option} {device}: CUDA is not available on this machine")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):  # torch's "Expected one of cpu, cuda, ..." (was an internal error)
+        raise BadOption(f"{device!r} is not a device (auto, cpu, cuda, cuda:N)", option=option) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise Unavailable(f"{option} {device}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise Unavailable(f"{option} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 

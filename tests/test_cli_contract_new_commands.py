@@ -174,6 +174,16 @@ WHATIF = [
      exitcodes.USAGE, "is also an input"),
 ]
 
+# a device name torch does not know was an internal error (70) wherever a model is loaded
+DEVICES = [
+    (["whatif", "--rerun", "preset:llama-3.1-8b", "--tiny", "--text", "{text}", "--rerun-device", "tpu"],
+     exitcodes.USAGE, "--rerun-device: 'tpu' is not a device"),
+    (["whatif", "--rerun", "preset:llama-3.1-8b", "--tiny", "--text", "{text}", "--rerun-device", "cuda:x"],
+     exitcodes.USAGE, "--rerun-device: 'cuda:x' is not a device"),
+    (["record", "--model", "preset:llama-3.1-8b", "--tiny", "--prompt", "x", "--max-new-tokens", "2", "--device",
+      "tpu", "-o", "{dir}/never.kvt.h5"], exitcodes.USAGE, "--device: 'tpu' is not a device"),
+]
+
 DIFF_WHATIF = [
     (["diff", "{wa}", "{notwi}"], exitcodes.UNREADABLE, "notwi.json: JSON but not a kvtrace whatif document"),
     (["diff", "{notwi}", "{wa}"], exitcodes.UNREADABLE, "notwi.json: JSON but not a kvtrace whatif document"),
@@ -270,7 +280,7 @@ CALC = [
      exitcodes.USAGE, "--context"),
 ]
 
-CASES = [*WHATIF, *DIFF_WHATIF, *[(*c, "fleet") for c in FLEET], *CALC]
+CASES = [*WHATIF, *DEVICES, *DIFF_WHATIF, *[(*c, "fleet") for c in FLEET], *CALC]
 
 
 def _case(c: tuple) -> tuple:
@@ -291,7 +301,7 @@ def test_bad_input_is_one_line_and_its_exit_code(work, capsys, argv, code, phras
     assert phrase.format(**{k: str(v) for k, v in work.items()}) in err, err
     assert {p: digest(p) for p in inputs} == before  # no input touched
     assert {p: digest(p) for p in fleet_files} == fleet_files
-    for leftover in ("x.duckdb", "x.csv", "exported", "r.html"):
+    for leftover in ("x.duckdb", "x.csv", "exported", "r.html", "never.kvt.h5"):
         assert not (work["dir"] / leftover).exists(), leftover
 
 
@@ -638,6 +648,8 @@ _QUICK = ["--phases", "single", "--tokens", "8", "--max-tokens", "2", "--timeout
     (["{url}", "--trace", "{a}", "-o", "{a}"], exitcodes.USAGE, "is also an input"),
     (["{url}", "--json-out", "{b}"], exitcodes.USAGE, "existing trace"),
     (["{url}", "-o", "{dir}/no/such/lat.csv"], exitcodes.CANNOT_WRITE, "does not exist"),
+    (["{url}", *_QUICK, "--trace", "{trunc}"], exitcodes.UNREADABLE, "truncated or corrupt"),
+    (["{url}", *_QUICK, "--trace", "{notwi}"], exitcodes.UNREADABLE, "not an HDF5 file"),
     (["http://127.0.0.1:{port}", *_QUICK], exitcodes.UNAVAILABLE, "cannot load-test"),
     pytest.param(["http://[::1", *_QUICK], exitcodes.USAGE, "URL", marks=pytest.mark.xfail(
         strict=True, reason="bug in commands/loadtest.py (not this helper's file): a malformed IPv6 URL is "
