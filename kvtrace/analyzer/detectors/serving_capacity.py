@@ -12,8 +12,8 @@ GPU usage comes from the NVML samples taken while the scheduler ran (without NVM
 allocator's reserved bytes, this process only, against the device size). transformers (like vLLM)
 allocates the pool up front from free memory x max_memory_percent (0.9 by default in 5.23), so
 raw device usage sits near 90% on every healthy host; the score uses the device memory in use
-less the pool's free bytes at that moment (one GPU; with several, the pool's device is unknown and
-the raw figure is used).
+less the pool's free bytes and evictable cached blocks at that moment (one GPU; with several, the
+pool's device is unknown and the raw figure is used).
 """
 
 from __future__ import annotations
@@ -97,13 +97,17 @@ class ServingCapacity(ServingDetector):
             return None
         devices = sorted({int(d) for d in rows["device"]})
         pool_rows = known_pool(np.sort(sched, order="t_ns"))
+        room = pool_rows["free_bytes"].astype(np.float64)  # free + evictable cached blocks, per row
+        for m in np.unique(pool_rows["manager"]):
+            mine_m = pool_rows["manager"] == m
+            room[mine_m] += cached_bytes(ctx, int(m), pool_rows[mine_m])
         best: tuple[float, int, np.ndarray, np.ndarray] | None = None
         for dev in devices:
             mine = rows[rows["device"] == dev]
             used = mine["used"].astype(np.float64)
             if len(devices) == 1 and pool_rows.size:
                 j = np.clip(np.searchsorted(pool_rows["t_ns"], mine["t_ns"], side="right") - 1, 0, pool_rows.size - 1)
-                used = np.maximum(used - pool_rows["free_bytes"][j], 0)
+                used = np.maximum(used - room[j], 0)
             level = held(used / mine["total"])
             if best is None or level > best[0]:
                 best = (level, dev, mine, used)
@@ -115,7 +119,8 @@ class ServingCapacity(ServingDetector):
         subtracted = len(devices) == 1 and pool_rows.size > 0
         msg = (f"While serving, {device_where(dev)} ({format_bytes(total)}) had {format_bytes(raw)} in use "
                f"({raw / total:.0%}, {source})" + (f"; {format_bytes(int(used[i]))} ({used[i] / total:.0%}) without the "
-                                                  "KV pool's free blocks, which are reserved up front by design"
+                                                  "KV pool's free and evictable cached blocks, which are reserved up "
+                                                  "front by design"
                                                   if subtracted else "")
                + f": {level:.0%} held over two samples at least.")
         return self.finding(
