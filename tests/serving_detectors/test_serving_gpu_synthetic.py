@@ -18,8 +18,10 @@ BLOCK = 2 << 20  # 2 MiB blocks of 16 tokens
 
 
 def _write(path: Path, *, pool: int, used: list[int], nvml_used: list[int] | None = None,
-           reserved: list[int] | None = None) -> Path:
-    """One manager, one full-attention group; `used` pool bytes per step; NVML samples per step."""
+           reserved: list[int] | None = None, cached: int = 0) -> Path:
+    """One manager, one full-attention group; `used` pool bytes per step in referenced blocks, `cached`
+    bytes more in unreferenced cached prefix blocks (not free in the cache's own count); NVML samples
+    per step."""
     with TraceWriter(path, {"model_id": "test/cb-gpu", "model_type": "llama"},
                      [DeviceInfo(0, "Synthetic GPU", TOTAL)]) as w:
         off, n = w.add_text(json.dumps({"cb_request_id": "req_0", "manager": 0, "max_new_tokens": 4}))
@@ -29,10 +31,13 @@ def _write(path: Path, *, pool: int, used: list[int], nvml_used: list[int] | Non
         for step, u in enumerate(used):
             t = 100 + 100 * step
             blocks = u // BLOCK
+            kept = cached // BLOCK
             w.append("sched", schema.SchedRow(t, 0, step, 1, 16 if step == 0 else 0, 0 if step == 0 else 1, 1, 0, 0,
-                                              256, pool, pool - u, blocks * BLOCK, blocks, 0, 16 + step, 0, 0, 0, 0))
+                                              256, pool, pool - u - cached, blocks * BLOCK, blocks, kept, 16 + step,
+                                              0, 0, 0, 0))
             w.append("sched_groups", schema.SchedGroupRow(0, step, 0, int(schema.LayerType.FULL), 2, -1, 16, BLOCK,
-                                                          pool // BLOCK, blocks, 0, pool // BLOCK - blocks, 16 * blocks))
+                                                          pool // BLOCK, blocks, kept, pool // BLOCK - blocks - kept,
+                                                          16 * blocks))
             w.append("blocks", [schema.BlockRow(0, step, 0, 0, blocks, 0, 16 * blocks)])
             if nvml_used is not None:
                 w.append("telemetry/nvml", schema.NvmlRow(t, 0, nvml_used[step], TOTAL - nvml_used[step], 0, TOTAL, -1))
@@ -69,6 +74,22 @@ def test_gpu_usage_counts_the_reserved_pool_as_free_room(tmp_path):
     f = _finding(_write(tmp_path / "reserved.kvt.h5", pool=pool, used=used, nvml_used=nvml), "serving_capacity")
     assert f.kind == "gpu_usage" and f.severity == Severity.INFO
     assert f.evidence["used_without_free_pool_bytes"].value == 70 * GiB - (pool - 3 * GiB)
+
+
+def test_cached_prefix_blocks_are_room_for_the_pool_and_the_gpu(tmp_path):
+    # 4 GiB of the 60 GiB pool referenced, 40 GiB in cached prefix blocks (evicted on demand), 16 GiB free;
+    # NVML 76 GiB: 20 GiB in use beside the pool's room (25%), not 60 GiB (75%)
+    path = _write(tmp_path / "cached.kvt.h5", pool=60 * GiB, used=[4 * GiB] * 3, nvml_used=[76 * GiB] * 3,
+                  cached=40 * GiB)
+    report = kvtrace.analyze(path)
+    by_kind = {f.kind: f for f in report.result("serving_capacity").findings}
+    pool, gpu = by_kind["pool_usage"], by_kind["gpu_usage"]
+    assert pool.evidence["held_block_usage"].value == pytest.approx(4 / 60, abs=1e-4)
+    assert pool.evidence["cached_prefix_bytes_at_peak"].value == 40 * GiB and pool.severity == Severity.INFO
+    assert gpu.evidence["used_without_free_pool_bytes"].value == 20 * GiB and gpu.severity == Severity.INFO
+    # over_reservation counts cached blocks as used: they hold KV that later prompts reuse
+    (over,) = report.result("over_reservation").findings
+    assert over.evidence["max_used_bytes"].value == 44 * GiB
 
 
 def test_gpu_near_full_outside_the_pool_is_critical(tmp_path):
