@@ -72,6 +72,9 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                        ("empty", "")):
         f[name] = d / f"{name}.json" if name not in ("text", "empty") else d / f"{name}.txt"
         f[name].write_text(text)
+    for name, doc in MALFORMED.items():
+        f[name] = d / f"{name}.json"
+        f[name].write_text(json.dumps(doc))
     f["binary"] = d / "binary.txt"
     f["binary"].write_bytes(b"\xff\xfe\x00\x01 not UTF-8")
     f["nomodel"] = d / "nomodel"
@@ -95,6 +98,25 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     f["emptydir"] = d / "emptydir"
     f["emptydir"].mkdir()
     return f
+
+
+_BASE = {"bytes_peak": 1024, "bytes_mean": 512}
+_RESULT = {"ratio": 0.5, "bytes": {"kept_peak": 1, "kept_mean": 1, "saved_peak": 1, "saved_mean": 1}, "overall": {},
+           "layers": [], "skipped": []}
+# what-if documents with the schema marker but not the shape the diff reads (each was exit 70)
+MALFORMED = {
+    "w_nobase": {"kvtrace_whatif": 1, "policies": []},
+    "w_boolver": {"kvtrace_whatif": True, "policies": [], "baseline": _BASE},
+    "w_intpol": {"kvtrace_whatif": 1, "policies": [1, 2], "baseline": _BASE},
+    "w_strbytes": {"kvtrace_whatif": 1, "baseline": _BASE, "policies": [
+        {"label": "knorm", "family": "eviction", "results": [{**_RESULT, "bytes": {"saved_peak": "a"}}]}]},
+    "w_strratio": {"kvtrace_whatif": 1, "baseline": _BASE, "policies": [
+        {"label": "knorm", "family": "eviction", "results": [{**_RESULT, "ratio": "half"}]}]},
+    "w_badlayers": {"kvtrace_whatif": 1, "baseline": _BASE, "policies": [
+        {"label": "knorm", "family": "eviction", "results": [{**_RESULT, "layers": [{"layer": "x"}]}]}]},
+    "w_unknown": {"kvtrace_whatif": 1, "baseline": _BASE, "policies": [
+        {"label": "nosuch:k=1", "family": "eviction", "results": [_RESULT]}]},  # valid; a newer kvtrace's policy
+}
 
 
 class _Quiet:
@@ -201,6 +223,11 @@ DIFF_WHATIF = [
     (["diff", "{a}", "{wb}", "--json-out", "{a}"], exitcodes.USAGE, "is also an input"),
     (["diff", "{wa}", "{wb}", "--json-out", "{b}"], exitcodes.USAGE, "existing trace"),
     (["diff", "{wa}"], exitcodes.USAGE, "give two traces"),
+    *[(["diff", f"{{{name}}}", "{wa}"], exitcodes.INVALID, f"{name}.json: not a valid what-if document")
+      for name in MALFORMED if name != "w_unknown"],
+    (["diff", "{a}", "{w_strbytes}"], exitcodes.INVALID, "not a valid what-if document (policies[0].results[0].bytes"),
+    (["diff", "{w_unknown}", "{a}"], exitcodes.INVALID, "w_unknown.json: a policy of this what-if document cannot be "
+     "replayed here (unknown policy 'nosuch';"),
 ]
 
 FLEET = [
@@ -346,6 +373,9 @@ def test_diff_a_saved_whatif_document_beside_a_trace(work, capsys):
     assert rc == 0, err
     same = json.loads(out)
     assert all(m["delta"] in (0, 0.0, None) for r in same["results"] for m in r["bytes"].values())
+    # a saved policy this kvtrace does not know is compared as saved when nothing is replayed
+    rc, out, err = run_main(["diff", str(work["w_unknown"]), str(work["wa"]), "--json"], capsys)
+    assert rc == 0 and json.loads(out)["only_a"] == [{"label": "nosuch:k=1", "ratio": 0.5}], err
     # two traces without --whatif stay an analysis diff, with no what-if part
     rc, out, err = run_main(["diff", str(work["a"]), str(work["b"]), "--json"], capsys)
     assert rc == 0 and "whatif" not in json.loads(out), err

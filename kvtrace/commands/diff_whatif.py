@@ -57,24 +57,84 @@ def whatif_part(a: str, b: str) -> WhatIfPart | None:
 
     opts = click.get_current_context().meta.get(_KEY, {})
     texts, ratio_text = opts.get("policies") or (), opts.get("ratio")
-    saved = {p: load_whatif(p, (), ()) for p in (a, b) if _is_whatif(p)}
+    saved = {p: _checked(p, load_whatif(p, (), ())) for p in (a, b) if _is_whatif(p)}
     if not (texts or ratio_text or saved):
         return None
-    from kvtrace.commands.whatif import DEFAULT_POLICIES, _ratios
-    from kvtrace.whatif import PolicyError, parse_policy
-
-    first = next(iter(saved.values()), None)
-    try:
-        labels = texts or ([p["label"] for p in first["policies"]] if first else DEFAULT_POLICIES)
-        policies = [parse_policy(p) for p in labels]
-    except PolicyError as exc:
-        raise click.BadParameter(str(exc), param_hint="--whatif") from None
-    if ratio_text:
-        ratios = _ratios(ratio_text, "--whatif-ratio")
-    else:
-        ratios = list(first.get("ratios") or ()) if first else [0.25, 0.5, 0.75]
+    # two saved documents are compared as they are; a trace is replayed (with a saved one's settings)
+    policies, ratios = ([], []) if len(saved) == 2 else _replay_settings(texts, ratio_text, next(iter(saved.items()), None))
     docs = [saved[p] if p in saved else load_whatif(p, policies, ratios) for p in (a, b)]
     return WhatIfPart(diff_whatif(*docs), bool(saved))
+
+
+def _replay_settings(texts: tuple[str, ...], ratio_text: str | None,
+                     saved: tuple[str, dict[str, Any]] | None) -> tuple[list[Any], list[float]]:
+    """Policies and ratios a trace is replayed with: --whatif / --whatif-ratio, else those of the
+    saved document beside it, else the `kvtrace whatif` defaults."""
+    from kvtrace.commands.whatif import DEFAULT_POLICIES, _ratios
+    from kvtrace.errors import InvalidTrace
+    from kvtrace.whatif import PolicyError, parse_policy
+
+    if saved is not None and not texts:
+        path, doc = saved
+        try:
+            policies = [parse_policy(p["label"]) for p in doc["policies"]]
+        except PolicyError as exc:
+            raise InvalidTrace(f"{path}: a policy of this what-if document cannot be replayed here ({exc})") from None
+    else:
+        try:
+            policies = [parse_policy(p) for p in (texts or DEFAULT_POLICIES)]
+        except PolicyError as exc:
+            raise click.BadParameter(str(exc), param_hint="--whatif") from None
+    if ratio_text:
+        return policies, _ratios(ratio_text, "--whatif-ratio")
+    return policies, (list(saved[1].get("ratios") or ()) if saved is not None else [0.25, 0.5, 0.75])
+
+
+def _num(x: Any, none: bool = False) -> bool:
+    return (x is None and none) or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+
+def _problem(doc: dict[str, Any]) -> str | None:
+    """What makes a saved what-if document unusable by the diff (None: nothing), checked before
+    any of it is read: every field the diff and its table read, with its type."""
+    from kvtrace.whatif.run import NEEDS
+
+    if type(doc.get("kvtrace_whatif")) is not int:
+        return "kvtrace_whatif is not an integer"
+    base = doc.get("baseline")
+    if not isinstance(base, dict) or not (_num(base.get("bytes_peak")) and _num(base.get("bytes_mean"))):
+        return "baseline.bytes_peak / bytes_mean are not numbers"
+    for i, p in enumerate(doc["policies"]):
+        if not (isinstance(p, dict) and isinstance(p.get("label"), str) and isinstance(p.get("family"), str)
+                and isinstance(p.get("results"), list)):
+            return f"policies[{i}] lacks a label, family or results list"
+        for j, r in enumerate(p["results"]):
+            where = f"policies[{i}].results[{j}]"
+            if not isinstance(r, dict) or not _num(r.get("ratio"), none=True):
+                return f"{where}: no ratio (a number or null)"
+            by, overall, layers = r.get("bytes"), r.get("overall"), r.get("layers")
+            if not isinstance(by, dict) or not all(_num(by.get(k)) for k in ("kept_peak", "kept_mean", "saved_peak",
+                                                                              "saved_mean")):
+                return f"{where}.bytes: kept_peak, kept_mean, saved_peak, saved_mean are not all numbers"
+            if not isinstance(overall, dict) or not all(isinstance(v, dict) and _num(v.get("mean"), none=True)
+                                                        for v in overall.values()):
+                return f"{where}.overall: each measure needs a mean (a number or null)"
+            if not isinstance(layers, list) or not all(
+                    isinstance(row, dict) and _num(row.get("layer")) and float(row["layer"]).is_integer()
+                    and all(isinstance(row.get(m, []), list) for m in NEEDS) for row in layers):
+                return f"{where}.layers: rows need an integer layer and lists of values"
+            if not isinstance(r.get("skipped", []), list):
+                return f"{where}.skipped is not a list"
+    return None
+
+
+def _checked(path: str, doc: dict[str, Any]) -> dict[str, Any]:
+    from kvtrace.errors import InvalidTrace
+
+    problem = _problem(doc)
+    if problem is not None:
+        raise InvalidTrace(f"{path}: not a valid what-if document ({problem})")
+    return doc
 
 
 def _is_whatif(path: str) -> bool:
