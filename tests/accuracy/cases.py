@@ -432,6 +432,8 @@ SERVING_CLEAN: list[Case] = [
          serving.clean_eos_sampled, arch="qwen2", scenario="serving_sampling"),
     Case("clean:serving:well_used", None, None, (), "llama; six 2-block requests in 22 blocks: 55% peak use",
          serving.clean_well_used, arch="llama", scenario="serving_well_used"),
+    Case("clean:serving:sized_pool", None, None, (), "qwen3; no num_blocks: a 19 MiB pool sized from max_memory_percent",
+         serving.clean_sized_pool, arch="qwen3", scenario="serving"),
     Case("clean:serving:many_short", None, None, (), "gemma3_text; 24 requests of 3-6 tokens on a 64-token budget",
          serving.clean_many_short, arch="gemma3_text", scenario="serving_many_short"),
 ]

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CLEAN = ("clean_llama", "clean_gemma3", "clean_prefix_shared", "clean_budget_queue", "clean_qwen3", "clean_mistral",
          "clean_gpt_oss", "clean_phi3", "clean_bursty", "clean_long_tail", "clean_cancel", "clean_prefix_hits",
-         "clean_hybrid_repeats", "clean_eos_sampled", "clean_well_used", "clean_many_short")
+         "clean_hybrid_repeats", "clean_eos_sampled", "clean_well_used", "clean_many_short", "clean_sized_pool")
 PLANTED = {"plant_pool_too_small": ("serving_capacity", "concurrency_headroom", "queueing"),
            "plant_large_pages": ("block_waste",), "plant_preemption": ("preemption",),
            "plant_sharing_off": ("prefix_cache",), "plant_context_spike": ("context_spike",),
@@ -34,7 +34,7 @@ PLANTED = {"plant_pool_too_small": ("serving_capacity", "concurrency_headroom", 
            "plant_burst_queue": ("concurrency_headroom", "queueing"), "plant_budget_starved": ("queueing",),
            "plant_default_pages": ("block_waste",), "plant_prefix_evicted": ("prefix_cache",),
            "plant_long_generation": ("context_spike",)}
-CPU_ONLY = {"plant_memory_percent"}  # sized from host memory (psutil), as transformers sizes a CPU pool
+CPU_ONLY = {"plant_memory_percent", "clean_sized_pool"}  # sized from host memory (psutil), as transformers sizes a CPU pool
 # 5.17's cache evicts the newest cached blocks first: the first prompt survives and its repeat hits
 NOT_517 = {"plant_prefix_evicted"}
 
@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             return kvtrace.analyze(path)
 
         for name in CLEAN:
+            if name in CPU_ONLY and args.device != "cpu":
+                continue
             r = analyse(name)
             loud = [(f.detector, f.kind, round(f.score, 2)) for f in r.findings if f.severity >= Severity.LOW]
             print(f"{name}: {'ok' if not loud else 'FAIL ' + str(loud)}")

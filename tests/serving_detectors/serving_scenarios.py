@@ -353,6 +353,14 @@ def _memory_percent(nbytes: int) -> float:
 
 
 @once
+def clean_sized_pool(path: Path) -> Path:
+    """qwen3, no num_blocks: transformers sizes the pool itself from max_memory_percent (set to give
+    64 MiB for the cache here, not 60% of the host), the mixed short load uses a fraction of a percent."""
+    return batch(path, MIXED, 8, arch="qwen3", page_size=16, max_batch_tokens=128,
+                 max_memory_percent=_memory_percent(64 << 20))
+
+
+@once
 def plant_memory_percent(path: Path) -> Path:
     """max_memory_percent set so low that the pool transformers sizes itself from it (no num_blocks)
     holds 5 blocks: six requests growing to 40 tokens (3 blocks each) preempt each other."""

@@ -55,7 +55,7 @@ CLEAN = ["clean_llama", "clean_gemma3", "clean_prefix_shared", "clean_budget_que
          # the broader matrix: other architectures, arrival patterns and loads (serving_scenarios.py)
          "clean_qwen3", "clean_mistral", "clean_gpt_oss", "clean_phi3", "clean_bursty", "clean_long_tail",
          "clean_cancel", "clean_prefix_hits", "clean_hybrid_repeats", "clean_eos_sampled", "clean_well_used",
-         "clean_many_short"]
+         "clean_many_short", "clean_sized_pool"]
 
 
 @pytest.mark.parametrize("name", CLEAN)
