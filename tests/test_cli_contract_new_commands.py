@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import h5py
 import pytest
 from cli_run import run_main
 from test_cli_habits import _closed_pipe_run  # stdout a pipe whose reader already closed
@@ -65,6 +66,12 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, src in (("a", LLAMA), ("b", GEMMA), ("r0", RANKS[0]), ("r1", RANKS[1])):
         f[name] = d / f"{name}.kvt.h5"
         shutil.copyfile(src, f[name])
+    f["v9"] = d / "v9.kvt.h5"  # a format major version newer than this kvtrace reads
+    f["v9r1"] = d / "v9.rank1.kvt.h5"
+    for name, src in (("v9", LLAMA), ("v9r1", RANKS[1])):
+        shutil.copyfile(src, f[name])
+        with h5py.File(f[name], "r+") as h:
+            h.attrs["format_major"], h.attrs["format_version"] = 9, "9.0"
     f["trunc"] = d / "trunc.kvt.h5"
     f["trunc"].write_bytes(LLAMA.read_bytes()[:3000])
     for name, text in (("notwi", '{"a": 1}'), ("wrongver", '{"kvtrace_whatif": 99, "policies": []}'),
@@ -173,6 +180,7 @@ WHATIF = [
     (["whatif", "{a}", "--json-out", "{dir}"], exitcodes.USAGE, "directory"),
     (["whatif", "{a}", "--json-out", "{dir}/no/such/w.json"], exitcodes.CANNOT_WRITE, "does not exist"),
     (["whatif", "{trunc}"], exitcodes.UNREADABLE, "truncated or corrupt"),
+    (["whatif", "{v9}"], exitcodes.VERSION, "trace format 9.0 is newer"),
     (["whatif", "{notwi}"], exitcodes.UNREADABLE, "not an HDF5 file"),
     (["whatif", "{dir}"], exitcodes.UNREADABLE, "directory"),
     (["whatif", "{dir}/missing.kvt.h5"], exitcodes.UNREADABLE, "no such file"),
@@ -214,6 +222,8 @@ DIFF_WHATIF = [
     (["diff", "{wrongver}", "{a}", "--whatif", "knorm"], exitcodes.INVALID, "what-if schema 99 is not 1"),
     (["diff", "{badjson}", "{wa}"], exitcodes.INVALID, "not valid JSON"),
     (["diff", "{wa}", "{trunc}"], exitcodes.UNREADABLE, "truncated or corrupt"),
+    (["diff", "{wa}", "{v9}"], exitcodes.VERSION, "trace format 9.0 is newer"),
+    (["diff", "{v9}", "{b}", "--whatif", "knorm"], exitcodes.VERSION, "trace format 9.0 is newer"),
     (["diff", "{a}", "{trunc}", "--whatif", "knorm"], exitcodes.UNREADABLE, "truncated or corrupt"),
     (["diff", "{a}", "{b}", "--whatif", "nope"], exitcodes.USAGE, "--whatif: unknown policy"),
     (["diff", "{a}", "{b}", "--whatif", "knorm", "--whatif-ratio", "2"], exitcodes.USAGE,
@@ -292,6 +302,8 @@ CALC = [
      "is not a tensor-parallel rank trace"),
     (["calc", "--trace", "{r0}", "--trace", "{trunc}", "--context", "4k", "--gpu-memory", "80GiB"],
      exitcodes.UNREADABLE, "truncated or corrupt"),
+    (["calc", "--trace", "{r0}", "--trace", "{v9r1}", "--context", "4k", "--gpu-memory", "80GiB"],
+     exitcodes.VERSION, "trace format 9.0 is newer"),
     (["calc", "--trace", "{r0}", "--trace", "{notwi}", "--context", "4k", "--gpu-memory", "80GiB"],
      exitcodes.UNREADABLE, "not an HDF5 file"),
     (["calc", "--trace", "{r0}", "--trace", "{r1}", "--preset", "llama-3.1-8b", "--context", "4k",
@@ -680,6 +692,7 @@ _QUICK = ["--phases", "single", "--tokens", "8", "--max-tokens", "2", "--timeout
     (["{url}", "-o", "{dir}/no/such/lat.csv"], exitcodes.CANNOT_WRITE, "does not exist"),
     (["{url}", *_QUICK, "--trace", "{trunc}"], exitcodes.UNREADABLE, "truncated or corrupt"),
     (["{url}", *_QUICK, "--trace", "{notwi}"], exitcodes.UNREADABLE, "not an HDF5 file"),
+    (["{url}", *_QUICK, "--trace", "{v9}"], exitcodes.VERSION, "trace format 9.0 is newer"),
     (["http://127.0.0.1:{port}", *_QUICK], exitcodes.UNAVAILABLE, "cannot load-test"),
     pytest.param(["http://[::1", *_QUICK], exitcodes.USAGE, "URL", marks=pytest.mark.xfail(
         strict=True, reason="bug in commands/loadtest.py (not this helper's file): a malformed IPv6 URL is "
