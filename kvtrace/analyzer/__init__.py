@@ -29,6 +29,7 @@ from kvtrace.analyzer.base import (
 from kvtrace.analyzer.replay import ReplayContext
 from kvtrace.analyzer.report import SCHEMA_VERSION, AnalysisReport, document, memory_summary, request_summary
 from kvtrace.analyzer.view import TraceView
+from kvtrace.format.errors import TraceError
 from kvtrace.format.reader import Trace
 from kvtrace.labels import device_where
 
@@ -59,9 +60,10 @@ def analyze(
     """Run the detectors (all, or those named) on a trace given as a path, an open Trace or the
     TraceView a renderer already holds (then the file is not read twice).
 
-    Raises kvtrace.format.TraceError subclasses for files that are not readable traces and
-    ValueError for unknown detector names. A detector that fails is reported with status
-    "error" (set KVTRACE_DEBUG=1 to get the exception instead).
+    Raises kvtrace.format.TraceError subclasses for files that are not readable traces, and when a
+    detector reads a part of the trace that breaks the spec (a damaged /sched, say: the trace is
+    refused, not the detector); ValueError for unknown detector names. A detector that fails
+    otherwise is reported with status "error" (set KVTRACE_DEBUG=1 to get the exception instead).
     """
     chosen = get_detectors(detectors)
     if isinstance(trace, (Trace, TraceView)):
@@ -80,6 +82,8 @@ def _analyze_open(trace: TraceView, chosen: list[Detector]) -> AnalysisReport:
             continue
         try:
             findings = det.run(ctx)
+        except TraceError:  # the trace breaks the spec where it read: the trace is refused, not the detector
+            raise
         except Exception as exc:  # noqa: BLE001 - one broken detector must not hide the others
             if os.environ.get("KVTRACE_DEBUG"):
                 raise

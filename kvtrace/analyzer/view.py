@@ -22,6 +22,7 @@ from kvtrace.format import schema
 from kvtrace.format.reader import Trace
 from kvtrace.labels import device_text
 
+U64_MAX = (1 << 64) - 1
 SCAN_ROWS = 1 << 18  # rows read per slice of a large table (bounds memory on long traces)
 # A request whose /kv rows lie in more runs than this (continuous batching interleaves requests)
 # is read as the one span covering its runs and masked: one h5py read per run costs tens of µs,
@@ -194,7 +195,8 @@ class TraceView:
                 return int(t.min()) if t.size else 0
 
             def total(kind: schema.EventKind, rows: np.ndarray = mine) -> int:
-                return int(rows["value"][rows["kind"] == int(kind)].sum())
+                # Python ints: an int64 sum of values near 2^63 wraps negative (a uint64 field refuses it)
+                return min(sum(int(v) for v in rows["value"][rows["kind"] == int(kind)]), U64_MAX)
 
             out.append((int(r["request"]), int(args.get("manager", 0)), int(r["outcome"]), int(r["prompt_tokens"]),
                         int(r["new_tokens"]), int(r["start_ns"]), first(schema.EventKind.SCHEDULED),

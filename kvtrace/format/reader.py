@@ -35,6 +35,8 @@ from kvtrace.format.errors import (
 )
 from kvtrace.format.numeric import to_float32
 from kvtrace.format.parallel_meta import parallel_problems
+from kvtrace.format.serving_rules import TABLES as SERVING_TABLES
+from kvtrace.format.serving_rules import serving_problems
 from kvtrace.units import format_bytes
 
 # One /meta JSON attribute. Real ones are kilobytes (the largest Hugging Face configs, with label
@@ -327,6 +329,10 @@ class Trace:
         where the file has every field, else the file's fields that this reader knows. Enumerated
         columns holding codes this reader does not know raise InvalidTrace (``check_codes``).
         """
+        if check_codes and name in SERVING_TABLES and self._serving_problems:  # 1.4 row rules (spec §7)
+            problems = self._serving_problems
+            more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+            raise InvalidTrace(f"{self.path}: {problems[0]}{more}; 'kvtrace validate' lists them")
         ds = self._dataset(name)
         selection = rows if rows is not None else slice(None)
         if ds.ndim == 1:
@@ -349,6 +355,12 @@ class Trace:
         if len(keep) == len(data.dtype.names) == len(expected.names):
             return data
         return np.array(data[keep], dtype=[(n, data.dtype[n]) for n in keep])
+
+    @cached_property
+    def _serving_problems(self) -> list[str]:
+        """The rules of the continuous-batching tables and serving events this trace breaks, checked
+        once, when a consumer first reads one of them (every read after that refuses the same way)."""
+        return serving_problems(self)
 
     def _dataset(self, name: str) -> h5py.Dataset:
         try:

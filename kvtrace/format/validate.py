@@ -27,6 +27,7 @@ from kvtrace.format.reader import (
     structure_problems,
     unknown_codes,
 )
+from kvtrace.format.serving_rules import serving_problems
 
 TEXT_REFS = schema.TEXT_REFS  # (offset, length) column pairs into /text, per table
 ROW_BLOCK = 1 << 16  # rows per read: a few MiB for the widest table
@@ -61,6 +62,7 @@ def validate_open(trace: Trace, *, check_payloads: bool = True) -> ValidationRep
     _guard(_check_status, trace, report)
     if present:
         _guard(_check_rows, trace, report, present)
+        _guard(_check_serving, trace, report, present)
     _guard(_check_privacy, trace, report)
     if check_payloads and "payloads/index" in present:
         _guard(_check_payloads, trace, report)
@@ -120,7 +122,7 @@ def _check_rows(trace: Trace, report: ValidationReport, present: set[str]) -> No
                 if name == "requests":
                     request_ids = np.concatenate([request_ids, rows["request"]])
                     running += int(np.sum(rows["outcome"] == schema.Outcome.RUNNING))
-                if name in ("kv", "steps", "payloads/index", "blocks") and rows.size:
+                if name in ("kv", "steps", "payloads/index") and rows.size:  # /blocks: serving_rules
                     referenced[name] = np.union1d(referenced.get(name, request_ids[:0]), rows["request"])
         except TraceError as exc:
             seen.add(_short(exc))
@@ -162,16 +164,12 @@ def _check_block(name: str, rows: np.ndarray, text_len: int, seen: set[str]) -> 
             seen.add("/kv has rows keeping more tokens than seen")
         if np.any(rows["bytes_valid"] > rows["bytes_allocated"]):
             seen.add("/kv has rows with more valid than allocated bytes")
-    if name == "sched" and rows.size:  # continuous batching (1.4, spec §4.15); -1: not recorded
-        known = (rows["pool_bytes"] >= 0) & (rows["free_bytes"] >= 0)
-        if np.any(known & (rows["free_bytes"] > rows["pool_bytes"])):
-            seen.add("/sched has rows with more free than pool bytes")
-    if name == "sched_groups" and rows.size:
-        counted = rows["blocks_in_use"] + np.maximum(rows["blocks_cached"], 0) + np.maximum(rows["blocks_free"], 0)
-        if np.any((rows["blocks_total"] >= 0) & (counted > rows["blocks_total"])):
-            seen.add("/sched_groups has rows counting more blocks in use, cached and free than the pool holds")
-    if name == "blocks" and rows.size and np.any(rows["blocks_shared"] > rows["blocks"]):
-        seen.add("/blocks has rows sharing more blocks than they hold")
+
+
+def _check_serving(trace: Trace, report: ValidationReport, present: set[str]) -> None:
+    """The continuous-batching tables and serving events (1.4): the rules the reader enforces when a
+    command reads them (kvtrace.format.serving_rules)."""
+    report.problems.extend(serving_problems(trace, present, codes=False))  # codes: _check_block
 
 
 def _goes_backwards(trace: Trace, table: str) -> bool:

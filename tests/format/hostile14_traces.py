@@ -256,8 +256,8 @@ def not_a_table(table: str) -> Damage:
     return apply
 
 
-def event(kind: int, value: int, request: int = -1, text: str = "") -> Damage:
-    """One more /events row (kind and value as given)."""
+def event(kind: int, value: int, request: int = -1, text: str = "", text_ref: tuple[int, int] | None = None) -> Damage:
+    """One more /events row (kind and value as given; `text_ref`: its (text_off, text_len) as given)."""
     def apply(f: h5py.File) -> None:
         ev = f["events"]
         row = np.zeros(1, dtype=ev.dtype)
@@ -266,10 +266,12 @@ def event(kind: int, value: int, request: int = -1, text: str = "") -> Damage:
         if text:
             heap = f["text"]
             start = heap.shape[0]
-            data = np.frombuffer(text.encode(), dtype=np.uint8)
+            data = np.frombuffer(text.encode("utf-8", "surrogateescape"), dtype=np.uint8)  # \udcXX: a raw byte
             heap.resize((start + data.size,))
             heap[start:] = data
             row["text_off"], row["text_len"] = start, data.size
+        if text_ref is not None:
+            row["text_off"], row["text_len"] = text_ref
         n = ev.shape[0]
         ev.resize((n + 1,))
         ev[n:] = row

@@ -242,3 +242,159 @@ def test_as_real_processes(clean, tmp_path):
         if code:
             assert len(p.stderr.strip().splitlines()) == 1 or argv[0] == "validate"
 
+
+
+# ---- /sched, /sched_groups, /blocks and serving events (spec §4.15-4.17, §7) -----------------------------
+
+# Commands that read none of /sched, /sched_groups, /blocks, /events: they may still answer (spec §9.1).
+NOT_READING_SERVING = ("calc --trace", "whatif")
+F64 = "<f8"
+SERVING = {
+    # wrong types, wrong column sets: refused at open by every command
+    "pool_bytes NaN (float column)": (H.float_column("pool_bytes", float("nan")), "/sched lacks or mistypes fields: pool_bytes", ()),
+    "free_bytes inf (float column)": (H.float_column("free_bytes", float("inf")), "/sched lacks or mistypes fields: free_bytes", ()),
+    "tokens_per_block NaN": (H.float_column("tokens_per_block", float("nan")), "/sched_groups lacks or mistypes fields", ()),
+    "blocks -inf": (H.float_column("blocks", float("-inf")), "/blocks lacks or mistypes fields: blocks", ()),
+    "/sched without pool_bytes": (H.drop_column("sched", "pool_bytes"), "/sched lacks or mistypes fields: pool_bytes", ()),
+    "/blocks without request": (H.drop_column("blocks", "request"), "/blocks lacks or mistypes fields: request", ()),
+    "/sched a group": (H.not_a_table("sched"), "/sched is not a 1-D table", ()),
+    "/sched of 3 million zero rows": (H.grow("sched", 3_000_000), "/sched (3000000 rows) would decode to", ()),
+    "/sched of 10^9 rows": (H.grow("sched", 10**9), "/sched (1000000000 rows) would decode to 113.6 GiB", ()),
+    # row contents: refused by every command that reads a serving table or /events
+    "negative pool_bytes": (H.set_rows("sched", "pool_bytes", -5), "/sched pool_bytes holds -5", NOT_READING_SERVING),
+    "negative free_bytes": (H.set_rows("sched", "free_bytes", -7), "/sched free_bytes holds -7", NOT_READING_SERVING),
+    "pool of 0 bytes with free bytes": (H.set_rows("sched", "pool_bytes", 0), "/sched has rows with more free than pool bytes",
+                                        NOT_READING_SERVING),
+    "negative blocks_in_use": (H.set_rows("sched", "blocks_in_use", -9), "/sched blocks_in_use holds -9", NOT_READING_SERVING),
+    "negative prefix_hit_tokens": (H.set_rows("sched", "prefix_hit_tokens", -100), "/sched prefix_hit_tokens holds -100 (a count",
+                                   NOT_READING_SERVING),
+    "negative evicted_blocks": (H.set_rows("sched", "evicted_blocks", -3), "/sched evicted_blocks holds -3", NOT_READING_SERVING),
+    "a step recorded twice": (H.set_rows("sched", "step", 3), "/sched repeats step 3 of manager 0", NOT_READING_SERVING),
+    "time going backwards": (H.set_rows("sched", "t_ns", 5, [4]), "/sched t_ns goes backwards at step 4 of manager 0",
+                             NOT_READING_SERVING),
+    "steps of other managers": (H.set_rows("sched", "manager", np.arange(8)), "/sched_groups names a step absent from /sched",
+                                NOT_READING_SERVING),
+    "tokens_per_block 0": (H.set_rows("sched_groups", "tokens_per_block", 0), "/sched_groups tokens_per_block holds 0",
+                           NOT_READING_SERVING),
+    "negative tokens_per_block": (H.set_rows("sched_groups", "tokens_per_block", -16), "tokens_per_block holds -16",
+                                  NOT_READING_SERVING),
+    "negative bytes_per_block": (H.set_rows("sched_groups", "bytes_per_block", -1), "/sched_groups bytes_per_block holds -1",
+                                 NOT_READING_SERVING),
+    "negative blocks_total": (H.set_rows("sched_groups", "blocks_total", -5), "/sched_groups blocks_total holds -5",
+                              NOT_READING_SERVING),
+    "negative group blocks_in_use": (H.set_rows("sched_groups", "blocks_in_use", -5), "/sched_groups blocks_in_use holds -5",
+                                     NOT_READING_SERVING),
+    "window 0": (H.set_rows("sched_groups", "window", 0), "/sched_groups window holds 0", NOT_READING_SERVING),
+    "unknown layer_type": (H.set_rows("sched_groups", "layer_type", 200), "/sched_groups layer_type has unknown codes [200]",
+                           NOT_READING_SERVING),
+    "groups counting past the pool": (H.set_rows("sched_groups", "blocks_free", 62),
+                                      "/sched_groups has rows counting more blocks in use, cached and free", NOT_READING_SERVING),
+    "/sched_groups emptied": (H.map_rows("sched_groups", lambda r: r[:0]), "/blocks names a cache group absent from /sched_groups",
+                              NOT_READING_SERVING),
+    "/sched_groups of 3 million zero rows": (H.grow("sched_groups", 3_000_000), "/sched_groups tokens_per_block holds 0",
+                                             NOT_READING_SERVING),
+    "a request holding 10^6 blocks of a 64-block pool": (H.set_rows("blocks", "blocks", 10**6),
+                                                         "/blocks has rows holding more blocks than their group's pool (1000000 of 64",
+                                                         NOT_READING_SERVING),
+    "2^63 tokens in a request's blocks": (H.set_rows("blocks", "tokens_valid", 2**63),
+                                          "/blocks has rows holding more tokens than their blocks can", NOT_READING_SERVING),
+    "blocks of an unknown request": (H.set_rows("blocks", "request", 99), "/blocks names requests absent from /requests: [99]",
+                                     NOT_READING_SERVING),
+    "blocks of an unknown step": (H.set_rows("blocks", "step", 10**6), "/blocks names a cache group absent from /sched_groups "
+                                  "(manager 0, step 1000000, group 0)", NOT_READING_SERVING),
+    "blocks of an unknown group": (H.set_rows("blocks", "group", 7), "(manager 0, step 0, group 7)", NOT_READING_SERVING),
+    "more shared than held": (H.set_rows("blocks", "blocks_shared", 50), "/blocks has rows sharing more blocks than they hold",
+                              NOT_READING_SERVING),
+    "/blocks of 8 million zero rows": (H.grow("blocks", 8_000_000), "/blocks repeats request 0 at manager 0, step 0, group 0",
+                                       NOT_READING_SERVING),
+    # serving events (kinds 16-22)
+    "scheduled -5": (H.event(16, -5, 0), "/events scheduled holds value -5 (at least 0)", NOT_READING_SERVING),
+    "first_token of an unknown request": (H.event(17, 0, 99), "/events first_token names requests absent from /requests: [99]",
+                                          NOT_READING_SERVING),
+    "preempted -2^63 tokens": (H.event(18, -2**63, 1), "/events preempted holds value -9223372036854775808", NOT_READING_SERVING),
+    "prefix_hit of request -7": (H.event(19, 16, -7), "/events prefix_hit names requests absent from /requests: [-7]",
+                                 NOT_READING_SERVING),
+    "block_evicted -1": (H.event(20, -1), "/events block_evicted holds value -1 (at least 0)", NOT_READING_SERVING),
+    "offloaded -10^18 bytes": (H.event(21, -10**18, 1), "/events offloaded holds value -1000000000000000000 (at least -1)",
+                               NOT_READING_SERVING),
+    "phase -1": (H.event(22, -1, text="evil"), "/events phase holds value -1 (at least 0)", NOT_READING_SERVING),
+    # text references are checked where text is read (spec §9.1): the Perfetto export shows no phase names
+    "a phase name past the end of /text": (H.event(22, 2, text_ref=(10**6, 12)), "/events text_off points past the end of /text",
+                                            (*NOT_READING_SERVING, "export perfetto", "export prometheus-textfile"),
+                                            "text reference [1000000, 1000012) past end of /text"),
+    # codes this reader does not know: refused by whoever reads /events (spec §2)
+    "unknown event kind 23": (H.event(23, 0), "/events kind has unknown codes [23]", NOT_READING_SERVING),
+    "event kind 255": (H.event(255, 0), "/events kind has unknown codes [255]", NOT_READING_SERVING),
+}
+
+
+@pytest.mark.parametrize("case", list(SERVING))
+def test_damaged_serving_part_is_refused_by_every_consumer_that_reads_it(clean, tmp_path, capsys, case):
+    damage, problem, may_succeed, *refusal = SERVING[case]  # refusal: the reader's words, where not validate's
+    results = check_case(clean, tmp_path, capsys, "serving", damage, problem, may_succeed=may_succeed)
+    assert (refusal or [problem])[0] in results["analyze"][2]  # the refusal names the broken rule
+    for name in may_succeed:
+        assert results[name][0] == 0, (name, results[name][2])  # they answer: calc and whatif read no serving part
+
+
+def test_every_planted_damage_is_listed_by_validate_at_once(clean, tmp_path, capsys):
+    """Several damages in one trace: validate lists each (it does not stop at the first)."""
+    damages = [H.set_rows("sched", "pool_bytes", -5), H.set_rows("sched_groups", "window", 0),
+               H.set_rows("blocks", "blocks_shared", 50), H.event(20, -1), H.patch_parallel(world_size=0)]
+    base = H.damaged(clean["serving"], tmp_path / "p.kvt.h5", H.set_parallel({"mode": "tensor_parallel", "rank": 0}))
+    trace = H.damaged(base, tmp_path / "many.kvt.h5", lambda f: [d(f) for d in damages])
+    rc, out, err = run_main(["validate", str(trace)], capsys)
+    assert rc == exitcodes.INVALID
+    for text in ("/sched pool_bytes holds -5", "/sched_groups window holds 0", "sharing more blocks than they hold",
+                 "/events block_evicted holds value -1", "parallel_json world_size 0"):
+        assert text in out + err, text
+
+
+@pytest.mark.parametrize(("case", "damage", "check"), [
+    # values the format allows, however odd: read and shown as recorded, never a crash
+    ("a field a newer minor added", H.extra_column("sched"), "serving    8 scheduler steps"),
+    ("/sched rows in reverse file order", H.map_rows("sched", lambda r: r[::-1].copy()), "serving    8 scheduler steps"),
+    ("token use above the pool (prefix sharing)", H.set_rows("sched", "valid_bytes", 10**15), "of tokens"),
+    ("a pool of 4096 PiB", H.set_rows("sched", "pool_bytes", 2**62), "pool 4096.0 PiB"),
+    ("2^32-1 running requests", H.set_rows("sched", "running", 2**32 - 1), "peak 4294967295 running"),
+    ("two prefix hits of 2^62 tokens each", lambda f: (H.event(19, 2**62, 0)(f), H.event(19, 2**62, 0)(f)),
+     "serving    8 scheduler steps"),
+    ("a 1000-character phase name", H.event(22, 5, text="x" * 1000), "x" * 100),
+    ("a phase name of invalid UTF-8", H.event(22, 5, text="caf\udce9"), "caf"),
+])
+def test_odd_but_valid_serving_values_pass_every_consumer(clean, tmp_path, capsys, case, damage, check):
+    trace = H.damaged(clean["serving"], tmp_path / "odd.kvt.h5", damage)
+    results = run_every_consumer(trace, clean["serving"], tmp_path / "out", capsys)
+    for name, (rc, out, err) in results.items():
+        assert rc == 0, (case, name, err)
+        assert "Traceback" not in out + err
+    assert check in results["info"][1]
+    doc = __import__("json").loads(results["analyze --json"][1])
+    assert not [d for d in doc["reports"][0]["detectors"] if d["status"] == "error"], case
+
+
+# ---- versions -------------------------------------------------------------------------------------------
+
+
+def test_future_minor_is_read(clean, tmp_path, capsys):
+    """1.5 (a newer minor) only adds: every consumer reads it as 1.4."""
+    trace = H.damaged(clean["serving"], tmp_path / "v15.kvt.h5", H.version("1.5"))
+    results = run_every_consumer(trace, clean["serving"], tmp_path / "out", capsys)
+    for name, (rc, _, err) in results.items():
+        assert rc == 0, (name, err)
+    assert "format 1.5" in results["info"][1]
+
+
+def test_future_minor_with_a_new_event_kind_names_the_newer_minor(clean, tmp_path, capsys):
+    """A 1.5 trace holding event kind 23: kvtrace refuses the table it cannot interpret (spec §2) and
+    says the trace is newer, from every command that reads /events."""
+    trace = H.damaged(clean["serving"], tmp_path / "v15k.kvt.h5", lambda f: (H.version("1.5")(f), H.event(23, 0)(f)))
+    results = check_case(clean, tmp_path, capsys, "serving", lambda f: (H.version("1.5")(f), H.event(23, 0)(f)),
+                         "/events kind has unknown codes [23]", may_succeed=NOT_READING_SERVING)
+    assert "written by format 1.5, newer than this kvtrace (1.4)" in results["info"][2]
+    assert trace.exists()
+
+
+def test_future_major_is_refused_with_4_by_every_consumer(clean, tmp_path, capsys):
+    check_case(clean, tmp_path, capsys, "serving", H.version("2.0"), "trace format 2.0 is newer than this kvtrace reads (1.4)",
+               code=exitcodes.VERSION)
