@@ -72,6 +72,11 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         shutil.copyfile(src, f[name])
         with h5py.File(f[name], "r+") as h:
             h.attrs["format_major"], h.attrs["format_version"] = 9, "9.0"
+    for name, change in (("r1other", {"run_id": "another-run"}), ("r1world3", {"world_size": 3})):
+        f[name] = d / f"{name}.rank1.kvt.h5"  # rank 1 of another run / of a world of 3
+        shutil.copyfile(RANKS[1], f[name])
+        with h5py.File(f[name], "r+") as h:
+            h["meta"].attrs["parallel_json"] = json.dumps({**json.loads(h["meta"].attrs["parallel_json"]), **change})
     f["trunc"] = d / "trunc.kvt.h5"
     f["trunc"].write_bytes(LLAMA.read_bytes()[:3000])
     for name, text in (("notwi", '{"a": 1}'), ("wrongver", '{"kvtrace_whatif": 99, "policies": []}'),
@@ -296,6 +301,10 @@ FLEET = [
 CALC = [
     (["calc", "--trace", "{r0}", "--trace", "{r0}", "--context", "4k", "--gpu-memory", "80GiB"], exitcodes.USAGE,
      "rank 0 is given twice"),
+    (["calc", "--trace", "{r0}", "--trace", "{r1other}", "--context", "4k", "--gpu-memory", "80GiB"],
+     exitcodes.USAGE, "belong to 2 runs"),
+    (["calc", "--trace", "{r0}", "--trace", "{r1world3}", "--context", "4k", "--gpu-memory", "80GiB"],
+     exitcodes.USAGE, "disagree on the world size"),
     (["calc", "--trace", "{r0}", "--trace", "{a}", "--context", "4k", "--gpu-memory", "80GiB"], exitcodes.USAGE,
      "is not a tensor-parallel rank trace"),
     (["calc", "--trace", "{a}", "--trace", "{b}", "--context", "4k", "--gpu-memory", "80GiB"], exitcodes.USAGE,
