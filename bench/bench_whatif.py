@@ -15,7 +15,9 @@ Rows:
          and position checks (one host sync), allocations, the key pass and the split-merge
          launch. Two more columns say where it goes: "prep" = the same call on inputs already
          converted by as_bf16_if_exact (what the replay's per-unit cache passes), "launch" = the
-         two kernels alone on buffers allocated beforehand.
+         two kernels alone on buffers allocated beforehand, "device" = the GPU time of the whole call
+         (summed kernel durations from the torch profiler: the rest of "kernel ms" is host time the
+         GPU waited for).
   quant  MSE + cosine per head of a quantise-dequantise round trip of one layer's K or V
          [1, 8, T, 128] (KIVI 2-bit keys per channel / values per token, quanto int4 groups of
          64, fp8 e4m3). Kernel: fused, float64 rounding and sums, nothing dequantised in memory.
@@ -107,6 +109,24 @@ def peak_extra_bytes(torch, fn, cuda: bool) -> int | None:
     return int(peak)
 
 
+def device_ms(torch, fn, cuda: bool, calls: int = 5) -> float | None:
+    """GPU time of one call: the summed durations of the kernels (and copies) it ran, from the
+    torch profiler, per call -- what the call costs the device, without host time between launches."""
+    if not cuda:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    gpu = torch.autograd.DeviceType.CUDA
+    total_us = sum(ev.device_time_total for ev in prof.events() if ev.device_type == gpu)
+    return total_us / 1e3 / calls
+
+
 def keep_sets(torch, k, ratios=RATIOS, seed: int = 0):
     """[9, B, Hk, T] bool: knorm (largest norms evicted), random, streaming_llm (4 sinks + the
     most recent) at each ratio -- the sets the replay would evaluate for 3 policies x 3 ratios."""
@@ -169,6 +189,10 @@ def bench_keep(torch, W, dev: str, sz: dict, T: int, Tq: int, grid: str = "bf16"
     except Exception as exc:
         row["kernel_error"] = _error_text(exc)
     if got is not None:  # where the time goes (not part of the speed-up)
+        try:
+            row["kernel_device_ms"] = device_ms(torch, kern, cuda)
+        except Exception as exc:  # a profiler that does not run here: the column stays empty
+            row["device_error"] = _error_text(exc)
         try:
             prepared = [W.as_bf16_if_exact(x) for x in (q, k, v)]  # what the replay's unit cache passes
             row["kernel_prepared_ms"], _ = time_ms(torch, lambda: W.keep_measures_triton(*prepared, keep, **kw), cuda,
@@ -276,7 +300,7 @@ def _fmt(x: Any, spec: str) -> str:
 
 def print_table(doc: dict[str, Any]) -> None:
     print(f"\nwhat-if kernels on {doc['device']} (torch {doc['torch']}, triton {doc['triton']})")
-    hdr = f"{'kind':<6} {'case':<48} {'keys':>6} {'q':>5} {'kernel ms':>10} {'prep ms':>8} {'launch ms':>9} " \
+    hdr = f"{'kind':<6} {'case':<48} {'keys':>6} {'q':>5} {'kernel ms':>10} {'device':>7} {'prep ms':>8} {'launch ms':>9} " \
           f"{'eager ms':>10} {'speed-up':>9} {'kern MiB':>9} {'eager MiB':>10} {'max|diff|':>10}"
     print(hdr)
     print("-" * len(hdr))
@@ -285,11 +309,12 @@ def print_table(doc: dict[str, Any]) -> None:
                              f"{r.get('values_on')} values")
         diff = r.get("max_diff_error", r.get("max_diff_cosine"))
         print(f"{r['kind']:<6} {case:<48} {r['keys']:>6} {r.get('queries', '-')!s:>5} "
-              f"{_fmt(r.get('kernel_ms'), '10.3f')} {_fmt(r.get('kernel_prepared_ms'), '8.3f'):>8} "
+              f"{_fmt(r.get('kernel_ms'), '10.3f')} {_fmt(r.get('kernel_device_ms'), '7.3f'):>7} "
+              f"{_fmt(r.get('kernel_prepared_ms'), '8.3f'):>8} "
               f"{_fmt(r.get('kernels_only_ms'), '9.3f'):>9} {_fmt(r.get('eager_ms'), '10.3f')} "
               f"{_fmt(r.get('speedup'), '8.1f')}x {_mib(r.get('kernel_peak_bytes')):>9} "
               f"{_mib(r.get('eager_peak_bytes')):>10} {_fmt(diff, '10.2e')}")
-        for key in ("kernel_error", "breakdown_error", "eager_error"):
+        for key in ("kernel_error", "breakdown_error", "device_error", "eager_error"):
             if key in r:
                 print(f"       {key}: {r[key]}")
     print("\nfloat64 check:", json.dumps(doc["float64_check"]))
@@ -307,11 +332,13 @@ def _release(torch, cuda: bool) -> None:
 
 
 def _git_commit() -> str | None:
+    """HEAD, or BENCH_COMMIT where the tree was copied without its repository (a GPU machine)."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
     except Exception:
-        return None
+        head = ""
+    return head or os.environ.get("BENCH_COMMIT") or None
 
 
 def main(argv: list[str] | None = None) -> int:

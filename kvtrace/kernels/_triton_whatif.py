@@ -87,7 +87,7 @@ def _rows(vq, kvh, b, Hq, Tq, GROUP, QPOS, k_start, valid):
     row offset of its outputs in [B * Hq, Tq])."""
     h = kvh * GROUP + vq // Tq
     qi = vq % Tq
-    pos = tl.load(QPOS + qi, mask=valid, other=0) - k_start
+    pos = tl.load(QPOS + qi, mask=valid, other=0).to(tl.int32) - k_start  # int64 positions, < 2**29
     return h, qi, pos, (b * Hq + h).to(tl.int64) * Tq + qi
 
 
@@ -311,18 +311,19 @@ def _keep_shared_kernel(
 
 
 def _packed_configs() -> list:
-    """(ROWS, BLOCK_N, warps, stages) for the few-query kernel (memory-bound: long key blocks)."""
-    specs = [(64, 128, 4, 1), (64, 64, 4, 2), (32, 128, 4, 1), (16, 128, 4, 2), (16, 64, 4, 2), (64, 32, 4, 2)]
+    """(ROWS, BLOCK_N, warps, stages) for the few-query kernel (the best on an H200 at 32k keys:
+    bf16 64 x 32 with 3 stages, fp32 16 x 64 with 2)."""
+    specs = [(64, 32, 4, 3), (64, 32, 4, 2), (16, 64, 4, 2), (64, 128, 4, 1), (16, 64, 4, 3), (32, 128, 4, 1)]
     return [triton.Config({"ROWS": r, "BLOCK_N": bn}, num_warps=w, num_stages=st) for r, bn, w, st in specs]
 
 
 def _shared_configs() -> list:
-    """(BLOCK_M, SETS, BLOCK_N, warps, stages) for the many-query kernel: 64-256 stacked rows of
-    fp32 state against 32-64 keys a step. fp32 inputs (the replay's) take 3xTF32 dots, whose
+    """(BLOCK_M, SETS, BLOCK_N, warps, stages) for the many-query kernel: 64-128 stacked rows of
+    fp32 state against 64 keys a step (the best of 13 on an H200 at 32k keys, 64 queries). fp32 inputs (the replay's) take 3xTF32 dots, whose
     operand splits need up to ~200 KiB of shared memory at D = 128 (AOT-compiled for sm_90): small
     tiles and one stage are offered too, and the autotuner skips what does not fit."""
-    specs = [(16, 4, 64, 4, 2), (16, 8, 64, 8, 2), (32, 4, 64, 8, 2), (16, 4, 32, 4, 1), (32, 2, 64, 4, 2),
-             (64, 2, 32, 8, 1), (32, 8, 32, 8, 1)]
+    specs = [(32, 2, 64, 4, 2), (128, 1, 64, 8, 2), (16, 4, 64, 4, 2), (32, 4, 64, 8, 2), (64, 2, 64, 8, 2),
+             (16, 8, 64, 8, 2), (64, 2, 64, 4, 3), (128, 1, 64, 8, 3)]
     return [triton.Config({"BLOCK_M": bm, "SETS": sets, "BLOCK_N": bn}, num_warps=w, num_stages=st)
             for bm, sets, bn, w, st in specs]
 
@@ -332,13 +333,16 @@ def packed(group: int, Tq: int) -> bool:
     return group * Tq < 16
 
 
+# Tuned once per head dims and path (the tensors' dtypes, which the autotuner adds to the key, do
+# not tell an fp32 tensor read as bf16 from one read as fp32): lengths hardly change the best tile.
+_TUNE_KEY = ["BLOCK_D", "BLOCK_DV", "CAST_Q", "CAST_K", "CAST_V", "PV_SPLIT", "PREC_QK"]
+
+
 @cache
 def _tuned(kind: str):
-    # Tuned once per head dims (and dtype, which the autotuner adds to the key): lengths hardly
-    # change the best tile.
     if kind == "packed":
-        return triton.autotune(configs=_packed_configs(), key=["BLOCK_D", "BLOCK_DV"])(_keep_packed_kernel)
-    return triton.autotune(configs=_shared_configs(), key=["BLOCK_D", "BLOCK_DV"])(_keep_shared_kernel)
+        return triton.autotune(configs=_packed_configs(), key=_TUNE_KEY)(_keep_packed_kernel)
+    return triton.autotune(configs=_shared_configs(), key=_TUNE_KEY)(_keep_shared_kernel)
 
 
 def split_unit() -> int:
@@ -350,7 +354,7 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
              keys_per_split, n_splits, n_sets, cast_q=False, cast_k=False, cast_v=False) -> bool:
     """Launch a keep-set kernel for ``n_sets`` sets: set 0 keeps every key, set s > 0 the keys of
     keep[s - 1]. q [B, Hq, Tq, D], k [B, Hk, T, D], v [B, Hk, T, Dv], keep int8 [n_sets - 1, B,
-    Hk, T] (all contiguous), qpos int32 [Tq]; pm/pl fp32 [n_sets * B * Hq * Tq * n_splits], pacc
+    Hk, T] (all contiguous), qpos int64 [Tq] (|positions| < 2**29); pm/pl fp32 [n_sets * B * Hq * Tq * n_splits], pacc
     fp32 [... * Dv] outputs. ``cast_*``: fp32 tensors holding bf16 values, read as bf16. Returns
     whether the shared-max kernel ran (its partial states need the finish kernel's underflow check)."""
     import torch
@@ -424,7 +428,7 @@ def _exact_row(Q, K, V, KEEP, row, s, R, Hq, Tq, Tk, GROUP, D, DV, scale, k_star
     qi = row % Tq
     h = (row // Tq) % Hq
     head = (row // (Tq * Hq)) * (Hq // GROUP) + h // GROUP  # b * Hk + KV head
-    pos = tl.load(QPOS + qi) - k_start
+    pos = tl.load(QPOS + qi).to(tl.int32) - k_start
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(Q + row.to(tl.int64) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
@@ -434,7 +438,7 @@ def _exact_row(Q, K, V, KEEP, row, s, R, Hq, Tq, Tk, GROUP, D, DV, scale, k_star
         hi = tl.minimum(hi, pos + 1)
     if HAS_WINDOW:
         lo = tl.maximum(lo, pos - window + 1)
-    keep_row = KEEP + ((s - 1).to(tl.int64) * (R // (Tq * Hq)) * (Hq // GROUP) + head) * Tk
+    keep_row = KEEP + ((tl.cast(s, tl.int64) - 1) * (R // (Tq * Hq)) * (Hq // GROUP) + head) * Tk
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
@@ -462,47 +466,45 @@ UNDERFLOW = 2.0 ** -40
 
 
 @triton.jit
-def _keep_finish_kernel(PM, PL, PACC, RECALL, ERR, R, DV, n_splits,
+def _keep_finish_kernel(PM, PL, PACC, RECALL, ERR, R, S1, DV, n_splits,
                         Q, K, V, KEEP, QPOS, Hq, Tq, Tk, GROUP, D, scale, k_start, window,
                         CHECK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ROUNDED: tl.constexpr,
                         UNDER: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_DV: tl.constexpr):
-    """One program per (output row, keep-set s >= 1): merge the key splits of set 0 (all keys)
-    and of set s, BLOCK_S splits a step, then recall = exp(m_s - m_0) l_s / l_0 and error =
-    ||o_s - o_0|| / ||o_0||. ``CHECK`` (partial states of the shared-max kernel): a set whose
-    mass underflowed (l_s < UNDER) is recomputed exactly for this row (``_exact_row``)."""
+    """One program per output row: merge the key splits of set 0 (all keys), BLOCK_S splits a
+    step, then for each keep-set s >= 1 its own splits, recall = exp(m_s - m_0) l_s / l_0 and
+    error = ||o_s - o_0|| / ||o_0||. ``CHECK`` (partial states of the shared-max kernel): a set
+    whose mass underflowed (l_s < UNDER) is recomputed exactly for this row (``_exact_row``)."""
     row = tl.program_id(0)
-    s = tl.program_id(1) + 1
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < DV
-    m0 = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0)
-    l0 = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), axis=0)
-    a0 = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    ms, ls, acc_s = m0, l0, a0
+    neg = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0)  # fp32 scalars for the loops
+    zero = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), axis=0)
+    m0, l0, a0 = neg, zero, tl.zeros([BLOCK_DV], dtype=tl.float32)
     base0 = row.to(tl.int64) * n_splits  # partials laid out [S1, R, n_splits] (x DV)
-    bases = (s.to(tl.int64) * R + row) * n_splits
     for j0 in range(0, n_splits, BLOCK_S):
         m0, l0, a0 = _merge_chunk(m0, l0, a0, PM, PL, PACC, base0, j0, n_splits, offs_s, offs_dv, dv_ok, DV)
-        ms, ls, acc_s = _merge_chunk(ms, ls, acc_s, PM, PL, PACC, bases, j0, n_splits, offs_s, offs_dv, dv_ok, DV)
-    if CHECK:
-        if (l0 > 0) & (ls * tl.exp(tl.where(l0 > 0, ms - m0, 0.0)) < UNDER):
-            ms, ls, acc_s = _exact_row(Q, K, V, KEEP, row, s, R, Hq, Tq, Tk, GROUP, D, DV, scale, k_start, window,
-                                       QPOS, tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0),
-                                       tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), axis=0),
-                                       tl.zeros([BLOCK_DV], dtype=tl.float32), CAUSAL, HAS_WINDOW, ROUNDED, BLOCK_N,
-                                       BLOCK_D, BLOCK_DV)
     o0 = a0 / tl.where(l0 > 0, l0, 1.0)  # 0 where no key was visible (acc 0)
-    o_s = acc_s / tl.where(ls > 0, ls, 1.0)
-    both = (ls > 0) & (l0 > 0)
-    recall = tl.where(both, tl.exp(tl.where(both, ms - m0, 0.0)) * ls / tl.where(l0 > 0, l0, 1.0), 0.0)
-    d = o_s - o0
-    num = tl.sqrt(tl.sum(d * d, axis=0))
     den = tl.sqrt(tl.sum(o0 * o0, axis=0))
-    err = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), float("nan"))
-    out = (s - 1).to(tl.int64) * R + row
-    tl.store(RECALL + out, recall)
-    tl.store(ERR + out, err)
+    for s in range(1, S1):
+        ms, ls, acc_s = neg, zero, tl.zeros([BLOCK_DV], dtype=tl.float32)
+        bases = (tl.cast(s, tl.int64) * R + row) * n_splits
+        for j0 in range(0, n_splits, BLOCK_S):
+            ms, ls, acc_s = _merge_chunk(ms, ls, acc_s, PM, PL, PACC, bases, j0, n_splits, offs_s, offs_dv, dv_ok, DV)
+        if CHECK:
+            if (l0 > 0) & (ls * tl.exp(tl.where(l0 > 0, ms - m0, 0.0)) < UNDER):
+                ms, ls, acc_s = _exact_row(Q, K, V, KEEP, row, s, R, Hq, Tq, Tk, GROUP, D, DV, scale, k_start,
+                                           window, QPOS, neg, zero, tl.zeros([BLOCK_DV], dtype=tl.float32), CAUSAL,
+                                           HAS_WINDOW, ROUNDED, BLOCK_N, BLOCK_D, BLOCK_DV)
+        o_s = acc_s / tl.where(ls > 0, ls, 1.0)
+        both = (ls > 0) & (l0 > 0)
+        recall = tl.where(both, tl.exp(tl.where(both, ms - m0, 0.0)) * ls / tl.where(l0 > 0, l0, 1.0), 0.0)
+        d = o_s - o0
+        err = tl.where(den > 0, tl.sqrt(tl.sum(d * d, axis=0)) / tl.where(den > 0, den, 1.0), float("nan"))
+        out = (tl.cast(s, tl.int64) - 1) * R + row
+        tl.store(RECALL + out, recall)
+        tl.store(ERR + out, err)
 
 
 def run_keep_finish(pm, pl, pacc, recall, err, *, rows: int, dv: int, n_splits: int, check: bool = False,
@@ -524,7 +526,7 @@ def run_keep_finish(pm, pl, pacc, recall, err, *, rows: int, dv: int, n_splits: 
     else:  # never read (CHECK off)
         extra = (pm, pm, pm, pm, pm, 1, 1, 1, 1, 1, 1.0, 0, 0)
         block_d = 16
-    _keep_finish_kernel[(rows, n_sets)](pm, pl, pacc, recall, err, rows, dv, n_splits, *extra, CHECK=bool(check),
+    _keep_finish_kernel[(rows,)](pm, pl, pacc, recall, err, rows, n_sets + 1, dv, n_splits, *extra, CHECK=bool(check),
                                         CAUSAL=bool(causal), HAS_WINDOW=window is not None,
                                         ROUNDED=not interpreting(), UNDER=UNDERFLOW, BLOCK_S=block_s,
                                         BLOCK_N=INTERP_BLOCK_N if interpreting() else 32, BLOCK_D=block_d,

@@ -35,6 +35,10 @@ __all__ = [
 ]
 
 _LIMIT = 2**29  # the kernels add positions and windows in int32
+# fp32 K/V holding bf16 values: converted to bf16 copies for the shared-scores kernel (many reads
+# of each key block), read as bf16 in registers by the packed one (one read). A switch for the
+# benchmark's comparison of the two.
+CONVERT_SHARED = True
 
 
 @dataclass(frozen=True)
@@ -233,7 +237,8 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
     # One launch and one host sync for every check the launch depends on: the position bound
     # and, for fp32 tensors, whether they hold bf16 values (each a read of the whole tensor).
     fp32 = [x if x.dtype == torch.float32 else None for x in (q, k, v)]
-    big, *off = tw.run_grid_check(*fp32, g.positions.contiguous(), _LIMIT, _sms(q.device))
+    positions = g.positions.contiguous()
+    big, *off = tw.run_grid_check(*fp32, positions, _LIMIT, _sms(q.device))
     if big:
         raise ValueError("positions and lengths must be below 2**29 for the Triton path")
     bf16 = [x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not bad) for x, bad in zip((q, k, v), off,
@@ -249,6 +254,12 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
     vt = v.dtype if v.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
     cast_v = v.dtype == torch.float32 and bf16[2]
     v = v.to(vt)
+    if CONVERT_SHARED and not tw.packed(g.group, g.Tq) and (cast_k or cast_v):
+        # The shared-scores kernel reads each key block once per block of rows and sets (~20-40
+        # times at 64 queries): there a bf16 copy (one pass, half the inputs' size in memory)
+        # halves that traffic and lets the loads go straight to shared memory.
+        k, v = (k.to(torch.bfloat16) if cast_k else k), (v.to(torch.bfloat16) if cast_v else v)
+        cast_k = cast_v = False
     S1, Dv = keep.shape[0] + 1, v.shape[3]
     rows = g.B * g.Hq * g.Tq
     if rows == 0 or g.T == 0:
@@ -257,7 +268,7 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
     pm = torch.empty(S1 * rows * n_splits, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pacc = torch.empty(S1 * rows * n_splits * Dv, dtype=torch.float32, device=q.device)
-    keep8, qpos = _keep_arg(keep), g.positions.to(torch.int32)
+    keep8, qpos = _keep_arg(keep), positions  # int64, read as int32 (bounded above)
     finish_kw = dict(q=q, k=k, v=v, keep=keep8, qpos=qpos, group=g.group, scale=g.scale, k_start=g.k_start,
                      window=window, causal=g.causal)
 

@@ -86,7 +86,7 @@ def jobs(all_configs: bool, smoke: bool = False):
 
 
 def _keep_types(dt: str) -> dict:
-    return dict(Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", KEEP="*i8", QPOS="*i32", PM="*fp32", PL="*fp32", PACC="*fp32",
+    return dict(Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", KEEP="*i8", QPOS="*i64", PM="*fp32", PL="*fp32", PACC="*fp32",
                 Hq="i32", Tq="i32", Tk="i32", S="i32", GROUP="i32", D="i32", DV="i32", scale="fp32", k_start="i32",
                 window="i32", keys_per_split="i32", n_splits="i32")
 
@@ -109,8 +109,9 @@ def whatif_jobs(all_configs: bool, smoke: bool = False):
         if dt == "fp32":  # the split merge reads fp32 partial states (and, checking, the inputs)
             for check in (False, True):
                 yield (f"keep finish check={check}", tw._keep_finish_kernel,
-                       dict(PM="*fp32", PL="*fp32", PACC="*fp32", RECALL="*fp32", ERR="*fp32", R="i32", DV="i32",
-                            n_splits="i32", Q="*fp32", K="*fp32", V="*fp32", KEEP="*i8", QPOS="*i32", Hq="i32",
+                       dict(PM="*fp32", PL="*fp32", PACC="*fp32", RECALL="*fp32", ERR="*fp32", R="i32", S1="i32",
+                            DV="i32", n_splits="i32", Q="*fp32", K="*fp32", V="*fp32", KEEP="*i8", QPOS="*i64",
+                            Hq="i32",
                             Tq="i32", Tk="i32", GROUP="i32", D="i32", scale="fp32", k_start="i32", window="i32"),
                        dict(CHECK=check, CAUSAL=True, HAS_WINDOW=True, ROUNDED=True, UNDER=tw.UNDERFLOW, BLOCK_S=32,
                             BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128), dict(num_warps=4))

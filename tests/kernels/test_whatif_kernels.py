@@ -273,6 +273,15 @@ def test_bf16_grid_fp32_kv_is_read_as_bf16_in_registers(tri_device, monkeypatch)
         _close(e.cpu().numpy(), want_e, ERROR)
     assert seen[0] == (True, True, True, torch.float32, torch.float32)
     assert seen[1] == (False, False, False, torch.float32, torch.float32)
+    # 2 x 9 query rows (the shared-scores kernel, which reads each key block many times): bf16
+    # copies of K and V instead of casts; the same numbers.
+    q, k, v, keep, pos = _case(11, Tq=9)
+    grid = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v)]
+    want_r, want_e = _numpy_sets(*grid, keep, pos, 0, None, q.shape[-1] ** -0.5)
+    r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (*grid, keep)), q_positions=pos)
+    _close(r.cpu().numpy(), want_r, RECALL)
+    _close(e.cpu().numpy(), want_e, ERROR)
+    assert seen[2] == (True, False, False, torch.float32, torch.bfloat16)
 
 
 def test_keep_set_dtypes_and_no_sets(tri_device):
