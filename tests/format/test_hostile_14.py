@@ -21,6 +21,7 @@ subprocesses.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,7 @@ import pytest
 from cli_run import run_main
 
 from kvtrace import exitcodes
+from kvtrace.format import Trace
 
 # A numpy warning would print lines of its own on stderr in a real process: here it fails the test (exit 70).
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -369,7 +371,7 @@ def test_odd_but_valid_serving_values_pass_every_consumer(clean, tmp_path, capsy
         assert rc == 0, (case, name, err)
         assert "Traceback" not in out + err
     assert check in results["info"][1]
-    doc = __import__("json").loads(results["analyze --json"][1])
+    doc = json.loads(results["analyze --json"][1])
     assert not [d for d in doc["reports"][0]["detectors"] if d["status"] == "error"], case
 
 
@@ -398,3 +400,76 @@ def test_future_minor_with_a_new_event_kind_names_the_newer_minor(clean, tmp_pat
 def test_future_major_is_refused_with_4_by_every_consumer(clean, tmp_path, capsys):
     check_case(clean, tmp_path, capsys, "serving", H.version("2.0"), "trace format 2.0 is newer than this kvtrace reads (1.4)",
                code=exitcodes.VERSION)
+
+
+# ---- fleet ingest and several traces -----------------------------------------------------------------
+
+
+def test_fleet_ingest_exports_the_clean_and_reports_the_damaged(clean, tmp_path, capsys):
+    """export parquet of a clean trace beside damaged ones: the clean one is exported, each damaged one
+    reported on its own line, the exit code that of the worst (4, then 1); the fleet reads what was
+    exported. Zenodo refuses the damaged trace; diff of two tensor-parallel runs refuses a damaged rank."""
+    serving = clean["serving"]
+    bad = H.damaged(serving, tmp_path / "bad.kvt.h5", H.set_rows("sched", "pool_bytes", -5))
+    new = H.damaged(serving, tmp_path / "new.kvt.h5", H.version("2.0"))
+    rc, out, err = run_main(["export", "parquet", str(serving), str(bad), "-o", str(tmp_path / "fleet"), "-q"], capsys)
+    assert rc == exitcodes.INVALID and err.count("kvtrace: ") == 1 and "pool_bytes holds -5" in err, err
+    rc, out, err = run_main(["export", "parquet", str(new), str(bad), "-o", str(tmp_path / "fleet2"), "-q"], capsys)
+    assert rc == exitcodes.VERSION and err.count("kvtrace: ") == 2, err
+    rc, out, err = run_main(["fleet", "summary", str(tmp_path / "fleet"), "--json"], capsys)
+    assert rc == 0 and [g["traces"] for g in json.loads(out)["groups"]] == [1], out
+    rc, out, err = run_main(["fleet", "report", str(tmp_path / "fleet"), "-o", str(tmp_path / "fleet.html")], capsys)
+    assert rc == 0 and (tmp_path / "fleet.html").stat().st_size > 0, err
+    rc, out, err = run_main(["export", "zenodo", str(bad), "-o", str(tmp_path / "bundle"), "--creator", "Doe, Jane"], capsys)
+    assert_refusal("export zenodo", (rc, out, err), exitcodes.INVALID, bad)
+    assert not (tmp_path / "bundle").exists()
+    other = [H.damaged(clean[f"rank{r}"], tmp_path / f"b.rank{r}.kvt.h5", H.patch_parallel(run_id="run-b", **extra))
+             for r, extra in ((0, {}), (1, {"rank": 5}))]
+    rc, out, err = run_main(["diff", str(clean["rank0"]), str(clean["rank1"]), *map(str, other)], capsys)
+    assert_refusal("diff ranks", (rc, out, err), exitcodes.INVALID, other[1])
+    assert "rank 5 is not below world_size 2" in err
+
+
+# ---- a killed serving recording -------------------------------------------------------------------------
+
+KILLED_WRITER = """
+import sys, time
+from kvtrace.format import DeviceInfo, TraceWriter, schema
+w = TraceWriter(sys.argv[1], {"model_id": "killed-serving"}, [DeviceInfo(-1, "cpu", 1 << 34)], flush_interval_s=0.01)
+K = schema.EventKind
+step = 0
+while True:  # the recorder's order: a request row, its events, then /sched, /sched_groups, /blocks of each step
+    rid = step
+    w.begin_request(schema.RequestRow(rid, 0, 1, 20, 0, -1, step, 0, b"0" * 64))
+    w.append("events", schema.EventRow(step, int(K.SCHEDULED), rid, step, -1, -1, 1, 0, 0))
+    w.append("sched", schema.SchedRow(step, 0, step, 1, 20, 0, 1, 0, 0, 64, 1 << 20, 1 << 19, 4096, 2, 0, 20, 0, 0, 0, 0))
+    w.append("sched_groups", schema.SchedGroupRow(0, step, 0, int(schema.LayerType.FULL), 2, -1, 16, 4096, 256, 2, 0,
+                                                  254, 20))
+    w.append("blocks", schema.BlockRow(0, step, rid, 0, 2, 0, 20))
+    step += 1
+    time.sleep(0.0005)  # a scheduler step takes time: the flusher runs between (and within) steps
+    if step % 200 == 0:
+        print(step, flush=True)
+"""
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_killed_serving_recording_stays_valid(tmp_path, capsys, attempt):
+    """SIGKILL at any instant (the flusher runs every 10 ms, between the appends of one step too): the
+    link rules point from /blocks to /sched_groups to /sched, the order rows are appended and flushed,
+    so what the file holds is valid and every command reads it."""
+    path = tmp_path / "killed.kvt.h5"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if int(line) >= 600 + 400 * attempt:
+            break
+    proc.kill()
+    proc.wait(timeout=30)
+    rc, out, err = run_main(["validate", str(path)], capsys)
+    assert rc == 0 and "did not close" in out + err, out + err
+    with Trace(path) as t:
+        assert t.nrows("sched") >= 100 and t.nrows("blocks") >= 100  # flushed steps, not an empty file
+    for argv in (["info", str(path)], ["analyze", "--json", str(path)], ["export", "prometheus-textfile", str(path), "-o",
+                                                                          str(tmp_path / "k.prom")]):
+        rc, out, err = run_main(argv, capsys)
+        assert rc == 0, (argv, err)
