@@ -8,7 +8,8 @@ avoidable part, the waste above what the best page size of 16..256 tokens (16 is
 and about the smallest page kernels run well on) would have left on the same requests over the
 run. Its share of the pool, held over two steps at least: 0.1 at 10% (noise of a few short
 requests), high at 20% (a fifth of the pool is capacity lost to configuration), critical at 40%,
-or critical from 2 GiB on (the issue's fragmentation alert) when that is 5% of the pool or more.
+or critical from 2 GiB on (the issue's fragmentation alert) when that is 5% of the pool or more
+(under a twentieth of a very large pool, 2 GiB is rounding, not capacity lost).
 Waste only costs something when the pool needs the room: while the pool stayed under half full
 the finding is info, under 80% (the capacity warning) at most medium.
 """

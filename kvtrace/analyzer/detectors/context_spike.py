@@ -8,7 +8,7 @@ of the admitted requests (the k-th largest, k = max(2, ceil(n / 5))). A long tai
 the requests or more (a mix of short chats and 4x longer documents) is the workload the pool must
 hold, judged by concurrency_headroom and serving_capacity, not a spike; a spike is rarer than that
 (one request among up to ten, or under a fifth of them). k >= 2 keeps a request from being its own
-typical. Needs three requests at least. Score on the largest request's ratio: under 2x info
+typical. Needs three requests at least (of two, neither is typical of anything). Score on the largest request's ratio: under 2x info
 (0 at 1x rising to 0.1: answers that end at EOS spread that much from request to request, and the
 alert is 2x), high at 2x (the alert), critical at 4x (four typical requests' KV in one). The
 spike's KV (its largest block tables, /blocks) and its share of the pool are quoted.
