@@ -34,6 +34,10 @@ Method (issue 16, "Cost"):
   close and the requests it recorded; the least-squares slope of size against requests over all
   recorded runs (runs of different request counts: the shapes) x 1,000, which removes the fixed
   part (metadata, tables' first chunks). A request here is ``--prompt`` + ``--new`` tokens.
+* **The recorder's own time** (``--self-time N``, after the pairs): N more recorded runs per shape
+  in which every hook method of the serving recorder is timed minus the transformers method it
+  wraps, per thread (``RecorderClock``). Its share of the run's wall time on the continuous-batching
+  loop's thread estimates the loss directly, without the run-to-run noise of A/B pairs.
 * **transformers 5.23 options:** ``--cuda-graphs on|off`` and ``--async-batching on|off`` set
   ``ContinuousBatchingConfig(use_cuda_graph=..., use_async_batching=...)``; ``default`` leaves
   transformers' choice (graphs only where attention needs no mask, i.e. flash attention).
@@ -139,6 +143,70 @@ class StepProbe:
             return found
 
         proc.prepare_next_batch = prepare
+
+
+class RecorderClock:
+    """The serving recorder's own time on the threads it runs on: each hook method of
+    ``ServingRecorder`` timed whole, minus the transformers method it wraps (its ``orig``), summed per
+    thread. On the continuous-batching loop's thread (transformers' default path: its Python work and
+    the GPU's forward take turns) that time adds to the run's wall time, so its share of the run is a
+    direct estimate of the throughput loss that needs no A/B pair. The recorder's background threads
+    (telemetry sampler, flusher) are not in it: they cost the loop only the GIL they hold."""
+
+    METHODS = ("_add_request", "_create", "_loop", "_prepare", "_update", "_finish", "_cancelled", "_failed",
+               "_offload", "_prefix", "_evict")
+
+    def __init__(self) -> None:
+        import threading
+
+        from kvtrace.recorder import serving
+
+        self.ns: dict[str, int] = {}  # thread name -> ns
+        self.calls = 0
+        self._threading = threading
+        cls = serving.ServingRecorder
+        for name in self.METHODS:
+            setattr(cls, name, self._timed(cls.__dict__[name]))
+
+    def reset(self) -> None:
+        self.ns = {}
+        self.calls = 0
+
+    def _timed(self, method: Any) -> Any:
+        clock = self
+        perf = time.perf_counter_ns
+
+        def hook(rec: Any, orig: Any, obj: Any, a: tuple, k: dict) -> Any:
+            inner = [0]
+
+            def timed_orig(*aa: Any, **kk: Any) -> Any:
+                t = perf()
+                try:
+                    return orig(*aa, **kk)
+                finally:
+                    inner[0] += perf() - t
+
+            t = perf()
+            try:
+                return method(rec, timed_orig, obj, a, k)
+            finally:
+                name = clock._threading.current_thread().name
+                clock.ns[name] = clock.ns.get(name, 0) + perf() - t - inner[0]
+                clock.calls += 1
+
+        return hook
+
+
+def self_time_run(model: Any, inputs: list[list[int]], kw: dict[str, Any], trace: Path, probe: StepProbe,
+                  clock: RecorderClock) -> dict[str, Any]:
+    """One recorded run with the recorder's own time measured (RecorderClock)."""
+    clock.reset()
+    out = one_run(model, inputs, kw, True, trace, probe)
+    main = __import__("threading").main_thread().name
+    loop_ns = sum(v for k, v in clock.ns.items() if k != main)
+    out.update(recorder_ns_by_thread=dict(clock.ns), recorder_hook_calls=clock.calls, recorder_loop_ns=loop_ns,
+               recorder_main_ns=clock.ns.get(main, 0), loop_share=loop_ns / 1e9 / out["generate_s"])
+    return out
 
 
 def _settle() -> None:
@@ -309,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--async-batching", choices=("default", "on", "off"), default="default")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no round of pairs that would end after this many seconds from the start")
+    ap.add_argument("--self-time", type=int, default=0, metavar="N",
+                    help="after the pairs, N recorded runs per shape timing the recorder's own hook work")
     ap.add_argument("--smoke", action="store_true", help="tiny llama on CPU, 2 pairs, a few tokens")
     ap.add_argument("--json", default=None, help="write the results here (after every pair)")
     ap.add_argument("--resume", action="store_true", help="add pairs to the --json file (same settings)")
@@ -367,11 +437,27 @@ def main(argv: list[str] | None = None) -> int:
                     write_atomic(out_path, doc)
             slowest = max(slowest, time.perf_counter() - t)
             i += 1
+        if args.self_time:
+            clock = RecorderClock()
+            timed = doc.setdefault("self_time", {})
+            for j in range(args.self_time):
+                for n in shapes:
+                    r = self_time_run(model, prompts(n, args.prompt, vocab, seed=1000 + j), kw, trace, probe, clock)
+                    timed.setdefault(str(n), []).append(r)
+                    print(f"self-time x{n}: recorder {r['recorder_loop_ns'] / 1e6:.1f} ms on the loop thread "
+                          f"({r['loop_share']:.3%} of {r['generate_s']:.2f} s), {r['recorder_main_ns'] / 1e6:.1f} ms "
+                          f"on the caller's; {r['recorder_hook_calls']} hook calls", file=sys.stderr, flush=True)
+                    if out_path is not None:
+                        write_atomic(out_path, doc)
     doc["summary"], doc["trace_bytes_per_1000_requests"] = summarize(runs)
     if out_path is not None:
         write_atomic(out_path, doc)
     if doc["summary"]:
         print_table(doc)
+    for n, timed_runs in doc.get("self_time", {}).items():
+        shares = [r["loop_share"] for r in timed_runs]
+        print(f"recorder's own time on the CB loop thread, x{n}: median {statistics.median(shares):.3%} of the "
+              f"run (min {min(shares):.3%}, max {max(shares):.3%}, {len(shares)} runs)")
     return 0
 
 
