@@ -157,7 +157,7 @@ def device_map_trace(path: Path) -> Path:
 def damaged(clean: Path, out: Path, damage: Damage) -> Path:
     shutil.copyfile(clean, out)
     with h5py.File(out, "r+") as f:
-        damage(f)
+        damage(f)  # may close f itself to change bytes afterwards (corrupt_chunk)
     return out
 
 
@@ -247,6 +247,29 @@ def drop_column(table: str, column: str) -> Damage:
 def extra_column(table: str) -> Damage:
     """A field a newer minor might add: readers ignore it (spec §2)."""
     return retype(table, lambda d: np.dtype([*((n, d[n]) for n in d.names), ("future_field", "<i8")]))
+
+
+def two_dimensional(table: str) -> Damage:
+    """The table rewritten as a 2-D array of its rows (two columns of rows)."""
+    def apply(f: h5py.File) -> None:
+        rows = f[table][:]
+        rows = rows[: rows.size // 2 * 2].reshape(-1, 2)
+        del f[table]
+        f.create_dataset(table, data=rows, maxshape=(None, 2), chunks=True)
+    return apply
+
+
+def corrupt_chunk(table: str) -> Damage:
+    """The first stored chunk of `table` overwritten with garbage in place (its gzip stream no longer
+    decodes). h5py writes nothing here: the bytes are changed after the file is closed."""
+    def apply(f: h5py.File) -> None:
+        info = f[table].id.get_chunk_info(0)
+        path, offset, size = f.filename, info.byte_offset, info.size
+        f.close()
+        with open(path, "r+b") as fh:
+            fh.seek(offset)
+            fh.write(bytes(range(256)) * (size // 256) + bytes(size % 256))
+    return apply
 
 
 def not_a_table(table: str) -> Damage:

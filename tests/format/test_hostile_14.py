@@ -260,8 +260,11 @@ SERVING = {
     "/sched without pool_bytes": (H.drop_column("sched", "pool_bytes"), "/sched lacks or mistypes fields: pool_bytes", ()),
     "/blocks without request": (H.drop_column("blocks", "request"), "/blocks lacks or mistypes fields: request", ()),
     "/sched a group": (H.not_a_table("sched"), "/sched is not a 1-D table", ()),
+    "/blocks two-dimensional": (H.two_dimensional("blocks"), "/blocks is not a 1-D table", ()),
     "/sched of 3 million zero rows": (H.grow("sched", 3_000_000), "/sched (3000000 rows) would decode to", ()),
     "/sched of 10^9 rows": (H.grow("sched", 10**9), "/sched (1000000000 rows) would decode to 113.6 GiB", ()),
+    # a chunk that does not decode: found where a command reads it, like row contents
+    "/sched_groups chunk overwritten": (H.corrupt_chunk("sched_groups"), "/sched_groups", NOT_READING_SERVING),
     # row contents: refused by every command that reads a serving table or /events
     "negative pool_bytes": (H.set_rows("sched", "pool_bytes", -5), "/sched pool_bytes holds -5", NOT_READING_SERVING),
     "negative free_bytes": (H.set_rows("sched", "free_bytes", -7), "/sched free_bytes holds -7", NOT_READING_SERVING),
