@@ -235,14 +235,20 @@ def test_as_real_processes(clean, tmp_path):
     """A sample of the above through `python -m kvtrace.cli` itself: exit codes and one stderr line."""
     env = dict(os.environ, KVTRACE_DEBUG="")
     trace = H.damaged(clean["rank0"], tmp_path / "bad.kvt.h5", H.patch_parallel(world_size=10**12))
+    sched = H.damaged(clean["serving"], tmp_path / "sched.kvt.h5", H.set_rows("sched_groups", "tokens_per_block", 0))
+    odd = H.damaged(clean["serving"], tmp_path / "odd.kvt.h5", H.set_rows("sched", "valid_bytes", 10**15))
     for argv, code in ((["validate", str(trace)], exitcodes.INVALID), (["analyze", str(trace)], exitcodes.INVALID),
-                       (["info", str(clean["rank0"])], exitcodes.OK)):
+                       (["info", str(clean["rank0"])], exitcodes.OK), (["analyze", str(sched)], exitcodes.INVALID),
+                       (["export", "prometheus-textfile", str(sched), "-o", str(tmp_path / "k.prom")], exitcodes.INVALID),
+                       (["analyze", str(odd)], exitcodes.OK), (["info", str(odd)], exitcodes.OK)):
         p = subprocess.run([sys.executable, "-m", "kvtrace.cli", *argv], capture_output=True, text=True, env=env,
                            timeout=120)
         assert p.returncode == code, (argv, p.stderr)
-        assert "Traceback" not in p.stderr
+        assert "Traceback" not in p.stderr and "Warning" not in p.stderr, p.stderr
         if code:
             assert len(p.stderr.strip().splitlines()) == 1 or argv[0] == "validate"
+        else:
+            assert not p.stderr, p.stderr
 
 
 
