@@ -21,7 +21,9 @@ What it writes, per continuous-batching (CB) request of the recorded model:
   time to first token), PREEMPTED when transformers offloads or soft-resets it to make room (value =
   the positions it held; OFFLOADED follows with the bytes copied when they went to the CPU swap
   pool), EOS when its last token is an end-of-sequence token, REQUEST_END when finished or cancelled;
-  and BLOCK_EVICTED (request −1, value = blocks) when cached prefix blocks go back to the pool;
+  and BLOCK_EVICTED (request −1, value = blocks) when cached prefix blocks go back to the pool; an
+  event with request −1 names its manager in its text ("manager N: ...": the step numbers are per
+  manager), and its count is also in that manager's /sched row of that step;
 * per manager, /readings with request −1: BASELINE just before it first builds its batch processor
   and paged cache (in warmup() or as its generation loop starts), PEAK (CUDA) and AFTER_RETURN as
   each run of its loop ends;
@@ -300,6 +302,15 @@ class ServingRecorder:
         return key
 
     def _add_request(self, orig: Any, manager: Any, args: tuple, kwargs: dict) -> Any:
+        if self._ours(manager):
+            try:
+                # a manager built before this recording started (a persistent one, a server's): its
+                # processor, scheduler and cache are taken on at its first request seen here
+                processor = getattr(manager, "batch_processor", None)
+                if processor is not None and self._owner_of(processor) is None:
+                    self._register(self._see(manager), processor)
+            except Exception as exc:  # noqa: BLE001
+                self.ctx.error("cb-adopt", exc)
         request_id = orig(manager, *args, **kwargs)
         if request_id is not None and self._ours(manager):
             try:
@@ -508,8 +519,11 @@ class ServingRecorder:
                     blocks = m.adapter.prefix_blocks(cache, int(tokens)) if m.adapter is not None else 0
                     m.counts.prefix_hit_tokens += int(tokens)
                     m.counts.prefix_hit_blocks += blocks
+                shared = f"{blocks} cached blocks shared"
+                # an event without a request names its manager (several managers share the step numbers)
                 self._event(EventKind.PREFIX_HIT, flight.rid if flight is not None else -1, step=m.steps,
-                               value=int(tokens), text=f"{blocks} cached blocks shared")
+                            value=int(tokens), text=shared if flight is not None else
+                            f"manager {m.index}: {shared} (a request this recording does not hold)")
             except Exception as exc:  # noqa: BLE001
                 self.ctx.error("cb-prefix", exc)
         return tokens
@@ -527,7 +541,7 @@ class ServingRecorder:
                     with self.lock:
                         m.counts.evicted_blocks += evicted
                     self._event(EventKind.BLOCK_EVICTED, step=m.steps, value=evicted,
-                                   text="cached prefix blocks returned to the pool")
+                                text=f"manager {m.index}: cached prefix blocks returned to the pool")
             except Exception as exc:  # noqa: BLE001
                 self.ctx.error("cb-evict", exc)
         return out

@@ -4,7 +4,9 @@
   phase boundaries), answered ``{"phase": name, "t_ns": ...}``;
 * ``GET /kvtrace/status``: what the recorder and the continuous-batching cache say now (requests
   recorded, the paged pool's bytes and free bytes, running / waiting requests), read from the
-  objects themselves; a number that cannot be read is absent with the reason, never guessed.
+  objects themselves; a number that cannot be read is absent with the reason, never guessed;
+* ``POST /reset`` (transformers': unload the models) answers 409 with why: the model the trace
+  records would be replaced by an unrecorded copy at the next request.
 """
 
 from __future__ import annotations
@@ -90,8 +92,22 @@ def live_status(recording: Any, generation_state: Any, marker: PhaseMarker) -> d
     return out
 
 
+RESET_REFUSED = ("kvtrace serve records the model it loaded at start into one trace; /reset would unload it "
+                 "and the next request would load a new copy that nothing records. Stop kvtrace serve "
+                 "(Ctrl-C or SIGTERM: the trace is closed complete) and start it again for a fresh model and "
+                 "a new trace")
+
+
 def add_routes(app: Any, recording: Any, generation_state: Any, marker: PhaseMarker) -> None:
+    """kvtrace's routes, and transformers' ``POST /reset`` (5.17, 5.23: unload every model; the next
+    request reloads it, unrecorded) replaced by a 409 refusal that says why and what to do."""
     from fastapi import HTTPException
+
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/reset"]
+
+    @app.post("/reset")
+    def reset() -> None:
+        raise HTTPException(status_code=409, detail=RESET_REFUSED)
 
     @app.post("/kvtrace/phase")
     def phase(body: dict) -> dict[str, Any]:

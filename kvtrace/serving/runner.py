@@ -12,7 +12,9 @@ How it ends: uvicorn catches SIGINT and SIGTERM, drains open connections, runs t
 and then re-raises the signal it caught; the handlers installed here take that re-raise as "stop
 requested", so :func:`serve` returns normally, after stopping transformers' continuous-batching
 worker and closing the recording (requests still in flight end INTERRUPTED). The trace is then
-complete. A signal before the server is up aborts the load (:class:`Stopped`).
+complete. A signal before the recording starts aborts the load (:class:`Stopped`); one after it
+started but before uvicorn installed its handlers is handed to uvicorn as soon as it has (it then
+starts and shuts down at once), so no signal is lost and the trace is complete either way.
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
                           f"{transformers.__version__} has none ({exc})") from None
 
     outcome = ServeOutcome()
-    state: dict[str, Any] = {"serving": False}
+    # serving: the recording runs; uvicorn: uvicorn's own signal handlers are in place; pending: a
+    # signal that came between the two
+    state: dict[str, Any] = {"serving": False, "uvicorn": False, "pending": None}
     recording: dict[str, Any] = {}
 
     def build_server(model_manager: Any, *args: Any, **kwargs: Any) -> Any:
@@ -109,13 +113,18 @@ def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
         outcome.stopped_by = signal.Signals(signum).name
         if not state["serving"]:
             raise Stopped(f"stopped by {outcome.stopped_by} before the server was up")
-        # uvicorn re-raises the signal it handled after its graceful shutdown: nothing left to do
+        if not state["uvicorn"]:
+            # the recording runs but uvicorn has not installed its handlers yet: handed to uvicorn as
+            # soon as it does (it then starts, shuts down at once and the trace is closed complete)
+            state["pending"] = signum
+        # else uvicorn re-raises the signal it handled after its graceful shutdown: nothing left to do
 
     in_main = threading.current_thread() is threading.main_thread()
     previous = {}
     if in_main:
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     server_module.build_server = build_server
+    restore_uvicorn = _hand_signals_to_uvicorn(state)
     restore_loaders = _hand_over(model, preloaded) if preloaded is not None else None
     try:
         command = serve_command()
@@ -132,12 +141,44 @@ def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
             raise
     finally:
         server_module.build_server = original_build
+        restore_uvicorn()
         if restore_loaders is not None:
             restore_loaders()
         _finish(recording, outcome)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return outcome
+
+
+def _hand_signals_to_uvicorn(state: dict[str, Any]) -> Callable[[], None]:
+    """Wrap ``uvicorn.Server.capture_signals`` (where uvicorn installs its SIGINT/SIGTERM handlers,
+    0.2x to 0.54) for the run: once its handlers are in, a signal that arrived while uvicorn was being
+    set up (``state["pending"]``) is given to its ``handle_exit``, so it starts and shuts down at once,
+    gracefully, rather than the signal being lost. Returns the undo."""
+    import contextlib
+
+    try:
+        import uvicorn
+    except ImportError:
+        return lambda: None
+    original = uvicorn.Server.__dict__.get("capture_signals")
+    if original is None:
+        return lambda: None
+
+    @contextlib.contextmanager
+    def capture_signals(server: Any) -> Any:
+        with original(server):
+            state["uvicorn"] = True
+            pending, state["pending"] = state["pending"], None
+            if pending is not None:
+                server.handle_exit(pending, None)
+            yield
+
+    uvicorn.Server.capture_signals = capture_signals
+
+    def undo() -> None:
+        uvicorn.Server.capture_signals = original
+    return undo
 
 
 def _hand_over(name: str, preloaded: tuple[Any, Any]) -> Callable[[], None]:

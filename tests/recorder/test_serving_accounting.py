@@ -116,17 +116,43 @@ def run_prefix_scenario(model, path, cb: ContinuousBatchingConfig, timeout: floa
     """Through the manager API, one request after another: A (48-token prefix + 2) finishes and leaves
     3 complete 16-token blocks cached; B (the same prefix + 3) shares them; C (100 tokens) needs the
     8-block pool and evicts them. Returns the closed recorder."""
-    prefix = list(range(3, 51))
     with kvtrace.record(model, path) as rec:
-        manager = model.init_continuous_batching(generation_config=_gc(4), continuous_batching_config=cb)
-        manager.start()
-        try:
-            for prompt in (prefix + [60, 61], prefix + [70, 71, 72], list(range(100, 200))):
-                rid = manager.add_request(prompt, max_new_tokens=4)
-                assert manager.get_result(rid, timeout=timeout) is not None
-        finally:
-            manager.stop(block=True)
+        prefix_scenario(model, cb, timeout)
     return rec
+
+
+def prefix_scenario(model, cb: ContinuousBatchingConfig, timeout: float = 60) -> None:
+    """run_prefix_scenario's requests on a manager of their own, inside the caller's recording."""
+    prefix = list(range(3, 51))
+    manager = model.init_continuous_batching(generation_config=_gc(4), continuous_batching_config=cb)
+    manager.start()
+    try:
+        for prompt in (prefix + [60, 61], prefix + [70, 71, 72], list(range(100, 200))):
+            rid = manager.add_request(prompt, max_new_tokens=4)
+            assert manager.get_result(rid, timeout=timeout) is not None
+    finally:
+        manager.stop(block=True)
+
+
+def test_events_without_a_request_name_their_manager(tmp_path):
+    """Two managers in one recording, each evicting 3 cached blocks at its own step numbers: each
+    BLOCK_EVICTED event (request -1) says which manager, and that manager's /sched row of the event's
+    step counts the same blocks."""
+    llama = tiny_model("llama")
+    path = tmp_path / "two.kvt.h5"
+    with kvtrace.record(llama, path) as rec:
+        for _ in range(2):
+            prefix_scenario(llama, ContinuousBatchingConfig(page_size=PAGE, num_blocks=8, max_batch_tokens=128))
+    assert rec.recorder_errors == 0
+    t = open_trace(path)
+    evicted = t.events(EventKind.BLOCK_EVICTED)
+    texts = [t.text(e["text_off"], e["text_len"]) for e in evicted]
+    assert texts == [f"manager {i}: cached prefix blocks returned to the pool" for i in (0, 1)]
+    assert evicted["request"].tolist() == [-1, -1]
+    sched = t.sched()
+    for i, e in enumerate(evicted):
+        row = sched[(sched["manager"] == i) & (sched["step"] == e["step"])]
+        assert row["evicted_blocks"].tolist() == [int(e["value"])] == [3]
 
 
 def test_llama_prefix_hit_and_eviction_match_the_cache(monkeypatch, tmp_path):
@@ -448,3 +474,27 @@ def test_managers_numbered_and_steps_unique_across_calls(tmp_path):
     assert sorted(len(v) for v in by_manager.values()) == [3, 6]
     assert sorted(by_manager.values(), key=len)[1] == list(range(6))  # the reused one: steps 0..5
     assert validate(path).valid
+
+
+def test_manager_started_before_the_recording_is_taken_on(monkeypatch, tmp_path):
+    """A manager built and running before kvtrace.record started (a server's, a persistent one): its
+    next request is recorded with every step, and the rows equal the cache's own counters."""
+    llama = tiny_model("llama")
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=16, max_batch_tokens=64)
+    manager = llama.init_continuous_batching(generation_config=_gc(3), continuous_batching_config=cb)
+    manager.start()
+    try:
+        assert manager.get_result(manager.add_request([1, 2, 3], max_new_tokens=3), timeout=60) is not None
+        probe = Probe(monkeypatch)
+        path = tmp_path / "late.kvt.h5"
+        with kvtrace.record(llama, path) as rec:
+            rid = manager.add_request([4, 5, 6, 7], max_new_tokens=3)
+            assert manager.get_result(rid, timeout=60) is not None
+    finally:
+        manager.stop(block=True)
+    assert rec.recorder_errors == 0
+    t = open_trace(path)
+    reqs = t.requests()
+    assert len(reqs) == 1 and reqs["outcome"][0] == Outcome.OK and reqs["new_tokens"][0] == 3
+    assert t.sched().size == 3  # the prefill step and two decode steps
+    assert_equal_to_cache(path, probe)

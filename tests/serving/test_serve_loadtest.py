@@ -76,8 +76,13 @@ def test_kvtrace_serve_continuous_batching_loadtest_then_sigterm(model_dir, tmp_
                         "--json-out", str(tmp_path / "run.json"), "--fail-on", "warning")
         # the live serving metrics of kvtrace serve --prometheus, scraped while it still serves
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10, trust_env=False).text
+        # /reset would swap the recorded model for an unrecorded copy: refused, and the server goes on
+        reset = httpx.post(f"http://127.0.0.1:{port}/reset", timeout=10, trust_env=False)
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10, trust_env=False)
     finally:
         rc, out = _stop(proc)
+    assert reset.status_code == 409 and "records the model it loaded at start" in reset.json()["detail"], reset.text
+    assert health.status_code == 200
     live = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert live["kvtrace_serving_kv_pool_bytes"] > 0, sorted(live)
     assert live["kvtrace_serving_requests_running"] == 0  # every request had ended when scraped
