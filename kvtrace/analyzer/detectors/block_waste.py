@@ -10,8 +10,9 @@ run. Its share of the pool, held over two steps at least: 0.1 at 10% (noise of a
 requests), high at 20% (a fifth of the pool is capacity lost to configuration), critical at 40%,
 or critical from 2 GiB on (the issue's fragmentation alert) when that is 5% of the pool or more
 (under a twentieth of a very large pool, 2 GiB is rounding, not capacity lost).
-Waste only costs something when the pool needs the room: while the pool stayed under half full
-the finding is info, under 80% (the capacity warning) at most medium.
+Waste only costs something when the pool needs the room: while the pool stayed under 70% (the
+knee where serving_capacity starts to score) the finding is info, under 80% (the capacity warning)
+at most medium.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ PAGE_SIZES = (16, 32, 64, 128, 256)
 SHARE_ALERT = ((0.1, 0.2, 0.4), (0.1, 0.5, 0.8))
 ABSOLUTE_CRITICAL = 2 << 30  # 2 GiB
 ABSOLUTE_MIN_SHARE = 0.05
+QUIET_BELOW = 0.7  # serving_capacity's info knee: a pool that never reached it had no use for the room
 
 
 def tail_bytes(blocks: np.ndarray, tokens: np.ndarray, page: np.ndarray | int, bpt: np.ndarray) -> np.ndarray:
@@ -76,7 +78,7 @@ class BlockWaste(ServingDetector):
         score = alert(level, *SHARE_ALERT)
         if held(avoidable) >= ABSOLUTE_CRITICAL and level >= ABSOLUTE_MIN_SHARE:
             score = max(score, 0.8)
-        if peak_usage < 0.5:
+        if peak_usage < QUIET_BELOW:
             score = min(score, 0.1)
         elif peak_usage < 0.8:
             score = min(score, 0.45)
