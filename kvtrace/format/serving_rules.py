@@ -70,10 +70,11 @@ class _Found:
             self.rules[rule] = message(i)
 
 
-def _rows(trace: Trace, name: str) -> Iterator[np.ndarray]:
+def _rows(trace: Trace, name: str) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row number, rows) of a table, a block at a time."""
     n = trace.nrows(name)
     for start in range(0, n, ROW_BLOCK):
-        yield trace.table(name, rows=slice(start, min(n, start + ROW_BLOCK)), check_codes=False)
+        yield start, trace.table(name, rows=slice(start, min(n, start + ROW_BLOCK)), check_codes=False)
 
 
 def _signs(name: str, rows: np.ndarray, found: _Found) -> None:
@@ -115,36 +116,34 @@ def serving_problems(trace: Trace, tables: set[str] | None = None, *, codes: boo
     found = _Found()
     tables = {t for t in (*TABLES, "requests") if trace.has(t)} if tables is None else tables
     ids = trace.table("requests", check_codes=False)["request"] if "requests" in tables else None
-    skeys = _check_sched(trace, found) if "sched" in tables else np.zeros(0, np.int64)
     none = np.zeros(0, np.int64)
-    groups = _check_groups(trace, found, np.sort(skeys), codes) if "sched_groups" in tables else (none, none, none)
+    skeys = _check_sched(trace, found) if "sched" in tables else none
+    groups = _check_groups(trace, found, skeys, codes) if "sched_groups" in tables else (none, none, none)
     if "blocks" in tables:
         _check_blocks(trace, found, *groups, ids)
-    for rows in _rows(trace, "events") if "events" in tables else ():
+    for _, rows in _rows(trace, "events") if "events" in tables else ():
         _check_events(rows, ids, found)
     return list(found.rules.values())
 
 
 def _check_sched(trace: Trace, found: _Found) -> np.ndarray:
-    """Row rules of /sched; returns every row's (manager, step) key."""
-    keys, times = [], []
-    for rows in _rows(trace, "sched"):
+    """Row rules of /sched; returns every row's (manager, step) key, sorted."""
+    n = trace.nrows("sched")
+    key, t = np.empty(n, np.int64), np.empty(n, np.int64)  # filled block by block: no list of copies
+    for start, rows in _rows(trace, "sched"):
         _signs("sched", rows, found)
         known = (rows["pool_bytes"] >= 0) & (rows["free_bytes"] >= 0)
         found.flag("sched.free", known & (rows["free_bytes"] > rows["pool_bytes"]),
                    lambda i: "/sched has rows with more free than pool bytes")
-        keys.append(_step_key(rows))
-        times.append(rows["t_ns"].astype(np.int64))
-    if not keys:
-        return np.zeros(0, np.int64)
-    key = np.concatenate(keys)
+        key[start : start + rows.size] = _step_key(rows)
+        t[start : start + rows.size] = rows["t_ns"]
     order = np.argsort(key, kind="stable")
-    k, t = key[order], np.concatenate(times)[order]
-    repeat = np.concatenate(([False], k[1:] == k[:-1]))
-    found.flag("sched.unique", repeat, lambda i: f"/sched repeats step {k[i] & 0xFFFFFFFF} of manager {k[i] >> 32}")
-    back = np.concatenate(([False], ((k[1:] >> 32) == (k[:-1] >> 32)) & (t[1:] < t[:-1])))
-    found.flag("sched.time", back, lambda i: f"/sched t_ns goes backwards at step {k[i] & 0xFFFFFFFF} of manager "
-                                             f"{k[i] >> 32} (a manager's steps are scheduled in time order)")
+    key, t = key[order], t[order]
+    repeat = np.concatenate(([False], key[1:] == key[:-1]))
+    found.flag("sched.unique", repeat, lambda i: f"/sched repeats step {key[i] & 0xFFFFFFFF} of manager {key[i] >> 32}")
+    back = np.concatenate(([False], ((key[1:] >> 32) == (key[:-1] >> 32)) & (t[1:] < t[:-1])))
+    found.flag("sched.time", back, lambda i: f"/sched t_ns goes backwards at step {key[i] & 0xFFFFFFFF} of manager "
+                                             f"{key[i] >> 32} (a manager's steps are scheduled in time order)")
     return key
 
 
@@ -152,8 +151,9 @@ def _check_groups(trace: Trace, found: _Found, sched_keys: np.ndarray,
                   codes: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Row rules of /sched_groups; returns their (manager, step, group) keys sorted, with blocks_total
     and tokens_per_block in the same order."""
-    keys, totals, per_block = [], [], []
-    for rows in _rows(trace, "sched_groups"):
+    n = trace.nrows("sched_groups")
+    key, total, per_block = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+    for start, rows in _rows(trace, "sched_groups"):
         _signs("sched_groups", rows, found)
         for column, enum_type in schema.ENUM_COLUMNS["sched_groups"] if codes else ():
             unknown = ~np.isin(rows[column], [int(v) for v in enum_type])
@@ -171,23 +171,24 @@ def _check_groups(trace: Trace, found: _Found, sched_keys: np.ndarray,
         if (i := found.first("sched_groups.step", ~_isin_sorted(_step_key(rows), sched_keys)[0])) is not None:
             found.rules["sched_groups.step"] = (f"/sched_groups names a step absent from /sched (manager "
                                                 f"{rows['manager'][i]}, step {rows['step'][i]})")
-        keys.append(_group_key(rows))
-        totals.append(rows["blocks_total"])
-        per_block.append(rows["tokens_per_block"])
-    if not keys:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    key = np.concatenate(keys)
+        stop = start + rows.size
+        key[start:stop], total[start:stop], per_block[start:stop] = _group_key(rows), rows["blocks_total"], rows["tokens_per_block"]
     order = np.argsort(key, kind="stable")
-    k = key[order]
-    found.flag("sched_groups.unique", np.concatenate(([False], k[1:] == k[:-1])),
-               lambda i: f"/sched_groups repeats {_group_text(int(k[i]))}")
-    return k, np.concatenate(totals)[order], np.concatenate(per_block)[order]
+    key = key[order]
+    found.flag("sched_groups.unique", np.concatenate(([False], key[1:] == key[:-1])),
+               lambda i: f"/sched_groups repeats {_group_text(int(key[i]))}")
+    return key, total[order], per_block[order]
 
 
 def _check_blocks(trace: Trace, found: _Found, gkeys: np.ndarray, gtotal: np.ndarray, gtpb: np.ndarray,
                   ids: np.ndarray | None) -> None:
-    keys, requests = [], []
-    for rows in _rows(trace, "blocks"):
+    """Row rules of /blocks. A row's (manager, step, group) is replaced by the index of its /sched_groups
+    row, so that one int64 (index << 32 | request) per row finds repeated rows: 8 bytes a row, sorted
+    in place (a /blocks within the reader's limit holds up to ~10^7 rows per 256 MiB)."""
+    n = trace.nrows("blocks")
+    row_key = np.empty(n, np.int64)
+    filled = 0
+    for _, rows in _rows(trace, "blocks"):
         found.flag("blocks.shared", rows["blocks_shared"] > rows["blocks"],
                    lambda i: "/blocks has rows sharing more blocks than they hold")
         key = _group_key(rows)
@@ -207,14 +208,15 @@ def _check_blocks(trace: Trace, found: _Found, gkeys: np.ndarray, gtotal: np.nda
         if found.first("blocks.request", orphan) is not None:
             found.rules["blocks.request"] = ("/blocks names requests absent from /requests: "
                                              f"{np.unique(rows['request'][orphan])[:8].tolist()}")
-        keys.append(key)
-        requests.append(rows["request"])
-    if keys:
-        key, req = np.concatenate(keys), np.concatenate(requests)
-        order = np.lexsort((req, key))
-        k, r = key[order], req[order]
-        same = np.concatenate(([False], (k[1:] == k[:-1]) & (r[1:] == r[:-1])))
-        found.flag("blocks.unique", same, lambda i: f"/blocks repeats request {r[i]} at {_group_text(int(k[i]))}")
+        mine = (j[hit].astype(np.int64) << 32) | rows["request"][hit]  # rows of unknown groups: flagged above
+        row_key[filled : filled + mine.size] = mine
+        filled += mine.size
+    row_key = row_key[:filled]
+    row_key.sort()  # in place
+    same = row_key[1:] == row_key[:-1]
+    if (i := found.first("blocks.unique", same)) is not None:
+        k = int(row_key[i])
+        found.rules["blocks.unique"] = f"/blocks repeats request {k & 0xFFFFFFFF} at {_group_text(int(gkeys[k >> 32]))}"
 
 
 def _check_events(rows: np.ndarray, ids: np.ndarray | None, found: _Found) -> None:

@@ -33,7 +33,7 @@ import pytest
 from cli_run import run_main
 
 from kvtrace import exitcodes
-from kvtrace.format import Trace
+from kvtrace.format import Trace, schema
 
 # A numpy warning would print lines of its own on stderr in a real process: here it fails the test (exit 70).
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -482,3 +482,24 @@ def test_a_killed_serving_recording_stays_valid(tmp_path, capsys, attempt):
                                                                           str(tmp_path / "k.prom")]):
         rc, out, err = run_main(argv, capsys)
         assert rc == 0, (argv, err)
+
+
+# ---- memory ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("table", ["blocks", "sched_groups"])
+def test_a_serving_table_at_the_decode_limit_is_checked_in_bounded_memory(clean, tmp_path, table):
+    """A serving table grown to just under the reader's decode limit with unwritten (zero) rows, in a
+    file of ~70 KiB (10^7 /blocks rows): the rules keep 8 bytes a row and sort in place, so validate,
+    info and analyze refuse it within the 512 MiB of spec §9 (776 MiB for /blocks when the rules kept
+    the rows' keys in lists and sorted copies)."""
+    from test_hostile import measured  # the fresh-process peak-memory probe of the hostile-file tests
+
+    dtype = {"blocks": schema.BLOCKS, "sched_groups": schema.SCHED_GROUPS}[table]
+    trace = H.damaged(clean["serving"], tmp_path / "big.kvt.h5", H.grow(table, (256 << 20) // dtype.itemsize - 10))
+    assert trace.stat().st_size < 1 << 20
+    for command in ("validate", "info", "analyze"):
+        r = measured(command, str(trace))
+        assert r["rc"] == exitcodes.INVALID and "Traceback" not in r["err"], r
+        assert f"/{table}" in r["err"].splitlines()[0]
+        assert r["peak"] < 512 << 20, (command, r["peak"])
