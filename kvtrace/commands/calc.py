@@ -281,12 +281,13 @@ def _rank_check(rs: Any, plan: Any) -> dict[str, Any]:
 
 
 def _format_rank_check(rc: dict[str, Any]) -> str:
+    from kvtrace.analyzer.ranks import ranks_text
     from kvtrace.units import format_bytes
 
     lines = [f"  rank check: --tp {rc['tp']} against run {rc['run_id']} (world size {rc['world_size']}): "
              + ("agrees" if rc["agrees"] else "DIFFERS")]
     if rc["missing_ranks"]:
-        lines.append(f"    rank trace(s) {', '.join(map(str, rc['missing_ranks']))} not given")
+        lines.append(f"    rank trace(s) {ranks_text(rc['missing_ranks'])} not given")
     for r in rc["ranks"]:
         got = format_bytes(r["measured_bytes"]) if r["measured_bytes"] is not None else "?"
         want = format_bytes(r["predicted_bytes"]) if r["predicted_bytes"] is not None else "?"

@@ -226,6 +226,10 @@ def test_rank_set_with_a_missing_rank_names_at_most_16(clean, tmp_path, capsys):
     assert line.endswith(f"2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, ... ({(1 << 20) - 2} in all)")
     rc, out, err = run_main(["analyze", str(trace), str(other)], capsys)
     assert rc == 0 and len(err) < 2000, err
+    rc, out, err = run_main(["calc", "--trace", str(trace), "--trace", str(other), "--context", "32k",
+                             "--gpu-memory", "80GiB"], capsys)
+    assert rc == 0 and len(out) < 5000, len(out)  # 8.3 MB when every missing rank was listed
+    assert f"... ({(1 << 20) - 2} in all) not given" in out
 
 
 # ---- real processes -----------------------------------------------------------------------------------
