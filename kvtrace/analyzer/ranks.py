@@ -290,7 +290,7 @@ def group(members: Sequence[RankTrace]) -> list[RankSet]:
 
 def ranks_text(ranks: Sequence[int], limit: int = 16) -> str:
     """'2, 3, 5' for the lines that name ranks; past `limit` the rest is counted (a world may hold
-    up to 2^20 ranks: one line never lists them all)."""
+    up to 2^16 ranks, spec §3.1: one line never lists them all)."""
     text = ", ".join(str(r) for r in ranks[:limit])
     return text + (f", ... ({len(ranks)} in all)" if len(ranks) > limit else "")
 

@@ -108,4 +108,4 @@ def render(result: RankSetResult, console: Console, *, show_info: bool = True) -
     for f in sorted(result.findings, key=lambda f: -f.score):
         if f.severity == Severity.INFO and not show_info:
             continue
-        console.print(f"{f.severity.label:8s} {f.score:.2f} {f.detector}/{f.kind} ranks {f.ranks}: {f.message}")
+        console.print(f"{f.severity.label:8s} {f.score:.2f} {f.detector}/{f.kind} ranks [{ranks_text(f.ranks)}]: {f.message}")

@@ -8,13 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 MODES = ("device_map", "tensor_parallel")
-# Ranks, group sizes and KV-head counts: larger than any machine built (the largest clusters hold
-# ~10^5 GPUs; a model's KV heads per layer are at most a few hundred). A larger value is damage,
-# and a consumer that lists the missing ranks of such a world would not finish.
-MAX_COUNT = 1 << 20
-# key -> smallest valid value
-INTS = {"world_size": 1, "process_group_size": 1, "rank": 0, "local_rank": 0, "kv_heads_local": 1,
-        "kv_heads_total": 1}
+# key -> (smallest, largest) valid value. The largest are above any machine built: a tensor-parallel
+# group lives in one NVLink domain (72 GPUs in the largest racks sold), a host holds a few dozen GPUs,
+# a model's KV heads per layer are at most a few hundred, the largest clusters hold ~10^5 GPUs. A
+# larger value is damage; a consumer that lists the missing ranks of a world of 10^12 would not finish.
+INTS = {"world_size": (1, 1 << 16), "rank": (0, 1 << 16), "local_rank": (0, 1 << 16),
+        "kv_heads_local": (1, 1 << 16), "kv_heads_total": (1, 1 << 16), "process_group_size": (1, 1 << 24)}
 MAX_STRING = 256  # run_id, backend: the recorder writes at most 128 characters
 STRINGS = ("backend", "run_id")
 MAPS = ("tp_plan", "device_map")  # name -> string
@@ -32,19 +31,19 @@ def parallel_problems(par: Any, *, newer_minor: bool = False) -> list[str]:
     elif mode not in MODES and not newer_minor:
         out.append(f"{where} mode {mode[:40]!r} is not one of {', '.join(MODES)}")
     ints = {}
-    for key, low in INTS.items():
+    for key, (low, high) in INTS.items():
         if key not in par:
             continue
         v = par[key]
         if isinstance(v, bool) or not isinstance(v, int):
             out.append(f"{where} {key} must be an integer")
-        elif not low <= v <= MAX_COUNT:
-            out.append(f"{where} {key} {_short(v)} is not in [{low}, {MAX_COUNT}]")
+        elif not low <= v <= high:
+            out.append(f"{where} {key} {_short(v)} is not in [{low}, {high}]")
         else:
             ints[key] = v
     if "rank" in ints and "world_size" in ints and ints["rank"] >= ints["world_size"]:
         out.append(f"{where} rank {ints['rank']} is not below world_size {ints['world_size']}")
-    if ints.get("kv_heads_local", 0) > ints.get("kv_heads_total", MAX_COUNT):
+    if "kv_heads_local" in ints and "kv_heads_total" in ints and ints["kv_heads_local"] > ints["kv_heads_total"]:
         out.append(f"{where} kv_heads_local {ints['kv_heads_local']} exceeds kv_heads_total {ints['kv_heads_total']}")
     for key in STRINGS:
         if key in par and not (isinstance(par[key], str) and len(par[key]) <= MAX_STRING):

@@ -49,7 +49,7 @@ def render(result: RankSetResult, pages: dict[int, Path], out_html: str | os.Pat
           verdict[r["adds_up"]]] for r in d["requests"]], numeric=(0, 2, 3)))
     found = html.Section("rank-findings", "rank_balance findings", body=[html.table(
         ["severity", "score", "kind", "ranks", "finding"],
-        [[f.severity.label, f"{f.score:.2f}", f.kind, ", ".join(map(str, f.ranks)), f.message]
+        [[f.severity.label, f"{f.score:.2f}", f.kind, ranks_text(f.ranks), f.message]
          for f in sorted(result.findings, key=lambda f: -f.score)], numeric=(1,))])
     page = html.render(f"kvtrace report: tensor-parallel run {d['run_id']}",
                        [f"world size {d['world_size']}, ranks {', '.join(map(str, d['ranks_present']))}"],
