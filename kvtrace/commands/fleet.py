@@ -115,7 +115,8 @@ def _print_table(title: str, columns: list[str], rows: list[tuple[Any, ...]]) ->
 @click.option("--group-by", "group_by", default="", metavar="KEYS",
               help="Comma-separated columns of the traces view, e.g. model_type,transformers_version.")
 @click.option("--sql", default=None, metavar="QUERY",
-              help="Run QUERY against the views (traces, requests, steps, kv, events, findings, telemetry, ...).")
+              help="Run QUERY, one statement that reads (SELECT, WITH, DESCRIBE...; nothing that writes), against "
+                   "the views (traces, requests, steps, kv, events, findings, telemetry, ...).")
 @json_options
 @guarded
 def summary(directory: str, group_by: str, sql: str | None, as_json: bool, json_out: str | None) -> None:
