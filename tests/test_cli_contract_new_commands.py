@@ -72,9 +72,10 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         shutil.copyfile(src, f[name])
         with h5py.File(f[name], "r+") as h:
             h.attrs["format_major"], h.attrs["format_version"] = 9, "9.0"
-    for name, change in (("r1other", {"run_id": "another-run"}), ("r1world3", {"world_size": 3})):
-        f[name] = d / f"{name}.rank1.kvt.h5"  # rank 1 of another run / of a world of 3
-        shutil.copyfile(RANKS[1], f[name])
+    for name, change, src in (("r1other", {"run_id": "another-run"}, RANKS[1]), ("r0other", {"run_id": "another-run"},
+                              RANKS[0]), ("r1world3", {"world_size": 3}, RANKS[1])):
+        f[name] = d / f"{name}.rank{name[1]}.kvt.h5"  # a rank of another run / of a world of 3
+        shutil.copyfile(src, f[name])
         with h5py.File(f[name], "r+") as h:
             h["meta"].attrs["parallel_json"] = json.dumps({**json.loads(h["meta"].attrs["parallel_json"]), **change})
     f["trunc"] = d / "trunc.kvt.h5"
@@ -238,6 +239,8 @@ DIFF_WHATIF = [
     (["diff", "{a}", "{wb}", "--json-out", "{a}"], exitcodes.USAGE, "is also an input"),
     (["diff", "{wa}", "{wb}", "--json-out", "{b}"], exitcodes.USAGE, "existing trace"),
     (["diff", "{wa}"], exitcodes.USAGE, "give two traces"),
+    (["diff", "{r0}", "{r1}", "{r0other}", "{r1other}", "--whatif", "knorm"], exitcodes.USAGE,
+     "not the rank traces of tensor-parallel runs"),  # --whatif was ignored without a word
     *[(["diff", f"{{{name}}}", "{wa}"], exitcodes.INVALID, f"{name}.json: not a valid what-if document")
       for name in MALFORMED if name != "w_unknown"],
     (["diff", "{a}", "{w_strbytes}"], exitcodes.INVALID, "not a valid what-if document (policies[0].results[0].bytes"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from kvtrace.commands.common import guarded
-from kvtrace.commands.diff_whatif import whatif_options, whatif_part
+from kvtrace.commands.diff_whatif import whatif_asked, whatif_options, whatif_part
 from kvtrace.commands.outputs import check_json_out, json_options, write_json
 
 
@@ -42,6 +42,9 @@ def diff(traces: tuple[str, ...], as_json: bool, json_out: str | None, all_layer
     from kvtrace.analyzer import rank_diff
 
     if rank_diff.is_rank_diff(traces):
+        if whatif_asked():  # was ignored without a word
+            raise click.UsageError("--whatif/--whatif-ratio compare two traces (or saved what-if documents), not "
+                                   "the rank traces of tensor-parallel runs; give one rank trace of each run")
         ranked = rank_diff.diff_rank_sets(traces)
         write_json(ranked.to_dict(), json_out, as_json=as_json)
         if not as_json:

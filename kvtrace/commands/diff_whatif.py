@@ -36,6 +36,12 @@ def whatif_options(fn: F) -> F:
                         "with its policies and ratios).")(fn)
 
 
+def whatif_asked() -> bool:
+    """Whether --whatif or --whatif-ratio is on the command line."""
+    opts = click.get_current_context().meta.get(_KEY, {})
+    return bool(opts.get("policies") or opts.get("ratio"))
+
+
 @dataclass
 class WhatIfPart:
     doc: dict[str, Any]
