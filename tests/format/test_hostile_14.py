@@ -31,6 +31,9 @@ import hostile14_traces as H
 import numpy as np
 import pytest
 from cli_run import run_main
+from hypothesis import HealthCheck, given, settings
+from hypothesis import event as note_case
+from hypothesis import strategies as st
 
 from kvtrace import exitcodes
 from kvtrace.format import Trace, schema
@@ -512,3 +515,54 @@ def test_a_serving_table_at_the_decode_limit_is_checked_in_bounded_memory(clean,
         assert r["rc"] == exitcodes.INVALID and "Traceback" not in r["err"], r
         assert f"/{table}" in r["err"].splitlines()[0]
         assert r["peak"] < 512 << 20, (command, r["peak"])
+
+
+# ---- property: validate and the consumers agree ------------------------------------------------------
+
+INTERESTING = (-2**63, -2**31, -2, -1, 0, 1, 2, 7, 15, 16, 17, 63, 64, 65, 2**31, 2**32 - 1, 2**53, 2**62, 2**63 - 1)
+
+
+def _fits(dtype: np.dtype, value: int) -> bool:
+    info = np.iinfo(dtype)
+    return info.min <= value <= info.max
+
+
+@st.composite
+def serving_mutation(draw: st.DrawFn) -> tuple[str, H.Damage]:
+    """One value of a serving table, or one more serving event, set to an interesting integer."""
+    if draw(st.booleans()):
+        kind = draw(st.integers(16, 22))
+        value, request = draw(st.sampled_from(INTERESTING)), draw(st.sampled_from((-2, -1, 0, 1, 2, 99)))
+        return f"event kind {kind} value {value} request {request}", H.event(kind, value, request)
+    table = draw(st.sampled_from(("sched", "sched_groups", "blocks")))
+    dtype = {"sched": schema.SCHED, "sched_groups": schema.SCHED_GROUPS, "blocks": schema.BLOCKS}[table]
+    column = draw(st.sampled_from([n for n in dtype.names if dtype[n].kind in "iu"]))
+    value = draw(st.sampled_from([v for v in INTERESTING if _fits(dtype[column], v)]))
+    row = draw(st.integers(0, 7))
+    return f"/{table} {column}[{row}] = {value}", H.set_rows(table, column, value, [row])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mutation=serving_mutation())
+def test_validate_and_every_consumer_agree_on_mutated_serving_values(clean, tmp_path_factory, capsys, mutation):
+    """Whatever one value of /sched, /sched_groups, /blocks or a serving event is set to: no command
+    crashes; a trace validate calls valid passes every command (and no detector errors on it); one it
+    calls invalid is refused with 1 by every command that reads the serving parts, and calc answers."""
+    what, damage = mutation
+    d = tmp_path_factory.mktemp("mut")
+    trace = H.damaged(clean["serving"], d / "m.kvt.h5", damage)
+    argvs = {"validate": ["validate", str(trace)], "info": ["info", "--json", str(trace)],
+             "analyze": ["analyze", "--json", str(trace)],
+             "prometheus": ["export", "prometheus-textfile", str(trace), "-o", str(d / "k.prom")],
+             "calc": ["calc", "--trace", str(trace), "--context", "32k", "--gpu-memory", "80GiB"]}
+    results = {name: run_main(argv, capsys) for name, argv in argvs.items()}
+    for name, (rc, out, err) in results.items():
+        assert rc in (0, 1) and "Traceback" not in out + err and "internal error" not in err, (what, name, rc, err)
+    valid = results["validate"][0] == 0
+    note_case("validate: valid" if valid else "validate: invalid")  # both reached: --hypothesis-show-statistics
+    for name in ("info", "analyze", "prometheus"):
+        assert results[name][0] == (0 if valid else 1), (what, name, results[name][2], results["validate"][1])
+    assert results["calc"][0] == 0, (what, results["calc"][2])
+    if valid:
+        doc = json.loads(results["analyze"][1])
+        assert not [r for r in doc["reports"][0]["detectors"] if r["status"] == "error"], (what, doc)
