@@ -193,6 +193,14 @@ WHATIF = [
     (["whatif"], exitcodes.USAGE, "give a TRACE"),
     (["whatif", "{a}", "--rerun", "preset:llama-3.1-8b"], exitcodes.USAGE, "go together"),
     (["whatif", "{a}", "--tiny"], exitcodes.USAGE, "--tiny only applies"),
+    # options of a part that does not run were ignored without a word
+    (["whatif", "{a}", "--max-tokens", "5"], exitcodes.USAGE, "--max-tokens only applies with --rerun"),
+    (["whatif", "{a}", "--rerun-prefill", "2", "--rerun-device", "cpu"], exitcodes.USAGE,
+     "--rerun-prefill/--rerun-device only apply with --rerun"),
+    (["whatif", "--rerun", "preset:llama-3.1-8b", "--tiny", "--text", "{text}", "--steps", "all"], exitcodes.USAGE,
+     "--steps only applies with TRACE"),
+    (["whatif", "--rerun", "preset:llama-3.1-8b", "--tiny", "--text", "{text}", "--device", "cpu"], exitcodes.USAGE,
+     "--device only applies with TRACE"),
     # --rerun MODEL is checked as `record --model` and `serve MODEL` check it, before any replay
     (["whatif", "{a}", "--rerun", "{dir}/no/such/model", "--text", "{text}"], exitcodes.USAGE,
      "--rerun: {dir}/no/such/model: no such model directory"),
@@ -276,6 +284,8 @@ FLEET = [
     (["fleet", "{fleet}", "--sql", "SELEC 1"], exitcodes.USAGE, "syntax error"),
     (["fleet", "{fleet}", "--sql", "SELECT nope FROM traces"], exitcodes.USAGE, "query failed"),
     (["fleet", "{fleet}", "--group-by", "no_such_key"], exitcodes.USAGE, "unknown group key"),
+    (["fleet", "{fleet}", "--sql", "SELECT 1", "--group-by", "model_type"], exitcodes.USAGE,
+     "with --sql, group in QUERY"),  # --group-by was ignored without a word
     (["fleet", "{fleet}", "--json-out", "{fleet}/traces.parquet"], exitcodes.USAGE, "inside the fleet directory"),
     (["fleet", "{fleet}", "--json-out", "{a}"], exitcodes.USAGE, "existing trace"),
     (["fleet", "{fleet}", "--json-out", "{dir}/no/such/f.json"], exitcodes.CANNOT_WRITE, "does not exist"),

@@ -126,6 +126,8 @@ def summary(directory: str, group_by: str, sql: str | None, as_json: bool, json_
     _outside(directory, ("--json-out", json_out))
     (query,) = fleet_modules("query")
     if sql is not None:
+        if group_by:  # was ignored without a word
+            raise click.UsageError("--group-by groups the summary; with --sql, group in QUERY (GROUP BY)")
         _read_only(sql)
     con = _connect(directory, query.tables_named(sql) if sql is not None else query.SUMMARY_TABLES)
     keys = [k.strip() for k in group_by.split(",") if k.strip()]

@@ -23,6 +23,21 @@ def _ratios(text: str, option: str | None = None) -> list[float]:
     return vals
 
 
+def _check_unused(trace: str | None, rerun_model: str | None) -> None:
+    """An option given on the command line for a part that does not run is a usage error (it was
+    ignored without a word): the --rerun options without --rerun, the trace options without TRACE."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    given = [p for p in ctx.command.params if isinstance(p, click.Option) and p.name is not None
+             and ctx.get_parameter_source(p.name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)]
+    for part, missing, names in (("--rerun", rerun_model is None, ("max_tokens", "rerun_prefill", "rerun_device")),
+                                 ("TRACE", trace is None, ("steps", "device"))):
+        unused = [p.opts[0] for p in given if p.name in names]
+        if missing and unused:
+            raise click.UsageError(f"{'/'.join(unused)} only appl{'ies' if len(unused) == 1 else 'y'} with {part}")
+
+
 def _check_rerun(model: str, device: str) -> str:
     """--rerun MODEL as `record --model` checks it (a missing directory: 64; a hub id not in the
     cache: 69) and --rerun-device resolved (cuda without a GPU: 69), before the replay runs."""
@@ -95,6 +110,7 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_t
         raise click.UsageError("--rerun MODEL and --text FILE go together")
     if tiny and rerun_model is None:
         raise click.UsageError("--tiny only applies to --rerun preset:NAME")
+    _check_unused(trace, rerun_model)
     check_json_out(json_out, [p for p in (trace, text_file) if p])
     rerun_dev = _check_rerun(rerun_model, rerun_device) if rerun_model is not None else rerun_device
     doc: dict[str, Any] = {"trace": trace}
