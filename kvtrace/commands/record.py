@@ -189,6 +189,8 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
     config = model_config_dict(model_spec, layers=layers, width=width, vocab=vocab)
     if config is not None:
         check_sample_selection(config, layer_list, head_list)
+        if tp_plan is not None:
+            _check_tp_split(config)
     check_metrics_options(prometheus, prometheus_textfile, [prompts_file] if prompts_file else [])
     try:
         from kvtrace.recorder.session import (
@@ -280,6 +282,29 @@ def _tensor_parallel_rank(tp_plan: str | None, prometheus: str | None, prometheu
         raise click.UsageError("--prometheus/--prometheus-textfile with --tp-plan: every rank would serve or write "
                                "the same metrics; record the ranks without them")
     return ranks[0]
+
+
+def _check_tp_split(config: dict[str, Any]) -> None:
+    """Tensor parallel splits every layer's attention heads and KV heads (not an MLA latent) over the
+    ranks: a world size that does not divide them is refused before the load (it loaded, then
+    generate failed in a reshape on every rank)."""
+    from kvtrace import geometry
+    from kvtrace.loading import torchrun_rank
+
+    ranks = torchrun_rank()
+    if ranks is None:
+        return
+    try:
+        layers = geometry.layer_geometries(config)
+    except ValueError:  # a layout the geometry does not model: transformers decides
+        return
+    world = ranks[1]
+    heads = sorted({n for g in layers if g.kind not in ("no_kv", "shared_consumer")
+                    for n in ((g.num_attention_heads,) if g.kind == "latent" else (g.num_attention_heads, g.num_kv_heads))
+                    if n and n % world})
+    if heads:
+        raise click.BadParameter(f"{world} ranks do not split the model's heads evenly ({', '.join(map(str, heads))} "
+                                 "heads in a layer); use a world size that divides them", param_hint="--tp-plan")
 
 
 def _rank_output(output: str, rank: int) -> str:

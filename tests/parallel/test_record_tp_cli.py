@@ -111,3 +111,19 @@ def test_tp_plan_checks_this_ranks_file_and_refuses_metrics(tmp_path, capsys, mo
     code, _, err = run_main([*BASE, "-o", str(tmp_path / "other.kvt.h5"), "--prometheus-textfile",
                              str(tmp_path / "m.prom")], capsys)
     assert code == exitcodes.USAGE and "--tp-plan" in err, err
+
+
+def test_world_size_not_dividing_the_heads_is_64(tmp_path, capsys, monkeypatch):
+    """3 ranks over llama-3.1-8b's 8 KV / 32 attention heads: refused before the load (it loaded,
+    then generate failed in a reshape on every rank: exit 70 three times)."""
+    import kvtrace.commands.record as rec_cmd
+
+    monkeypatch.setattr(rec_cmd, "load_model", _never)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    code, _, err = run_main([*BASE, "-o", str(tmp_path / "run.kvt.h5")], capsys)
+    assert code == exitcodes.USAGE and "3 ranks do not split the model's heads evenly (8, 32" in err, err
+    monkeypatch.setenv("WORLD_SIZE", "4")  # the control: 4 divides both (the load is reached)
+    _, _, err = run_main([*BASE, "-o", str(tmp_path / "run.kvt.h5")], capsys)
+    assert "the model was loaded" in err  # _never's own failure, past every check
