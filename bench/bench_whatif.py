@@ -11,13 +11,11 @@ Rows:
          Eager: kernels.whatif.keep_measures_reference in fp32 -- the straightforward torch: the
          scores [B, Hq, Tq, T] materialised once, then a masked softmax, a mass sum and p @ V per
          keep-set (TF32 off). Goal (issue 17): >= 10x eager at 32k keys, memory O(rows).
-         The kernel time is the whole keep_measures_triton call on the fp32 inputs: the grid
-         check launch (bf16-grid and position bounds), allocations, the key pass (a bf16 and an
-         fp32 variant, each gated on the check's flags on the device), the split-merge launch and
-         the one host sync. More columns say where it goes: "prep" = the same call on inputs already
+         The kernel time is the whole keep_measures_triton call on the fp32 inputs: the bf16-grid
+         and position checks (one host sync), allocations, the key pass and the split-merge
+         launch. Two more columns say where it goes: "prep" = the same call on inputs already
          converted by as_bf16_if_exact (what the replay's per-unit cache passes), "launch" = the
-         key-pass and merge launches alone on buffers allocated and checked beforehand (no sync),
-         "device" = the GPU time of the whole call
+         two kernels alone on buffers allocated beforehand, "device" = the GPU time of the whole call
          (summed kernel durations from the torch profiler: the rest of "kernel ms" is host time the
          GPU waited for).
   quant  MSE + cosine per head of a quantise-dequantise round trip of one layer's K or V

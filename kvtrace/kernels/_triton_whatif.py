@@ -38,6 +38,8 @@ The interpreter computes in numpy fp32 throughout.
 
 from __future__ import annotations
 
+from functools import cache
+
 import triton
 import triton.language as tl
 
@@ -167,26 +169,13 @@ def _program(Q, K, V, QPOS, vq, valid, Hq, Tq, Tk, GROUP, D, DV, k_start, window
     return head, pos, out_row, q, k_base, v_base, lo, hi, offs_d, d_valid, offs_dv, dv_valid
 
 
-@triton.jit
-def _gate_open(FLAGS, n_flags, GATE: tl.constexpr, FLAG_BLOCK: tl.constexpr):
-    """Whether this launch is the one the grid check chose: ``GATE`` 1 when no checked tensor has
-    a value off the bf16 grid (the bf16 variant), 2 when one has (the fp32 variant); 0 launches are
-    not gated. Both variants are launched without a host sync; the closed one skips its key loop
-    and its stores."""
-    offs = tl.arange(0, FLAG_BLOCK)
-    off_grid = tl.max(tl.load(FLAGS + offs, mask=offs < n_flags, other=0) & 14, axis=0)
-    if GATE == 1:
-        return off_grid == 0
-    return off_grid != 0
-
-
 @triton.jit(do_not_specialize=["Tq", "Tk", "S", "k_start", "window", "keys_per_split"])
 def _keep_packed_kernel(
-    Q, K, V, KEEP, QPOS, PM, PL, PACC, FLAGS,
-    Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits, n_flags,
+    Q, K, V, KEEP, QPOS, PM, PL, PACC,
+    Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr,
     PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, CAST_Q: tl.constexpr, CAST_K: tl.constexpr,
-    CAST_V: tl.constexpr, ROUNDED: tl.constexpr, GATE: tl.constexpr, FLAG_BLOCK: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAST_V: tl.constexpr, ROUNDED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Few queries (a decode step): rows are dense (set, query head of the group, query) triples,
@@ -199,10 +188,6 @@ def _keep_packed_kernel(
     head, pos, out_row, q, k_base, v_base, lo, hi, offs_d, d_valid, offs_dv, dv_valid = _program(
         Q, K, V, QPOS, i % nvq, valid, Hq, Tq, Tk, GROUP, D, DV, k_start, window, keys_per_split, CAUSAL,
         HAS_WINDOW, CAST_Q, DOT_F32, BLOCK_N, BLOCK_D, BLOCK_DV)
-    if GATE != 0:
-        open_ = _gate_open(FLAGS, n_flags, GATE, FLAG_BLOCK)
-        hi = tl.where(open_, hi, lo)
-        valid = tl.where(open_, valid, False)
     # Set 0 keeps every key and has no row in KEEP (set s > 0 reads KEEP[s - 1]).
     keep_row = KEEP + ((row_s - 1).to(tl.int64) * tl.num_programs(1) + head) * Tk
     has_keep = valid & (row_s > 0)
@@ -270,11 +255,11 @@ def _pv_sets(acc, p, kept, v, SETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "S", "k_start", "window", "keys_per_split"])
 def _keep_shared_kernel(
-    Q, K, V, KEEP, QPOS, PM, PL, PACC, FLAGS,
-    Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits, n_flags,
+    Q, K, V, KEEP, QPOS, PM, PL, PACC,
+    Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr,
     PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, CAST_Q: tl.constexpr, CAST_K: tl.constexpr,
-    CAST_V: tl.constexpr, ROUNDED: tl.constexpr, GATE: tl.constexpr, FLAG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, SETS: tl.constexpr,
+    CAST_V: tl.constexpr, ROUNDED: tl.constexpr, BLOCK_M: tl.constexpr, SETS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Many queries: BLOCK_M query rows (of the KV head's query heads) score a key block once and
@@ -292,10 +277,6 @@ def _keep_shared_kernel(
         HAS_WINDOW, CAST_Q, DOT_F32, BLOCK_N, BLOCK_D, BLOCK_DV)
     sets = (tl.program_id(0) // n_mblocks) * SETS + tl.arange(0, SETS)
     s_valid = sets < S
-    if GATE != 0:
-        open_ = _gate_open(FLAGS, n_flags, GATE, FLAG_BLOCK)
-        hi = tl.where(open_, hi, lo)
-        s_valid = tl.where(open_, s_valid, False)
     keep_base = KEEP + ((sets - 1).to(tl.int64) * tl.num_programs(1) + head) * Tk
     has_keep = s_valid & (sets > 0)  # set 0: every key
 
@@ -329,41 +310,22 @@ def _keep_shared_kernel(
     tl.store(PACC + out1[:, None] * DV + offs_dv[None, :], acc, mask=ok1[:, None] & dv_valid[None, :])
 
 
-# Tiles measured best on an H200 at 32k keys (sweeps of 10-13 each, bench/results/whatif_*), per
-# kernel and QK operand type; the next ones where a GPU has too little shared memory for the first.
-# (ROWS, BLOCK_N, warps, stages) of the packed kernel; (BLOCK_M, SETS, BLOCK_N, warps, stages) of
-# the shared one. No autotuning: the gated launches below may run closed, and a tuner timing a
-# closed launch would pick at random.
-_TILES = {
-    ("packed", True): [(64, 32, 4, 3), (64, 32, 4, 2), (16, 64, 4, 2)],  # 16-bit QK: 198 us
-    ("packed", False): [(16, 64, 4, 2), (16, 64, 4, 3), (64, 32, 4, 2)],  # 3xTF32 QK
-    ("shared", True): [(32, 2, 64, 4, 2), (16, 4, 64, 4, 2), (16, 4, 32, 4, 1)],  # 4.0 ms at 64 queries
-    ("shared", False): [(32, 4, 64, 8, 2), (64, 2, 64, 8, 2), (16, 4, 32, 4, 1)],  # 10.0 ms
-}
-_CHOSEN: dict[tuple, tuple] = {}  # the first tile that compiled, per kernel, operand type and head dims
+def _packed_configs() -> list:
+    """(ROWS, BLOCK_N, warps, stages) for the few-query kernel (the best on an H200 at 32k keys:
+    bf16 64 x 32 with 3 stages, fp32 16 x 64 with 2)."""
+    specs = [(64, 32, 4, 3), (64, 32, 4, 2), (16, 64, 4, 2), (64, 128, 4, 1), (16, 64, 4, 3), (32, 128, 4, 1)]
+    return [triton.Config({"ROWS": r, "BLOCK_N": bn}, num_warps=w, num_stages=st) for r, bn, w, st in specs]
 
 
-def _tile_meta(kind: str, tile: tuple) -> dict:
-    if kind == "packed":
-        return dict(ROWS=tile[0], BLOCK_N=tile[1], num_warps=tile[2], num_stages=tile[3])
-    return dict(BLOCK_M=tile[0], SETS=tile[1], BLOCK_N=tile[2], num_warps=tile[3], num_stages=tile[4])
-
-
-def _launch(kind: str, bf16_qk: bool, grid, args, flags) -> None:
-    """Launch the ``kind`` keep kernel with its first tile that fits this GPU (cached)."""
-    kernel = _keep_packed_kernel if kind == "packed" else _keep_shared_kernel
-    key = (kind, bf16_qk, flags["BLOCK_D"], flags["BLOCK_DV"])
-    tiles = [_CHOSEN[key]] if key in _CHOSEN else _TILES[(kind, bf16_qk)]
-    for i, tile in enumerate(tiles):
-        meta = _tile_meta(kind, tile)
-        try:
-            kernel[grid(meta)](*args, **flags, **meta)
-        except triton.runtime.errors.OutOfResources:  # raised compiling, before anything ran
-            if i == len(tiles) - 1:
-                raise
-            continue
-        _CHOSEN[key] = tile
-        return
+def _shared_configs() -> list:
+    """(BLOCK_M, SETS, BLOCK_N, warps, stages) for the many-query kernel: 64-128 stacked rows of
+    fp32 state against 64 keys a step (the best of 13 on an H200 at 32k keys, 64 queries). fp32 inputs (the replay's) take 3xTF32 dots, whose
+    operand splits need up to ~200 KiB of shared memory at D = 128 (AOT-compiled for sm_90): small
+    tiles and one stage are offered too, and the autotuner skips what does not fit."""
+    specs = [(32, 2, 64, 4, 2), (128, 1, 64, 8, 2), (16, 4, 64, 4, 2), (32, 4, 64, 8, 2), (64, 2, 64, 8, 2),
+             (16, 8, 64, 8, 2), (64, 2, 64, 4, 3), (128, 1, 64, 8, 3)]
+    return [triton.Config({"BLOCK_M": bm, "SETS": sets, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+            for bm, sets, bn, w, st in specs]
 
 
 def packed(group: int, Tq: int) -> bool:
@@ -371,23 +333,29 @@ def packed(group: int, Tq: int) -> bool:
     return group * Tq < 16
 
 
+# Tuned once per head dims and path (the tensors' dtypes, which the autotuner adds to the key, do
+# not tell an fp32 tensor read as bf16 from one read as fp32): lengths hardly change the best tile.
+_TUNE_KEY = ["BLOCK_D", "BLOCK_DV", "CAST_Q", "CAST_K", "CAST_V", "PV_SPLIT", "PREC_QK"]
+
+
+@cache
+def _tuned(kind: str):
+    if kind == "packed":
+        return triton.autotune(configs=_packed_configs(), key=_TUNE_KEY)(_keep_packed_kernel)
+    return triton.autotune(configs=_shared_configs(), key=_TUNE_KEY)(_keep_shared_kernel)
+
+
 def split_unit() -> int:
     """Key splits must be a multiple of this (every BLOCK_N a launch may pick divides it)."""
     return INTERP_BLOCK_N if interpreting() else MAX_BLOCK_N
 
 
-GATE_ALWAYS, GATE_ON_GRID, GATE_OFF_GRID = 0, 1, 2
-FLAG_BLOCK = 512  # the grid check writes at most this many flags
-
-
-def run_keep(q, k, v, keep, qpos, pm, pl, pacc, flags, *, group, scale, k_start, window, causal,
-             keys_per_split, n_splits, n_sets, cast_q=False, cast_k=False, cast_v=False,
-             gate: int = GATE_ALWAYS) -> bool:
+def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window, causal,
+             keys_per_split, n_splits, n_sets, cast_q=False, cast_k=False, cast_v=False) -> bool:
     """Launch a keep-set kernel for ``n_sets`` sets: set 0 keeps every key, set s > 0 the keys of
     keep[s - 1]. q [B, Hq, Tq, D], k [B, Hk, T, D], v [B, Hk, T, Dv], keep int8 [n_sets - 1, B,
-    Hk, T] (all contiguous), qpos int64 [Tq] (|positions| < 2**29); pm/pl fp32 [n_sets * B * Hq *
-    Tq * n_splits], pacc fp32 [... * Dv] outputs. ``cast_*``: fp32 tensors holding bf16 values,
-    read as bf16. ``flags``: ``run_grid_check``'s, read by a launch ``gate``d on them. Returns
+    Hk, T] (all contiguous), qpos int64 [Tq] (|positions| < 2**29); pm/pl fp32 [n_sets * B * Hq * Tq * n_splits], pacc
+    fp32 [... * Dv] outputs. ``cast_*``: fp32 tensors holding bf16 values, read as bf16. Returns
     whether the shared-max kernel ran (its partial states need the finish kernel's underflow check)."""
     import torch
 
@@ -400,42 +368,37 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, flags, *, group, scale, k_start,
     # the tensor cores (exact products, fp32 sums); fp32 inputs and p @ V use 3xTF32.
     v_bf16 = v.dtype == torch.bfloat16 or cast_v
     q_bf16 = q.dtype == torch.bfloat16 or cast_q
-    bf16_qk = q.dtype != torch.float32 or cast_q
     dot_f32 = interpreting() and (q_bf16 or v_bf16)
-    prec_qk = "ieee" if interpreting() else ("tf32" if bf16_qk else "tf32x3")
+    prec_qk = "ieee" if interpreting() else ("tf32x3" if q.dtype == torch.float32 and not cast_q else "tf32")
     prec_pv = "ieee" if interpreting() else "tf32x3"
-    args = (q, k, v, keep, qpos, pm, pl, pacc, flags, Hq, Tq, Tk, S, group, D, DV, float(scale), int(k_start),
-            int(window or 0), keys_per_split, n_splits, flags.numel())
-    meta = dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, DOT_F32=dot_f32, PREC_QK=prec_qk,
-                PREC_PV=prec_pv, PV_SPLIT=v_bf16, CAST_Q=bool(cast_q), CAST_K=bool(cast_k), CAST_V=bool(cast_v),
-                ROUNDED=not interpreting(), GATE=gate, FLAG_BLOCK=FLAG_BLOCK, BLOCK_D=block_d, BLOCK_DV=block_dv)
+    args = (q, k, v, keep, qpos, pm, pl, pacc, Hq, Tq, Tk, S, group, D, DV, float(scale), int(k_start),
+            int(window or 0), keys_per_split, n_splits)
+    flags = dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, DOT_F32=dot_f32, PREC_QK=prec_qk,
+                 PREC_PV=prec_pv, PV_SPLIT=v_bf16, CAST_Q=bool(cast_q), CAST_K=bool(cast_k), CAST_V=bool(cast_v),
+                 ROUNDED=not interpreting(), BLOCK_D=block_d, BLOCK_DV=block_dv)
     nvq = group * Tq
-
-    def packed_grid(m):
-        return (triton.cdiv(S * nvq, m["ROWS"]), B * Hk, n_splits)
-
     if packed(group, Tq):
         if interpreting():
-            _keep_packed_kernel[packed_grid(dict(ROWS=INTERP_ROWS))](*args, **meta, ROWS=INTERP_ROWS,
-                                                                    BLOCK_N=INTERP_BLOCK_N)
-        else:
-            _launch("packed", bf16_qk, packed_grid, args, meta)
+            grid = (triton.cdiv(S * nvq, INTERP_ROWS), B * Hk, n_splits)
+            _keep_packed_kernel[grid](*args, **flags, ROWS=INTERP_ROWS, BLOCK_N=INTERP_BLOCK_N)
+            return False
+        _tuned("packed")[lambda meta: (triton.cdiv(S * nvq, meta["ROWS"]), B * Hk, n_splits)](*args, **flags)
         return False
     if interpreting():
         grid = (triton.cdiv(nvq, INTERP_BLOCK_M) * triton.cdiv(S, INTERP_SETS), B * Hk, n_splits)
-        _keep_shared_kernel[grid](*args, **meta, BLOCK_M=INTERP_BLOCK_M, SETS=INTERP_SETS, BLOCK_N=INTERP_BLOCK_N)
+        _keep_shared_kernel[grid](*args, **flags, BLOCK_M=INTERP_BLOCK_M, SETS=INTERP_SETS, BLOCK_N=INTERP_BLOCK_N)
         return True
     if not FALLBACKS:
         try:
-            _launch("shared", bf16_qk, lambda m: (triton.cdiv(nvq, m["BLOCK_M"]) * triton.cdiv(S, m["SETS"]), B * Hk,
-                                                  n_splits), args, meta)
+            _tuned("shared")[lambda meta: (triton.cdiv(nvq, meta["BLOCK_M"]) * triton.cdiv(S, meta["SETS"]), B * Hk,
+                                           n_splits)](*args, **flags)
             return True
         except Exception as exc:  # a compiler that rejects the 3-D tile: the packed kernel computes the same
             if "out of memory" in str(exc).lower():
                 raise
             FALLBACKS.append(f"shared-scores kernel unavailable ({type(exc).__name__}: {str(exc)[:200]}); "
                              "using the packed kernel for every query count")
-    _launch("packed", bf16_qk, packed_grid, args, meta)
+    _tuned("packed")[lambda meta: (triton.cdiv(S * nvq, meta["ROWS"]), B * Hk, n_splits)](*args, **flags)
     return False
 
 
@@ -599,32 +562,25 @@ def _grid_check_kernel(Q, K, V, POS, FLAGS, nq, nk, nv, n_pos, chunk, LIMIT: tl.
     tl.store(FLAGS + pid, flag)
 
 
-def run_grid_check(q, k, v, positions, limit: int, sms: int):
-    """Launch the grid check: per program a bitmask (int32 [<= FLAG_BLOCK] on the device, no sync)
-    -- 1: a position's magnitude >= limit, 2/4/8: q/k/v has a value off the bf16 grid. q, k, v:
-    contiguous, or None (not checked: not fp32); positions int64. ``flag_bits`` reads it."""
+def run_grid_check(q, k, v, positions, limit: int, sms: int) -> tuple[bool, bool, bool, bool]:
+    """(a position's magnitude >= limit, q / k / v off the bf16 grid) from one launch and one
+    device-to-host copy. q, k, v: contiguous, or None (not checked: not fp32); positions int64."""
     import torch
 
     views = [None if x is None or x.numel() == 0 else x.view(torch.int32) for x in (q, k, v)]
     ns = [0 if x is None else x.numel() for x in views]
     block = 16 if interpreting() else 1024
     biggest = max(*ns, 1)
-    # ~2 programs per SM over the largest tensor (at most FLAG_BLOCK), whole blocks each.
-    n_prog = max(1, min(FLAG_BLOCK, 2 * max(sms, 1), triton.cdiv(biggest, block)))
-    chunk = triton.cdiv(triton.cdiv(biggest, n_prog), block) * block
+    # ~4 programs per SM over the largest tensor, whole blocks each.
+    chunk = max(block, triton.cdiv(triton.cdiv(biggest, 4 * max(sms, 1)), block) * block)
     n_prog = triton.cdiv(biggest, chunk)
     flags = torch.empty(n_prog, dtype=torch.int32, device=positions.device)
     _grid_check_kernel[(n_prog,)](*(flags if x is None else x for x in views), positions, flags, *ns,
                                   positions.numel(), chunk, LIMIT=limit, BLOCK=block, num_warps=4)
-    return flags
-
-
-def flag_bits(flags) -> int:
-    """The grid check's bitmasks ORed (one device-to-host copy: a host sync)."""
     bits = 0
-    for f in flags.tolist():
+    for f in flags.tolist():  # the one host sync of a keep-set call
         bits |= f
-    return bits
+    return bool(bits & 1), bool(bits & 2), bool(bits & 4), bool(bits & 8)
 
 
 # Why a kernel was replaced by another in this process (empty: none was); the benchmark reports it.

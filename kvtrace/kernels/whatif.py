@@ -24,7 +24,6 @@ import functools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -221,92 +220,64 @@ def _partials_triton(q, k, v, keep, g: _Attn, num_splits: int | None):
     plan = _keep_plan(q, k, v, keep, g, num_splits)
     if plan is None:
         return None
-    plan.launch()
-    plan.done()
-    return plan.pm, plan.pl, plan.pacc, plan.n_splits
+    plan[0]()
+    return plan[1:5]
 
 
-@dataclass
-class _Plan:
-    """Buffers and launches of one keep-set pass (``_keep_plan``)."""
-
-    launch: Any  # () -> None: the keep kernel launches
-    done: Any  # () -> None: the one host sync; raises ValueError for out-of-range positions
-    pm: torch.Tensor
-    pl: torch.Tensor
-    pacc: torch.Tensor
-    n_splits: int
-    finish_kw: dict[str, Any]  # what run_keep_finish needs besides the buffers
-
-
-def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None) -> _Plan | None:
-    """Checks, conversions, output buffers and launches of ``_partials_triton``, or None.
-
-    fp32 q, k, v (what the replay feeds) often hold bf16 values (a bf16 model's recording): then
-    the same values run as bf16 (exact products on the tensor cores; p @ V as three bf16 dots), read
-    as fp32 and cast in registers -- or, for the shared-scores kernel, which reads each key block
-    many times, from bf16 copies. Whether they do is read on the device by one grid-check launch,
-    and BOTH variants are launched, each gated on its flags (the other skips its work): no host
-    sync before the launches. The one sync (``done``) comes after them, for the position bound."""
+def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
+    """Checks, conversions and output buffers of ``_partials_triton``, and the launch as a
+    callable: (launch, pm, pl, pacc, n_splits, finish_kw), or None. ``finish_kw``: what
+    ``run_keep_finish`` needs besides the buffers (set after the launch: which kernel ran)."""
     from kvtrace.kernels import _triton_whatif as tw
 
     window = None if g.window is None else min(g.window, _LIMIT)
     if abs(g.k_start) >= _LIMIT or g.T >= _LIMIT:
         raise ValueError("positions and lengths must be below 2**29 for the Triton path")
+    q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
+    # One launch and one host sync for every check the launch depends on: the position bound
+    # and, for fp32 tensors, whether they hold bf16 values (each a read of the whole tensor).
+    fp32 = [x if x.dtype == torch.float32 else None for x in (q, k, v)]
+    positions = g.positions.contiguous()
+    big, *off = tw.run_grid_check(*fp32, positions, _LIMIT, _sms(q.device))
+    if big:
+        raise ValueError("positions and lengths must be below 2**29 for the Triton path")
+    bf16 = [x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not bad) for x, bad in zip((q, k, v), off,
+                                                                                                  strict=True)]
+    # Recorded bf16 upcast to fp32: the same values run as bf16 (exact scores on the tensor cores;
+    # p @ V as three bf16 dots against the exact V), cast in registers: a converted copy would
+    # cost a pass over the tensor and its size again in memory.
+    dt = _kernel_dtype(q, k)
+    as_bf16 = dt == torch.float32 and bf16[0] and bf16[1]
+    cast_q, cast_k = as_bf16 and q.dtype == torch.float32, as_bf16 and k.dtype == torch.float32
+    if not as_bf16:
+        q, k = q.to(dt), k.to(dt)
+    vt = v.dtype if v.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
+    cast_v = v.dtype == torch.float32 and bf16[2]
+    v = v.to(vt)
+    if CONVERT_SHARED and not tw.packed(g.group, g.Tq) and (cast_k or cast_v):
+        # The shared-scores kernel reads each key block once per block of rows and sets (~20-40
+        # times at 64 queries): there a bf16 copy (one pass, half the inputs' size in memory)
+        # halves that traffic and lets the loads go straight to shared memory.
+        k, v = (k.to(torch.bfloat16) if cast_k else k), (v.to(torch.bfloat16) if cast_v else v)
+        cast_k = cast_v = False
+    S1, Dv = keep.shape[0] + 1, v.shape[3]
     rows = g.B * g.Hq * g.Tq
     if rows == 0 or g.T == 0:
         return None
-    q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
-    positions = g.positions.contiguous()
-    fp32 = [x.dtype == torch.float32 for x in (q, k, v)]
-    flags = tw.run_grid_check(*(x if f else None for x, f in zip((q, k, v), fp32, strict=True)), positions, _LIMIT,
-                              _sms(q.device))
-    variants: list[dict[str, Any]] = []
-    if all(fp32):
-        bf16 = dict(q=q, k=k, v=v, cast_q=True, cast_k=True, cast_v=True, gate=tw.GATE_ON_GRID)
-        if CONVERT_SHARED and not tw.packed(g.group, g.Tq):
-            # The shared-scores kernel reads each key block once per block of rows and sets (~20-40
-            # times at 64 queries): bf16 copies (one pass; half the inputs' size in memory) halve
-            # that traffic and let the loads go straight to shared memory. Made whatever the flags
-            # say (a copy of fp32 values is only read by the closed bf16 launch).
-            bf16.update(k=k.to(torch.bfloat16), v=v.to(torch.bfloat16), cast_k=False, cast_v=False)
-        variants = [bf16, dict(q=q, k=k, v=v, gate=tw.GATE_OFF_GRID)]
-    else:
-        # Some 16-bit tensors: one sync now for the fp32 ones (if any), the variant decided here.
-        off = tw.flag_bits(flags) if any(fp32) else 0
-        on_grid = [x.dtype == torch.bfloat16 or (f and not off & bit) for x, f, bit in zip((q, k, v), fp32, (2, 4, 8),
-                                                                                            strict=True)]
-        dt = _kernel_dtype(q, k)
-        as_bf16 = dt == torch.float32 and on_grid[0] and on_grid[1]
-        cast_q, cast_k = as_bf16 and q.dtype == torch.float32, as_bf16 and k.dtype == torch.float32
-        if not as_bf16:
-            q, k = q.to(dt), k.to(dt)
-        vt = v.dtype if v.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
-        variants = [dict(q=q, k=k, v=v.to(vt), cast_q=cast_q, cast_k=cast_k, cast_v=v.dtype == torch.float32 and on_grid[2],
-                         gate=tw.GATE_ALWAYS)]
-    S1, Dv = keep.shape[0] + 1, v.shape[3]
     n_splits, per = _split_plan(g, S1, q.device, num_splits)
     pm = torch.empty(S1 * rows * n_splits, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pacc = torch.empty(S1 * rows * n_splits * Dv, dtype=torch.float32, device=q.device)
-    keep8 = _keep_arg(keep)
-    # The finish kernel's exact recomputation reads the inputs as given (exact in fp32).
-    finish_kw = dict(q=q, k=k, v=v, keep=keep8, qpos=positions, group=g.group, scale=g.scale, k_start=g.k_start,
-                     window=window, causal=g.causal, check=False)
+    keep8, qpos = _keep_arg(keep), positions  # int64, read as int32 (bounded above)
+    finish_kw = dict(q=q, k=k, v=v, keep=keep8, qpos=qpos, group=g.group, scale=g.scale, k_start=g.k_start,
+                     window=window, causal=g.causal)
 
     def launch() -> None:
-        for var in variants:
-            shared = tw.run_keep(var["q"], var["k"], var["v"], keep8, positions, pm, pl, pacc, flags, group=g.group,
-                                 scale=g.scale, k_start=g.k_start, window=window, causal=g.causal,
-                                 keys_per_split=per, n_splits=n_splits, n_sets=S1, cast_q=var.get("cast_q", False),
-                                 cast_k=var.get("cast_k", False), cast_v=var.get("cast_v", False), gate=var["gate"])
-            finish_kw["check"] = finish_kw["check"] or shared
+        finish_kw["check"] = tw.run_keep(q, k, v, keep8, qpos, pm, pl, pacc, group=g.group, scale=g.scale,
+                                         k_start=g.k_start, window=window, causal=g.causal, keys_per_split=per,
+                                         n_splits=n_splits, n_sets=S1, cast_q=cast_q, cast_k=cast_k, cast_v=cast_v)
 
-    def done() -> None:
-        if tw.flag_bits(flags) & 1:
-            raise ValueError("positions and lengths must be below 2**29 for the Triton path")
-
-    return _Plan(launch, done, pm, pl, pacc, n_splits, finish_kw)
+    return launch, pm, pl, pacc, n_splits, finish_kw
 
 
 def _merged_states(parts, g: _Attn, S1: int, Dv: int, device: torch.device):
@@ -344,32 +315,32 @@ def keep_measures_triton(
     if plan is None:  # no sets, queries or keys: recall 0, error NaN (||o|| = 0)
         recall = torch.zeros(shape, dtype=torch.float32, device=q.device)
         return recall, torch.full_like(recall, float("nan"))
-    plan.launch()
+    launch, pm, pl, pacc, n_splits, finish_kw = plan
+    launch()
     recall = torch.empty(shape, dtype=torch.float32, device=q.device)
     err = torch.empty_like(recall)
-    tw.run_keep_finish(plan.pm, plan.pl, plan.pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3],
-                       n_splits=plan.n_splits, **plan.finish_kw)
-    plan.done()
+    tw.run_keep_finish(pm, pl, pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3], n_splits=n_splits,
+                       **finish_kw)
     return recall, err
 
 
 def keep_kernels_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, **kw):
-    """For benchmarks: a callable running only the key-pass and split-merge launches of
-    ``keep_measures_triton`` (no sync) on inputs checked, converted and buffers allocated once, here."""
+    """For benchmarks: a callable running only the two launches of ``keep_measures_triton`` (key
+    pass, split merge) on inputs checked, converted and buffers allocated once, here."""
     from kvtrace.kernels import _triton_whatif as tw
 
     num_splits = kw.pop("num_splits", None)
     g = _geometry(q, k, v, kw.pop("q_positions", None), kw.pop("k_start", 0), kw.pop("window", None),
                   kw.pop("scale", None), kw.pop("causal", True))
     keep = _keep_sets(keep, g)
-    plan = _keep_plan(q, k, v, keep, g, num_splits)
+    launch, pm, pl, pacc, n_splits, finish_kw = _keep_plan(q, k, v, keep, g, num_splits)
     recall = torch.empty(keep.shape[0], g.B, g.Hq, g.Tq, dtype=torch.float32, device=q.device)
     err = torch.empty_like(recall)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        plan.launch()
-        tw.run_keep_finish(plan.pm, plan.pl, plan.pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3],
-                           n_splits=plan.n_splits, **plan.finish_kw)
+        launch()
+        tw.run_keep_finish(pm, pl, pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3], n_splits=n_splits,
+                           **finish_kw)
         return recall, err
 
     return run

@@ -87,28 +87,23 @@ def jobs(all_configs: bool, smoke: bool = False):
 
 def _keep_types(dt: str) -> dict:
     return dict(Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", KEEP="*i8", QPOS="*i64", PM="*fp32", PL="*fp32", PACC="*fp32",
-                FLAGS="*i32", Hq="i32", Tq="i32", Tk="i32", S="i32", GROUP="i32", D="i32", DV="i32", scale="fp32",
-                k_start="i32", window="i32", keys_per_split="i32", n_splits="i32", n_flags="i32")
+                Hq="i32", Tq="i32", Tk="i32", S="i32", GROUP="i32", D="i32", DV="i32", scale="fp32", k_start="i32",
+                window="i32", keys_per_split="i32", n_splits="i32")
 
 
 def whatif_jobs(all_configs: bool, smoke: bool = False):
     """The what-if kernels: keep-set attention (packed and shared-scores) and the quantisation error."""
     for dt in ("fp32", "bf16") if smoke else ("fp32", "bf16", "fp16"):
-        for kind in ("packed", "shared"):
-            fn = tw._keep_packed_kernel if kind == "packed" else tw._keep_shared_kernel
-            tiles = tw._TILES[(kind, dt != "fp32")]
-            for tile in tiles if all_configs else tiles[:1]:
-                meta = tw._tile_meta(kind, tile)
-                opts = dict(num_warps=meta.pop("num_warps"), num_stages=meta.pop("num_stages"))
+        for fn, cfgs in ((tw._keep_packed_kernel, tw._packed_configs()), (tw._keep_shared_kernel, tw._shared_configs())):
+            for cfg in cfgs if all_configs else cfgs[:1]:
                 for cast in (False, True) if dt == "bf16" else (False,):
-                    # cast: fp32 Q/K/V holding bf16 values, read as bf16 in registers, gated on the grid check
+                    # cast: fp32 K/V holding bf16 values, read as bf16 in registers (bf16 queries)
                     c = dict(CAUSAL=True, HAS_WINDOW=True, DOT_F32=False,
                              PREC_QK="tf32x3" if dt == "fp32" else "tf32", PREC_PV="tf32x3", PV_SPLIT=dt == "bf16",
-                             CAST_Q=cast, CAST_K=cast, CAST_V=cast, ROUNDED=True, GATE=1 if cast else 2 * (dt == "fp32"),
-                             FLAG_BLOCK=tw.FLAG_BLOCK, BLOCK_D=128, BLOCK_DV=128, **meta)
+                             CAST_Q=cast, CAST_K=cast, CAST_V=cast, ROUNDED=True, BLOCK_D=128, BLOCK_DV=128, **cfg.kwargs)
                     types = {**_keep_types(dt), **(dict(Q="*fp32", K="*fp32", V="*fp32") if cast else {})}
-                    yield (f"{fn.__name__} {dt}{' cast' if cast else ''} {meta} w{opts['num_warps']}", fn, types, c,
-                           opts)
+                    yield (f"{fn.__name__} {dt}{' cast' if cast else ''} {cfg.kwargs} w{cfg.num_warps}", fn, types, c,
+                           dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         if smoke and dt != "fp32":
             continue
         if dt == "fp32":  # the split merge reads fp32 partial states (and, checking, the inputs)
