@@ -269,12 +269,16 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
 
 
 def _tensor_parallel_rank(tp_plan: str | None, prometheus: str | None, prometheus_textfile: str | None) -> int | None:
-    """This process's rank when --tp-plan is given (under torchrun; else exit 64), else None."""
-    if tp_plan is None:
-        return None
+    """This process's rank when --tp-plan is given (under torchrun; else exit 64), else None.
+    torchrun without --tp-plan is exit 64 too: every process would write the same -o file."""
     from kvtrace.loading import torchrun_rank
 
     ranks = torchrun_rank()
+    if tp_plan is None:
+        if ranks is not None:
+            raise click.UsageError(f"launched as rank {ranks[0]} of {ranks[1]} (torchrun) without --tp-plan: every "
+                                   "process would write the same -o file; pass --tp-plan auto, or run one process")
+        return None
     if ranks is None:
         raise click.BadParameter("runs one process per rank under torchrun: torchrun --nproc-per-node N -m "
                                  "kvtrace.cli record ... --tp-plan auto", param_hint="--tp-plan")

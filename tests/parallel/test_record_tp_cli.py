@@ -127,3 +127,15 @@ def test_world_size_not_dividing_the_heads_is_64(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")  # the control: 4 divides both (the load is reached)
     _, _, err = run_main([*BASE, "-o", str(tmp_path / "run.kvt.h5")], capsys)
     assert "the model was loaded" in err  # _never's own failure, past every check
+
+
+def test_torchrun_without_tp_plan_is_64(tmp_path, capsys, monkeypatch):
+    """Two processes recording one model each wrote the same -o file at once."""
+    import kvtrace.commands.record as rec_cmd
+
+    monkeypatch.setattr(rec_cmd, "load_model", _never)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [a for a in BASE if a not in ("--tp-plan", "auto")]
+    code, _, err = run_main([*argv, "-o", str(tmp_path / "run.kvt.h5")], capsys)
+    assert code == exitcodes.USAGE and "rank 1 of 2 (torchrun) without --tp-plan" in err, err
