@@ -10,7 +10,10 @@ Before any work, every output path is checked:
 * an output that is an existing HDF5 file (a trace, or any HDF5 data) is refused -> exit 64;
   ``record`` refuses any existing file unless ``--force`` (which still never replaces an input);
 * an output file that names a directory -> exit 64 (as click's own path checks);
-* an output that cannot be created (directory missing, not writable) -> exit 73.
+* an output that cannot be created (directory missing, not writable, a read-only file system) -> exit 73.
+
+A JSON document is written whole or not at all (:func:`write_text_whole`): a full disk or a file
+size limit is exit 73 and leaves neither a truncated file nor a temporary behind.
 """
 
 from __future__ import annotations
