@@ -5,8 +5,10 @@ marker) or to the trace's last row. Markers are PHASE events (format 1.4) or, fr
 has no ``mark_phase``, NOTE events "phase: NAME". Paged-cache occupancy comes from the /sched and
 /sched_groups tables (1.4) when the trace has rows there, else from the recorder's NOTE events
 "paged cache occupancy {...}" (the first serving floor). Device memory comes from /telemetry/nvml,
-fragmentation (reserved - allocated) from /telemetry/allocator. What a trace lacks stays None,
-with the reason in ``absent``."""
+fragmentation (reserved - allocated) from /telemetry/allocator. Pool and device usage follow the
+serving_capacity detector's rules through its own functions (kvtrace.analyzer.detectors._serving):
+evictable cached prefix blocks are free room, and device memory is judged outside the pool's room.
+What a trace lacks stays None, with the reason in ``absent``."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtrace.analyzer.detectors._serving import cached_bytes_of, held, outside_pool, pool_usage, room_at
 from kvtrace.format.schema import EventKind
 
 OCCUPANCY_PREFIX = "paged cache occupancy "
@@ -54,24 +57,47 @@ def groups_from_occupancy(occ: dict[str, Any]) -> list[Group]:
 
 
 def sample_from_occupancy(t_ns: int, occ: dict[str, Any]) -> dict[str, Any] | None:
+    """A live or NOTE sample; "cached" counts the evictable cached prefix blocks, "cached_bytes" their bytes."""
     if "pool_bytes" not in occ or "free_bytes" not in occ:
         return None
-    cached = [int(a.get("blocks_cached", -1)) for a in occ.get("allocators", {}).values()]
+    allocators = occ.get("allocators", {}).values()
+    cached = [(int(a.get("blocks_cached", -1)), int(a.get("bytes_per_block", -1))) for a in allocators]
     return {"t_ns": t_ns, "pool": int(occ["pool_bytes"]), "free": int(occ["free_bytes"]),
             "running": int(occ.get("running", 0)), "waiting": int(occ.get("waiting", 0)),
-            "in_use": int(occ.get("blocks_in_use", -1)), "cached": sum(c for c in cached if c > 0)}
+            "in_use": int(occ.get("blocks_in_use", -1)), "cached": sum(c for c, _ in cached if c > 0),
+            "cached_bytes": sum(c * b for c, b in cached if c > 0 and b > 0)}
 
 
 def apply_occupancy(f: PhaseFacts, window: list[dict[str, Any]], groups: list[Group], source: str) -> None:
-    """Fill ``f``'s paged-cache peaks from the samples that fall in its window."""
+    """Fill ``f``'s paged-cache numbers from the samples that fall in its window: block-level use with
+    evictable cached prefix blocks counted as free, the serving_capacity detector's rule (pool_usage),
+    held over two samples at least (held) as the detector scores it, and the peak."""
     f.occupancy_source = source
     f.groups = groups
     f.pool_bytes = max(s["pool"] for s in window)
-    uses = [(s["pool"] - s["free"]) / s["pool"] for s in window if s["pool"] > 0]
-    f.pool_use_peak = max(uses) if uses else None
+    known = [s for s in window if s["pool"] > 0]
+    if known:
+        uses = pool_usage(np.array([s["pool"] for s in known]), np.array([s["free"] for s in known]),
+                          np.array([s.get("cached_bytes", 0) for s in known], dtype=np.float64))
+        f.pool_use_peak, f.pool_use_held = float(uses.max()), held(uses)
     f.running_peak = max(s["running"] for s in window)
     f.waiting_peak = max(s["waiting"] for s in window)
     f.in_flight_peak = max(s["running"] + s["waiting"] for s in window)
+
+
+@dataclass
+class DeviceFacts:
+    """NVML device memory in a phase, with and without the KV pool's room (free + evictable cached
+    blocks: reserved up front by design, so no OOM risk), quoted at the sample where memory outside
+    that room peaked; levels are judged on ``outside_held`` (serving_capacity's gpu_usage rule)."""
+
+    used_bytes: int
+    total_bytes: int
+    room_bytes: int | None  # the pool's room at that sample; None: not subtracted (``why_raw``)
+    outside_peak: float  # (used - room) / total at that sample (used / total when not subtracted)
+    outside_held: float  # the same, reached at two samples at least
+    samples: int
+    why_raw: str = ""  # why the pool's room was not subtracted
 
 
 @dataclass
@@ -81,12 +107,13 @@ class PhaseFacts:
     t_end: int
     occupancy_source: str | None = None  # "/sched" or "occupancy NOTE events"
     pool_bytes: int | None = None
-    pool_use_peak: float | None = None  # max (pool - free) / pool over the window
+    pool_use_peak: float | None = None  # max (pool - free - cached) / pool over the window
+    pool_use_held: float | None = None  # the same, reached at two samples at least (what is judged)
     in_flight_peak: int | None = None  # max running + waiting
     running_peak: int | None = None
     waiting_peak: int | None = None
     groups: list[Group] = field(default_factory=list)
-    device_use_peak: float | None = None  # max NVML used / total
+    device: DeviceFacts | None = None  # NVML device memory, in use and outside the pool's room
     fragmentation_peak: int | None = None  # max allocator reserved - allocated, bytes
     absent: dict[str, str] = field(default_factory=dict)
 
@@ -118,8 +145,14 @@ def _occupancy_rows(trace: Any) -> tuple[str | None, list[dict[str, Any]], list[
             for g in last:
                 groups.append(Group(LayerType(int(g["layer_type"])).name.lower(), int(g["blocks_total"]),
                                     int(g["tokens_per_block"]), int(g["bytes_per_block"]), int(g["window"])))
+        cached = np.zeros(sched.size)
+        all_groups = trace.sched_groups()
+        for m in np.unique(sched["manager"]):
+            mine = sched["manager"] == m
+            cached[mine] = cached_bytes_of(all_groups[all_groups["manager"] == m], sched[mine])
         samples = [{"t_ns": int(r["t_ns"]), "pool": int(r["pool_bytes"]), "free": int(r["free_bytes"]),
-                    "running": int(r["running"]), "waiting": int(r["waiting"])} for r in sched]
+                    "running": int(r["running"]), "waiting": int(r["waiting"]), "cached_bytes": float(c)}
+                   for r, c in zip(sched, cached, strict=True)]
         return "/sched", samples, groups
     samples, groups = [], []
     for e in trace.events(EventKind.NOTE):
@@ -137,6 +170,42 @@ def _occupancy_rows(trace: Any) -> tuple[str | None, list[dict[str, Any]], list[
     return ("occupancy NOTE events" if samples else None), samples, groups
 
 
+def _pool_room(source: str | None, samples: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(t_ns, room bytes) of every occupancy sample of the trace in time order (free + evictable
+    cached blocks), or None without one."""
+    known = sorted((s for s in samples if s["pool"] > 0 and s["free"] >= 0), key=lambda s: s["t_ns"])
+    if not known:
+        return None
+    return (np.array([s["t_ns"] for s in known], dtype=np.int64),
+            np.array([s["free"] + s.get("cached_bytes", 0) for s in known], dtype=np.float64))
+
+
+def device_facts(rows: np.ndarray, room: tuple[np.ndarray, np.ndarray] | None, devices: int) -> DeviceFacts | None:
+    """DeviceFacts of one phase's NVML rows: device memory in use less the pool's room at each
+    reading (outside_pool, room_at: the detector's functions), raw where that cannot be told."""
+    if not rows.size:
+        return None
+    used = rows["used_bytes"].astype(np.float64)
+    total = rows["total_bytes"].astype(np.float64)
+    why = ""
+    if room is None:
+        why = "no paged-cache pool recorded"
+    elif devices > 1:
+        why = f"{devices} GPUs in the NVML readings: the pool's device is unknown"
+    t = rows["t_ns"].astype(np.int64)
+    subtract = not why and bool((t >= room[0][0]).any())
+    if not why and not subtract:
+        why = "no reading after the pool's first recorded step"
+    here = np.zeros(rows.size)
+    if subtract:
+        assert room is not None
+        here = np.where(t >= room[0][0], room_at(room[0], room[1], t), 0.0)  # no pool before its first step
+    outside = outside_pool(used, here) / total
+    i = int(np.argmax(outside))
+    return DeviceFacts(int(used[i]), int(total[i]), int(here[i]) if subtract else None, float(outside[i]),
+                       held(outside), int(rows.size), why)
+
+
 def phase_facts(trace: Any) -> list[PhaseFacts]:
     """One PhaseFacts per marked phase (the "end" marker only closes the last window)."""
     from kvtrace.serving.phases import END_MARKER
@@ -144,6 +213,10 @@ def phase_facts(trace: Any) -> list[PhaseFacts]:
     markers = phase_markers(trace)
     source, samples, groups = _occupancy_rows(trace)
     nvml = trace.nvml() if trace.nrows("telemetry/nvml") else None
+    if nvml is not None:
+        nvml = nvml[(nvml["total_bytes"] > 0) & (nvml["used_bytes"] >= 0)]
+    devices = int(np.unique(nvml["device"]).size) if nvml is not None else 0
+    room = _pool_room(source, samples)
     alloc = trace.allocator() if trace.nrows("telemetry/allocator") else None
     out = []
     for i, (name, t0) in enumerate(markers):
@@ -161,11 +234,8 @@ def phase_facts(trace: Any) -> list[PhaseFacts]:
         if nvml is None:
             f.absent["device_memory"] = "the trace holds no NVML readings (no GPU, or recorded with --no-nvml)"
         else:
-            rows = nvml[(nvml["t_ns"] >= t0) & (nvml["t_ns"] < t1)]
-            rows = rows[rows["total_bytes"] > 0]
-            if len(rows):
-                f.device_use_peak = float((rows["used_bytes"] / rows["total_bytes"]).max())
-            else:
+            f.device = device_facts(nvml[(nvml["t_ns"] >= t0) & (nvml["t_ns"] < t1)], room, devices)
+            if f.device is None:
                 f.absent["device_memory"] = "no NVML reading fell inside this phase"
         if alloc is None:
             f.absent["fragmentation"] = "the trace holds no allocator readings (no CUDA allocator on this device)"

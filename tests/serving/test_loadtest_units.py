@@ -20,7 +20,7 @@ from kvtrace.format.schema import EventKind  # noqa: E402
 from kvtrace.serving.client import RequestResult, percentile  # noqa: E402
 from kvtrace.serving.drive import PhaseRun  # noqa: E402
 from kvtrace.serving.phases import Phase, build_phases, prompt  # noqa: E402
-from kvtrace.serving.tracefacts import Group, PhaseFacts, capacity, phase_facts  # noqa: E402
+from kvtrace.serving.tracefacts import DeviceFacts, Group, PhaseFacts, capacity, phase_facts  # noqa: E402
 from kvtrace.serving.verdict import judge  # noqa: E402
 
 GiB = 1024**3
@@ -166,10 +166,21 @@ def test_concurrency_and_context_spike_thresholds():
     long = _run("long", samples=[(pool, pool, 1, 0)], results=[_req(100)])
     v_busy, v_long = judge([busy, long], None, max_tokens=4)
     assert _checks(v_busy)["concurrency"].level == "warning"
-    # contexts 36, 36, 104: mean 58.7, max 104 = 1.77x: below the 2x rule
-    assert _checks(v_long)["context_spike"].level == "ok"
-    spike = _run("long", results=[_req(200)])
-    assert _checks(judge([busy, spike], None, max_tokens=4)[1])["context_spike"].level == "warning"  # 204 vs 92
+    # contexts 36, 36, 104: a typical of 36 (the 2nd largest of 3) needs 3 requests at least
+    spike = _checks(v_long)["context_spike"]
+    assert spike.level == "ok" and spike.value.startswith("spike: max 104 tokens = 2.89x the typical 36")
+    assert "within the memory thresholds" in spike.value  # the pool sat empty in the long phase
+    # the same spike while the pool is at 95%: a warning, since it also takes memory past the threshold
+    full = _run("long", samples=[(pool, 5_000, 1, 0)], results=[_req(100)])
+    c = _checks(judge([busy, full], None, max_tokens=4)[1])
+    assert c["kv_pool_use"].level == "critical" and c["context_spike"].level == "warning"
+    assert "the phase's memory reached critical" in c["context_spike"].value
+    # 104 tokens = 7 blocks of 16 tokens x 1000 B: 7,000 B, 7% of the pool
+    assert "its blocks hold 6.8 KiB, 7% of the pool" in c["context_spike"].value
+    # under 2x: no spike; fewer than three requests: no typical context
+    calm = _run("long", results=[_req(60)])
+    assert _checks(judge([busy, calm], None, max_tokens=4)[1])["context_spike"].value.startswith("max 64 tokens")
+    assert _checks(judge([calm], None, max_tokens=4)[0])["context_spike"].level == "not measured"
 
 
 def test_kv_released_after_the_phase():
@@ -192,8 +203,9 @@ def test_kv_released_after_the_phase():
 def test_trace_numbers_win_and_missing_markers_say_so():
     run = _run("single", samples=[(100_000, 100_000, 1, 0)], results=[_req(32)])
     facts = PhaseFacts("single", 0, 10, occupancy_source="trace /sched", pool_bytes=100_000, pool_use_peak=0.92,
-                       in_flight_peak=1, running_peak=1, waiting_peak=0, groups=run.groups,
-                       device_use_peak=0.5, fragmentation_peak=3 * GiB)
+                       pool_use_held=0.92, in_flight_peak=1, running_peak=1, waiting_peak=0, groups=run.groups,
+                       device=DeviceFacts(50, 100, None, 0.5, 0.5, 3, "no paged-cache pool recorded"),
+                       fragmentation_peak=3 * GiB)
     c = _checks(judge([run], [facts], max_tokens=4)[0])
     assert c["kv_pool_use"].level == "critical" and c["kv_pool_use"].source.startswith("trace /sched")
     assert c["device_memory_use"].level == "ok" and c["fragmentation"].level == "warning"
@@ -254,10 +266,16 @@ def test_phase_windows_from_note_markers_and_occupancy_notes():
     single, concurrent = phase_facts(t)
     assert (single.name, single.t_start, single.t_end) == ("single", 100, 200)
     assert single.pool_use_peak == pytest.approx(0.6) and single.in_flight_peak == 1
-    assert single.device_use_peak == pytest.approx(0.10) and single.fragmentation_peak == 1
+    # device: 10 used at t=120, before the pool's first sample (t=150): no pool yet, nothing subtracted,
+    # and it says so; the reading at 210 has the room at t=150 (400 free) subtracted
+    assert single.device.outside_peak == pytest.approx(0.10) and single.device.room_bytes is None
+    assert "no reading after the pool's first recorded step" in single.device.why_raw
+    assert single.fragmentation_peak == 1
     assert concurrent.pool_use_peak == pytest.approx(0.9) and concurrent.in_flight_peak == 5
+    assert concurrent.pool_use_held == pytest.approx(0.3)  # 90% at one sample, 30% at the other
     assert concurrent.waiting_peak == 2 and concurrent.occupancy_source == "trace occupancy NOTE events"
-    assert concurrent.device_use_peak == pytest.approx(0.85)
+    assert concurrent.device.used_bytes == 85 and concurrent.device.room_bytes == 400
+    assert concurrent.device.outside_peak == pytest.approx(0.0)  # 85 in use, 400 of free pool room: none outside
     assert concurrent.fragmentation_peak == 3 * GiB - 1
     assert concurrent.groups == [Group("full", 10, 16, 100)]
 
@@ -268,3 +286,44 @@ def test_phase_without_occupancy_or_telemetry_says_why():
     assert baseline.pool_use_peak is None and "no paged-cache occupancy" in baseline.absent["paged_cache"]
     assert "no NVML readings" in baseline.absent["device_memory"]
     assert "no allocator readings" in baseline.absent["fragmentation"]
+
+
+def _device_phase(pool: int, free: int, used: list[int], total: int = 100 * GiB, nvml: bool = True):
+    """One phase 'concurrent' with an occupancy sample before each NVML reading."""
+    note = int(EventKind.NOTE)
+    events = [(note, 100, "phase: concurrent")]
+    events += [(note, 110 + 20 * i, _occ(pool, free, 3, 0)) for i in range(len(used))]
+    events += [(note, 900, "phase: end")]
+    readings = [(120 + 20 * i, u, total) for i, u in enumerate(used)] if nvml else []
+    (facts,) = phase_facts(FakeTrace(events, nvml=readings))
+    run = _run("concurrent", results=[_req(32)] * 3)
+    return facts, _checks(judge([run], [facts], max_tokens=4)[0])["device_memory_use"]
+
+
+def test_device_memory_is_judged_outside_the_pools_free_room():
+    # the pool reserved 80% of the device up front and 5% of the device is in blocks: 85% in use, by design
+    facts, c = _device_phase(80 * GiB, 75 * GiB, [85 * GiB, 85 * GiB])
+    assert c.level == "ok", c
+    assert facts.device.outside_held == pytest.approx(0.10)
+    assert c.value == "device 85% (85.0 GiB of 100.0 GiB), of which the pool's unused room 75.0 GiB: 10% outside it"
+    # memory outside the pool at 85% (a small pool, something else holding the device): warning
+    facts, c = _device_phase(10 * GiB, 9 * GiB, [94 * GiB, 94 * GiB])
+    assert c.level == "warning" and facts.device.outside_held == pytest.approx(0.85)
+    assert c.value.endswith("of which the pool's unused room 9.0 GiB: 85% outside it")
+    # at 90% outside: critical; one reading at 95% among lower ones is the peak, not what is held
+    _, c = _device_phase(10 * GiB, 9 * GiB, [99 * GiB, 100 * GiB])
+    assert c.level == "critical"
+    _, c = _device_phase(10 * GiB, 4 * GiB, [10 * GiB, 99 * GiB])
+    assert c.level == "ok" and c.value.endswith("95% outside it (6% held)")
+
+
+def test_device_memory_without_nvml_or_pool_says_why():
+    _, c = _device_phase(80 * GiB, 75 * GiB, [85 * GiB], nvml=False)
+    assert c.level == "not measured" and c.value == ""
+    assert c.source == "the trace holds no NVML readings (no GPU, or recorded with --no-nvml)"
+    # NVML without any pool sample (not continuous batching): the raw figure, said to be raw
+    t = FakeTrace([(int(EventKind.NOTE), 100, "phase: single"), (int(EventKind.NOTE), 900, "phase: end")],
+                  nvml=[(200, 85 * GiB, 100 * GiB), (300, 85 * GiB, 100 * GiB)])
+    (facts,) = phase_facts(t)
+    c = _checks(judge([_run("single", results=[_req(32)])], [facts], max_tokens=4)[0])["device_memory_use"]
+    assert c.level == "warning" and "taken whole: no paged-cache pool recorded" in c.value

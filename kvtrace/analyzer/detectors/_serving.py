@@ -21,6 +21,7 @@ FULL = int(schema.LayerType.FULL)
 # The issue's memory alerts: warning (high) at 80% use, critical at 90%; 70% is where a trend starts to
 # matter and 100% is a pool that refuses admissions. One ramp for pool usage, GPU usage, concurrency.
 USAGE_ALERT = ((0.7, 0.8, 0.9, 1.0), (0.1, 0.5, 0.8, 1.0))
+USAGE_WARNING, USAGE_CRITICAL = USAGE_ALERT[0][1], USAGE_ALERT[0][2]  # the same knees as thresholds (kvtrace loadtest)
 
 
 def alert(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -78,20 +79,54 @@ def known_pool(rows: np.ndarray) -> np.ndarray:
     return rows[(rows["pool_bytes"] > 0) & (rows["free_bytes"] >= 0)]
 
 
-def block_usage(rows: np.ndarray, cached: np.ndarray | None = None) -> np.ndarray:
-    """Block-level usage per row, (pool - free - cached) / pool: vLLM's kv_cache_usage_perc. `cached`
-    (cached_bytes) are the unreferenced blocks kept for prefix reuse: the cache evicts them on demand,
-    so they are free room, as vLLM counts them (its free-block queue holds them); transformers' own
-    free count leaves them out."""
-    pool = rows["pool_bytes"].astype(np.float64)
-    used = pool - rows["free_bytes"] - (0 if cached is None else cached)
+def pool_usage(pool: np.ndarray, free: np.ndarray, cached: np.ndarray | float = 0.0) -> np.ndarray:
+    """Block-level usage, (pool - free - cached) / pool: vLLM's kv_cache_usage_perc. `cached` (bytes of
+    the unreferenced blocks kept for prefix reuse) is free room: the cache evicts them on demand, as
+    vLLM counts them (its free-block queue holds them); transformers' own free count leaves them out.
+    Shared by the detectors and kvtrace loadtest's verdict (kvtrace.serving.verdict)."""
+    pool = np.asarray(pool, dtype=np.float64)
+    used = pool - np.asarray(free, dtype=np.float64) - cached
     return np.maximum(used, 0) / pool
 
 
+def block_usage(rows: np.ndarray, cached: np.ndarray | None = None) -> np.ndarray:
+    """pool_usage of /sched rows (pool_bytes, free_bytes); `cached`: cached_bytes per row."""
+    return pool_usage(rows["pool_bytes"], rows["free_bytes"], 0.0 if cached is None else cached)
+
+
+def outside_pool(used: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """Device memory in use less the KV pool's room (its free bytes and evictable cached blocks) at
+    that moment: what could still run out. transformers (like vLLM) reserves the pool up front
+    (free memory x max_memory_percent), so raw device usage sits near 90% on every healthy host."""
+    return np.maximum(np.asarray(used, dtype=np.float64) - room, 0)
+
+
+def pool_room(sched: np.ndarray, sched_groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(t_ns, room bytes) per known-pool /sched row in time order, room = free + evictable cached
+    blocks (all managers' rows interleaved: each row is its manager's pool at that step)."""
+    rows = known_pool(np.sort(sched, order="t_ns"))
+    room = rows["free_bytes"].astype(np.float64)
+    for m in np.unique(rows["manager"]):
+        mine = rows["manager"] == m
+        room[mine] += cached_bytes_of(sched_groups[sched_groups["manager"] == m], rows[mine])
+    return rows["t_ns"].astype(np.int64), room
+
+
+def room_at(pool_t: np.ndarray, room: np.ndarray, t_ns: np.ndarray) -> np.ndarray:
+    """The pool's room at each of `t_ns`: that of the last /sched row at or before it (the first
+    row's for a time before every row)."""
+    j = np.clip(np.searchsorted(pool_t, t_ns, side="right") - 1, 0, pool_t.size - 1)
+    return room[j]
+
+
 def cached_bytes(ctx: ReplayContext, manager: int, rows: np.ndarray) -> np.ndarray:
-    """Per /sched row: the bytes of the evictable cached prefix blocks, Σ over the step's groups of
-    blocks_cached x bytes_per_block (0 where unknown)."""
-    g = groups(ctx, manager)
+    """cached_bytes_of one manager's rows, with its /sched_groups rows."""
+    return cached_bytes_of(groups(ctx, manager), rows)
+
+
+def cached_bytes_of(g: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Per /sched row: the bytes of the evictable cached prefix blocks, Σ over the step's groups `g`
+    (one manager's /sched_groups rows) of blocks_cached x bytes_per_block (0 where unknown)."""
     out = np.zeros(rows.size, dtype=np.float64)
     if not g.size or not rows.size:
         return out

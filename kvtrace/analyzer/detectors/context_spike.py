@@ -27,6 +27,19 @@ SPIKE_ALERT = ((2.0, 4.0), (0.5, 0.8))
 UNDER_ALERT = 0.1  # the most a context under 2x the typical scores: ordinary spread, info
 MIN_REQUESTS = 3
 TAIL_SHARE = 5  # a context reached by a fifth of the requests is typical of the traffic
+SPIKE_RATIO = SPIKE_ALERT[0][0]  # the issue's alert: a context at 2x the typical
+
+
+def typical_context(context: np.ndarray) -> tuple[float, int] | None:
+    """(typical context, k): the k-th largest of `context` (tokens per request), k = max(2, ceil(n /
+    5)); None under MIN_REQUESTS requests or at a typical of 0. The one rule of the detector and of
+    kvtrace loadtest's verdict (kvtrace.serving.verdict)."""
+    context = np.asarray(context, dtype=np.int64)
+    if context.size < MIN_REQUESTS:
+        return None
+    k = max(2, -(-context.size // TAIL_SHARE))
+    typical = float(np.sort(context)[-k])
+    return (typical, k) if typical > 0 else None
 
 
 @register
@@ -39,13 +52,13 @@ class ContextSpike(ServingDetector):
         if cb.size < MIN_REQUESTS:
             return []
         context = cb["prompt_tokens"].astype(np.int64) + cb["new_tokens"].astype(np.int64)
-        k = max(2, -(-context.size // TAIL_SHARE))
-        typical = float(np.sort(context)[-k])
-        if typical <= 0:
+        found = typical_context(context)
+        if found is None:
             return []
+        typical, k = found
         i = int(np.argmax(context))
         ratio = context[i] / typical
-        spikes = cb["request"][context >= 2 * typical]
+        spikes = cb["request"][context >= SPIKE_RATIO * typical]
         rid, manager = int(cb["request"][i]), int(cb["manager"][i])
         kv = request_peak_bytes(ctx, manager).get(rid)
         pools = ctx.view.sched["pool_bytes"][ctx.view.sched["manager"] == manager]

@@ -31,7 +31,10 @@ from kvtrace.analyzer.detectors._serving import (
     in_use,
     known_pool,
     managers,
+    outside_pool,
     phase_at,
+    pool_room,
+    room_at,
     token_usage,
 )
 from kvtrace.analyzer.replay import ReplayContext
@@ -96,18 +99,13 @@ class ServingCapacity(ServingDetector):
         if rows is None:
             return None
         devices = sorted({int(d) for d in rows["device"]})
-        pool_rows = known_pool(np.sort(sched, order="t_ns"))
-        room = pool_rows["free_bytes"].astype(np.float64)  # free + evictable cached blocks, per row
-        for m in np.unique(pool_rows["manager"]):
-            mine_m = pool_rows["manager"] == m
-            room[mine_m] += cached_bytes(ctx, int(m), pool_rows[mine_m])
+        pool_t, room = pool_room(sched, ctx.view.sched_groups)  # free + evictable cached blocks, per row
         best: tuple[float, int, np.ndarray, np.ndarray] | None = None
         for dev in devices:
             mine = rows[rows["device"] == dev]
             used = mine["used"].astype(np.float64)
-            if len(devices) == 1 and pool_rows.size:
-                j = np.clip(np.searchsorted(pool_rows["t_ns"], mine["t_ns"], side="right") - 1, 0, pool_rows.size - 1)
-                used = np.maximum(used - room[j], 0)
+            if len(devices) == 1 and pool_t.size:
+                used = outside_pool(used, room_at(pool_t, room, mine["t_ns"]))
             level = held(used / mine["total"])
             if best is None or level > best[0]:
                 best = (level, dev, mine, used)
@@ -116,7 +114,7 @@ class ServingCapacity(ServingDetector):
         i = int(np.argmax(used))
         total = int(mine["total"][i])
         raw = int(mine["used"][i])
-        subtracted = len(devices) == 1 and pool_rows.size > 0
+        subtracted = len(devices) == 1 and pool_t.size > 0
         msg = (f"While serving, {device_where(dev)} ({format_bytes(total)}) had {format_bytes(raw)} in use "
                f"({raw / total:.0%}, {source})" + (f"; {format_bytes(int(used[i]))} ({used[i] / total:.0%}) without the "
                                                   "KV pool's free and evictable cached blocks, which are reserved up "
