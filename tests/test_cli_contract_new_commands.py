@@ -78,6 +78,8 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         shutil.copyfile(src, f[name])
         with h5py.File(f[name], "r+") as h:
             h["meta"].attrs["parallel_json"] = json.dumps({**json.loads(h["meta"].attrs["parallel_json"]), **change})
+    f["clean"] = d / "clean.kvt.h5"  # no prompt text, no tensor contents: an archive may hold it
+    shutil.copyfile(FLEET_TRACES[0], f["clean"])
     f["trunc"] = d / "trunc.kvt.h5"
     f["trunc"].write_bytes(LLAMA.read_bytes()[:3000])
     for name, text in (("notwi", '{"a": 1}'), ("wrongver", '{"kvtrace_whatif": 99, "policies": []}'),
@@ -467,6 +469,12 @@ WRITERS = [
       "--json-out", "{out}"], True),
     (["fleet", "report", "{fleet}", "-o", "{out}"], False),
     (["export", "parquet", "{a}", "-o", "{out}"], False, _EXPORT_PARQUET_BUG),
+    (["export", "zenodo", "{clean}", "-o", "{out}", "--creator", "Doe, Jane"], False, pytest.mark.xfail(
+        strict=True, reason="bug, not in this helper's files (commands/export.py, export/zenodo): a full disk is "
+                            "'internal error: OSError: [Errno 28]' (exit 70)")),
+    (["demo", "--output-dir", "{out}"], False, pytest.mark.xfail(
+        strict=True, reason="bug, not in this helper's files (commands/demo.py): a full disk is 'internal error: "
+                            "CannotWriteTrace' (exit 70; record says 73 for the same failure)")),
 ]
 
 
@@ -510,6 +518,8 @@ def full_fs(tmp_path: Path) -> Iterator[Path]:
 
 
 def _out_name(argv: list[str]) -> str:
+    if argv[0] == "demo" or argv[:2] in (["export", "zenodo"], ["export", "parquet"]):
+        return "out"  # a directory
     return "out.html" if argv[0] in ("report",) or argv[:2] == ["fleet", "report"] else "out.json"
 
 
