@@ -6,7 +6,12 @@
   recorded, the paged pool's bytes and free bytes, running / waiting requests), read from the
   objects themselves; a number that cannot be read is absent with the reason, never guessed;
 * ``POST /reset`` (transformers': unload the models) answers 409 with why: the model the trace
-  records would be replaced by an unrecorded copy at the next request.
+  records would be replaced by an unrecorded copy at the next request;
+* ``POST /load_model`` (transformers': load any model into the server) answers 409 with why for a
+  model other than the served one (it would serve unrecorded); for the served one it is
+  transformers' own route (already loaded: it answers "ready"). A completion request naming
+  another model is refused by transformers itself (400 "Server is pinned to ...": kvtrace serve
+  passes the model as transformers serve's pinned ``force_model``), so it loads nothing either.
 """
 
 from __future__ import annotations
@@ -98,16 +103,33 @@ RESET_REFUSED = ("kvtrace serve records the model it loaded at start into one tr
                  "a new trace")
 
 
-def add_routes(app: Any, recording: Any, generation_state: Any, marker: PhaseMarker) -> None:
-    """kvtrace's routes, and transformers' ``POST /reset`` (5.17, 5.23: unload every model; the next
-    request reloads it, unrecorded) replaced by a 409 refusal that says why and what to do."""
+def load_refused(served: str, requested: str) -> str:
+    return (f"kvtrace serve records {served!r} into one trace; loading {requested!r} would serve a model that "
+            f"nothing records. Start another kvtrace serve for it (its own trace)")
+
+
+def add_routes(app: Any, recording: Any, generation_state: Any, marker: PhaseMarker, served: str = "") -> None:
+    """kvtrace's routes; transformers' ``POST /reset`` (5.17, 5.23: unload every model; the next
+    request reloads it, unrecorded) replaced by a 409 refusal that says why and what to do, and its
+    ``POST /load_model`` (5.17, 5.23) refused the same way for any model but ``served`` (compared as
+    transformers compares a request's model with the pinned one: the same string)."""
     from fastapi import HTTPException
 
-    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/reset"]
+    replaced = {"/reset", "/load_model"}
+    load_model = next((r.endpoint for r in app.router.routes if getattr(r, "path", None) == "/load_model"), None)
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in replaced]
 
     @app.post("/reset")
     def reset() -> None:
         raise HTTPException(status_code=409, detail=RESET_REFUSED)
+
+    if load_model is not None:
+        @app.post("/load_model")
+        async def load_served_model_only(body: dict) -> Any:
+            requested = body.get("model") if isinstance(body, dict) else None
+            if isinstance(requested, str) and requested != served:
+                raise HTTPException(status_code=409, detail=load_refused(served, requested))
+            return await load_model(body)  # the served model (answers "ready"), or transformers' own 422
 
     @app.post("/kvtrace/phase")
     def phase(body: dict) -> dict[str, Any]:

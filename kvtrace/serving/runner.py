@@ -103,7 +103,7 @@ def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
         marker = PhaseMarker(rec)
         recording["marker"] = marker
         outcome.recording_started = True
-        add_routes(app, rec, kwargs.get("generation_state"), marker)
+        add_routes(app, rec, kwargs.get("generation_state"), marker, served=model)
         state["serving"] = True
         if on_ready is not None:
             on_ready(f"http://{host}:{port}")

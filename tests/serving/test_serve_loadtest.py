@@ -78,10 +78,23 @@ def test_kvtrace_serve_continuous_batching_loadtest_then_sigterm(model_dir, tmp_
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10, trust_env=False).text
         # /reset would swap the recorded model for an unrecorded copy: refused, and the server goes on
         reset = httpx.post(f"http://127.0.0.1:{port}/reset", timeout=10, trust_env=False)
+        # so would /load_model of another model (transformers' route would load it, 200 and a stream)
+        load_other = httpx.post(f"http://127.0.0.1:{port}/load_model", json={"model": "someone/other-model"},
+                                timeout=10, trust_env=False)
+        load_same = httpx.post(f"http://127.0.0.1:{port}/load_model", json={"model": str(model_dir)}, timeout=30,
+                               trust_env=False)
+        # a completion naming another model: refused by transformers' pin (the served model is force_model)
+        other = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30, trust_env=False,
+                           json={"model": "someone/other-model", "prompt": "the of", "max_tokens": 2})
         health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10, trust_env=False)
     finally:
         rc, out = _stop(proc)
     assert reset.status_code == 409 and "records the model it loaded at start" in reset.json()["detail"], reset.text
+    detail = load_other.json()["detail"]
+    assert load_other.status_code == 409 and "'someone/other-model' would serve a model that nothing records" in detail
+    assert "\n" not in detail
+    assert load_same.status_code == 200 and '"ready"' in load_same.text, load_same.text  # already loaded: no-op
+    assert other.status_code == 400 and "pinned" in other.text, other.text
     assert health.status_code == 200
     live = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert live["kvtrace_serving_kv_pool_bytes"] > 0, sorted(live)
