@@ -11,7 +11,6 @@ numpy and kvtrace.format only: no torch.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from functools import cached_property
 from typing import Any
@@ -19,7 +18,9 @@ from typing import Any
 import numpy as np
 
 from kvtrace.format import schema
+from kvtrace.format.errors import InvalidTrace
 from kvtrace.format.reader import Trace
+from kvtrace.format.serving_rules import cb_args
 from kvtrace.labels import device_text
 
 U64_MAX = (1 << 64) - 1
@@ -185,8 +186,12 @@ class TraceView:
         ev = self.serving_events
         out = []
         for r in reqs:
-            args = _json_object(self.text(int(r["gen_args_off"]), int(r["gen_args_len"])))
-            if "cb_request_id" not in args:
+            try:
+                args = cb_args(self.text(int(r["gen_args_off"]), int(r["gen_args_len"])))
+            except ValueError as exc:  # damage where it is read: the trace is refused (spec §9.1)
+                raise InvalidTrace(f"{self.path}: /requests request {int(r['request'])}'s gen_args {exc}; "
+                                   "'kvtrace validate' lists it") from None
+            if args is None:
                 continue
             mine = ev[ev["request"] == int(r["request"])]
 
@@ -218,10 +223,3 @@ CB_REQUESTS = np.dtype([
     ("preemptions", "<u4"), ("preempted_tokens", "<u8"), ("prefix_hit_tokens", "<u8"),
 ])
 
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}

@@ -110,8 +110,14 @@ def read_trace(path: str | os.PathLike[str], *, analyze: bool = True) -> TraceDa
                     "total_memory_bytes": int(d["total_memory_bytes"])} for d in t.devices()]
         analysis, error = None, ""
         if analyze:
+            # Damage the analyser reads (a TraceError) fails the trace as it fails analyze and report
+            # (spec §9.1); an analyser bug keeps the tables and says so in analysis_error.
             try:
                 analysis = kvtrace.analyze(t).to_dict()
-            except TraceError as exc:  # the tables read, the analysis did not
-                error = str(exc)
+            except TraceError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the tables read, the analysis did not
+                if os.environ.get("KVTRACE_DEBUG"):
+                    raise
+                error = f"{type(exc).__name__}: {exc}"
     return TraceData(str(path), identity, meta, tables, event_text, analysis, error, devices)

@@ -21,8 +21,9 @@ Tables are read in blocks of rows keeping a few columns (memory bounded like val
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,6 +50,40 @@ POSITIVE = ("tokens_per_block", "bytes_per_block")  # /sched_groups: a block hol
 EVENT_MIN = {K.SCHEDULED: 0, K.FIRST_TOKEN: None, K.PREEMPTED: 0, K.PREFIX_HIT: 0, K.BLOCK_EVICTED: 0,
              K.OFFLOADED: -1, K.PHASE: 0}
 TABLES = ("sched", "sched_groups", "blocks", "events")  # a consumer reading one of them is guarded
+
+
+MAX_MANAGER = (1 << 16) - 1  # the manager columns are uint16
+
+
+def cb_args(text: str) -> dict[str, Any] | None:
+    """The generate() arguments (a /requests gen_args JSON) of a continuous-batching request, which
+    names its ``cb_request_id`` (spec §4.15); None for any other request, or text that is not a JSON
+    object (nested past Python's stack included). ValueError when it names a ``manager`` that is not
+    an index 0-65535: the request cannot be placed (checked where a command reads it, and by validate)."""
+    try:
+        value = json.loads(text) if text else None
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, dict) or "cb_request_id" not in value:
+        return None
+    manager = value.get("manager", 0)
+    if isinstance(manager, bool) or not isinstance(manager, int) or not 0 <= manager <= MAX_MANAGER:
+        raise ValueError(f"names manager {str(manager)[:40]!r}, not a continuous-batching manager index "
+                         f"(0-{MAX_MANAGER})")
+    return value
+
+
+def cb_request_problems(trace: Trace) -> list[str]:
+    """Continuous-batching requests whose gen_args name no valid manager (validate: every request's
+    arguments are read, one small text read each)."""
+    rows = trace.table("requests", check_codes=False)
+    bad = []
+    for r in rows[rows["gen_args_len"] > 0]:
+        try:
+            cb_args(trace.text(int(r["gen_args_off"]), int(r["gen_args_len"])))
+        except ValueError as exc:
+            bad.append(f"/requests request {int(r['request'])}'s gen_args {exc}")
+    return bad[:1] + ([f"... and {len(bad) - 1} more such request(s)"] if len(bad) > 1 else [])
 
 
 class _Found:

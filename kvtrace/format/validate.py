@@ -27,7 +27,7 @@ from kvtrace.format.reader import (
     structure_problems,
     unknown_codes,
 )
-from kvtrace.format.serving_rules import serving_problems
+from kvtrace.format.serving_rules import cb_request_problems, serving_problems
 
 TEXT_REFS = schema.TEXT_REFS  # (offset, length) column pairs into /text, per table
 ROW_BLOCK = 1 << 16  # rows per read: a few MiB for the widest table
@@ -170,6 +170,8 @@ def _check_serving(trace: Trace, report: ValidationReport, present: set[str]) ->
     """The continuous-batching tables and serving events (1.4): the rules the reader enforces when a
     command reads them (kvtrace.format.serving_rules)."""
     report.problems.extend(serving_problems(trace, present, codes=False))  # codes: _check_block
+    if "requests" in present:
+        report.problems.extend(cb_request_problems(trace))
 
 
 def _goes_backwards(trace: Trace, table: str) -> bool:

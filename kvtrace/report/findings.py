@@ -14,6 +14,7 @@ from typing import Any
 
 from kvtrace.analyzer.report import AnalysisReport
 from kvtrace.analyzer.view import TraceView
+from kvtrace.format.errors import TraceError
 from kvtrace.format.reader import Trace
 from kvtrace.jsonable import plain
 from kvtrace.units import format_bytes, format_ns
@@ -94,13 +95,16 @@ def detector_statuses(analysis: AnalysisReport) -> list[DetectorStatus]:
 
 def run_analysis(trace: TraceView | Trace) -> tuple[AnalysisReport | None, str]:
     """(analysis report or None, note) of a trace the caller already opened (one open per command).
-    None when the analyser is missing or failed; note says why."""
+    None when the analyser is missing or failed (a bug); note says why. Damage the analyser reads
+    raises TraceError: the report refuses the trace as analyze does (spec §9.1)."""
     try:
         from kvtrace.analyzer import analyze
     except ImportError as exc:
         return None, f"the analyser is not available in this installation ({exc})"
     try:
         analysis = analyze(trace)
+    except TraceError:  # damage the analyser read (spec §9.1): the trace is refused, as by analyze itself
+        raise
     except Exception as exc:  # noqa: BLE001 - the report still shows the measurements
         if os.environ.get("KVTRACE_DEBUG"):
             raise

@@ -312,3 +312,18 @@ def version(text: str) -> Damage:
 
 def nested(depth: int) -> str:
     return '{"mode": "device_map", "device_map": ' + "[" * depth + "]" * depth + "}"
+
+
+def gen_args(request: int, text: str) -> Damage:
+    """Request `request`'s generate() arguments (JSON in /text, spec §4.1) replaced by `text`."""
+    def apply(f: h5py.File) -> None:
+        heap = f["text"]
+        start = heap.shape[0]
+        data = np.frombuffer(text.encode("utf-8", "surrogateescape"), dtype=np.uint8)
+        heap.resize((start + data.size,))
+        heap[start:] = data
+        rows = f["requests"][:]
+        i = int(np.flatnonzero(rows["request"] == request)[0])
+        rows["gen_args_off"][i], rows["gen_args_len"][i] = start, data.size
+        f["requests"][:] = rows
+    return apply

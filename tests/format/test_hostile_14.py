@@ -268,6 +268,8 @@ def test_as_real_processes(clean, tmp_path):
 
 # Commands that read none of /sched, /sched_groups, /blocks, /events: they may still answer (spec §9.1).
 NOT_READING_SERVING = ("calc --trace", "whatif")
+# Commands that do not run the analyser (analyze, report, diff, the Perfetto and Parquet exports do).
+NOT_RUNNING_THE_ANALYSER = ("info", "info --json", "export prometheus-textfile", "calc --trace", "whatif")
 F64 = "<f8"
 SERVING = {
     # wrong types, wrong column sets: refused at open by every command
@@ -341,10 +343,21 @@ SERVING = {
     "offloaded -10^18 bytes": (H.event(21, -10**18, 1), "/events offloaded holds value -1000000000000000000 (at least -1)",
                                NOT_READING_SERVING),
     "phase -1": (H.event(22, -1, text="evil"), "/events phase holds value -1 (at least 0)", NOT_READING_SERVING),
-    # text references are checked where text is read (spec §9.1): the Perfetto export shows no phase names
+    # text references are checked where text is read (spec §9.1): the Prometheus export shows no phase names
     "a phase name past the end of /text": (H.event(22, 2, text_ref=(10**6, 12)), "/events text_off points past the end of /text",
-                                            (*NOT_READING_SERVING, "export perfetto", "export prometheus-textfile"),
+                                            (*NOT_READING_SERVING, "export prometheus-textfile"),
                                             "text reference [1000000, 1000012) past end of /text"),
+    # a CB request's gen_args (JSON in /text): read by the analyser alone, so by every command that runs it
+    "gen_args manager 'zero'": (H.gen_args(0, '{"cb_request_id": "r", "manager": "zero"}'),
+                                "/requests request 0's gen_args names manager 'zero'", NOT_RUNNING_THE_ANALYSER),
+    "gen_args manager -1": (H.gen_args(0, '{"cb_request_id": "r", "manager": -1}'), "names manager '-1'",
+                            NOT_RUNNING_THE_ANALYSER),
+    "gen_args manager 10^11": (H.gen_args(0, '{"cb_request_id": "r", "manager": 99999999999}'),
+                               "names manager '99999999999'", NOT_RUNNING_THE_ANALYSER),
+    "gen_args manager NaN": (H.gen_args(0, '{"cb_request_id": "r", "manager": NaN}'), "names manager 'nan'",
+                             NOT_RUNNING_THE_ANALYSER),
+    "gen_args manager a list": (H.gen_args(0, '{"cb_request_id": "r", "manager": [1]}'), "names manager '[1]'",
+                                NOT_RUNNING_THE_ANALYSER),
     # codes this reader does not know: refused by whoever reads /events (spec §2)
     "unknown event kind 23": (H.event(23, 0), "/events kind has unknown codes [23]", NOT_READING_SERVING),
     "event kind 255": (H.event(255, 0), "/events kind has unknown codes [255]", NOT_READING_SERVING),
@@ -384,6 +397,9 @@ def test_every_planted_damage_is_listed_by_validate_at_once(clean, tmp_path, cap
      "serving    8 scheduler steps"),
     ("a 1000-character phase name", H.event(22, 5, text="x" * 1000), "x" * 100),
     ("a phase name of invalid UTF-8", H.event(22, 5, text="caf\udce9"), "caf"),
+    # gen_args that are not a JSON object (nested past Python's stack): not a continuous-batching request
+    ("gen_args nested 100,000 deep", H.gen_args(0, '{"cb_request_id": "r", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+     "serving    8 scheduler steps"),
 ])
 def test_odd_but_valid_serving_values_pass_every_consumer(clean, tmp_path, capsys, case, damage, check):
     trace = H.damaged(clean["serving"], tmp_path / "odd.kvt.h5", damage)
