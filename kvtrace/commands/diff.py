@@ -69,6 +69,7 @@ def diff(traces: tuple[str, ...], as_json: bool, json_out: str | None, all_layer
 def _render_ranks(d: object, all_layers: bool) -> None:
     """Rank by rank as two traces, then the runs' rank_balance findings that changed."""
     from kvtrace.analyzer.diff_terminal import render
+    from kvtrace.analyzer.ranks import ranks_text
     from kvtrace.analyzer.terminal import console_for
 
     console = console_for()
@@ -78,10 +79,11 @@ def _render_ranks(d: object, all_layers: bool) -> None:
     un = d.unmatched  # type: ignore[attr-defined]
     for side in ("a", "b"):
         if un[side]:
-            console.print(f"rank(s) {', '.join(map(str, un[side]))} only in {side.upper()}: not compared")
+            console.print(f"rank(s) {ranks_text(un[side])} only in {side.upper()}: not compared")
     for word, items in (("appeared", d.appeared), ("disappeared", d.disappeared)):  # type: ignore[attr-defined]
-        for f in items:
-            console.print(f"rank_balance {word}: {f['severity']} {f['kind']} ranks {f['ranks']}: {f['message']}")
+        for f in items:  # ranks_text: a missing_ranks finding of a world of 2^16 names 65,534 ranks
+            console.print(f"rank_balance {word}: {f['severity']} {f['kind']} ranks [{ranks_text(f['ranks'])}]: "
+                          f"{f['message']}")
     for c in d.changed:  # type: ignore[attr-defined]
-        console.print(f"rank_balance changed: {c['kind']} ranks {c['ranks']}: {c['a']['severity']} -> "
+        console.print(f"rank_balance changed: {c['kind']} ranks [{ranks_text(c['ranks'])}]: {c['a']['severity']} -> "
                       f"{c['b']['severity']}")

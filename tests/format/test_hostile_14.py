@@ -238,6 +238,9 @@ def test_rank_set_with_missing_ranks_names_at_most_16(clean, tmp_path, capsys):
     assert rc == 0 and len(out) < 5000 and f"{counted} not given" in out, len(out)
     rc, out, err = run_main(["report", str(trace), str(other), "-o", str(tmp_path / "run.html"), "-q"], capsys)
     assert rc == 0 and (tmp_path / "run.html").stat().st_size < 100_000, err
+    b = [H.damaged(p, tmp_path / f"b.rank{r}.kvt.h5", H.patch_parallel(run_id="run-b")) for r, p in enumerate((trace, other))]
+    rc, out, err = run_main(["diff", str(clean["rank0"]), str(clean["rank1"]), *map(str, b)], capsys)
+    assert rc == 0 and len(out) < 100_000 and counted in " ".join(out.split()), (len(out), err)  # 455 KB before
 
 
 # ---- real processes -----------------------------------------------------------------------------------
