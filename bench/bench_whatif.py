@@ -22,8 +22,11 @@ Rows:
          [1, 8, T, 128] (KIVI 2-bit keys per channel / values per token, quanto int4 groups of
          64, fp8 e4m3). Kernel: fused, float64 rounding and sums, nothing dequantised in memory.
          Eager: kernels.whatif.quant_error_reference (the same float64 numbers, materialised).
-Timings: median of repeated runs between CUDA events after one warm-up call (which compiles and
-autotunes); repeats fit a ~2 s budget per measurement (3 to 20). Peak memory: max_memory_allocated
+Timings: between CUDA events after one warm-up call (which compiles and autotunes). Keep rows:
+kernel and eager timed alternately, 15 of each (3 in --smoke); kernel/eager ms are the medians, the
+speed-up the median of the pairs' ratios with a 95% bootstrap CI, and the goal's verdict per row
+"met" (CI low >= 10), "not met" (CI high < 10) or "not resolved". Other columns and quant rows:
+median of repeated runs fitting a ~2 s budget per measurement (3 to 20). Peak memory: max_memory_allocated
 during one call above what was allocated before it (inputs excluded). Every row also records the
 largest difference between kernel and eager results; one float64 check per kind is recorded too.
 A case that fails (out of memory, a kernel error) is recorded with its error and the run goes on.
@@ -48,14 +51,16 @@ from typing import Any
 EX_UNAVAILABLE = 69
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_overhead import bootstrap_median_ci  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "full": {"heads": (32, 8, 128), "keys": [4096, 16384, 32768, 65536], "queries": [1, 64, 1024],
-             "quant_heads": 8, "budget_ms": 2000.0, "max_reps": 20},
+             "quant_heads": 8, "budget_ms": 2000.0, "max_reps": 20, "pairs": 15},
     "quick": {"heads": (32, 8, 128), "keys": [4096, 32768], "queries": [1, 64], "quant_heads": 8,
-              "budget_ms": 500.0, "max_reps": 5},
+              "budget_ms": 500.0, "max_reps": 5, "pairs": 15},
     "smoke": {"heads": (4, 2, 16), "keys": [64, 96], "queries": [1, 16], "quant_heads": 2,
-              "budget_ms": 1.0, "max_reps": 2},
+              "budget_ms": 1.0, "max_reps": 2, "pairs": 3},
 }
 RATIOS = (0.25, 0.5, 0.75)
 GOAL_KEYS, GOAL_SPEEDUP = 32768, 10.0
@@ -92,6 +97,33 @@ def time_ms(torch, fn, cuda: bool, budget_ms: float, max_reps: int) -> tuple[flo
         if len(times) >= 2 and max_reps <= 2:
             break
     return statistics.median(times), len(times)
+
+
+def paired_ms(torch, fa, fb, cuda: bool, pairs: int) -> tuple[list[float], list[float]]:
+    """Times (ms) of ``fa`` and ``fb`` taken alternately, ``pairs`` of each, after one warm-up call
+    of each: a slow or fast stretch of the host or the GPU lands on both, so the ratio of a pair
+    cancels it (eager's time at one query varied 5.5-8.2 ms between runs)."""
+    fa(), fb()
+    if cuda:
+        torch.cuda.synchronize()
+    ta: list[float] = []
+    tb: list[float] = []
+    for i in range(2 * pairs):
+        f, out = (fa, ta) if i % 2 == 0 else (fb, tb)
+        s = _now_ms(torch, cuda)
+        f()
+        e = _now_ms(torch, cuda)
+        out.append(_elapsed(torch, cuda, s, e))
+    return ta, tb
+
+
+def verdict(ci: list[float], goal: float = GOAL_SPEEDUP) -> str:
+    """met: the 95% CI of the median speed-up lies at or above the goal; not met: below it."""
+    if ci[0] >= goal:
+        return "met"
+    if ci[1] < goal:
+        return "not met"
+    return "not resolved"
 
 
 def peak_extra_bytes(torch, fn, cuda: bool) -> int | None:
@@ -183,9 +215,8 @@ def bench_keep(torch, W, dev: str, sz: dict, T: int, Tq: int, grid: str = "bf16"
 
     got = None
     try:
-        row["kernel_ms"], row["kernel_reps"] = time_ms(torch, kern, cuda, sz["budget_ms"], sz["max_reps"])
-        row["kernel_peak_bytes"] = peak_extra_bytes(torch, kern, cuda)
         got = kern()
+        row["kernel_peak_bytes"] = peak_extra_bytes(torch, kern, cuda)
     except Exception as exc:
         row["kernel_error"] = _error_text(exc)
     if got is not None:  # where the time goes (not part of the speed-up)
@@ -203,17 +234,22 @@ def bench_keep(torch, W, dev: str, sz: dict, T: int, Tq: int, grid: str = "bf16"
         except Exception as exc:
             row["breakdown_error"] = _error_text(exc)
     try:
-        row["eager_ms"], row["eager_reps"] = time_ms(torch, eager, cuda, sz["budget_ms"], sz["max_reps"])
         row["eager_peak_bytes"] = peak_extra_bytes(torch, eager, cuda)
         if got is not None:
             ref = eager()
             row["max_diff_recall"] = _max_diff(torch, got[0], ref[0])
             row["max_diff_error"] = _max_diff(torch, got[1], ref[1])
             del ref
+            # The speed-up: kernel and eager timed alternately, the median of the pairs' ratios
+            # with a 95% bootstrap CI.
+            tk, te = paired_ms(torch, kern, eager, cuda, sz["pairs"])
+            row["kernel_times_ms"], row["eager_times_ms"] = tk, te
+            row["kernel_ms"], row["eager_ms"] = statistics.median(tk), statistics.median(te)
+            row["kernel_reps"] = row["eager_reps"] = len(tk)
+            med, lo, hi = bootstrap_median_ci([e / k for k, e in zip(tk, te, strict=True)])
+            row["speedup"], row["speedup_ci95"] = med, [lo, hi]
     except Exception as exc:
         row["eager_error"] = _error_text(exc)
-    if "kernel_ms" in row and "eager_ms" in row:
-        row["speedup"] = row["eager_ms"] / row["kernel_ms"]
     return row
 
 
@@ -294,6 +330,10 @@ def _mib(b: int | None) -> str:
     return "-" if b is None else f"{b / 2**20:,.1f}"
 
 
+def _ci(ci: list[float] | None) -> str:
+    return "-" if ci is None else f"{ci[0]:.1f}-{ci[1]:.1f}x"
+
+
 def _fmt(x: Any, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -301,7 +341,7 @@ def _fmt(x: Any, spec: str) -> str:
 def print_table(doc: dict[str, Any]) -> None:
     print(f"\nwhat-if kernels on {doc['device']} (torch {doc['torch']}, triton {doc['triton']})")
     hdr = f"{'kind':<6} {'case':<48} {'keys':>6} {'q':>5} {'kernel ms':>10} {'device':>7} {'prep ms':>8} {'launch ms':>9} " \
-          f"{'eager ms':>10} {'speed-up':>9} {'kern MiB':>9} {'eager MiB':>10} {'max|diff|':>10}"
+          f"{'eager ms':>10} {'speed-up':>9} {'95% CI':>12} {'kern MiB':>9} {'eager MiB':>10} {'max|diff|':>10}"
     print(hdr)
     print("-" * len(hdr))
     for r in doc["rows"]:
@@ -312,7 +352,7 @@ def print_table(doc: dict[str, Any]) -> None:
               f"{_fmt(r.get('kernel_ms'), '10.3f')} {_fmt(r.get('kernel_device_ms'), '7.3f'):>7} "
               f"{_fmt(r.get('kernel_prepared_ms'), '8.3f'):>8} "
               f"{_fmt(r.get('kernels_only_ms'), '9.3f'):>9} {_fmt(r.get('eager_ms'), '10.3f')} "
-              f"{_fmt(r.get('speedup'), '8.1f')}x {_mib(r.get('kernel_peak_bytes')):>9} "
+              f"{_fmt(r.get('speedup'), '8.1f')}x {_ci(r.get('speedup_ci95')):>12} {_mib(r.get('kernel_peak_bytes')):>9} "
               f"{_mib(r.get('eager_peak_bytes')):>10} {_fmt(diff, '10.2e')}")
         for key in ("kernel_error", "breakdown_error", "device_error", "eager_error"):
             if key in r:
@@ -322,7 +362,7 @@ def print_table(doc: dict[str, Any]) -> None:
         print("kernel fallback:", f)
     for g in doc["goal"]:
         print(f"goal >= {GOAL_SPEEDUP:g}x at {g['keys']} keys, {g['queries']} queries, {g['values_on']} values: "
-              f"{_fmt(g['speedup'], '.1f')}x -> {'met' if g['met'] else 'NOT met'}")
+              f"{_fmt(g['speedup'], '.1f')}x, 95% CI {_ci(g['ci95'])} -> {g['verdict']}")
 
 
 def _release(torch, cuda: bool) -> None:
@@ -403,9 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     doc["float64_check"] = float64_check(torch, W, dev, sz)
     for r in doc["rows"]:
         if r["kind"] == "keep" and r["keys"] == goal_keys:
-            sp = r.get("speedup")
+            ci = r.get("speedup_ci95")
             doc["goal"].append({"keys": goal_keys, "queries": r["queries"], "values_on": r["values_on"],
-                                "speedup": sp, "met": sp is not None and sp >= GOAL_SPEEDUP})
+                                "speedup": r.get("speedup"), "ci95": ci,
+                                "verdict": verdict(ci) if ci else "not measured"})
     doc["total_s"] = time.perf_counter() - t0
     save()
     print_table(doc)

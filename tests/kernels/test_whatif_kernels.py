@@ -319,3 +319,29 @@ def test_quant_error_all_zero_head_and_residual_tokens(tri_device):
     assert np.isnan(got_c[1].item()) and got_m[1].item() == 0.0
     _close(got_m.cpu().numpy(), ref_m.numpy(), QUANT_TOL)
     _close(got_c.cpu().numpy(), ref_c.numpy(), QUANT_TOL)
+
+
+def test_direct_launch_repeats_the_triton_launch(tri_device, monkeypatch):
+    """After a kernel's first call (through Triton), later calls of the same specialisation go
+    through its compiled launcher (_triton_whatif._launch): same numbers as Triton's own call path,
+    for both keep kernels, the grid check and the split merge. On CUDA only (the interpreter
+    always takes Triton's path)."""
+    if tri_device != "cuda":
+        pytest.skip("direct launches exist on CUDA only")
+    from kvtrace.kernels import _triton_whatif as tw
+
+    for tq in (1, 9):  # packed and shared-scores kernels
+        q, k, v, keep, pos = _case(17, Tq=tq, T=300)
+        grid = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v)]
+        for arrays in ((q, k, v), grid):
+            args = [_t(x, tri_device) for x in (*arrays, keep)]
+            monkeypatch.setattr(tw, "DIRECT_LAUNCH", False)
+            want = W.keep_measures_triton(*args, q_positions=pos)
+            monkeypatch.setattr(tw, "DIRECT_LAUNCH", True)
+            tw._COMPILED.clear()
+            first = W.keep_measures_triton(*args, q_positions=pos)  # Triton's path, fills the cache
+            assert {key[0] for key in tw._COMPILED} >= {"grid", "finish", "packed" if tq == 1 else "shared"}
+            again = W.keep_measures_triton(*args, q_positions=pos)  # the compiled launchers
+            for got in (first, again):
+                for a, b in zip(got, want, strict=True):
+                    _close(a.cpu().numpy(), b.cpu().numpy(), EXACT)
