@@ -396,6 +396,8 @@ def test_every_planted_damage_is_listed_by_validate_at_once(clean, tmp_path, cap
     ("token use above the pool (prefix sharing)", H.set_rows("sched", "valid_bytes", 10**15), "of tokens"),
     ("a pool of 4096 PiB", H.set_rows("sched", "pool_bytes", 2**62), "pool 4096.0 PiB"),
     ("2^32-1 running requests", H.set_rows("sched", "running", 2**32 - 1), "peak 4294967295 running"),
+    ("8 steps of 2^62 prefix-hit tokens (the sum is past int64)", H.set_rows("sched", "prefix_hit_tokens", 2**62),
+     f"prefix hits {8 * 2**62} tokens"),
     ("two prefix hits of 2^62 tokens each", lambda f: (H.event(19, 2**62, 0)(f), H.event(19, 2**62, 0)(f)),
      "serving    8 scheduler steps"),
     ("a 1000-character phase name", H.event(22, 5, text="x" * 1000), "x" * 100),
