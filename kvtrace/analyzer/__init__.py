@@ -26,6 +26,7 @@ from kvtrace.analyzer.base import (
     register,
     severity_for,
 )
+from kvtrace.analyzer.notes import trace_notes
 from kvtrace.analyzer.replay import ReplayContext
 from kvtrace.analyzer.report import SCHEMA_VERSION, AnalysisReport, document, memory_summary, request_summary
 from kvtrace.analyzer.view import TraceView
@@ -92,6 +93,7 @@ def _analyze_open(trace: TraceView, chosen: list[Detector]) -> AnalysisReport:
         results.append(DetectorResult(det.name, "ran", "", findings))
     meta = ctx.meta
     path = Path(trace.path)
+    notes, notes_unlisted = trace_notes(trace)
     return AnalysisReport(
         trace={
             "path": str(path),
@@ -111,4 +113,6 @@ def _analyze_open(trace: TraceView, chosen: list[Detector]) -> AnalysisReport:
         requests=[request_summary(ctx, r) for r in ctx.requests],
         results=results,
         memory=memory_summary(ctx),
+        notes=notes,
+        notes_unlisted=notes_unlisted,
     )

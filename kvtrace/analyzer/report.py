@@ -28,6 +28,9 @@ class AnalysisReport:
     memory: dict[str, Any] = field(default_factory=dict)
     # Content analyses of sampled tensors (kvtrace.analyzer.contents), None when not asked for.
     contents: dict[str, Any] | None = None
+    # The recorder's NOTE events, grouped (kvtrace.analyzer.notes), and distinct texts left off.
+    notes: list[dict[str, Any]] = field(default_factory=list)
+    notes_unlisted: int = 0
 
     @property
     def findings(self) -> list[Finding]:
@@ -81,6 +84,10 @@ class AnalysisReport:
         }
         if self.contents is not None:  # only when asked for (--gpu / --contents): 1.0 readers see 1.0
             out["contents"] = self.contents
+        if self.notes or self.notes_unlisted:  # only where the trace has notes (1.1 minor addition)
+            out["notes"] = self.notes
+            if self.notes_unlisted:
+                out["notes_unlisted"] = self.notes_unlisted
         return out
 
 

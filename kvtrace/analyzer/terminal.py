@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvtrace.analyzer.notes import note_lines
 from kvtrace.analyzer.report import AnalysisReport
 from kvtrace.labels import device_text
 from kvtrace.units import format_bytes, format_ns
@@ -57,6 +58,8 @@ def render(report: AnalysisReport, console: Console, *, show_info: bool = True) 
     exp = report.expectation
     note = f" ({'; '.join(exp['notes'])})" if exp["notes"] else ""
     console.print(f"expect  from the {exp['source']}{note}")
+    for i, line in enumerate(note_lines(report.notes, report.notes_unlisted)):
+        console.print(f"{'notes' if i == 0 else '':<8}{line}", markup=False)
 
     _requests_tables(report, console)
 

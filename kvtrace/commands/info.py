@@ -32,6 +32,7 @@ def info(traces: tuple[str, ...], as_json: bool, json_out: str | None) -> None:
       kvtrace info run.rank*.kvt.h5        # one block per rank, then the run
     --json with one trace prints its summary; with several, {"traces": [...], "rank_sets": [...]}.
     """
+    from kvtrace.analyzer.notes import trace_notes
     from kvtrace.analyzer.ranks import group, parallel_of, rank_trace
     from kvtrace.analyzer.view import TraceView
     from kvtrace.format.reader import Trace
@@ -42,6 +43,11 @@ def info(traces: tuple[str, ...], as_json: bool, json_out: str | None) -> None:
     for trace in traces:
         with Trace(trace) as t:
             summary = summarize(t)
+            notes, unlisted = trace_notes(t)
+            if notes or unlisted:  # only where the trace has notes: other documents unchanged
+                summary["notes"] = notes
+                if unlisted:
+                    summary["notes_unlisted"] = unlisted
             par = parallel_of(t.meta)
             if par is not None:  # spec §3.1; absent: one process, the devices of the rows
                 summary["parallel"] = par
@@ -149,6 +155,11 @@ def _print(s: dict) -> None:
                f"tensor contents {'STORED' if s['contains_tensor_payloads'] else 'not stored'}")
     for line in s.get("privacy_mismatches", ()):  # decided from the contents; the flag is wrong
         click.echo(f"warning: {line} (the trace is invalid: see 'kvtrace validate')", err=True)
+    if "notes" in s:
+        from kvtrace.analyzer.notes import note_lines
+
+        for i, line in enumerate(note_lines(s["notes"], s.get("notes_unlisted", 0))):
+            echo(f"{'notes:' if i == 0 else '':<11}{line}")
     echo("(sizes in binary units: KiB = 1024 B)")
 
 
