@@ -445,45 +445,35 @@ def test_fleet_sql_reads_still_run(work, capsys):
 # ---- full disk ------------------------------------------------------------------------------------
 
 # Every command that writes an output, with the output on a full file system. {out} is the output
-# path; the expected exit is 73 with one line. `whole`: the command writes its document whole or not
-# at all (no truncated file left behind; the commands sharing outputs.write_json).
-_EXPORT_PARQUET_BUG = pytest.mark.xfail(
-    strict=True, reason="bug, not in this helper's files (commands/export.py, fleet/export.py): pyarrow's OSError on "
-                        "a full disk is an internal error (exit 70), and a .part file stays behind")
+# path (a directory for demo, export zenodo and export parquet); the expected exit is 73 with one
+# line, and nothing left behind: outputs are written whole or not at all (kvtrace.wholefile), and an
+# output directory the command created goes with its failure.
 WRITERS = [
-    (["info", "{a}", "--json-out", "{out}"], True),
-    (["validate", "{a}", "--json-out", "{out}"], True),
-    (["analyze", "{a}", "--json-out", "{out}"], True),
-    (["diff", "{a}", "{b}", "--json-out", "{out}"], True),
-    (["diff", "{wa}", "{wb}", "--json-out", "{out}"], True),
-    (["calc", "--preset", "llama-3.1-8b", "--context", "4k", "--gpu-memory", "80GiB", "--json-out", "{out}"], True),
-    (["calc", "--trace", "{r0}", "--trace", "{r1}", "--context", "4k", "--gpu-memory", "80GiB", "--json-out", "{out}"],
-     True),
-    (["whatif", "{a}", "--policy", "knorm", "--ratio", "0.5", "--json-out", "{out}"], True),
-    (["presets", "--json-out", "{out}"], True),
-    (["report", "{a}", "-o", "{out}", "--no-whatif"], False),
-    (["export", "perfetto", "{a}", "-o", "{out}"], False),
-    (["export", "prometheus-textfile", "{a}", "-o", "{out}"], True),
-    (["fleet", "{fleet}", "--json-out", "{out}"], True),
-    (["fleet", "diff", "{fleet}", "--baseline", "model_type=llama", "--candidate", "model_type=llama",
-      "--json-out", "{out}"], True),
-    (["fleet", "report", "{fleet}", "-o", "{out}"], False),
-    (["export", "parquet", "{a}", "-o", "{out}"], False, _EXPORT_PARQUET_BUG),
-    (["export", "zenodo", "{clean}", "-o", "{out}", "--creator", "Doe, Jane"], False, pytest.mark.xfail(
-        strict=True, reason="bug, not in this helper's files (commands/export.py, export/zenodo): a full disk is "
-                            "'internal error: OSError: [Errno 28]' (exit 70)")),
-    (["demo", "--output-dir", "{out}"], False, pytest.mark.xfail(
-        strict=True, reason="bug, not in this helper's files (commands/demo.py): a full disk is 'internal error: "
-                            "CannotWriteTrace' (exit 70; record says 73 for the same failure)")),
+    ["info", "{a}", "--json-out", "{out}"],
+    ["validate", "{a}", "--json-out", "{out}"],
+    ["analyze", "{a}", "--json-out", "{out}"],
+    ["diff", "{a}", "{b}", "--json-out", "{out}"],
+    ["diff", "{wa}", "{wb}", "--json-out", "{out}"],
+    ["calc", "--preset", "llama-3.1-8b", "--context", "4k", "--gpu-memory", "80GiB", "--json-out", "{out}"],
+    ["calc", "--trace", "{r0}", "--trace", "{r1}", "--context", "4k", "--gpu-memory", "80GiB", "--json-out", "{out}"],
+    ["whatif", "{a}", "--policy", "knorm", "--ratio", "0.5", "--json-out", "{out}"],
+    ["presets", "--json-out", "{out}"],
+    ["report", "{a}", "-o", "{out}", "--no-whatif"],
+    ["export", "perfetto", "{a}", "-o", "{out}"],
+    ["export", "prometheus-textfile", "{a}", "-o", "{out}"],
+    ["fleet", "{fleet}", "--json-out", "{out}"],
+    ["fleet", "diff", "{fleet}", "--baseline", "model_type=llama", "--candidate", "model_type=llama",
+     "--json-out", "{out}"],
+    ["fleet", "report", "{fleet}", "-o", "{out}"],
+    ["export", "parquet", "{a}", "-o", "{out}"],
+    ["export", "zenodo", "{clean}", "-o", "{out}", "--creator", "Doe, Jane"],
+    ["demo", "--output-dir", "{out}"],
 ]
 
 
-def _writer_params() -> list:
-    out = []
-    for argv, whole, *marks in WRITERS:
-        name = " ".join(a for a in argv if not a.startswith(("{", "-")) and "=" not in a)
-        out.append(pytest.param(argv, whole, marks=marks, id=f"{name} {argv[argv.index('{out}') - 1]}"))
-    return out
+def _writer_id(argv: list[str]) -> str:
+    name = " ".join(a for a in argv if not a.startswith(("{", "-")) and "=" not in a)
+    return f"{name} {argv[argv.index('{out}') - 1]}"
 
 
 def _needs_fleet(argv: list[str]) -> None:
@@ -533,32 +523,27 @@ def _left(directory: Path, keep: set[str]) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name not in keep)
 
 
-@pytest.mark.parametrize(("argv", "whole"), _writer_params())
-def test_full_disk_is_73_in_one_line(work, capsys, full_fs, argv, whole):
+@pytest.mark.parametrize("argv", WRITERS, ids=_writer_id)
+def test_full_disk_is_73_in_one_line_and_leaves_nothing(work, capsys, full_fs, argv):
     _needs_fleet(argv)
     out = full_fs / _out_name(argv)
     rc, _, err = run_main(_argv(argv, {**work, "out": out}), capsys)
     assert rc == exitcodes.CANNOT_WRITE, err
     assert err.count("\n") == 1 and "Traceback" not in err and "No space left on device" in err, err
-    if whole:
-        assert _left(full_fs, {"filler"}) == []  # neither a truncated document nor a temporary file
+    assert _left(full_fs, {"filler"}) == []  # neither a truncated document, a temporary nor an empty directory
 
 
-_PARTIAL = "bug, not in this helper's files ({}): on a full disk the command exits 73 but leaves {} behind"
-
-
-@pytest.mark.parametrize("argv", [
-    pytest.param(["report", "{a}", "-o", "{out}", "--no-whatif"], id="report", marks=pytest.mark.xfail(
-        strict=True, reason=_PARTIAL.format("kvtrace/report", "an empty out.html"))),
-    pytest.param(["export", "perfetto", "{a}", "-o", "{out}"], id="export perfetto", marks=pytest.mark.xfail(
-        strict=True, reason=_PARTIAL.format("kvtrace/export", "an empty out.json"))),
-    pytest.param(["fleet", "report", "{fleet}", "-o", "{out}"], id="fleet report", marks=pytest.mark.xfail(
-        strict=True, reason=_PARTIAL.format("kvtrace/fleet/report.py", "its .out.html.PID.part temporary"))),
-])
-def test_full_disk_leaves_no_partial_output(work, capsys, full_fs, argv):
-    _needs_fleet(argv)
-    rc, _, err = run_main(_argv(argv, {**work, "out": full_fs / _out_name(argv)}), capsys)
+def test_record_full_disk_says_it_once(work, capsys, full_fs):
+    """The trace cannot be created: 73, one line that names the trace and the cause once (it read
+    'cannot write trace to X: [Errno 28] cannot write trace X: ENOSPC (...)')."""
+    pytest.importorskip("torch")
+    out = full_fs / "r.kvt.h5"
+    rc, _, err = run_main(["record", "--model", "preset:llama-3.1-8b", "--tiny", "--prompt", "x", "--max-new-tokens",
+                           "2", "--device", "cpu", "-o", str(out)], capsys)
     assert rc == exitcodes.CANNOT_WRITE, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("kvtrace: cannot write trace") and "No space left on device" in line, err
+    assert line.count(str(out)) == 1 and line.count("cannot write") == 1 and "[Errno" not in line, err
     assert _left(full_fs, {"filler"}) == []
 
 
@@ -599,6 +584,9 @@ def _limited() -> None:
     ["diff", "{wa}", "{wb}", "--json-out", "{out}"],
     ["calc", "--trace", "{r0}", "--trace", "{r1}", "--context", "4k", "--gpu-memory", "80GiB", "--json-out", "{out}"],
     ["fleet", "{fleet}", "--json-out", "{out}"],
+    ["report", "{a}", "-o", "{out}", "--no-whatif"],
+    ["export", "perfetto", "{a}", "-o", "{out}"],
+    ["fleet", "report", "{fleet}", "-o", "{out}"],
 ], ids=lambda a: " ".join(a[:2]))
 def test_file_size_limit_is_73_and_leaves_no_partial_document(work, tmp_path, argv):
     _needs_fleet(argv)

@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from kvtrace.commands.common import guarded
-from kvtrace.errors import CannotWrite, Unavailable
+from kvtrace.commands.outputs import check_output, remove_empty_dirs
+from kvtrace.errors import CannotWrite, TraceIncomplete, Unavailable
 from kvtrace.units import format_bytes, format_ns
 
 # gpt-oss-20b KV geometry (8 KV heads x 64, window 128, sliding/full alternating), depth and
@@ -32,9 +33,8 @@ def demo(out_dir: str, device: str) -> None:
     Runs on CUDA when present, else on the CPU (well under a minute on two cores).
     Random weights, nothing downloaded. Sizes in binary units (KiB = 1024 B).
     """
-    from kvtrace.loading import load_model
-
     out = Path(out_dir)
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -43,21 +43,31 @@ def demo(out_dir: str, device: str) -> None:
     if trace_path.exists() and not _written_by_demo(trace_path):
         raise click.UsageError(f"{trace_path} exists and was not written by 'kvtrace demo': refusing to "
                                "overwrite it; pick another directory with -o")
-    from kvtrace.commands.outputs import check_output
-
     check_output(out / "report.html", option="-o", inputs=(trace_path,))
     try:
-        from kvtrace.recorder.session import CannotWriteTrace, check_writable
+        from kvtrace.recorder.session import CannotWriteOutput, check_writable
     except ImportError as exc:
         raise Unavailable(f"the demo records a model: it needs torch and transformers ({exc})") from None
     try:
         check_writable(trace_path)
-    except CannotWriteTrace as exc:
+    except CannotWriteOutput as exc:
         raise CannotWrite(str(exc)) from None
+    try:
+        _record(trace_path, device)
+    except CannotWriteOutput as exc:  # as `record`: the trace cannot be created (a full disk), exit 73
+        if created:
+            remove_empty_dirs(out)
+        raise CannotWrite(str(exc)) from None
+    show(trace_path)
+    _after_recording(trace_path)
 
+
+def _record(trace_path: Path, device: str) -> None:
+    """Record the demo requests into ``trace_path``; TraceIncomplete (74) when storage failed midway."""
     import torch
 
     import kvtrace
+    from kvtrace.loading import load_model
 
     t0 = time.monotonic_ns()
     loaded = load_model(f"preset:{DEMO_PRESET}", device=device, dtype="auto",
@@ -74,10 +84,11 @@ def demo(out_dir: str, device: str) -> None:
             model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
             click.echo(f"  request {i}: {DEMO_PROMPT} prompt tokens + {new} new tokens")
     elapsed = time.monotonic_ns() - t0
+    if rec.storage_failure is not None:  # as `record`: generation finished, the trace stopped early
+        raise TraceIncomplete(f"{trace_path}: trace incomplete, writing stopped early "
+                              f"({rec.storage_failure.describe()}); it holds everything up to its last flush")
     click.echo(f"trace written to {trace_path} in {format_ns(elapsed)}"
                + (f" ({rec.recorder_errors} recorder errors recorded)" if rec.recorder_errors else ""))
-    show(trace_path)
-    _after_recording(trace_path)
 
 
 def _written_by_demo(path: Path) -> bool:

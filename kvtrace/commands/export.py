@@ -8,7 +8,15 @@ import click
 
 from kvtrace import exitcodes
 from kvtrace.commands.common import fail, guarded
-from kvtrace.commands.outputs import check_json_out, check_output, check_output_dir, json_options, write_json
+from kvtrace.commands.outputs import (
+    check_json_out,
+    check_output,
+    check_output_dir,
+    json_options,
+    remove_empty_dirs,
+    write_json,
+)
+from kvtrace.errors import CannotWrite
 
 
 @click.group("export")
@@ -219,6 +227,7 @@ def parquet(traces: tuple[str, ...], output: str, jobs: int, workers: int | None
             fail(f"--workers/--dask need dask.distributed ({exc.name}); pip install 'kvtrace[fleet]'",
                  exitcodes.UNAVAILABLE)
     (fx,) = fleet_modules("export")
+    created = not Path(output).exists()
     try:
         Path(output).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -232,6 +241,10 @@ def parquet(traces: tuple[str, ...], output: str, jobs: int, workers: int | None
             fail(str(exc), exitcodes.UNAVAILABLE)
         except FleetError as exc:  # the fleet directory's own traces.parquet is damaged
             fail(str(exc), exitcodes.UNREADABLE)
+        except CannotWrite:  # a full disk: the tables written whole stay; a new, empty -o goes
+            if created:
+                remove_empty_dirs(Path(output))
+            raise
     write_json(result.to_dict(), json_out, as_json=as_json)
     for f in result.failed:
         click.echo(f"kvtrace: {f['error']}", err=True)

@@ -12,12 +12,14 @@ Before any work, every output path is checked:
 * an output file that names a directory -> exit 64 (as click's own path checks);
 * an output that cannot be created (directory missing, not writable, a read-only file system) -> exit 73.
 
-A JSON document is written whole or not at all (:func:`write_text_whole`): a full disk or a file
-size limit is exit 73 and leaves neither a truncated file nor a temporary behind.
+A JSON document is written whole or not at all (:func:`kvtrace.wholefile.write_text_whole`, which
+every other output of kvtrace goes through too): a full disk or a file size limit is exit 73 and
+leaves neither a truncated file nor a temporary behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -27,6 +29,7 @@ import click
 
 from kvtrace.commands.common import json_dump
 from kvtrace.errors import CannotWrite
+from kvtrace.wholefile import write_text_whole
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -111,6 +114,19 @@ def check_output_dir(path: str | os.PathLike[str], *, option: str,
     return p
 
 
+def remove_empty_dirs(path: Path) -> None:
+    """Remove ``path`` and the directories under it when no file is left there: what a command that
+    created an output directory leaves after a failure (a full disk) is nothing, not empty folders."""
+    if not path.is_dir() or path.is_symlink():
+        return
+    for sub in sorted((p for p in path.rglob("*") if p.is_dir() and not p.is_symlink()),
+                      key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            sub.rmdir()  # fails when it holds a file: kept
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
 def json_options(fn: F) -> F:
     """``--json`` (flag: print JSON to stdout) and ``--json-out FILE`` (write it to FILE)."""
     fn = click.option("--json-out", "json_out", type=click.Path(dir_okay=False), default=None, metavar="FILE",
@@ -131,23 +147,3 @@ def write_json(doc: Any, json_out: str | None, *, as_json: bool) -> None:
             write_text_whole(json_out, text + "\n")
         except OSError as exc:
             raise CannotWrite(f"cannot write --json-out {json_out}: {exc.strerror}") from None
-
-
-def write_text_whole(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: a full disk or a size limit mid-write leaves
-    no truncated document behind (nor replaces a previous one). A regular file is written beside
-    itself and renamed over ``path``; a symlink, a FIFO or a device (``/dev/stdout``) is written in
-    place, as renaming would replace the link or the device node itself."""
-    p = Path(path)
-    if p.is_symlink() or (p.exists() and not p.is_file()):
-        with open(p, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        return
-    part = p.with_name(f".{p.name}.{os.getpid()}.part")
-    try:
-        with open(part, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(part, p)
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise

@@ -24,6 +24,7 @@ from kvtrace.format import schema
 from kvtrace.format.reader import Trace
 from kvtrace.report import data
 from kvtrace.report.findings import FindingRow
+from kvtrace.wholefile import write_whole
 
 HOST_PID = 1
 REQUESTS_TID = 1
@@ -232,9 +233,13 @@ def render(
     doc = trace_events(view, findings)
     step("write")
     out = Path(out_json)
-    try:
-        with open(out, "w", encoding="utf-8") as fh:
+
+    def write(p: Path) -> None:
+        with open(p, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, separators=(",", ":"))
+
+    try:
+        write_whole(out, write)  # a full disk leaves no truncated JSON (nor replaces an earlier one)
     except OSError as exc:
         raise CannotWrite(f"{out}: cannot write ({exc.strerror})") from None
     return out, {"events": len(doc["traceEvents"]), "findings": None if findings is None else len(findings),

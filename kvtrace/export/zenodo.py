@@ -266,13 +266,34 @@ def export_zenodo(
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise BundleError(f"{out}: exists and is not an empty directory", "output")
+    created = not out.exists()
     try:
         (out / "data").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise BundleError(f"{out}: cannot create ({exc.strerror})", "output") from None
-
     if options.title is None:
         options = dataclasses.replace(options, title=default_title([r.model_id for r in read]))
+    try:
+        return _write_bundle(out, paths, read, options, progress)
+    except OSError as exc:  # a full disk: no half bundle (its checksums would not match) is left behind
+        _discard(out, created)
+        raise BundleError(f"{out}: cannot write the bundle ({exc.strerror or exc})", "output") from None
+
+
+def _discard(out: Path, created: bool) -> None:
+    """Remove what a failed export wrote: ``out`` was empty (or absent) before, so all it holds is ours."""
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for child in list(out.iterdir()):
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+
+
+def _write_bundle(out: Path, paths: Sequence[Path], read: Sequence[_Read], options: BundleOptions,
+                  progress: Progress | None) -> Bundle:
     cards: list[TraceCard] = []
     for p, r in zip(paths, read, strict=True):
         dst = out / "data" / p.name

@@ -12,6 +12,7 @@ writes traces.parquet and the manifest, rewriting both whole (atomically) at che
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -28,10 +29,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvtrace import exitcodes
+from kvtrace.errors import CannotWrite
 from kvtrace.fleet import FleetError
 from kvtrace.fleet.source import file_identity, read_trace
 from kvtrace.fleet.tables import FLEET_SCHEMA_VERSION, TABLE_NAMES, TRACES_FILE, trace_tables
 from kvtrace.format.errors import InvalidTrace, TraceError, UnsupportedVersion
+from kvtrace.wholefile import failure_reason, write_text_whole, write_whole
 
 MANIFEST = "_manifest.json"
 # traces.parquet and the manifest are rewritten whole after at least this many exports AND this
@@ -51,9 +54,12 @@ def _code_for(exc: BaseException) -> int:
 
 
 def _write_atomic(table: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")  # not matched by the *.parquet globs
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, path)
+    """Write a table whole or not at all (its temporary is not matched by the *.parquet globs); a
+    full disk is CannotWrite (exit 73), not pyarrow's OSError (an internal error)."""
+    try:
+        write_whole(path, lambda p: pq.write_table(table, p, compression="zstd"))
+    except OSError as exc:
+        raise CannotWrite(f"cannot write {path}: {failure_reason(exc)}") from None
 
 
 def export_one(path: str, out_dir: str, identity: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -69,14 +75,26 @@ def export_one(path: str, out_dir: str, identity: dict[str, Any] | None = None) 
     tid = data.identity["trace_id"]
     traces_row = tables.pop("traces")  # the parent merges it into traces.parquet
     rows = {"traces": traces_row.num_rows}
-    for name, table in tables.items():
-        target = Path(out_dir) / name / f"{tid}.parquet"
-        if table.num_rows == 0:  # views fall back to the known schema; empty files only slow globs
+    written: list[Path] = []  # this call's new files: removed when a later table cannot be written
+    try:
+        for name, table in tables.items():
+            target = Path(out_dir) / name / f"{tid}.parquet"
+            if table.num_rows == 0:  # views fall back to the known schema; empty files only slow globs
+                target.unlink(missing_ok=True)
+                continue
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise CannotWrite(f"cannot write {target}: {failure_reason(exc)}") from None
+            new = not target.exists()
+            _write_atomic(table, target)
+            if new:
+                written.append(target)
+            rows[name] = table.num_rows
+    except CannotWrite:  # a trace is exported whole or not at all: no rows without its traces row
+        for target in written:
             target.unlink(missing_ok=True)
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(table, target)
-        rows[name] = table.num_rows
+        raise
     return {"path": path, "status": "exported", **data.identity, "rows": rows, "traces_row": traces_row,
             "analysis_error": data.analysis_error, "seconds": (time.perf_counter_ns() - t0) / 1e9}
 
@@ -116,9 +134,10 @@ def load_manifest(out_dir: Path) -> dict[str, Any]:
 
 
 def _save_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
-    tmp = out_dir / f".{MANIFEST}.{os.getpid()}.part"
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, out_dir / MANIFEST)
+    try:
+        write_text_whole(out_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    except OSError as exc:
+        raise CannotWrite(f"cannot write {out_dir / MANIFEST}: {failure_reason(exc)}") from None
 
 
 def _remove_trace(out_dir: Path, trace_id: str) -> None:
@@ -263,23 +282,29 @@ def export_parquet(paths: Iterable[str], out_dir: str | os.PathLike[str], *, job
         manifest["fleet_schema_version"] = FLEET_SCHEMA_VERSION
         _save_manifest(out, manifest)
 
-    for entry in runner:
-        if entry["status"] == "failed":
-            result.failed.append(entry)
-        else:
-            old = manifest["traces"].get(entry["path"])
-            if old and old["trace_id"] != entry["trace_id"] and not any(
-                    v["trace_id"] == old["trace_id"] for k, v in manifest["traces"].items() if k != entry["path"]):
-                _remove_trace(out, old["trace_id"])  # the file changed: its old rows go
-                drop.add(old["trace_id"])
-            drop.add(entry["trace_id"])
-            new_rows.append(entry.pop("traces_row"))
-            manifest["traces"][entry["path"]] = {k: by_path.get(entry["path"], entry)[k] for k in
-                                                 ("size", "mtime_ns", "sha256_edges", "trace_id")}
-            result.exported.append(entry)
-            if len(new_rows) >= CHECKPOINT_TRACES and time.monotonic() - last >= CHECKPOINT_SECONDS:
-                checkpoint()
-        progress and progress(entry["path"])
+    try:
+        for entry in runner:
+            if entry["status"] == "failed":
+                result.failed.append(entry)
+            else:
+                old = manifest["traces"].get(entry["path"])
+                if old and old["trace_id"] != entry["trace_id"] and not any(
+                        v["trace_id"] == old["trace_id"] for k, v in manifest["traces"].items()
+                        if k != entry["path"]):
+                    _remove_trace(out, old["trace_id"])  # the file changed: its old rows go
+                    drop.add(old["trace_id"])
+                drop.add(entry["trace_id"])
+                new_rows.append(entry.pop("traces_row"))
+                manifest["traces"][entry["path"]] = {k: by_path.get(entry["path"], entry)[k] for k in
+                                                     ("size", "mtime_ns", "sha256_edges", "trace_id")}
+                result.exported.append(entry)
+                if len(new_rows) >= CHECKPOINT_TRACES and time.monotonic() - last >= CHECKPOINT_SECONDS:
+                    checkpoint()
+            progress and progress(entry["path"])
+    except CannotWrite:  # keep the traces exported whole before the failure, when there is room for them
+        with contextlib.suppress(CannotWrite):
+            checkpoint()
+        raise
     checkpoint()
     result.seconds = time.perf_counter() - t0
     return result

@@ -26,6 +26,7 @@ from kvtrace.fleet.compare import Selector, fleet_diff, metric_rows
 from kvtrace.fleet.query import QueryResult, run_sql, summary
 from kvtrace.report import figures, html
 from kvtrace.units import format_bytes
+from kvtrace.wholefile import write_text_whole
 
 MAX_GROUPS = 24  # groups drawn per figure (the most traces first); the table lists them all
 TRACE_SUFFIXES = (".kvt.h5", ".h5", ".hdf5")
@@ -230,7 +231,5 @@ def build_fleet_report(con: Any, out: str | os.PathLike[str], *, keys: list[str]
     page = html.render(f"kvtrace fleet report: {directory or 'fleet'}",
                        [f"{result.traces} traces, {result.groups} group(s)"], sections,
                        f"kvtrace {__version__} · fleet report · sizes in binary units (KiB = 1024 B)")
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.part")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, out_path)
+    write_text_whole(out_path, page)  # OSError (a full disk): nothing left behind, the command says 73
     return result

@@ -167,7 +167,10 @@ class Recorder:
             self._release_sigxfsz()
             telemetry.close()
             self._close_observers()
-            raise CannotWriteTrace(f"cannot write trace to {self.path}: {exc}") from exc
+            # the writer's own message already names the trace ("cannot write trace X: ENOSPC (...)"):
+            # said once, without the "[Errno 28]" of str(exc)
+            said = exc.strerror if exc.strerror and str(self.path) in str(exc.strerror) else None
+            raise CannotWriteTrace(said or f"cannot write trace to {self.path}: {exc.strerror or exc}") from exc
         try:
             ctx.observers.notify("on_session_start", meta["model_id"], meta["model_type"], telemetry.latest_rss)
             self._readings.start()

@@ -17,6 +17,7 @@ from jinja2 import Environment, StrictUndefined
 from markupsafe import Markup
 
 from kvtrace.errors import CannotWrite
+from kvtrace.wholefile import write_text_whole
 
 CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:0;background:#fafafa;color:#222}
@@ -144,8 +145,8 @@ def render(title: str, header_lines: Sequence[str], sections: Sequence[Section],
 
 
 def write_page(out: Path, page: str) -> None:
-    """Write a rendered page; a failure is CannotWrite (one line, exit 73), never a traceback."""
+    """Write a rendered page whole or not at all; a failure is CannotWrite (one line, exit 73), never a traceback."""
     try:
-        out.write_text(page, encoding="utf-8")
+        write_text_whole(out, page)  # a full disk leaves no empty page (nor replaces an earlier one)
     except OSError as exc:
         raise CannotWrite(f"{out}: cannot write report ({exc.strerror})") from None
