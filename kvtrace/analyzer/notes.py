@@ -1,4 +1,4 @@
-"""The recorder's NOTE events (spec §4.9 kind 15), as `kvtrace info` and `kvtrace analyze` show them:
+"""The recorder's NOTE events (spec §4.5, kind 15), as `kvtrace info` and `kvtrace analyze` show them:
 what a reader of the trace must know that no table says (a continuous-batching manager's forwards
 leave no per-layer rows and ran with these CUDA-graph / async settings; an unsupported transformers
 version; a last step whose structure was not readable; samples skipped).
