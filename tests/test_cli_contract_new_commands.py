@@ -799,10 +799,9 @@ def test_serve_port_in_use_is_69_and_writes_no_trace(work, tmp_path):
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="bug in commands/serve.py / kvtrace/serving (not this helper's files): a trace "
-                   "that cannot be written (full disk) is 'cannot serve ...: CannotWriteTrace: ...' exit 69, where "
-                   "record says exit 73 for the same failure")
 def test_serve_full_disk_is_73(work, full_fs):
+    """A trace that cannot be written is 73 as in record (was 69 'cannot serve ...: CannotWriteTrace'),
+    said once."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     pytest.importorskip("torch")
@@ -811,3 +810,6 @@ def test_serve_full_disk_is_73(work, full_fs):
                           capture_output=True, text=True, timeout=300)
     assert "Traceback" not in proc.stderr
     assert proc.returncode == exitcodes.CANNOT_WRITE, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvtrace: cannot write trace") and "No space left on device" in last, proc.stderr[-3000:]
+    assert last.count("s.kvt.h5") == 1 and "[Errno" not in last, last

@@ -179,6 +179,8 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
         raise
     except CannotServeMetrics as exc:
         raise Unavailable(str(exc)) from None
+    except CannotWriteOutput as exc:  # the trace cannot be created (a full disk): 73, as record says
+        raise CannotWrite(str(exc)) from None
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
         # transformers could not load the model (missing files, not cached offline, bad --dtype...)
         raise Unavailable(f"cannot serve {model}: {type(exc).__name__}: {exc}") from None
