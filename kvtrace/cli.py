@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -42,7 +44,30 @@ def _load(name: str) -> click.Command | None:
     return getattr(module, attr)
 
 
+@contextlib.contextmanager
+def _closed_stdout_is_141() -> Iterator[None]:
+    """`kvtrace CMD --help | head -1`: click answers a closed stdout with exit 1 (its own EPIPE
+    handling); kvtrace's rule for it is a quiet 141, as every command's (commands.common.guarded)."""
+    try:
+        yield
+    except BrokenPipeError:
+        from kvtrace.commands.common import stdout_closed
+
+        stdout_closed()
+
+
 class LazyGroup(click.Group):
+    # --help and --version print while the command line is parsed: the root's in make_context, a
+    # subcommand's (nested groups included) inside the root's invoke
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        with _closed_stdout_is_141():
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _closed_stdout_is_141():
+            return super().invoke(ctx)
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return [name for name in COMMANDS if _load(name) is not None]
 

@@ -28,6 +28,7 @@ from cli_run import run_main
 from test_cli_habits import _closed_pipe_run  # stdout a pipe whose reader already closed
 
 from kvtrace import exitcodes
+from kvtrace.cli import COMMANDS
 
 DATA = Path(__file__).parent / "data"
 LLAMA = DATA / "gpu_contents" / "llama.kvt.h5"  # sampled K/V/Q: the what-if measures run
@@ -634,6 +635,21 @@ def test_closed_stdout_is_a_quiet_141(work, argv):
     proc = _closed_pipe_run(*_argv(argv, work))
     assert proc.returncode == exitcodes.BROKEN_PIPE, proc.stderr[-2000:]
     assert proc.stderr == ""
+
+
+HELP = [["--help"], ["--version"], *[[name, "--help"] for name in COMMANDS],
+        ["export", "perfetto", "--help"], ["fleet", "report", "--help"]]
+
+
+@pytest.mark.parametrize("argv", HELP, ids=" ".join)
+def test_help_onto_a_closed_stdout_is_a_quiet_141(argv):
+    """`kvtrace CMD --help | head -1` was exit 1 (click's own EPIPE handling)."""
+    proc = _closed_pipe_run(*argv)
+    assert proc.returncode == exitcodes.BROKEN_PIPE, proc.stderr[-2000:]
+    assert proc.stderr == ""
+    # the control: the same text onto an open stdout is exit 0
+    proc = subprocess.run([sys.executable, "-m", "kvtrace.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-2000:]
 
 
 # ---- loadtest and serve (kvtrace/serving/**, commands/loadtest.py and serve.py: tested here) ---------
