@@ -18,7 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from kvtrace.analyzer.detectors._serving import cached_bytes_of, held, outside_pool, pool_usage, room_at
+from kvtrace.analyzer.detectors._serving import (
+    cached_bytes_of,
+    held,
+    outside_pool,
+    pool_room,
+    pool_usage,
+    room_at,
+)
 from kvtrace.format.schema import EventKind
 
 OCCUPANCY_PREFIX = "paged cache occupancy "
@@ -170,9 +177,12 @@ def _occupancy_rows(trace: Any) -> tuple[str | None, list[dict[str, Any]], list[
     return ("occupancy NOTE events" if samples else None), samples, groups
 
 
-def _pool_room(source: str | None, samples: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray] | None:
-    """(t_ns, room bytes) of every occupancy sample of the trace in time order (free + evictable
-    cached blocks), or None without one."""
+def _pool_room(trace: Any, source: str | None, samples: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(t_ns, room bytes) in time order, room = free + evictable cached blocks: the detector's
+    pool_room over /sched, else from the first floor's occupancy NOTE samples; None without a pool."""
+    if source == "/sched":
+        t, room = pool_room(trace.sched(), trace.sched_groups())
+        return (t, room) if t.size else None
     known = sorted((s for s in samples if s["pool"] > 0 and s["free"] >= 0), key=lambda s: s["t_ns"])
     if not known:
         return None
@@ -216,7 +226,7 @@ def phase_facts(trace: Any) -> list[PhaseFacts]:
     if nvml is not None:
         nvml = nvml[(nvml["total_bytes"] > 0) & (nvml["used_bytes"] >= 0)]
     devices = int(np.unique(nvml["device"]).size) if nvml is not None else 0
-    room = _pool_room(source, samples)
+    room = _pool_room(trace, source, samples)
     alloc = trace.allocator() if trace.nrows("telemetry/allocator") else None
     out = []
     for i, (name, t0) in enumerate(markers):

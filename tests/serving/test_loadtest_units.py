@@ -327,3 +327,44 @@ def test_device_memory_without_nvml_or_pool_says_why():
     (facts,) = phase_facts(t)
     c = _checks(judge([_run("single", results=[_req(32)])], [facts], max_tokens=4)[0])["device_memory_use"]
     assert c.level == "warning" and "taken whole: no paged-cache pool recorded" in c.value
+
+
+class SchedTrace(FakeTrace):
+    """FakeTrace with /sched and /sched_groups rows (one manager, one full-attention group)."""
+
+    def __init__(self, events, sched_rows, nvml=()):
+        super().__init__(events, nvml=nvml)
+        self.s = np.zeros(len(sched_rows), schema.SCHED)
+        self.g = np.zeros(len(sched_rows), schema.SCHED_GROUPS)
+        for i, (t, pool, free, cached_blocks) in enumerate(sched_rows):
+            self.s[i]["t_ns"], self.s[i]["step"], self.s[i]["running"] = t, i, 1
+            self.s[i]["pool_bytes"], self.s[i]["free_bytes"] = pool, free
+            self.g[i]["step"], self.g[i]["layer_type"], self.g[i]["window"] = i, int(schema.LayerType.FULL), -1
+            self.g[i]["tokens_per_block"], self.g[i]["bytes_per_block"] = 16, GiB
+            self.g[i]["blocks_total"], self.g[i]["blocks_cached"] = pool // GiB, cached_blocks
+
+    def has(self, name):
+        return name in ("sched", "sched_groups")
+
+    def sched(self):
+        return self.s
+
+    def sched_groups(self):
+        return self.g
+
+
+def test_trace_sched_rows_give_the_pool_room_and_cached_blocks_count_as_free():
+    """The /sched path (format 1.4): pool use with evictable cached blocks free, device memory less the
+    room (free + cached) at the last step before each reading, through the detector's functions."""
+    note = int(EventKind.NOTE)
+    # pool 80 GiB: 40 GiB free and 30 cached blocks of 1 GiB: 10 GiB (12.5%) in use, not 50%
+    rows = [(150, 80 * GiB, 40 * GiB, 30), (170, 80 * GiB, 40 * GiB, 30)]
+    t = SchedTrace([(note, 100, "phase: concurrent"), (note, 900, "phase: end")], rows,
+                   nvml=[(160, 90 * GiB, 100 * GiB), (180, 90 * GiB, 100 * GiB)])
+    (facts,) = phase_facts(t)
+    assert facts.occupancy_source == "trace /sched"
+    assert facts.pool_use_held == pytest.approx(0.125)
+    # 90 GiB in use, 70 GiB of it the pool's room: 20% outside
+    assert facts.device.room_bytes == 70 * GiB and facts.device.outside_held == pytest.approx(0.20)
+    c = _checks(judge([_run("concurrent", results=[_req(32)] * 3)], [facts], max_tokens=4)[0])
+    assert c["kv_pool_use"].level == "ok" and c["device_memory_use"].level == "ok"
