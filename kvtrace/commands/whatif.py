@@ -66,7 +66,8 @@ def _check_rerun(model: str, device: str) -> str:
               help="Also measure quality: a teacher-forced pass of MODEL (local directory or preset:NAME) over "
               "--text with each policy applied to its KV cache; perplexity and KL against the unchanged cache.")
 @click.option("--text", "text_file", type=click.Path(dir_okay=False), metavar="FILE",
-              help="With --rerun: the text to score (UTF-8).")
+              help="With --rerun: the text to score (UTF-8 text; a binary file is refused). Read only as far "
+              "as --max-tokens needs, however large the file.")
 @click.option("--max-tokens", type=click.IntRange(2, 1 << 20), default=256, show_default=True,
               help="With --rerun: score at most this many tokens of --text.")
 @click.option("--rerun-prefill", type=click.IntRange(0, 1 << 20), default=0, show_default=True, metavar="N",

@@ -35,6 +35,7 @@ in numpy on the CPU: meant for hundreds of tokens, not long contexts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,76 @@ NOTE = ("quality: teacher-forced rerun of the model over the text (an optional p
         "the policy applied to the KV cache after every step; perplexity and KL(reference || policy) of the "
         "next-token distributions against the same pass with the cache unchanged")
 RANDOM_NOTE = "the model has random weights: these numbers only prove the mechanics, not a policy's quality"
+
+
+# A token of the tokenizers a rerun meets spans a few bytes of UTF-8 (about 4 in English prose; a
+# run of spaces or code indentation more): --text is first read for this many bytes per token of
+# --max-tokens, then in doubling chunks only while the tokens read fall short of the budget.
+BYTES_PER_TOKEN = 8
+
+
+class TextSource:
+    """``--text FILE`` read only as far as ``max_tokens`` tokens need, however large the file: a
+    file that is not UTF-8 text (undecodable bytes, or NUL bytes: a binary file) is refused with
+    exit 64 (BadOption) from its first chunk, before any model loads."""
+
+    def __init__(self, path: str | Path, max_tokens: int) -> None:
+        import codecs
+
+        self.path, self.max_tokens = Path(path), max_tokens
+        self.text, self.bytes_read, self.eof = "", 0, False
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        try:
+            self._fh = open(self.path, "rb")  # noqa: SIM115 - closed by close() / the with block
+        except OSError as exc:
+            raise BadOption(f"--text {path}: cannot read it ({exc.strerror or exc})", option="--text") from None
+        try:
+            self._read(max(1, max_tokens) * BYTES_PER_TOKEN)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> TextSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def _read(self, n: int) -> None:
+        parts, got = [], 0
+        try:
+            while got < n:  # a pipe (--text <(...)) answers short reads before its end
+                part = self._fh.read(n - got)
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+        except OSError as exc:
+            raise BadOption(f"--text {self.path}: cannot read it ({exc.strerror or exc})", option="--text") from None
+        chunk = b"".join(parts)
+        self.eof = got < n
+        nul = chunk.find(b"\0")
+        if nul >= 0:
+            raise BadOption(f"--text {self.path}: not a text file (a NUL byte at offset {self.bytes_read + nul})",
+                            option="--text")
+        try:
+            self.text += self._decoder.decode(chunk, final=self.eof)
+        except UnicodeDecodeError as exc:
+            raise BadOption(f"--text {self.path}: not UTF-8 text ({exc.reason} at byte "
+                            f"{self.bytes_read + exc.start})", option="--text") from None
+        self.bytes_read += len(chunk)
+
+    def tokens(self, encode: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """The first ``max_tokens`` tokens, ``[1, n]``. Reading stops once the text holds one token
+        more than the budget (the last one may be cut where the read stopped) or at the file's end."""
+        while True:
+            ids = encode(self.text)
+            if self.eof or ids.shape[1] > self.max_tokens:
+                return ids[:, :self.max_tokens]
+            self._read(max(self.bytes_read, BYTES_PER_TOKEN))
 
 
 @dataclass
@@ -315,10 +386,7 @@ def rerun_quality(model_spec: str, text_path: str | Path, policies: list[Policy]
     cover the positions after the prefill."""
     from kvtrace.loading import encode, load_model
 
-    try:
-        text = Path(text_path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadOption(f"--text {text_path}: cannot read it ({exc})", option="--text") from None
+    source = TextSource(text_path, max_tokens)  # refused before the model loads when it is not text
     shrink: dict[str, Any] = {"layers": None, "width": None, "vocab": None}
     if tiny:
         if not model_spec.startswith("preset:"):
@@ -331,7 +399,8 @@ def rerun_quality(model_spec: str, text_path: str | Path, policies: list[Policy]
             raise BadOption(str(exc).strip("'\""), option="--rerun") from None
         shrink = {"layers": s["layers"], "width": s["width_scale"], "vocab": s["vocab"]}
     loaded = load_model(model_spec, device=device, dtype="auto", **shrink)
-    ids = encode(loaded.tokenizer, text, str(loaded.model.device))[:, :max_tokens]
+    with source:
+        ids = source.tokens(lambda text: encode(loaded.tokenizer, text, str(loaded.model.device)))
     if ids.shape[1] < prefill + 2:  # at least one position predicted from the pressed cache
         what = f"after a prefill of {prefill}" if prefill else "(needs at least 2)"
         raise BadOption(f"--text {text_path}: {ids.shape[1]} tokens leave none to score {what}",

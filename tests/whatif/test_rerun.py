@@ -5,6 +5,9 @@ setting moves the distribution more, the cache holds what the policy says."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import threading
 
 import numpy as np
 import pytest
@@ -183,3 +186,81 @@ def test_encoder_decoder_models_are_refused_with_the_reason():
 
     with pytest.raises(Unavailable, match="encoder-decoder"):
         teacher_forced_logprobs(tiny_model("t5"), tiny_prompt(4))
+
+
+# ---- --text read only as far as the token budget needs ------------------------------------------
+
+def _byte_encode(text: str) -> torch.Tensor:  # one token per UTF-8 byte (as the presets' ByteTokenizer)
+    return torch.tensor([list(text.encode("utf-8"))], dtype=torch.long)
+
+
+def test_text_is_read_only_as_far_as_the_budget_needs(tmp_path):
+    from kvtrace.whatif.rerun import BYTES_PER_TOKEN, TextSource
+
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as fh:  # 4 KiB of text, then 1 GiB of NUL bytes (sparse): never reached
+        fh.write(b"a few words of text. " * 200)
+        fh.truncate(1 << 30)
+    with TextSource(big, 16) as src:
+        ids = src.tokens(_byte_encode)
+        assert ids.shape == (1, 16) and src.bytes_read == 16 * BYTES_PER_TOKEN
+    # a tokenizer that needs more bytes per token than the first read gave: further reads, doubling
+    with TextSource(big, 16) as src:
+        ids = src.tokens(lambda t: _byte_encode(t)[:, ::40])  # one token per 40 bytes
+        assert ids.shape == (1, 16) and src.bytes_read == 16 * BYTES_PER_TOKEN * 8  # 128, 256, 512, 1024
+    # the whole file when it is shorter than the budget needs
+    small = tmp_path / "small.txt"
+    small.write_text("héllo wörld")
+    with TextSource(small, 256) as src:
+        assert src.tokens(_byte_encode).shape == (1, len("héllo wörld".encode())) and src.eof
+
+
+@pytest.mark.parametrize(("body", "phrase"), [
+    (b"\xff\xfe\x00\x01 not UTF-8", "NUL byte at offset 2"),
+    (b"text, then \xff\xfe bytes that are not UTF-8", "not UTF-8 text (invalid start byte at byte 11)"),
+    (b"\x7fELF\x02\x01\x01\x00" + b"\x00" * 64, "NUL byte at offset 7"),  # valid UTF-8, still a binary
+    (b"ends in half a character \xc3", "not UTF-8 text"),
+])
+def test_text_that_is_not_text_is_refused(tmp_path, body, phrase):
+    from kvtrace.errors import BadOption
+    from kvtrace.whatif.rerun import TextSource
+
+    (tmp_path / "x.bin").write_bytes(body)
+    with pytest.raises(BadOption, match=re.escape(phrase)) as err:
+        TextSource(tmp_path / "x.bin", 256).tokens(_byte_encode)
+    assert err.value.option == "--text"
+
+
+def test_text_from_a_pipe_is_read_to_the_budget(tmp_path):
+    """A pipe answers short reads before its end: they are not taken for the end of the text."""
+    from kvtrace.whatif.rerun import TextSource
+
+    r, w = os.pipe()
+    body = ("word " * 400).encode()
+
+    def feed() -> None:
+        with os.fdopen(w, "wb", buffering=0) as fh:
+            for i in range(0, len(body), 7):  # 7 bytes at a time
+                fh.write(body[i:i + 7])
+
+    t = threading.Thread(target=feed)
+    t.start()
+    try:
+        with TextSource(f"/dev/fd/{r}", 100) as src:
+            assert src.tokens(_byte_encode).shape == (1, 100) and not src.eof
+    finally:
+        t.join()
+        os.close(r)
+
+
+def test_rerun_over_a_huge_text_scores_the_budget(tmp_path, capsys):
+    """The CLI over a 1 GiB text file (sparse past its first 4 KiB): --max-tokens 8 reads what 8
+    tokens need (the whole file was read, and its NUL bytes tokenised, before)."""
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as fh:
+        fh.write(b"a few words of text. " * 200)
+        fh.truncate(1 << 30)
+    code, out, err = run_main(["whatif", "--rerun", "preset:llama-3.1-8b", "--tiny", "--text", str(big),
+                               "--policy", "knorm", "--ratio", "0.5", "--max-tokens", "8", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["rerun"]["tokens"] == 8
