@@ -192,8 +192,8 @@ def _context(run: PhaseRun, history: list[int], occ: PhaseFacts | None, memory: 
     typical, k = found
     ratio = max(mine) / typical
     source = "client: prompt + output tokens (server usage when reported)"
-    value = (f"max {max(mine)} tokens = {ratio:.2f}x the typical {typical:.0f} (#{k} from the top of "
-             f"{len(history)}, 1/{TAIL_SHARE} of them)")
+    value = (f"max {max(mine)} tokens = {ratio:.2f}x the typical {typical:.0f} (what the top 1/{TAIL_SHARE} of the "
+             f"{len(history)} requests so far reach: #{k} from the top)")
     if ratio < CONTEXT_SPIKE:
         return Check("context_spike", "ok", value, rule, source)
     kv = _kv_of(max(mine), occ)
