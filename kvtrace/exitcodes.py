@@ -5,7 +5,7 @@ OK = 0
 INVALID = 1  # a trace that breaks the spec (validate lists every problem)
 UNREADABLE = 2  # not a kvtrace trace, not HDF5, truncated, unreadable
 FINDINGS = 3  # analyze --fail-on: a finding reached the threshold
-VERSION = 4  # trace format major version newer than this kvtrace
+VERSION = 4  # written by a newer kvtrace: a trace format, what-if / analysis JSON schema or fleet schema major version
 USAGE = 64  # bad command-line arguments (EX_USAGE)
 UNAVAILABLE = 69  # a needed component is absent: torch, a GPU, triton (EX_UNAVAILABLE)
 INTERNAL = 70  # a bug in kvtrace (EX_SOFTWARE); rerun with KVTRACE_DEBUG=1 for a traceback

@@ -13,11 +13,11 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-from kvtrace.format.errors import InvalidTrace
+from kvtrace.format.errors import InvalidTrace, UnsupportedVersion
 
 # A JSON document kvtrace reads back (an analysis report, a what-if document) is parsed whole in
 # memory: larger files are refused rather than risk the reader's memory.
@@ -54,6 +54,20 @@ def json_default(obj: Any) -> Any:
     if isinstance(obj, (np.generic, np.ndarray, bytes)):
         return _leaf(obj)
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def refuse_schema(path: Path, what: str, found: Any, reads: str) -> NoReturn:
+    """Refuse a saved document whose schema this kvtrace does not read, as a trace's format is
+    refused: UnsupportedVersion (exit 4, "upgrade kvtrace") when its major number is above the one
+    of ``reads``; InvalidTrace (exit 1) otherwise (an older, or not a number)."""
+    try:
+        major = None if isinstance(found, bool) else int(str(found).split(".")[0])
+    except ValueError:  # not a number (an int of more than 4300 digits included)
+        major = None
+    if major is not None and major > int(reads.split(".")[0]):
+        raise UnsupportedVersion(f"{path}: {what} schema {found} is newer than this kvtrace reads ({reads}): "
+                                 "written by a newer kvtrace; upgrade kvtrace")
+    raise InvalidTrace(f"{path}: {what} schema {found} is not {reads}")
 
 
 def read_json_document(path: Path, what: str = "JSON") -> Any:

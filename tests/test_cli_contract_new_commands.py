@@ -103,6 +103,11 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     f["ra"] = d / "ra.json"
     code, _, err = run_main(["analyze", str(f["a"]), "--json-out", str(f["ra"])], _Quiet())
     assert code == 0, err
+    for name, version in (("ra9", "9.0"), ("raold", "0.1"), ("raword", "two")):  # saved by another kvtrace
+        f[name] = d / f"{name}.json"
+        f[name].write_text(json.dumps({**json.loads(f["ra"].read_text()), "schema_version": version}))
+    f["oldver"] = d / "oldver.json"
+    f["oldver"].write_text(json.dumps({**json.loads(f["wa"].read_text()), "kvtrace_whatif": 0}))
     if _fleet_extra():
         from kvtrace.fleet.export import export_parquet
 
@@ -111,6 +116,8 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         f["fleet_foreign"] = _fleet_copy(f["fleet"], d / "fleet_foreign", "foreign")
         f["fleet_typed"] = _fleet_copy(f["fleet"], d / "fleet_typed", "typed")
         f["fleet_damaged"] = _fleet_copy(f["fleet"], d / "fleet_damaged", "damaged")
+        for how in ("foreign_bare", "older", "bare", "newer"):
+            f[f"fleet_{how}"] = _fleet_copy(f["fleet"], d / f"fleet_{how}", how)
     f["emptydir"] = d / "emptydir"
     f["emptydir"].mkdir()
     return f
@@ -146,20 +153,30 @@ class _Quiet:
 
 
 def _fleet_copy(src: Path, dst: Path, how: str) -> Path:
-    """A fleet directory whose traces.parquet is another table (foreign), has every column as
-    text (typed: right names, wrong types), or is not Parquet at all (damaged)."""
+    """A fleet directory whose traces.parquet is another table (foreign; foreign_bare: and no
+    _manifest.json), has every column as text (typed: right names, wrong types), is not Parquet at
+    all (damaged), lacks a column of this fleet schema (older: the manifest names fleet schema 1.0;
+    bare: no manifest), or whose manifest names fleet schema 9.0 (newer)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     shutil.copytree(src, dst)
-    traces = dst / "traces.parquet"
-    if how == "foreign":
+    traces, manifest = dst / "traces.parquet", dst / "_manifest.json"
+    if how in ("older", "bare"):
+        pq.write_table(pq.read_table(traces).drop_columns(["findings_by"]), traces)
+    if how in ("older", "newer"):
+        doc = json.loads(manifest.read_text())
+        manifest.write_text(json.dumps({**doc, "fleet_schema_version": "1.0" if how == "older" else "9.0"},
+                                       indent=1, sort_keys=True))
+    if how in ("foreign_bare", "bare"):
+        manifest.unlink()
+    if how in ("foreign", "foreign_bare"):
         pq.write_table(pa.table({"x": [1, 2], "y": ["a", "b"]}), traces)
     elif how == "typed":
         t = pq.read_table(traces)
         pq.write_table(pa.table({n: pa.array([None if v is None else str(v) for v in t[n].to_pylist()],
                                              pa.string()) for n in t.column_names}), traces)
-    else:
+    elif how == "damaged":
         traces.write_bytes(b"PAR1 but not really Parquet")
     return dst
 
@@ -235,8 +252,15 @@ DIFF_WHATIF = [
     (["diff", "{wa}", "{notwi}"], exitcodes.UNREADABLE, "notwi.json: JSON but not a kvtrace whatif document"),
     (["diff", "{notwi}", "{wa}"], exitcodes.UNREADABLE, "notwi.json: JSON but not a kvtrace whatif document"),
     (["diff", "{wa}", "{ra}"], exitcodes.UNREADABLE, "ra.json: JSON but not a kvtrace whatif document"),
-    (["diff", "{wa}", "{wrongver}"], exitcodes.INVALID, "what-if schema 99 is not 1"),
-    (["diff", "{wrongver}", "{a}", "--whatif", "knorm"], exitcodes.INVALID, "what-if schema 99 is not 1"),
+    # a newer schema is refused as a newer trace is: 4 and "upgrade" (was 1 with no hint); an older one stays 1
+    (["diff", "{wa}", "{wrongver}"], exitcodes.VERSION,
+     "what-if schema 99 is newer than this kvtrace reads (1): written by a newer kvtrace; upgrade kvtrace"),
+    (["diff", "{wrongver}", "{a}", "--whatif", "knorm"], exitcodes.VERSION, "what-if schema 99 is newer"),
+    (["diff", "{wa}", "{oldver}"], exitcodes.INVALID, "what-if schema 0 is not 1"),
+    (["diff", "{ra}", "{ra9}"], exitcodes.VERSION, "ra9.json: analysis schema 9.0 is newer than this kvtrace reads"),
+    (["diff", "{ra9}", "{a}"], exitcodes.VERSION, "written by a newer kvtrace; upgrade kvtrace"),
+    (["diff", "{ra}", "{raold}"], exitcodes.INVALID, "raold.json: analysis schema 0.1 is not"),
+    (["diff", "{ra}", "{raword}"], exitcodes.INVALID, "raword.json: analysis schema two is not"),
     (["diff", "{badjson}", "{wa}"], exitcodes.INVALID, "not valid JSON"),
     (["diff", "{wa}", "{trunc}"], exitcodes.UNREADABLE, "truncated or corrupt"),
     (["diff", "{wa}", "{v9}"], exitcodes.VERSION, "trace format 9.0 is newer"),
@@ -266,8 +290,22 @@ FLEET = [
     (["fleet", "report", "{emptydir}", "-o", "{dir}/r.html"], exitcodes.UNREADABLE, "no exported traces"),
     (["fleet", "{dir}/missing"], exitcodes.UNREADABLE, "not a directory"),
     (["fleet", "{a}"], exitcodes.UNREADABLE, "not a directory"),
-    (["fleet", "{fleet_foreign}"], exitcodes.UNREADABLE, "traces lacks trace_id"),
-    (["fleet", "report", "{fleet_foreign}", "-o", "{dir}/r.html"], exitcodes.UNREADABLE, "traces lacks"),
+    # what is known of a traces table this kvtrace cannot read (it said "exported by an older kvtrace" of any)
+    (["fleet", "{fleet_foreign}"], exitcodes.UNREADABLE,
+     "traces.parquet is not a table kvtrace exported (it has no trace_id column), though _manifest.json names"),
+    (["fleet", "report", "{fleet_foreign}", "-o", "{dir}/r.html"], exitcodes.UNREADABLE,
+     "is not a table kvtrace exported"),
+    (["fleet", "{fleet_foreign_bare}"], exitcodes.UNREADABLE,
+     "fleet_foreign_bare: traces.parquet is not a table kvtrace exported (it has no trace_id column)"),
+    (["fleet", "{fleet_older}"], exitcodes.UNREADABLE,
+     "exported by an older kvtrace (fleet schema 1.0: traces.parquet lacks findings_by); run 'kvtrace export"),
+    (["fleet", "{fleet_bare}"], exitcodes.UNREADABLE,
+     "traces.parquet lacks findings_by and no _manifest.json says which kvtrace exported it"),
+    (["fleet", "{fleet_newer}"], exitcodes.VERSION,
+     "exported by a newer kvtrace (fleet schema 9.0; this kvtrace reads"),
+    (["fleet", "diff", "{fleet_newer}", "--baseline", "a=b", "--candidate", "a=c"], exitcodes.VERSION,
+     "upgrade kvtrace"),
+    (["fleet", "report", "{fleet_newer}", "-o", "{dir}/r.html"], exitcodes.VERSION, "upgrade kvtrace"),
     (["fleet", "{fleet_typed}"], exitcodes.UNREADABLE, "cannot read the exported tables"),
     (["fleet", "report", "{fleet_typed}", "-o", "{dir}/r.html"], exitcodes.UNREADABLE,
      "cannot read the exported tables"),
@@ -429,6 +467,17 @@ def test_diff_refuses_a_huge_whatif_document_before_reading_it(work, capsys):
             assert rc == exitcodes.INVALID and "larger than" in err and err.count("\n") == 1, err
     finally:
         huge.unlink()
+
+
+@pytest.mark.skipif(not _fleet_extra(), reason="needs the fleet extra (duckdb, pyarrow)")
+def test_export_parquet_into_a_newer_fleet_schema_is_4_and_changes_nothing(work, capsys):
+    """Re-exporting (the rule for another fleet schema) would rewrite a newer kvtrace's export in this
+    one's older schema."""
+    before = {p: digest(p) for p in work["fleet_newer"].rglob("*") if p.is_file()}
+    rc, _, err = run_main(["export", "parquet", str(work["a"]), "-o", str(work["fleet_newer"])], capsys)
+    assert rc == exitcodes.VERSION and err.count("\n") == 1, err
+    assert "exported by a newer kvtrace (fleet schema 9.0" in err and "upgrade kvtrace" in err, err
+    assert {p: digest(p) for p in work["fleet_newer"].rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.skipif(not _fleet_extra(), reason="needs the fleet extra (duckdb, pyarrow)")
@@ -736,9 +785,10 @@ _QUICK = ["--phases", "single", "--tokens", "8", "--max-tokens", "2", "--timeout
     (["{url}", *_QUICK, "--trace", "{notwi}"], exitcodes.UNREADABLE, "not an HDF5 file"),
     (["{url}", *_QUICK, "--trace", "{v9}"], exitcodes.VERSION, "trace format 9.0 is newer"),
     (["http://127.0.0.1:{port}", *_QUICK], exitcodes.UNAVAILABLE, "cannot load-test"),
-    pytest.param(["http://[::1", *_QUICK], exitcodes.USAGE, "URL", marks=pytest.mark.xfail(
-        strict=True, reason="bug in commands/loadtest.py (not this helper's file): a malformed IPv6 URL is "
-                            "'internal error: ValueError: Invalid IPv6 URL' (exit 70)")),
+    (["http://[::1", *_QUICK], exitcodes.USAGE, "Invalid value for URL: 'http://[::1' is not an http(s) URL"),
+    # a missing trace is 2 as for every command that reads one (was 64), and before any request is sent
+    (["{url}", *_QUICK, "--trace", "{dir}/missing.kvt.h5"], exitcodes.UNREADABLE, "missing.kvt.h5: no such file"),
+    (["{url}", *_QUICK, "--trace", "{dir}"], exitcodes.UNREADABLE, ": is a directory"),
 ], ids=lambda v: v if isinstance(v, (int, str)) else " ".join(map(str, v[:2])))
 def test_loadtest_bad_input(work, capsys, server, args, code, phrase):
     argv = ["loadtest", *_argv(args, {**work, "url": server.url, "port": _free_port()})]  # type: ignore[dict-item]

@@ -12,8 +12,8 @@ from typing import Any
 
 from kvtrace.analyzer.base import severity_for
 from kvtrace.analyzer.report import SCHEMA_NAME, SCHEMA_VERSION
-from kvtrace.format.errors import InvalidTrace, NotATrace
-from kvtrace.jsonable import read_json_document
+from kvtrace.format.errors import NotATrace
+from kvtrace.jsonable import read_json_document, refuse_schema
 
 DIFF_SCHEMA_NAME = "kvtrace-analysis-diff"
 DIFF_SCHEMA_VERSION = "1.0"
@@ -38,7 +38,7 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
                 raise NotATrace(f"{p}: JSON but not a kvtrace analysis report")
             major = str(doc.get("schema_version", "0")).split(".")[0]
             if major != SCHEMA_VERSION.split(".")[0]:
-                raise InvalidTrace(f"{p}: analysis schema {doc.get('schema_version')} is not {SCHEMA_VERSION}")
+                refuse_schema(p, "analysis", doc.get("schema_version"), SCHEMA_VERSION)  # newer: exit 4
             return doc["reports"][0]
     from kvtrace.analyzer import analyze
 

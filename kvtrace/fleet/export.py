@@ -32,11 +32,17 @@ from kvtrace import exitcodes
 from kvtrace.errors import CannotWrite
 from kvtrace.fleet import FleetError
 from kvtrace.fleet.source import file_identity, read_trace
-from kvtrace.fleet.tables import FLEET_SCHEMA_VERSION, TABLE_NAMES, TRACES_FILE, trace_tables
+from kvtrace.fleet.tables import (
+    FLEET_SCHEMA_VERSION,
+    MANIFEST,
+    TABLE_NAMES,
+    TRACES_FILE,
+    newer_major,
+    trace_tables,
+)
 from kvtrace.format.errors import InvalidTrace, TraceError, UnsupportedVersion
 from kvtrace.wholefile import failure_reason, write_text_whole, write_whole
 
-MANIFEST = "_manifest.json"
 # traces.parquet and the manifest are rewritten whole after at least this many exports AND this
 # many seconds since the last rewrite (at the end of the run in any case): a crash loses at most
 # that much work, and a fleet of 100k traces is not rewritten every 256 of them.
@@ -252,6 +258,10 @@ def export_parquet(paths: Iterable[str], out_dir: str | os.PathLike[str], *, job
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest = load_manifest(out)
+    if newer_major(manifest.get("fleet_schema_version")):  # re-exporting would downgrade a newer export
+        raise UnsupportedVersion(f"{out}: exported by a newer kvtrace (fleet schema "
+                                 f"{manifest['fleet_schema_version']}; this kvtrace writes {FLEET_SCHEMA_VERSION}); "
+                                 "upgrade kvtrace, or export into a new directory")
     # rows written under another fleet schema lack columns the views expect: export them again
     force = force or manifest.get("fleet_schema_version") != FLEET_SCHEMA_VERSION
     if (out / "traces").is_dir():  # fleet schema 1.0 kept one traces file per trace

@@ -18,7 +18,17 @@ import duckdb
 import pyarrow as pa
 
 from kvtrace.fleet import FleetError
-from kvtrace.fleet.tables import TABLE_NAMES, TRACES_FILE, TRACES_SCHEMA, empty_schema
+from kvtrace.fleet.tables import (
+    FLEET_SCHEMA_VERSION,
+    MANIFEST,
+    TABLE_NAMES,
+    TRACES_FILE,
+    TRACES_SCHEMA,
+    empty_schema,
+    newer_major,
+    schema_key,
+)
+from kvtrace.format.errors import UnsupportedVersion
 
 # Non-informational findings (severity >= low) of these detectors mark a trace as retaining or
 # fragmenting; the detectors' own calibration (docs/detectors.md) decides what reaches "low".
@@ -46,6 +56,10 @@ def connect(directory: str | Path, tables: Iterable[str] = TABLE_NAMES) -> duckd
     d = Path(directory)
     if not d.is_dir():
         raise FleetError(f"{d}: not a directory (export traces with 'kvtrace export parquet TRACES -o {d}')")
+    exported_as = exported_schema(d)
+    if newer_major(exported_as):
+        raise UnsupportedVersion(f"{d}: exported by a newer kvtrace (fleet schema {exported_as}; this kvtrace "
+                                 f"reads {FLEET_SCHEMA_VERSION}); upgrade kvtrace")
     if not (d / TRACES_FILE).is_file():
         if (d / "traces").is_dir():  # fleet schema 1.0: one traces file per trace
             raise FleetError(f"{d}: exported by an older kvtrace (traces/ instead of {TRACES_FILE}); "
@@ -59,10 +73,38 @@ def connect(directory: str | Path, tables: Iterable[str] = TABLE_NAMES) -> duckd
     if "traces" in tables:
         have = set(trace_columns(con))
         missing = [f.name for f in TRACES_SCHEMA if f.name not in have]
-        if missing:  # written by an older kvtrace (fleet schema 1.0): the summary cannot run on it
-            raise FleetError(f"{d}: exported by an older kvtrace (traces lacks {missing[0]}); "
-                             f"run 'kvtrace export parquet TRACES -o {d}' again to update it")
+        if missing:  # the summary cannot run on it: say what is known of where it came from
+            raise FleetError(_not_this_schema(d, exported_as, have, missing[0]))
     return con
+
+
+def exported_schema(d: Path) -> str | None:
+    """The fleet schema version ``DIR/_manifest.json`` names (None: no manifest, or not one). The
+    manifest is written with sorted keys, so the version comes before the (large) per-trace entries:
+    only its head is read, every query opens the directory."""
+    try:
+        with open(d / MANIFEST, "rb") as fh:
+            head = fh.read(4096).decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    found = re.search(r'"fleet_schema_version"\s*:\s*"([0-9]{1,6}(?:\.[0-9]{1,6})*)"', head)
+    return found.group(1) if found else None
+
+
+def _not_this_schema(d: Path, exported_as: str | None, columns: set[str], missing: str) -> str:
+    """Why a traces table without a column of this fleet schema cannot be read, saying only what is
+    known of where it came from (it said "exported by an older kvtrace" of any table)."""
+    again = f"run 'kvtrace export parquet TRACES -o {d}' again to update it"
+    if "trace_id" not in columns:
+        named = f", though {MANIFEST} names fleet schema {exported_as}" if exported_as else ""
+        return f"{d}: {TRACES_FILE} is not a table kvtrace exported (it has no trace_id column){named}"
+    if exported_as is None:
+        return (f"{d}: {TRACES_FILE} lacks {missing} and no {MANIFEST} says which kvtrace exported it "
+                f"(an older one, or a damaged export); {again}")
+    if exported_as == FLEET_SCHEMA_VERSION:
+        return f"{d}: {TRACES_FILE} lacks {missing}, though {MANIFEST} names this fleet schema ({exported_as}); {again}"
+    which = "an older" if (schema_key(exported_as) or ()) < (schema_key(FLEET_SCHEMA_VERSION) or ()) else "a newer"
+    return f"{d}: exported by {which} kvtrace (fleet schema {exported_as}: {TRACES_FILE} lacks {missing}); {again}"
 
 
 def first_line(exc: BaseException) -> str:

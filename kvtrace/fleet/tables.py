@@ -22,6 +22,21 @@ from kvtrace.format import schema
 # under another version is exported again in full (export.plan).
 FLEET_SCHEMA_VERSION = "1.1"
 
+
+def schema_key(version: str) -> tuple[int, ...] | None:
+    """A fleet schema version as numbers ("1.1" -> (1, 1)); None when it is not one."""
+    try:
+        return tuple(int(x) for x in version.split(".")) if isinstance(version, str) and version else None
+    except ValueError:
+        return None
+
+
+def newer_major(version: str | None) -> bool:
+    """Whether a directory's fleet schema has a major version above this kvtrace's: its tables may
+    mean something else, so it is neither read nor re-exported over (exit 4, "upgrade kvtrace")."""
+    key = schema_key(version) if version is not None else None
+    return key is not None and key[0] > int(FLEET_SCHEMA_VERSION.split(".")[0])
+
 SEVERITY_RANK = {"info": 0, "low": 1, "medium": 2, "high": 3, "critical": 4}
 
 ENUMS: dict[str, dict[str, type[enum.IntEnum]]] = {
@@ -78,6 +93,7 @@ TRACES_SCHEMA = pa.schema([
 
 # The one file holding the traces table (the other tables: one file per trace in DIR/<table>/).
 TRACES_FILE = "traces.parquet"
+MANIFEST = "_manifest.json"  # which input became which trace id; its fleet_schema_version
 
 # Every table of the fleet directory, in the order views are created.
 TABLE_NAMES: tuple[str, ...] = ("traces", "requests", "layers", "steps", "kv", "events", "readings",

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtrace.format.errors import InvalidTrace, NotATrace
-from kvtrace.jsonable import read_json_document
+from kvtrace.format.errors import NotATrace
+from kvtrace.jsonable import read_json_document, refuse_schema
 from kvtrace.whatif.run import NEEDS, SCHEMA
 
 __all__ = ["DIFF_SCHEMA", "diff_whatif", "is_whatif_json", "load_whatif", "render"]
@@ -41,7 +41,7 @@ def load_whatif(path: str | os.PathLike[str], policies: Sequence[Any], ratios: S
         if not isinstance(doc, dict) or "kvtrace_whatif" not in doc or not isinstance(doc.get("policies"), list):
             raise NotATrace(f"{p}: JSON but not a kvtrace whatif document (kvtrace whatif --json-out)")
         if doc["kvtrace_whatif"] != SCHEMA:
-            raise InvalidTrace(f"{p}: what-if schema {doc['kvtrace_whatif']} is not {SCHEMA}")
+            refuse_schema(p, "what-if", doc["kvtrace_whatif"], str(SCHEMA))  # newer: exit 4, as a trace
         return doc
     from kvtrace.whatif.run import run_whatif
 
