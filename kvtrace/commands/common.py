@@ -21,6 +21,7 @@ from kvtrace.errors import (
     Unavailable,
     UnsupportedVersion,
 )
+from kvtrace.format.reader import collect_skipped, skipped_notes
 from kvtrace.jsonable import json_default
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -59,13 +60,31 @@ def stdout_closed() -> None:
     sys.exit(exitcodes.BROKEN_PIPE)
 
 
+def require_cuda(option: str, alternative: str) -> None:
+    """An explicit request for the GPU (``analyze --gpu``, ``whatif --device cuda``) where torch sees
+    no CUDA device: Unavailable (exit 69) naming the option and what to use instead. The choices
+    that fall back to the CPU are spelled otherwise (``--contents``, ``--device auto``)."""
+    from kvtrace.kernels._env import cuda_available
+
+    ok, why = cuda_available()
+    if not ok:
+        raise Unavailable(f"{option}: {why}; {alternative}")
+
+
 def guarded(fn: F) -> F:
     """Turn known failures into one stderr line and their exit code."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with collect_skipped() as skipped:  # rows of a newer minor the reader skipped (spec §2)
+                try:
+                    result = fn(*args, **kwargs)
+                except (click.exceptions.Exit, SystemExit):
+                    say_skipped(skipped)  # the command answered (an exit code of its own)
+                    raise
+            say_skipped(skipped)
+            return result
         except (click.exceptions.Exit, click.exceptions.ClickException, SystemExit):
             raise
         except BadOption as exc:  # a library's "bad value": click's usage error, exit 64 (kvtrace.cli)
@@ -85,6 +104,12 @@ def guarded(fn: F) -> F:
                  exitcodes.INTERNAL)
 
     return wrapper  # type: ignore[return-value]
+
+
+def say_skipped(traces: list[Any]) -> None:
+    """One stderr line per trace whose rows of codes a newer minor added were skipped."""
+    for line in skipped_notes(traces):
+        click.echo(f"kvtrace: {line}", err=True)
 
 
 def json_dump(obj: Any) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -57,8 +58,56 @@ MAX_TEXT_BYTES = 1 << 20
 # is refused before it is read into memory.
 MAX_STORED_CHUNK_BYTES = schema.PAYLOAD_CHUNK_BYTES + schema.PAYLOAD_CHUNK_BYTES // 128 + 4096
 
-# Enumerated columns per table (declared in schema): the reader refuses unknown codes (spec §2).
+# Enumerated columns per table (declared in schema): a code the reader does not know is refused in
+# a file of its own minor or older, and its row skipped in a newer minor's file (spec §2).
 ENUM_COLUMNS = schema.ENUM_COLUMNS
+SKIP_BLOCK = 1 << 20  # rows per read when counting skipped rows (a few bytes of each)
+# How the note about skipped rows names them: table -> (one row, several rows); column -> its codes.
+ROW_NOUNS = {"events": ("event", "events"), "requests": ("request", "requests"), "layers": ("layer", "layers"),
+             "readings": ("reading", "readings"), "steps": ("step", "steps"),
+             "payloads/index": ("payload", "payloads"), "sched_groups": ("/sched_groups row", "/sched_groups rows")}
+COLUMN_NOUNS = {"kind": "kinds", "outcome": "outcomes", "layer_type": "layer types", "k_dtype": "key dtypes",
+                "v_dtype": "value dtypes", "dtype": "dtypes", "phase": "phases", "label": "labels"}
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """Rows of one table a reader skipped: they hold codes a newer minor added (spec §2)."""
+
+    rows: int
+    codes: dict[str, list[int]]  # column -> its unknown codes (at most 8)
+
+
+# Who hears of traces that skipped rows: the CLI collects them for the duration of a command
+# (:func:`collect_skipped`) and says so once per trace; a library caller reads Trace.skipped.
+_SKIP_LISTENERS: list[list[Trace]] = []
+
+
+def _notify_skipped(trace: Trace) -> None:
+    for sink in _SKIP_LISTENERS:
+        if trace not in sink:
+            sink.append(trace)
+
+
+@contextmanager
+def collect_skipped() -> Iterator[list[Trace]]:
+    """The traces opened inside the block that skipped rows of a newer minor, in the order they did."""
+    sink: list[Trace] = []
+    _SKIP_LISTENERS.append(sink)
+    try:
+        yield sink
+    finally:
+        _SKIP_LISTENERS.remove(sink)
+
+
+def skipped_notes(traces: list[Trace]) -> list[str]:
+    """One line per trace file (a file opened twice is named once): ``PATH: note: ...``."""
+    seen: dict[str, str] = {}
+    for t in traces:
+        note = t.skipped_note()
+        if note and str(t.path) not in seen:
+            seen[str(t.path)] = f"{t.path}: {note}"
+    return list(seen.values())
 
 
 @dataclass(frozen=True)
@@ -183,6 +232,8 @@ class Trace:
 
     def __init__(self, path: str | os.PathLike[str], *, check: bool = True) -> None:
         self.path = Path(path)
+        self.skipped: dict[str, Skipped] = {}  # table -> rows skipped for codes a newer minor added
+        self._positions: dict[str, np.ndarray | None] = {}  # table -> file positions of the rows shown
         self._file, self._flags_clean = _open_h5(self.path)
         try:
             self._check_identity()
@@ -314,20 +365,25 @@ class Trace:
         except H5_READ_ERRORS as exc:
             raise CorruptTrace(f"{self.path}: /{name} unreadable ({exc})") from None
 
-    def nrows(self, table: str) -> int:
+    def nrows(self, table: str, *, check_codes: bool = True) -> int:
+        """Rows of a table as :meth:`table` presents them: in a newer minor's file, rows holding codes
+        this reader does not know are not counted (``check_codes=False``: every row of the file)."""
         if not self.has(table):
             return 0
         ds = self._dataset(table)
         if ds.ndim != 1:
             raise InvalidTrace(f"{self.path}: /{table} is not a 1-D table")
-        return int(ds.shape[0])
+        known = self._known_positions(table) if check_codes else None
+        return int(ds.shape[0]) if known is None else int(known.size)
 
     def table(self, name: str, rows: slice | None = None, *, check_codes: bool = True) -> np.ndarray:
         """Read a table (or a slice of rows) as a structured array, known fields only.
 
         Fields a newer minor version added are dropped; the array has this reader's dtype
         where the file has every field, else the file's fields that this reader knows. Enumerated
-        columns holding codes this reader does not know raise InvalidTrace (``check_codes``).
+        columns (``check_codes``, spec §2): a code this reader does not know raises InvalidTrace in a
+        file of its minor or older; in a newer minor's file the rows holding one are skipped, and
+        ``rows`` and :meth:`nrows` number the rows that remain (so slices and positions agree).
         """
         if check_codes and name in SERVING_TABLES and self._serving_problems:  # 1.4 row rules (spec §7)
             problems = self._serving_problems
@@ -335,32 +391,95 @@ class Trace:
             raise InvalidTrace(f"{self.path}: {problems[0]}{more}; 'kvtrace validate' lists them")
         ds = self._dataset(name)
         selection = rows if rows is not None else slice(None)
+        known = self._known_positions(name) if check_codes and ds.ndim == 1 else None
+        picked = None
+        if known is not None:  # the file's rows [first, last] that hold the rows asked for
+            picked = known[selection]
+            selection = slice(int(picked[0]), int(picked[-1]) + 1) if picked.size else slice(0, 0)
         if ds.ndim == 1:
             self._refuse_over_limit(f"/{name}", len(range(*selection.indices(ds.shape[0]))) * ds.dtype.itemsize)
         try:
             data = ds[selection]
         except H5_READ_ERRORS as exc:
             raise CorruptTrace(f"{self.path}: /{name} unreadable, corrupt or truncated ({exc})") from None
+        if picked is not None and picked.size:
+            data = data[picked - picked[0]]
         expected = schema.TABLES[name][0] if name in schema.TABLES else None
         if expected is None or data.dtype.names is None:
             return data
-        for column, enum_type in ENUM_COLUMNS.get(name, ()) if check_codes else ():
-            if column in data.dtype.names:
-                bad = unknown_codes(data[column], enum_type)
-                if bad:
-                    newer = (f"; written by format {self.version}, newer than this kvtrace "
-                             f"({schema.FORMAT_VERSION})") if self.minor > schema.FORMAT_MINOR else ""
-                    raise InvalidTrace(f"{self.path}: /{name} {column} has unknown codes {bad}{newer}")
+        if check_codes and not self.newer_minor:
+            self._refuse_unknown_codes(name, data)
         keep = [n for n in expected.names if n in data.dtype.names]
         if len(keep) == len(data.dtype.names) == len(expected.names):
             return data
         return np.array(data[keep], dtype=[(n, data.dtype[n]) for n in keep])
 
+    @property
+    def newer_minor(self) -> bool:
+        """The file is of a newer minor of this reader's major (spec §2: it may hold codes added since)."""
+        return self.major == schema.FORMAT_MAJOR and self.minor > schema.FORMAT_MINOR
+
+    def _refuse_unknown_codes(self, name: str, data: np.ndarray) -> None:
+        """A code this reader does not know, in a file of its own minor or older, is damage (spec §2)."""
+        for column, enum_type in ENUM_COLUMNS.get(name, ()):
+            if column in data.dtype.names:
+                bad = unknown_codes(data[column], enum_type)
+                if bad:
+                    raise InvalidTrace(f"{self.path}: /{name} {column} has unknown codes {bad}")
+
+    def _known_positions(self, name: str) -> np.ndarray | None:
+        """File positions of the rows a consumer of a newer minor's table sees: those whose enumerated
+        columns hold codes this reader knows (None: every row, as in any file of an older minor). Found
+        once per table, reading only its enumerated columns in blocks; the rows left out are counted
+        in :attr:`skipped` and the trace is announced to :func:`collect_skipped`."""
+        if not self.newer_minor or name not in ENUM_COLUMNS or not self.has(name):
+            return None
+        if name in self._positions:
+            return self._positions[name]
+        ds = self._dataset(name)
+        columns = [(c, e) for c, e in ENUM_COLUMNS[name] if ds.dtype.names and c in ds.dtype.names]
+        n = int(ds.shape[0]) if ds.ndim == 1 else 0
+        if columns:
+            self._refuse_over_limit(f"/{name}", n * ds.dtype.itemsize)
+        unknown = np.zeros(n if columns else 0, dtype=bool)
+        codes: dict[str, set[int]] = {}
+        for start in range(0, unknown.size, SKIP_BLOCK):
+            try:
+                block = ds.fields([c for c, _ in columns])[start : min(n, start + SKIP_BLOCK)]
+            except H5_READ_ERRORS as exc:
+                raise CorruptTrace(f"{self.path}: /{name} unreadable, corrupt or truncated ({exc})") from None
+            for column, enum_type in columns:
+                values = block[column] if block.dtype.names else block  # one field: h5py may return it bare
+                mask = ~np.isin(values, [int(v) for v in enum_type])
+                unknown[start : start + mask.size] |= mask
+                if mask.any():
+                    codes.setdefault(column, set()).update(int(c) for c in np.unique(values[mask])[:8])
+        positions = np.flatnonzero(~unknown) if unknown.any() else None
+        self._positions[name] = positions
+        if positions is not None:
+            self.skipped[name] = Skipped(int(unknown.sum()), {c: sorted(v)[:8] for c, v in codes.items()})
+            _notify_skipped(self)
+        return positions
+
+    def skipped_note(self) -> str | None:
+        """One line saying which rows of a newer minor this reader skipped (None when none were)."""
+        if not self.skipped:
+            return None
+        parts = []
+        for name, s in sorted(self.skipped.items(), key=lambda item: list(schema.TABLES).index(item[0])):
+            noun = ROW_NOUNS.get(name, (f"/{name} row", f"/{name} rows"))[s.rows != 1]
+            what = " or ".join(COLUMN_NOUNS.get(c, c + "s") for c in s.codes)
+            shown = "; ".join(f"{c} {', '.join(map(str, v))}" for c, v in s.codes.items())
+            parts.append(f"{s.rows:,} {noun} of {what} added after format {schema.FORMAT_VERSION} ({shown})")
+        listed = parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+        verb = "was" if len(parts) == 1 and next(iter(self.skipped.values())).rows == 1 else "were"
+        return f"note: {listed} {verb} skipped (written by format {self.version}); a newer kvtrace reads them"
+
     @cached_property
     def _serving_problems(self) -> list[str]:
         """The rules of the continuous-batching tables and serving events this trace breaks, checked
         once, when a consumer first reads one of them (every read after that refuses the same way)."""
-        return serving_problems(self)
+        return serving_problems(self, codes=not self.newer_minor)  # a newer minor's codes: skipped rows
 
     def _dataset(self, name: str) -> h5py.Dataset:
         try:
@@ -451,11 +570,11 @@ class Trace:
         /meta claims: payload index rows or stored payload chunks, and requests that reference
         prompt text. Reads storage sizes and one column of /requests."""
         out = {"tensor_payloads": "", "prompt_text": ""}
-        rows = self.nrows("payloads/index")
+        rows = self.nrows("payloads/index", check_codes=False)  # what the file holds, skipped rows too
         stored = self.payload_stored_bytes()
         if rows or stored:
             out["tensor_payloads"] = f"{rows} sampled tensors, {format_bytes(stored)} of payload chunks"
-        n = self.nrows("requests")
+        n = self.nrows("requests", check_codes=False)
         if n:
             self._refuse_over_limit("/requests", n * self._dataset("requests").dtype.itemsize)
             try:
@@ -521,7 +640,7 @@ class Trace:
     def _payload_row(self, i: int) -> np.void:
         """One index row, read alone: callers looping over payloads by number must not re-read
         the whole index each time."""
-        n = self.nrows("payloads/index")
+        n = self.nrows("payloads/index")  # numbered as payload_index() numbers them (spec §2: rows skipped)
         if not -n <= i < n:
             raise IndexError(f"payload {i} out of range ({n} payloads)")
         i %= n
@@ -584,15 +703,16 @@ def payload_row_problem(row: np.void) -> str | None:
     return next((message for message, _ in found.values()), None)
 
 
-def payload_row_problems(rows: np.ndarray) -> tuple[np.ndarray, dict[str, tuple[str, int]]]:
+def payload_row_problems(rows: np.ndarray, skip: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, tuple[str, int]]]:
     """Index rows that cannot be read (itemsize, codes, shape, chunk count), vectorised over a block
     (a hostile index may hold millions of rows): (mask of bad rows, broken rule -> (message about
-    its first offending row, rows that break it))."""
+    its first offending row, rows that break it)). ``skip``: rows left out of every rule (those of
+    codes a newer minor added, which the reader skips)."""
     bad = np.zeros(len(rows), dtype=bool)
     found: dict[str, tuple[str, int]] = {}
 
     def flag(rule: str, mask: np.ndarray, message: Callable[[int], str]) -> None:
-        hits = np.flatnonzero(mask)
+        hits = np.flatnonzero(mask if skip is None else mask & ~skip)
         if hits.size:
             found[rule] = (message(int(hits[0])), hits.size)
             bad[hits] = True
@@ -637,6 +757,7 @@ class IndexScan:
 
     rows: int
     bad: np.ndarray  # bool per row: the row cannot be read
+    skipped: np.ndarray  # bool per row: a newer minor's row holding codes this reader does not know
     row_messages: list[str]  # distinct broken rules, one line each
     whole: list[InvalidTrace]  # rules over all rows: decode limit, shared chunks
 
@@ -649,13 +770,18 @@ def scan_payload_index(trace: Trace) -> IndexScan:
     """Row rules of every index row and the whole-index rules (total decoded size within the
     reader's limit, no two payloads sharing a chunk), reading the index in blocks and keeping only
     the four columns the whole-index rules need (21 bytes a row)."""
-    n = trace.nrows("payloads/index")
+    n = trace.nrows("payloads/index", check_codes=False)
     trace._refuse_over_limit(f"/payloads/index ({n} rows)", n * schema.PAYLOAD_INDEX.itemsize)
-    bad, rules, cols, declared = [], {}, [], 0
+    bad, skipped, rules, cols, declared = [], [], {}, [], 0
     for start in range(0, n, INDEX_BLOCK):
         block = trace.table("payloads/index", rows=slice(start, min(n, start + INDEX_BLOCK)), check_codes=False)
-        mask, found = payload_row_problems(block)
+        skip = np.zeros(len(block), dtype=bool)
+        for column, enum_type in ENUM_COLUMNS["payloads/index"] if trace.newer_minor else ():
+            skip |= ~np.isin(block[column], [int(v) for v in enum_type])
+        mask, found = payload_row_problems(block, skip)
         bad.append(mask)
+        skipped.append(skip)
+        mask = mask | skip
         for rule, (message, count) in found.items():
             first, total = rules.get(rule, (message, 0))
             rules[rule] = (first, total + count)
@@ -666,7 +792,8 @@ def scan_payload_index(trace: Trace) -> IndexScan:
             compact[name] = good[name]
         cols.append(compact)
     messages = [m + (f" ({count} rows)" if count > 1 else "") for m, count in rules.values()]
-    scan = IndexScan(n, np.concatenate(bad) if bad else np.zeros(0, dtype=bool), messages, [])
+    none = np.zeros(0, dtype=bool)
+    scan = IndexScan(n, np.concatenate(bad) if bad else none, np.concatenate(skipped) if skipped else none, messages, [])
     if not n:
         return scan
     index = np.concatenate(cols)

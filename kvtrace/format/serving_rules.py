@@ -107,7 +107,7 @@ class _Found:
 
 def _rows(trace: Trace, name: str) -> Iterator[tuple[int, np.ndarray]]:
     """(first row number, rows) of a table, a block at a time."""
-    n = trace.nrows(name)
+    n = trace.nrows(name, check_codes=False)
     for start in range(0, n, ROW_BLOCK):
         yield start, trace.table(name, rows=slice(start, min(n, start + ROW_BLOCK)), check_codes=False)
 
@@ -163,7 +163,7 @@ def serving_problems(trace: Trace, tables: set[str] | None = None, *, codes: boo
 
 def _check_sched(trace: Trace, found: _Found) -> np.ndarray:
     """Row rules of /sched; returns every row's (manager, step) key, sorted."""
-    n = trace.nrows("sched")
+    n = trace.nrows("sched", check_codes=False)
     key, t = np.empty(n, np.int64), np.empty(n, np.int64)  # filled block by block: no list of copies
     for start, rows in _rows(trace, "sched"):
         _signs("sched", rows, found)
@@ -186,7 +186,7 @@ def _check_groups(trace: Trace, found: _Found, sched_keys: np.ndarray,
                   codes: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Row rules of /sched_groups; returns their (manager, step, group) keys sorted, with blocks_total
     and tokens_per_block in the same order."""
-    n = trace.nrows("sched_groups")
+    n = trace.nrows("sched_groups", check_codes=False)
     key, total, per_block = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
     for start, rows in _rows(trace, "sched_groups"):
         _signs("sched_groups", rows, found)
@@ -220,7 +220,7 @@ def _check_blocks(trace: Trace, found: _Found, gkeys: np.ndarray, gtotal: np.nda
     """Row rules of /blocks. A row's (manager, step, group) is replaced by the index of its /sched_groups
     row, so that one int64 (index << 32 | request) per row finds repeated rows: 8 bytes a row, sorted
     in place (a /blocks within the reader's limit holds up to ~10^7 rows per 256 MiB)."""
-    n = trace.nrows("blocks")
+    n = trace.nrows("blocks", check_codes=False)
     row_key = np.empty(n, np.int64)
     filled = 0
     for _, rows in _rows(trace, "blocks"):

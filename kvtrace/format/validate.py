@@ -59,6 +59,8 @@ def validate_open(trace: Trace, *, check_payloads: bool = True) -> ValidationRep
     report.version = trace.version
     problems, present = structure_problems(trace)
     report.problems.extend(problems)
+    if "payloads/index" in present and not problems:
+        _guard(_check_skipped_payloads, trace, report)
     _guard(_check_status, trace, report)
     if present:
         _guard(_check_rows, trace, report, present)
@@ -79,6 +81,14 @@ def _guard(check: Callable[..., None], trace: Trace, report: ValidationReport, *
 def _short(exc: BaseException) -> str:
     """The message without the leading path (the CLI prefixes every line with it)."""
     return str(exc).split(": ", 1)[-1] if isinstance(exc, TraceError) else str(exc)
+
+
+def _check_skipped_payloads(trace: Trace, report: ValidationReport) -> None:
+    """Payload index rows of codes a newer minor added (kind, dtype): skipped by this kvtrace."""
+    skipped = int(np.count_nonzero(trace.index_scan.skipped))
+    if skipped:
+        report.warnings.append(f"/payloads/index has {skipped:,} row(s) of kinds or dtypes added after format "
+                               f"{schema.FORMAT_VERSION} (written by format {trace.version}): this kvtrace skips them")
 
 
 def _check_status(trace: Trace, report: ValidationReport) -> None:
@@ -116,9 +126,10 @@ def _check_rows(trace: Trace, report: ValidationReport, present: set[str]) -> No
         if name not in present:
             continue
         seen: set[str] = set()
+        unknown: dict[str, tuple[int, set[int]]] = {}
         try:
             for rows in _blocks(trace, name):
-                _check_block(name, rows, text_len, seen)
+                _check_block(name, rows, text_len, seen, unknown)
                 if name == "requests":
                     request_ids = np.concatenate([request_ids, rows["request"]])
                     running += int(np.sum(rows["outcome"] == schema.Outcome.RUNNING))
@@ -129,6 +140,7 @@ def _check_rows(trace: Trace, report: ValidationReport, present: set[str]) -> No
         except H5_READ_ERRORS as exc:
             seen.add(f"/{name} rows unreadable ({exc})")
         report.problems.extend(sorted(seen))
+        _report_codes(trace, report, name, unknown)
     if "requests" in present:
         if np.unique(request_ids).size != request_ids.size:
             report.problems.append("/requests has duplicate request ids")
@@ -145,13 +157,30 @@ def _check_rows(trace: Trace, report: ValidationReport, present: set[str]) -> No
             report.warnings.append(f"/{table} timestamps go backwards (multi-device interleave?)")
 
 
-def _check_block(name: str, rows: np.ndarray, text_len: int, seen: set[str]) -> None:
-    """Row rules of one block; each distinct problem is reported once per table."""
+def _report_codes(trace: Trace, report: ValidationReport, name: str, unknown: dict[str, tuple[int, set[int]]]) -> None:
+    """Codes this kvtrace does not know (spec §2): a problem in a file of its own minor or older; in a
+    newer minor's file a warning (readers of this kvtrace skip those rows and say so)."""
+    for column, (rows, codes) in unknown.items():
+        listed = sorted(codes)[:8]
+        if not trace.newer_minor:
+            report.problems.append(f"/{name} {column} has unknown codes {listed}")
+        else:
+            report.warnings.append(
+                f"/{name} {column} has codes added after format {schema.FORMAT_VERSION} {listed} in {rows:,} "
+                f"row(s) (written by format {trace.version}): this kvtrace skips those rows")
+
+
+def _check_block(name: str, rows: np.ndarray, text_len: int, seen: set[str],
+                 unknown: dict[str, tuple[int, set[int]]]) -> None:
+    """Row rules of one block; each distinct problem is reported once per table. Unknown codes are
+    counted into ``unknown`` (column -> (rows, codes)): whether they are a problem depends on the minor."""
     for column, enum_type in ENUM_COLUMNS.get(name, ()):
         if name != "payloads/index" and rows.size:
             bad = unknown_codes(rows[column], enum_type)
             if bad:
-                seen.add(f"/{name} {column} has unknown codes {bad}")
+                count, codes = unknown.get(column, (0, set()))
+                n = int(np.count_nonzero(~np.isin(rows[column], [int(v) for v in enum_type])))
+                unknown[column] = (count + n, codes | set(bad))
     for off, length in TEXT_REFS.get(name, ()):
         if rows.size and np.any(rows[length] > 0):
             ends = rows[off].astype(np.uint64) + rows[length].astype(np.uint64)
@@ -198,7 +227,7 @@ def _index_rows(trace: Trace, scan: IndexScan) -> Iterator[tuple[int, np.void]]:
     for start in range(0, scan.rows, INDEX_BLOCK):
         block = trace.table("payloads/index", rows=slice(start, min(scan.rows, start + INDEX_BLOCK)),
                             check_codes=False)
-        for j in np.flatnonzero(~scan.bad[start : start + len(block)]):
+        for j in np.flatnonzero(~(scan.bad | scan.skipped)[start : start + len(block)]):
             yield start + int(j), block[j]
 
 

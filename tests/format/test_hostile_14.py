@@ -429,14 +429,26 @@ def test_future_minor_is_read(clean, tmp_path, capsys):
     assert "format 1.5" in results["info"][1]
 
 
-def test_future_minor_with_a_new_event_kind_names_the_newer_minor(clean, tmp_path, capsys):
-    """A 1.5 trace holding event kind 23: kvtrace refuses the table it cannot interpret (spec §2) and
-    says the trace is newer, from every command that reads /events."""
+def test_future_minor_with_a_new_event_kind_is_read_without_it(clean, tmp_path, capsys):
+    """A 1.5 trace holding event kind 23 (a code 1.5 may add, spec §2): every consumer reads it, the
+    kind-23 event skipped, and each one that read /events says so in one stderr line; validate warns
+    and exits 0. (Until this change kvtrace refused it with exit 1 from every reader of /events.)"""
     trace = H.damaged(clean["serving"], tmp_path / "v15k.kvt.h5", lambda f: (H.version("1.5")(f), H.event(23, 0)(f)))
-    results = check_case(clean, tmp_path, capsys, "serving", lambda f: (H.version("1.5")(f), H.event(23, 0)(f)),
-                         "/events kind has unknown codes [23]", may_succeed=NOT_READING_SERVING)
-    assert "written by format 1.5, newer than this kvtrace (1.4)" in results["info"][2]
-    assert trace.exists()
+    results = run_every_consumer(trace, clean["serving"], tmp_path / "out", capsys)
+    note = (f"kvtrace: {trace}: note: 1 event of kinds added after format 1.4 (kind 23) was skipped "
+            "(written by format 1.5); a newer kvtrace reads them")
+    for name, (rc, out, err) in results.items():
+        assert rc == 0, (name, err)
+        assert "Traceback" not in out + err
+        if name in NOT_READING_SERVING or name in ("validate", "fleet summary"):
+            continue
+        assert err.splitlines() == [note], (name, err)
+    assert "/events kind has codes added after format 1.4 [23] in 1 row(s)" in results["validate"][2]
+    assert "valid kvtrace trace (format 1.5)" in results["validate"][1]
+    # the same file claiming 1.4: the code is damage, refused as before
+    (tmp_path / "as14").mkdir()
+    check_case(clean, tmp_path / "as14", capsys, "serving", H.event(23, 0), "/events kind has unknown codes [23]",
+               may_succeed=NOT_READING_SERVING)
 
 
 def test_future_major_is_refused_with_4_by_every_consumer(clean, tmp_path, capsys):
