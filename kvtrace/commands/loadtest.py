@@ -20,7 +20,10 @@ FAIL_LEVELS = ("warning", "critical")
 
 def base_url(url: str) -> str:
     """http(s)://host[:port][/prefix] without a trailing slash or /v1 (the routes are added)."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # 'http://[::1': an unclosed IPv6 bracket
+        raise click.BadParameter(f"{url!r} is not an http(s) URL: {exc}", param_hint="URL") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise click.BadParameter(f"{url!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)", param_hint="URL")
     try:
@@ -70,7 +73,7 @@ def default_table(trace: str | None) -> str | None:
               show_default=True, help="Seconds a request may wait for its next bytes (and 10 s at most to connect).")
 @click.option("--poll", "poll_s", type=click.FloatRange(min=0.01), default=0.25, show_default=True,
               help="Seconds between live samples of GET /kvtrace/status (kvtrace serve only).")
-@click.option("--trace", default=None, type=click.Path(dir_okay=False), metavar="TRACE",
+@click.option("--trace", default=None, metavar="TRACE",
               help="The recording of this server (kvtrace serve -o TRACE): read after the run for the "
                    "recorder's numbers per phase (a running server's trace is read as of its last flush).")
 @click.option("-o", "--output", default=None, type=click.Path(dir_okay=False), metavar="LATENCY_CSV",
@@ -125,8 +128,8 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
     if table is not None:
         check_output(table, option="-o", inputs=inputs, others=[("--json-out", json_out)])
     check_json_out(json_out, inputs=inputs)
-    if trace is not None and not Path(trace).is_file():
-        raise click.BadParameter(f"{trace}: no such file", param_hint="--trace")
+    if trace is not None and not Path(trace).is_file():  # as every command that reads a trace: 2
+        fail(f"{trace}: {'is a directory' if Path(trace).is_dir() else 'no such file'}", exitcodes.UNREADABLE)
     cfg = DriveConfig(cfg_url, plan, api=api, max_tokens=max_tokens, model=model, timeout_s=timeout_s,
                       poll_s=poll_s, warmup=warmup)
     try:
