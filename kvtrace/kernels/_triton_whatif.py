@@ -199,17 +199,50 @@ def _pv(acc, p, v, PV_SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PREC_PV: tl.co
 
 
 @triton.jit
+def _grid_free(x):
+    """Whether every value of the fp32 tile ``x`` is a bf16 value (low 16 bits zero; masked-off
+    elements load as 0)."""
+    return tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0xFFFF, axis=1), axis=0) == 0
+
+
+@triton.jit
+def _qk_auto(q, kt, q_on, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr):
+    """q @ kt of fp32 tiles, decided per key block: both on the bf16 grid -> one bf16 tensor-core
+    dot (exact products, fp32 sums), else ``PREC_QK`` (3xTF32). Either is about fp32-exact."""
+    if q_on & _grid_free(kt):
+        if DOT_F32:  # the interpreter: same values, fp32 products
+            s = tl.dot(q.to(tl.bfloat16).to(tl.float32), kt.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q.to(tl.bfloat16), kt.to(tl.bfloat16))
+    else:
+        s = tl.dot(q, kt, input_precision=PREC_QK)
+    return s
+
+
+@triton.jit
+def _pv_auto(acc, p, v, DOT_F32: tl.constexpr, PREC_PV: tl.constexpr):
+    """``_pv`` for an fp32 value block, decided per block: on the bf16 grid, the split bf16 dots
+    against V read as bf16; else a ``PREC_PV`` dot."""
+    if _grid_free(v):
+        acc = _pv(acc, p, v.to(tl.bfloat16), True, DOT_F32, PREC_PV)
+    else:
+        acc = _pv(acc, p, v, False, DOT_F32, PREC_PV)
+    return acc
+
+
+@triton.jit
 def _program(Q, K, V, QPOS, vq, valid, Hq, Tq, Tk, GROUP, D, DV, k_start, window, keys_per_split,
-             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, CAST_Q: tl.constexpr, DOT_F32: tl.constexpr,
+             dv_off, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, CAST_Q: tl.constexpr, DOT_F32: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """The prologue both keep kernels share: this program's (batch, KV head), its rows' positions
-    and output rows, their queries, the K/V bases and the key range of its split."""
+    and output rows, their queries, the K/V bases and the key range of its split; value columns
+    ``dv_off .. dv_off + BLOCK_DV``."""
     Hk = Hq // GROUP
     b = tl.program_id(1) // Hk
     kvh = tl.program_id(1) % Hk
     _, _, pos, out_row = _rows(vq, kvh, b, Hq, Tq, GROUP, QPOS, k_start, valid)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = dv_off + tl.arange(0, BLOCK_DV)
     d_valid = offs_d < D
     dv_valid = offs_dv < DV
     q = _load_q(Q, out_row, D, offs_d, valid, d_valid, CAST_Q, DOT_F32)
@@ -226,22 +259,27 @@ def _keep_packed_kernel(
     Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr,
     PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, CAST_Q: tl.constexpr, CAST_K: tl.constexpr,
-    CAST_V: tl.constexpr, ROUNDED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAST_V: tl.constexpr, ROUNDED: tl.constexpr, GRID_AUTO: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Few queries (a decode step): rows are dense (set, query head of the group, query) triples,
     each with its own score row and its own running max (scores recomputed per set; this case is
-    memory-bound, and no padding rows)."""
+    memory-bound, and no padding rows). ``GRID_AUTO`` (fp32 q, k, v): whether a tile holds bf16
+    values is decided per key block from the bits already loaded (``_qk_auto``, ``_pv_auto``), so
+    no pass over K/V and no host sync come before the launch."""
     nvq = GROUP * Tq
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     valid = i < S * nvq
     row_s = i // nvq
     head, pos, out_row, q, k_base, v_base, lo, hi, offs_d, d_valid, offs_dv, dv_valid = _program(
-        Q, K, V, QPOS, i % nvq, valid, Hq, Tq, Tk, GROUP, D, DV, k_start, window, keys_per_split, CAUSAL,
+        Q, K, V, QPOS, i % nvq, valid, Hq, Tq, Tk, GROUP, D, DV, k_start, window, keys_per_split, 0, CAUSAL,
         HAS_WINDOW, CAST_Q, DOT_F32, BLOCK_N, BLOCK_D, BLOCK_DV)
     # Set 0 keeps every key and has no row in KEEP (set s > 0 reads KEEP[s - 1]).
     keep_row = KEEP + ((row_s - 1).to(tl.int64) * tl.num_programs(1) + head) * Tk
     has_keep = valid & (row_s > 0)
+    q_on = False
+    if GRID_AUTO:
+        q_on = _grid_free(q)
 
     m_i = tl.zeros([ROWS], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -251,7 +289,10 @@ def _keep_packed_kernel(
         n_valid = offs_n < Tk
         kt, v = _load_kv(k_base, v_base, offs_n, n_valid, D, DV, offs_d, d_valid, offs_dv, dv_valid, DOT_F32,
                          CAST_K, CAST_V)
-        s = _scaled(tl.dot(q, kt, input_precision=PREC_QK), scale, ROUNDED)
+        if GRID_AUTO:
+            s = _scaled(_qk_auto(q, kt, q_on, DOT_F32, PREC_QK), scale, ROUNDED)
+        else:
+            s = _scaled(tl.dot(q, kt, input_precision=PREC_QK), scale, ROUNDED)
         kept = tl.load(keep_row[:, None] + offs_n[None, :], mask=has_keep[:, None] & n_valid[None, :], other=1)
         use = (kept != 0) & _visible(offs_n, n_valid, pos, valid, window, CAUSAL, HAS_WINDOW)
         s = tl.where(use, s, float("-inf"))
@@ -261,7 +302,10 @@ def _keep_packed_kernel(
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(s - m_use[:, None])  # 0 where not used (s = -inf)
         l_i = alpha * l_i + tl.sum(p, axis=1)
-        acc = _pv(acc * alpha[:, None], p, v, PV_SPLIT, DOT_F32, PREC_PV)
+        if GRID_AUTO:
+            acc = _pv_auto(acc * alpha[:, None], p, v, DOT_F32, PREC_PV)
+        else:
+            acc = _pv(acc * alpha[:, None], p, v, PV_SPLIT, DOT_F32, PREC_PV)
         m_i = m_new
 
     # Partial states, laid out [S, B * Hq, Tq, n_splits] (and x DV for acc).
@@ -311,29 +355,34 @@ def _keep_shared_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr,
     PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, CAST_Q: tl.constexpr, CAST_K: tl.constexpr,
     CAST_V: tl.constexpr, ROUNDED: tl.constexpr, BLOCK_M: tl.constexpr, SETS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_PARTS: tl.constexpr,
 ):
     """Many queries: BLOCK_M query rows (of the KV head's query heads) score a key block once and
     take one running max per row -- the full attention's, which every keep-set (a subset of the
     keys) shares -- so the exponentials and the split of p are computed once for all sets; SETS
     keep-sets then mask p ([SETS, BLOCK_M, BLOCK_N]) into one [SETS * BLOCK_M, BLOCK_N] @ V dot
     per part. A set whose kept keys all sit far below the row max underflows here; the finish
-    kernel detects it (l below ``UNDERFLOW``) and recomputes that row exactly."""
+    kernel detects it (l below ``UNDERFLOW``) and recomputes that row exactly. ``DV_PARTS``: the
+    value columns split over that many programs (each recomputes the scores): fewer accumulator
+    registers per program."""
     nvq = GROUP * Tq
     n_mblocks = tl.cdiv(nvq, BLOCK_M)
-    vq = (tl.program_id(0) % n_mblocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_sblocks = tl.cdiv(S, SETS)
+    pid0 = tl.program_id(0)
+    vq = (pid0 % n_mblocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = vq < nvq
     head, pos, out_row, q, k_base, v_base, lo, hi, offs_d, d_valid, offs_dv, dv_valid = _program(
-        Q, K, V, QPOS, vq, valid, Hq, Tq, Tk, GROUP, D, DV, k_start, window, keys_per_split, CAUSAL,
-        HAS_WINDOW, CAST_Q, DOT_F32, BLOCK_N, BLOCK_D, BLOCK_DV)
-    sets = (tl.program_id(0) // n_mblocks) * SETS + tl.arange(0, SETS)
+        Q, K, V, QPOS, vq, valid, Hq, Tq, Tk, GROUP, D, DV, k_start, window, keys_per_split,
+        (pid0 // (n_mblocks * n_sblocks)) * (BLOCK_DV // DV_PARTS), CAUSAL, HAS_WINDOW, CAST_Q, DOT_F32, BLOCK_N,
+        BLOCK_D, BLOCK_DV // DV_PARTS)
+    sets = ((pid0 // n_mblocks) % n_sblocks) * SETS + tl.arange(0, SETS)
     s_valid = sets < S
     keep_base = KEEP + ((sets - 1).to(tl.int64) * tl.num_programs(1) + head) * Tk
     has_keep = s_valid & (sets > 0)  # set 0: every key
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([SETS, BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([SETS * BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc = tl.zeros([SETS * BLOCK_M, BLOCK_DV // DV_PARTS], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < Tk
@@ -375,8 +424,14 @@ def _shared_configs() -> list:
     tiles and one stage are offered too, and the autotuner skips what does not fit."""
     specs = [(32, 2, 64, 4, 2), (128, 1, 64, 8, 2), (16, 4, 64, 4, 2), (32, 4, 64, 8, 2), (64, 2, 64, 8, 2),
              (16, 8, 64, 8, 2), (64, 2, 64, 4, 3), (128, 1, 64, 8, 3)]
-    return [triton.Config({"BLOCK_M": bm, "SETS": sets, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-            for bm, sets, bn, w, st in specs]
+    specs = [(*s, 1) for s in specs] + [(*s, 2) for s in SHARED_SPLIT_DV]
+    return [triton.Config({"BLOCK_M": bm, "SETS": sets, "BLOCK_N": bn, "DV_PARTS": parts}, num_warps=w, num_stages=st)
+            for bm, sets, bn, w, st, parts in specs]
+
+
+# Tiles whose value columns are split over two programs (DV_PARTS = 2).
+SHARED_SPLIT_DV: list[tuple[int, int, int, int, int]] = [
+    (64, 2, 64, 4, 2), (32, 4, 64, 4, 2), (64, 4, 64, 8, 2), (128, 2, 64, 8, 2), (32, 2, 64, 4, 3)]
 
 
 def packed(group: int, Tq: int) -> bool:
@@ -392,7 +447,7 @@ _TUNE_KEY = ["BLOCK_D", "BLOCK_DV", "CAST_Q", "CAST_K", "CAST_V", "PV_SPLIT", "P
 @cache
 def _tuned(kind: str):
     if kind == "packed":
-        return triton.autotune(configs=_packed_configs(), key=_TUNE_KEY)(_keep_packed_kernel)
+        return triton.autotune(configs=_packed_configs(), key=[*_TUNE_KEY, "GRID_AUTO"])(_keep_packed_kernel)
     return triton.autotune(configs=_shared_configs(), key=_TUNE_KEY)(_keep_shared_kernel)
 
 
@@ -402,12 +457,13 @@ def split_unit() -> int:
 
 
 def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window, causal,
-             keys_per_split, n_splits, n_sets, cast_q=False, cast_k=False, cast_v=False) -> bool:
+             keys_per_split, n_splits, n_sets, cast_q=False, cast_k=False, cast_v=False, grid_auto=False) -> bool:
     """Launch a keep-set kernel for ``n_sets`` sets: set 0 keeps every key, set s > 0 the keys of
     keep[s - 1]. q [B, Hq, Tq, D], k [B, Hk, T, D], v [B, Hk, T, Dv], keep int8 [n_sets - 1, B,
     Hk, T] (all contiguous), qpos int64 [Tq] (|positions| < 2**29); pm/pl fp32 [n_sets * B * Hq * Tq * n_splits], pacc
     fp32 [... * Dv] outputs. ``cast_*``: fp32 tensors holding bf16 values, read as bf16. Returns
-    whether the shared-max kernel ran (its partial states need the finish kernel's underflow check)."""
+    whether the shared-max kernel ran (its partial states need the finish kernel's underflow check).
+    ``grid_auto`` (fp32 q, k, v; the packed kernel only): the bf16 grid decided per key block."""
     import torch
 
     B, Hq, Tq, D = q.shape
@@ -419,7 +475,7 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
     # the tensor cores (exact products, fp32 sums); fp32 inputs and p @ V use 3xTF32.
     v_bf16 = v.dtype == torch.bfloat16 or cast_v
     q_bf16 = q.dtype == torch.bfloat16 or cast_q
-    dot_f32 = interpreting() and (q_bf16 or v_bf16)
+    dot_f32 = interpreting() and (q_bf16 or v_bf16 or grid_auto)
     prec_qk = "ieee" if interpreting() else ("tf32x3" if q.dtype == torch.float32 and not cast_q else "tf32")
     prec_pv = "ieee" if interpreting() else "tf32x3"
     args = (q, k, v, keep, qpos, pm, pl, pacc, Hq, Tq, Tk, S, group, D, DV, float(scale), int(k_start),
@@ -429,6 +485,7 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
                  ROUNDED=not interpreting(), BLOCK_D=block_d, BLOCK_DV=block_dv)
     nvq = group * Tq
     if packed(group, Tq):
+        flags["GRID_AUTO"] = bool(grid_auto)
         if interpreting():
             grid = (triton.cdiv(S * nvq, INTERP_ROWS), B * Hk, n_splits)
             _keep_packed_kernel[grid](*args, **flags, ROWS=INTERP_ROWS, BLOCK_N=INTERP_BLOCK_N)
@@ -436,14 +493,19 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
         _launch("packed", _tuned("packed"), lambda meta: (triton.cdiv(S * nvq, meta["ROWS"]), B * Hk, n_splits),
                 args, flags)
         return False
+    assert not grid_auto, "grid_auto is the packed kernel's"
     if interpreting():
-        grid = (triton.cdiv(nvq, INTERP_BLOCK_M) * triton.cdiv(S, INTERP_SETS), B * Hk, n_splits)
-        _keep_shared_kernel[grid](*args, **flags, BLOCK_M=INTERP_BLOCK_M, SETS=INTERP_SETS, BLOCK_N=INTERP_BLOCK_N)
+        # Two value-column parts when there are columns for both (exercises the offsets).
+        parts = 2 if DV > block_dv // 2 else 1
+        grid = (triton.cdiv(nvq, INTERP_BLOCK_M) * triton.cdiv(S, INTERP_SETS) * parts, B * Hk, n_splits)
+        _keep_shared_kernel[grid](*args, **flags, BLOCK_M=INTERP_BLOCK_M, SETS=INTERP_SETS, BLOCK_N=INTERP_BLOCK_N,
+                                  DV_PARTS=parts)
         return True
     if not FALLBACKS:
         try:
             _launch("shared", _tuned("shared"),
-                    lambda meta: (triton.cdiv(nvq, meta["BLOCK_M"]) * triton.cdiv(S, meta["SETS"]), B * Hk, n_splits),
+                    lambda meta: (triton.cdiv(nvq, meta["BLOCK_M"]) * triton.cdiv(S, meta["SETS"]) * meta["DV_PARTS"],
+                                  B * Hk, n_splits),
                     args, flags)
             return True
         except Exception as exc:  # a compiler that rejects the 3-D tile: the packed kernel computes the same
@@ -452,7 +514,7 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
             FALLBACKS.append(f"shared-scores kernel unavailable ({type(exc).__name__}: {str(exc)[:200]}); "
                              "using the packed kernel for every query count")
     _launch("packed", _tuned("packed"), lambda meta: (triton.cdiv(S * nvq, meta["ROWS"]), B * Hk, n_splits), args,
-            flags)
+            {**flags, "GRID_AUTO": False})
     return False
 
 
@@ -615,9 +677,10 @@ def _grid_check_kernel(Q, K, V, POS, FLAGS, nq, nk, nv, n_pos, chunk, LIMIT: tl.
     tl.store(FLAGS + pid, flag)
 
 
-def run_grid_check(q, k, v, positions, limit: int, sms: int) -> tuple[bool, bool, bool, bool]:
+def run_grid_check(q, k, v, positions, limit: int, sms: int, sync: bool = True):
     """(a position's magnitude >= limit, q / k / v off the bf16 grid) from one launch and one
-    device-to-host copy. q, k, v: contiguous, or None (not checked: not fp32); positions int64."""
+    device-to-host copy. q, k, v: contiguous, or None (not checked: not fp32); positions int64.
+    ``sync`` False: the flags on the device instead (int32, OR them: bit 0 the position bound)."""
     import torch
 
     views = [None if x is None or x.numel() == 0 else x.view(torch.int32) for x in (q, k, v)]
@@ -631,6 +694,8 @@ def run_grid_check(q, k, v, positions, limit: int, sms: int) -> tuple[bool, bool
     _launch("grid", _grid_check_kernel, (n_prog,),
             (*(flags if x is None else x for x in views), positions, flags, *ns, positions.numel(), chunk),
             dict(LIMIT=limit, BLOCK=block, num_warps=4))
+    if not sync:
+        return flags
     bits = 0
     for f in flags.tolist():  # the one host sync of a keep-set call
         bits |= f

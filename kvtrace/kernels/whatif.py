@@ -39,6 +39,10 @@ _LIMIT = 2**29  # the kernels add positions and windows in int32
 # of each key block), read as bf16 in registers by the packed one (one read). A switch for the
 # benchmark's comparison of the two.
 CONVERT_SHARED = True
+# fp32 q, k, v of a decode step (the packed kernel): the bf16 grid decided per key block inside the
+# kernel, no check pass over K/V and no host sync before the launch (the position bound is read
+# after the merge launch). A switch for the benchmark's comparison.
+GRID_IN_KERNEL = True
 
 
 @dataclass(frozen=True)
@@ -221,28 +225,46 @@ def _partials_triton(q, k, v, keep, g: _Attn, num_splits: int | None):
     if plan is None:
         return None
     plan[0]()
+    plan[6]()
     return plan[1:5]
 
 
 def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
     """Checks, conversions and output buffers of ``_partials_triton``, and the launch as a
-    callable: (launch, pm, pl, pacc, n_splits, finish_kw), or None. ``finish_kw``: what
-    ``run_keep_finish`` needs besides the buffers (set after the launch: which kernel ran)."""
+    callable: (launch, pm, pl, pacc, n_splits, finish_kw, verify), or None. ``finish_kw``: what
+    ``run_keep_finish`` needs besides the buffers (set after the launch: which kernel ran);
+    ``verify()``, called after the launches, raises what a check left on the device found."""
     from kvtrace.kernels import _triton_whatif as tw
 
     window = None if g.window is None else min(g.window, _LIMIT)
     if abs(g.k_start) >= _LIMIT or g.T >= _LIMIT:
         raise ValueError("positions and lengths must be below 2**29 for the Triton path")
     q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
-    # One launch and one host sync for every check the launch depends on: the position bound
-    # and, for fp32 tensors, whether they hold bf16 values (each a read of the whole tensor).
-    fp32 = [x if x.dtype == torch.float32 else None for x in (q, k, v)]
     positions = g.positions.contiguous()
-    big, *off = tw.run_grid_check(*fp32, positions, _LIMIT, _sms(q.device))
-    if big:
-        raise ValueError("positions and lengths must be below 2**29 for the Triton path")
+    verify = _verified
+    grid_auto = GRID_IN_KERNEL and tw.packed(g.group, g.Tq) and q.dtype == k.dtype == v.dtype == torch.float32
+    if grid_auto:
+        # The position bound checked on the device and read after the launches: no host sync
+        # before them (the grid of each key block is decided in the kernel).
+        bound = tw.run_grid_check(None, None, None, positions, _LIMIT, _sms(q.device), sync=False)
+
+        def verify() -> None:
+            if int(bound[0]) & 1:
+                raise ValueError("positions and lengths must be below 2**29 for the Triton path")
+
+        off = [True, True, True]
+    else:
+        # One launch and one host sync for every check the launch depends on: the position bound
+        # and, for fp32 tensors, whether they hold bf16 values (each a read of the whole tensor).
+        fp32 = [x if x.dtype == torch.float32 else None for x in (q, k, v)]
+        big, *off = tw.run_grid_check(*fp32, positions, _LIMIT, _sms(q.device))
+        if big:
+            raise ValueError("positions and lengths must be below 2**29 for the Triton path")
     bf16 = [x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not bad) for x, bad in zip((q, k, v), off,
                                                                                                   strict=True)]
+    if g.B * g.Hq * g.Tq == 0 or g.T == 0:
+        verify()
+        return None
     # Recorded bf16 upcast to fp32: the same values run as bf16 (exact scores on the tensor cores;
     # p @ V as three bf16 dots against the exact V), cast in registers: a converted copy would
     # cost a pass over the tensor and its size again in memory.
@@ -262,8 +284,6 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
         cast_k = cast_v = False
     S1, Dv = keep.shape[0] + 1, v.shape[3]
     rows = g.B * g.Hq * g.Tq
-    if rows == 0 or g.T == 0:
-        return None
     n_splits, per = _split_plan(g, S1, q.device, num_splits)
     pm = torch.empty(S1 * rows * n_splits, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
@@ -275,9 +295,14 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
     def launch() -> None:
         finish_kw["check"] = tw.run_keep(q, k, v, keep8, qpos, pm, pl, pacc, group=g.group, scale=g.scale,
                                          k_start=g.k_start, window=window, causal=g.causal, keys_per_split=per,
-                                         n_splits=n_splits, n_sets=S1, cast_q=cast_q, cast_k=cast_k, cast_v=cast_v)
+                                         n_splits=n_splits, n_sets=S1, cast_q=cast_q, cast_k=cast_k, cast_v=cast_v,
+                                         grid_auto=grid_auto)
 
-    return launch, pm, pl, pacc, n_splits, finish_kw
+    return launch, pm, pl, pacc, n_splits, finish_kw, verify
+
+
+def _verified() -> None:
+    """Nothing left to check after the launches (the checks ran before them)."""
 
 
 def _merged_states(parts, g: _Attn, S1: int, Dv: int, device: torch.device):
@@ -315,12 +340,13 @@ def keep_measures_triton(
     if plan is None:  # no sets, queries or keys: recall 0, error NaN (||o|| = 0)
         recall = torch.zeros(shape, dtype=torch.float32, device=q.device)
         return recall, torch.full_like(recall, float("nan"))
-    launch, pm, pl, pacc, n_splits, finish_kw = plan
+    launch, pm, pl, pacc, n_splits, finish_kw, verify = plan
     launch()
     recall = torch.empty(shape, dtype=torch.float32, device=q.device)
     err = torch.empty_like(recall)
     tw.run_keep_finish(pm, pl, pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3], n_splits=n_splits,
                        **finish_kw)
+    verify()
     return recall, err
 
 
@@ -333,7 +359,7 @@ def keep_kernels_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: t
     g = _geometry(q, k, v, kw.pop("q_positions", None), kw.pop("k_start", 0), kw.pop("window", None),
                   kw.pop("scale", None), kw.pop("causal", True))
     keep = _keep_sets(keep, g)
-    launch, pm, pl, pacc, n_splits, finish_kw = _keep_plan(q, k, v, keep, g, num_splits)
+    launch, pm, pl, pacc, n_splits, finish_kw, verify = _keep_plan(q, k, v, keep, g, num_splits)
     recall = torch.empty(keep.shape[0], g.B, g.Hq, g.Tq, dtype=torch.float32, device=q.device)
     err = torch.empty_like(recall)
 
@@ -341,6 +367,7 @@ def keep_kernels_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: t
         launch()
         tw.run_keep_finish(pm, pl, pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3], n_splits=n_splits,
                            **finish_kw)
+        verify()
         return recall, err
 
     return run

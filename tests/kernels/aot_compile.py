@@ -96,14 +96,18 @@ def whatif_jobs(all_configs: bool, smoke: bool = False):
     for dt in ("fp32", "bf16") if smoke else ("fp32", "bf16", "fp16"):
         for fn, cfgs in ((tw._keep_packed_kernel, tw._packed_configs()), (tw._keep_shared_kernel, tw._shared_configs())):
             for cfg in cfgs if all_configs else cfgs[:1]:
-                for cast in (False, True) if dt == "bf16" else (False,):
-                    # cast: fp32 K/V holding bf16 values, read as bf16 in registers (bf16 queries)
+                packed = fn is tw._keep_packed_kernel
+                # cast: fp32 K/V holding bf16 values, read as bf16 in registers (bf16 queries);
+                # auto: fp32 q, k, v whose grid the packed kernel decides per key block
+                for cast, auto in [(False, False), *([(True, False)] if dt == "bf16" else []),
+                                   *([(False, True)] if dt == "fp32" and packed else [])]:
                     c = dict(CAUSAL=True, HAS_WINDOW=True, DOT_F32=False,
                              PREC_QK="tf32x3" if dt == "fp32" else "tf32", PREC_PV="tf32x3", PV_SPLIT=dt == "bf16",
-                             CAST_Q=cast, CAST_K=cast, CAST_V=cast, ROUNDED=True, BLOCK_D=128, BLOCK_DV=128, **cfg.kwargs)
+                             CAST_Q=cast, CAST_K=cast, CAST_V=cast, ROUNDED=True, BLOCK_D=128, BLOCK_DV=128,
+                             **({"GRID_AUTO": auto} if packed else {}), **cfg.kwargs)
                     types = {**_keep_types(dt), **(dict(Q="*fp32", K="*fp32", V="*fp32") if cast else {})}
-                    yield (f"{fn.__name__} {dt}{' cast' if cast else ''} {cfg.kwargs} w{cfg.num_warps}", fn, types, c,
-                           dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                    yield (f"{fn.__name__} {dt}{' cast' if cast else ''}{' auto' if auto else ''} {cfg.kwargs} "
+                           f"w{cfg.num_warps}", fn, types, c, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         if smoke and dt != "fp32":
             continue
         if dt == "fp32":  # the split merge reads fp32 partial states (and, checking, the inputs)

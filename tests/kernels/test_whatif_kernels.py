@@ -53,7 +53,7 @@ def _close(got, want, tol):
     np.testing.assert_allclose(got, want, equal_nan=True, **tol)
 
 
-# Kernels: "packed" when group x Tq < 16 (cases 0 and 2), "shared" scores otherwise (case 1).
+# Kernels: "packed" when group x Tq < 16 (cases 0 and 2), "shared" scores otherwise (cases 1, 3).
 CASES = [
     # GQA group 2, causal, queries at the last positions
     dict(seed=0),
@@ -63,6 +63,8 @@ CASES = [
     dict(seed=1, B=2, Hq=4, Hk=1, q_pos=[99, 103, 110, 120, 139], k_start=100, window=8, S=4),
     # no GQA, batch 2, head dims not powers of two, 37 keys (ragged last tile), 5 sets
     dict(seed=2, B=2, Hq=2, Hk=2, T=37, D=12, Dv=20, S=5, window=16),
+    # shared scores with 24 value columns: in the interpreter split over two programs (16 + 8)
+    dict(seed=19, Hq=4, Hk=1, T=45, Dv=24, S=3),
 ]
 
 
@@ -253,9 +255,11 @@ def test_dispatch_and_bad_input():
 
 def test_bf16_grid_fp32_kv_is_read_as_bf16_in_registers(tri_device, monkeypatch):
     """fp32 Q/K/V holding bf16 values are cast in the kernel (no converted copy); full fp32 values
-    are not. Both agree with numerics.py."""
+    are not. Both agree with numerics.py. (The grid decided on the host: with GRID_IN_KERNEL the
+    packed kernel decides it per key block, tested below.)"""
     from kvtrace.kernels import _triton_whatif as tw
 
+    monkeypatch.setattr(W, "GRID_IN_KERNEL", False)
     seen = []
     real = tw.run_keep
 
@@ -345,3 +349,36 @@ def test_direct_launch_repeats_the_triton_launch(tri_device, monkeypatch):
             for got in (first, again):
                 for a, b in zip(got, want, strict=True):
                     _close(a.cpu().numpy(), b.cpu().numpy(), EXACT)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_grid_decided_per_key_block_in_the_packed_kernel(tri_device, monkeypatch, window):
+    """fp32 q, k, v of a decode step: the packed kernel tells bf16-valued key blocks from full fp32
+    ones itself (no check pass, no sync before the launch). K and V with some blocks on the bf16
+    grid and some not, q on it or not: every mix agrees with numerics.py; the host passed
+    grid_auto and no casts."""
+    from kvtrace.kernels import _triton_whatif as tw
+
+    monkeypatch.setattr(W, "GRID_IN_KERNEL", True)
+    seen = []
+    real = tw.run_keep
+
+    def spy(*a, **kw):
+        seen.append((kw["grid_auto"], kw["cast_q"], kw["cast_k"], kw["cast_v"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tw, "run_keep", spy)
+    q, k, v, keep, pos = _case(18, Tq=2, T=100, S=4)
+    bf = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v)]
+    k_mix, v_mix = bf[1].copy(), bf[2].copy()
+    k_mix[:, :, 40:50] = k[:, :, 40:50]  # full fp32 keys in one block (16-key blocks interpreted)
+    v_mix[:, :, 70:75] = v[:, :, 70:75]  # and values in another
+    for arrays in ((bf[0], k_mix, v_mix), (q, k_mix, v_mix), tuple(bf), (q, k, v)):
+        want_r, want_e = _numpy_sets(*arrays, keep, pos, 0, window, q.shape[-1] ** -0.5)
+        r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (*arrays, keep)), q_positions=pos, window=window)
+        _close(r.cpu().numpy(), want_r, RECALL)
+        _close(e.cpu().numpy(), want_e, ERROR)
+    assert seen and all(x == (True, False, False, False) for x in seen)
+    # The position bound, read after the launches on this path.
+    with pytest.raises(ValueError, match="below 2"):
+        W.keep_measures_triton(*(_t(x, tri_device) for x in (*bf, keep)), q_positions=[2**29, 2**29 + 1])
