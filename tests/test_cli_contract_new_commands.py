@@ -407,20 +407,25 @@ def test_bad_input_is_one_line_and_its_exit_code(work, capsys, argv, code, phras
         assert not (work["dir"] / leftover).exists(), leftover
 
 
-def test_whatif_device_cuda_without_a_gpu_runs_exactly_and_says_so(work, capsys):
-    """Documented (spec/whatif-json.md "numerics", docs/kernels.md): --device cuda without a GPU
-    computes the same numbers with the exact CPU reference and says why, on the terminal and in
-    the JSON; it is not an error (unlike --rerun-device cuda, which needs the GPU to run a model)."""
+def test_whatif_device_cuda_without_a_gpu_is_69(work, capsys, tmp_path):
+    """--device cuda asks for the GPU: without one it is exit 69, one line naming --device cpu and
+    --device auto, before any work and no --json-out written (it ran on the CPU with a note, exit 0).
+    --device auto is the choice that falls back: the same numbers on the CPU, and says so."""
     if _cuda():
-        pytest.skip("a GPU is visible: the fallback is not taken")
-    rc, out, err = run_main(["whatif", str(work["a"]), "--policy", "knorm", "--ratio", "0.5", "--device", "cuda"],
-                            capsys)
+        pytest.skip("a GPU is visible: the refusal is not taken")
+    out = tmp_path / "w.json"
+    rc, printed, err = run_main(["whatif", str(work["a"]), "--policy", "knorm", "--ratio", "0.5", "--device", "cuda",
+                                 "--json-out", str(out)], capsys)
+    assert rc == exitcodes.UNAVAILABLE and printed == "" and err.count("\n") == 1, err
+    assert err.startswith("kvtrace: --device cuda: ") and "--device cpu" in err and "--device auto" in err, err
+    assert not out.exists()
+    rc, printed, err = run_main(["whatif", str(work["a"]), "--policy", "knorm", "--ratio", "0.5", "--device", "auto",
+                                 "--json"], capsys)
     assert rc == 0 and err == "", err
-    assert "GPU asked for but" in out
-    rc, out, _ = run_main(["whatif", str(work["a"]), "--policy", "knorm", "--ratio", "0.5", "--device", "cuda",
-                           "--json"], capsys)
-    numerics = json.loads(out)["numerics"]
-    assert numerics["backend"] == "numpy-float64/cpu" and numerics["note"].startswith("GPU asked for but")
+    numerics = json.loads(printed)["numerics"]
+    assert numerics["backend"] == "numpy-float64/cpu" and numerics["note"].startswith("no GPU")
+    rc, cpu, _ = run_main(["whatif", str(work["a"]), "--policy", "knorm", "--ratio", "0.5", "--json"], capsys)
+    assert rc == 0 and json.loads(cpu)["policies"] == json.loads(printed)["policies"]
 
 
 def test_whatif_rerun_device_cuda_without_a_gpu_is_69(work, capsys):

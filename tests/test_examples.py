@@ -206,7 +206,8 @@ def split_example(where: str, line: str) -> tuple[list[str], list[str], str | No
     tokens = shlex.split(line, comments=True)
     piped = tokens[tokens.index("|") + 1:] if "|" in tokens else []
     tokens = tokens[: tokens.index("|")] if piped else tokens
-    if "--device" in tokens and tokens[tokens.index("--device") + 1].startswith("cuda"):
+    if ("--device" in tokens and tokens[tokens.index("--device") + 1].startswith("cuda")) or (
+            tokens[1:2] == ["analyze"] and "--gpu" in tokens):  # an explicit GPU request: 69 without one
         try:
             import torch
         except ImportError:

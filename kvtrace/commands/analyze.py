@@ -9,7 +9,7 @@ import click
 
 from kvtrace import exitcodes
 from kvtrace.analyzer.base import SEVERITY_NAMES
-from kvtrace.commands.common import exit_code_for, guarded
+from kvtrace.commands.common import exit_code_for, guarded, require_cuda
 from kvtrace.commands.outputs import check_json_out, json_options, write_json
 from kvtrace.format.errors import TraceError
 
@@ -25,7 +25,7 @@ from kvtrace.format.errors import TraceError
 @click.option("--quiet", "-q", is_flag=True, help="Print only findings above info.")
 @click.option("--gpu", is_flag=True,
               help="Also analyse the sampled tensors (dead heads, attention entropy, eviction what-ifs, MLA "
-                   "latents) with the Triton kernels on the GPU; without CUDA they run on the CPU and say so.")
+                   "latents) with the Triton kernels on the GPU; no CUDA device: exit 69 (use --contents).")
 @click.option("--contents", is_flag=True,
               help="Also analyse the sampled tensors, on the GPU when there is one, else on the CPU.")
 @guarded
@@ -35,13 +35,15 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
 
     \b
     Exit codes: 0 done (no finding reached --fail-on), 3 a finding reached --fail-on,
-    1 invalid trace, 2 unreadable / not a trace, 4 trace format newer than this kvtrace.
+    1 invalid trace, 2 unreadable / not a trace, 4 trace format newer than this kvtrace,
+    69 --gpu without a CUDA device.
     Examples:
       kvtrace analyze run.kvt.h5
       kvtrace analyze run.kvt.h5 --json-out report.json --fail-on high
       kvtrace analyze run.kvt.h5 --json | jq '.reports[0].findings'
       kvtrace analyze run.kvt.h5 --detector growth_curve --detector post_eos
-      kvtrace analyze run.kvt.h5 --gpu     # needs torch; Triton + CUDA for the GPU path
+      kvtrace analyze run.kvt.h5 --gpu       # on the GPU: needs torch and CUDA (Triton for the kernels)
+      kvtrace analyze run.kvt.h5 --contents  # the same analyses, on the GPU when there is one, else the CPU
     --json prints the report as JSON (spec/analysis-json.md) instead of the terminal view;
     --json-out FILE also writes it to FILE. Sizes are printed in binary units (KiB = 1024 bytes).
     """
@@ -69,6 +71,8 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
         get_detectors(detectors or None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if gpu:  # an explicit GPU request: 69 where there is none, before any work (--contents falls back)
+        require_cuda("--gpu", "--contents analyses the sampled tensors on the CPU")
     to_stdout_json = as_json
     console = console_for(sys.stderr if to_stdout_json else None)
     reports = []

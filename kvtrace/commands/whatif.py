@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from kvtrace.commands.common import guarded
+from kvtrace.commands.common import guarded, require_cuda
 from kvtrace.commands.outputs import check_json_out, json_options, write_json
 from kvtrace.units import format_bytes
 
@@ -79,7 +79,8 @@ def _check_rerun(model: str, device: str) -> str:
 @click.option("--device", type=click.Choice(["cpu", "auto", "cuda"]), default="cpu", show_default=True,
               help="Where the attention and quantisation measures run: cpu = exact (float64 numpy); cuda = "
               "the Triton kernels (fp32, within ~1e-5; the first run compiles and autotunes them, about a "
-              "minute); auto = cuda where a GPU is, else cpu. JSON 'numerics' says which ran.")
+              "minute; no CUDA device: exit 69); auto = cuda where a GPU is, else cpu. JSON 'numerics' says "
+              "which ran.")
 @json_options
 @guarded
 def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_text: str, rerun_model: str | None,
@@ -114,6 +115,9 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_t
     _check_unused(trace, rerun_model)
     check_json_out(json_out, [p for p in (trace, text_file) if p])
     rerun_dev = _check_rerun(rerun_model, rerun_device) if rerun_model is not None else rerun_device
+    if trace is not None and device == "cuda":  # asked for the GPU: 69 without one (auto falls back)
+        require_cuda("--device cuda", "--device cpu computes the same measures exactly (float64), --device auto "
+                     "uses a GPU where there is one")
     doc: dict[str, Any] = {"trace": trace}
     if trace is not None:
         from kvtrace.format.reader import Trace

@@ -17,6 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from kvtrace import exitcodes
 from kvtrace.format import schema
 from kvtrace.format.assemble import ContentsAssembler
 from kvtrace.format.reader import Trace
@@ -317,14 +318,13 @@ def _cli(capsys, *args):
     return code, out.out, out.err
 
 
-def test_cli_gpu_flag_prints_section_and_json(traces, capsys, tmp_path, monkeypatch):
+def test_cli_contents_prints_section_and_json(traces, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("COLUMNS", "160")
-    code, out, _ = _cli(capsys, "--gpu", str(traces["llama"]))
-    assert code == 0
-    assert "Contents of 18 sampled tensor(s), backend torch/cpu" in out
+    code, out, _ = _cli(capsys, "--contents", str(traces["llama"]))  # the GPU where there is one, else the CPU
+    assert code == 0 and "Contents of 18 sampled tensor(s), backend" in out
     assert "Attention entropy" in out and "Eviction what-ifs" in out and "KV heads" in out
     if not torch.cuda.is_available():
-        assert "GPU asked for but" in out
+        assert "backend torch/cpu" in out and "no GPU" in out
     code, out, _ = _cli(capsys, "--contents", str(traces["deepseek_v3"]), "--json", "-")
     doc = json.loads(out)
     assert code == 0 and doc["schema_version"] == "1.1"
@@ -338,8 +338,20 @@ def test_cli_trace_without_payloads(tmp_path, capsys):
     from synth import LLAMA_LIKE, Req, build
 
     path = build(tmp_path / "plain.kvt.h5", LLAMA_LIKE, [Req(16, 4)])
-    code, out, _ = _cli(capsys, "--gpu", str(path))
+    code, out, _ = _cli(capsys, "--contents", str(path))
     assert code == 0 and "Contents: skipped: the trace holds no sampled tensors" in out
+
+
+def test_cli_gpu_without_cuda_is_69_naming_contents(traces, capsys, tmp_path):
+    """--gpu asks for the GPU: where torch sees none it is exit 69 before any work, one line naming
+    --contents (which runs the same analyses on the CPU); it ran on the CPU with a note before."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out_json = tmp_path / "r.json"
+    code, out, err = _cli(capsys, "--gpu", str(traces["llama"]), "--json-out", str(out_json))
+    assert code == exitcodes.UNAVAILABLE and out == "", err
+    assert err.count("\n") == 1 and err.startswith("kvtrace: --gpu: no CUDA device") and "--contents" in err, err
+    assert not out_json.exists()
 
 
 def test_without_torch_contents_are_skipped_with_reason(traces):
