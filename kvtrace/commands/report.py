@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from kvtrace.commands.common import guarded
-from kvtrace.commands.outputs import check_json_out, check_output, check_output_dir, json_options, write_json
+from kvtrace.commands.outputs import (
+    check_json_out,
+    check_output,
+    check_output_dir,
+    json_options,
+    remove_empty_dirs,
+    write_json,
+)
+from kvtrace.errors import CannotWrite
 
 
 @click.command("report")
@@ -58,9 +68,15 @@ def report(traces: tuple[str, ...], output: str, figures_dir: str | None, no_ana
     from kvtrace.report import STAGES, build_report
     from kvtrace.report.progress import progress_bar
 
+    created = figures_dir is not None and not Path(figures_dir).exists()
     with progress_bar("report", len(STAGES), enabled=not (quiet or as_json)) as steps:
-        result = build_report(trace, output, figures_dir, run_analyzer=not no_analysis, progress=steps,
-                              whatif=whatif)
+        try:
+            result = build_report(trace, output, figures_dir, run_analyzer=not no_analysis, progress=steps,
+                                  whatif=whatif)
+        except CannotWrite:  # a full disk: the --figures directory this run created goes when left empty
+            if created:
+                remove_empty_dirs(Path(figures_dir))
+            raise
     write_json({
         "report": str(result.html), "figures": [str(p) for p in result.figures],
         "sections": result.sections, "absent": result.absent, "findings": result.findings,
@@ -97,8 +113,6 @@ def _whatif_options(policies: tuple[str, ...], ratio_text: str | None, off: bool
 def _rank_set(traces: tuple[str, ...], output: str, figures_dir: str | None, no_analysis: bool, quiet: bool,
               as_json: bool, json_out: str | None) -> None:
     """One page per rank (each trace opened once) and the run's index page at ``output``."""
-    from pathlib import Path
-
     from kvtrace.analyzer import TraceView
     from kvtrace.analyzer.rankset import RankCollector
     from kvtrace.format.reader import Trace

@@ -19,6 +19,7 @@ from kvtrace.format.reader import Trace
 from kvtrace.format.summary import summarize
 from kvtrace.report import contents, data, figures, findings, fixes, html, quality, whatif_section
 from kvtrace.units import format_bytes
+from kvtrace.wholefile import write_whole
 
 # Stages reported to the progress callback, in order.
 STAGES = ("overview", "memory-timeline", "layer-footprint", "growth-curves", "post-eos",
@@ -76,7 +77,10 @@ class _Builder:
             if self.figures_dir is not None:
                 for ext, blob in (("svg", svg), ("png", figures.to_png(fig))):
                     path = self.figures_dir / f"{name}.{ext}"
-                    path.write_bytes(blob)
+                    try:  # whole or not at all; a full disk is 73, not an internal error
+                        write_whole(path, lambda p, blob=blob: p.write_bytes(blob))
+                    except OSError as exc:
+                        raise CannotWrite(f"{path}: cannot write figure ({exc.strerror or exc})") from None
                     self.written.append(path)
         finally:
             figures.close(fig)
