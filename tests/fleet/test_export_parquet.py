@@ -138,3 +138,39 @@ def test_interrupted_run_keeps_its_checkpoints(tmp_path, monkeypatch):
     assert len(again.exported) == 3 and len(again.skipped) == 2
     ids = pq.read_table(out / "traces.parquet").column("trace_id").to_pylist()
     assert sorted(ids) == sorted({e["trace_id"] for e in again.exported} | {s["trace_id"] for s in again.skipped})
+
+
+def test_disk_full_midway_keeps_whole_traces_and_leaves_no_part(tmp_path, monkeypatch, capsys):
+    """The disk fills while the second trace's tables are written: exit 73 in one line; the first trace
+    is kept whole (its rows and its traces row, checkpointed), the second leaves none of its table
+    files (a trace goes whole or not at all) and no .part temporary is left (pyarrow's OSError was an
+    internal error, exit 70, with the .part behind)."""
+    import errno
+
+    from kvtrace.fleet import export as fx
+
+    paths = [str(make_trace(tmp_path / f"t{i}.kvt.h5", new_tokens=5 + i)) for i in range(2)]
+    real, writes = pq.write_table, []
+
+    def fills_up(table, where, **kw):
+        writes.append(str(where).split("/")[-1].split(".")[1])  # .<trace_id>.parquet.<pid>.part
+        ids = list(dict.fromkeys(writes))
+        if len(ids) == 2 and writes.count(ids[1]) == 2:  # the second trace fails at its second table
+            with open(where, "wb") as fh:
+                fh.write(b"PAR1 half")  # a partial temporary, as a real full disk leaves
+            raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+        return real(table, where, **kw)
+
+    monkeypatch.setattr(fx.pq, "write_table", fills_up)
+    out = tmp_path / "f"
+    code, _, err = run_main(["export", "parquet", *paths, "-o", str(out)], capsys)
+    assert code == exitcodes.CANNOT_WRITE and err.count("\n") == 1, err
+    assert err.startswith("kvtrace: cannot write ") and err.rstrip().endswith(": No space left on device"), err
+    monkeypatch.setattr(fx.pq, "write_table", real)
+    kept = pq.read_table(out / "traces.parquet").column("trace_id").to_pylist()
+    assert len(kept) == 1 and len(json.loads((out / fx.MANIFEST).read_text())["traces"]) == 1
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert not [p for p in files if p.name.endswith(".part")], files
+    assert {p.stem for p in files if p.suffix == ".parquet" and p.name != "traces.parquet"} == set(kept)
+    again = fx.export_parquet(paths, out)  # room again: the second trace is exported, the first skipped
+    assert len(again.exported) == 1 and len(again.skipped) == 1
