@@ -450,7 +450,7 @@ class Trace:
                 raise CorruptTrace(f"{self.path}: /{name} unreadable, corrupt or truncated ({exc})") from None
             for column, enum_type in columns:
                 values = block[column] if block.dtype.names else block  # one field: h5py may return it bare
-                mask = ~np.isin(values, [int(v) for v in enum_type])
+                mask = unknown_mask(values, enum_type)
                 unknown[start : start + mask.size] |= mask
                 if mask.any():
                     codes.setdefault(column, set()).update(int(c) for c in np.unique(values[mask])[:8])
@@ -690,10 +690,14 @@ class Trace:
                 raise CorruptChunk(f"{self.path}: chunk {c} of {ds.name} unreadable ({exc})") from None
 
 
+def unknown_mask(column: np.ndarray, enum_type: type) -> np.ndarray:
+    """True where ``column`` holds a code ``enum_type`` does not define."""
+    return ~np.isin(column, [int(v) for v in enum_type])
+
+
 def unknown_codes(column: np.ndarray, enum_type: type) -> list[int]:
     """Codes in ``column`` that ``enum_type`` does not define (at most 8, sorted)."""
-    allowed = np.array([int(v) for v in enum_type])
-    bad = np.unique(column[~np.isin(column, allowed)])
+    bad = np.unique(column[unknown_mask(column, enum_type)])
     return [int(b) for b in bad[:8]]
 
 
@@ -727,7 +731,7 @@ def payload_row_problems(rows: np.ndarray, skip: np.ndarray | None = None) -> tu
         dtype_size[int(d)] = size
     for column, enum_type in ENUM_COLUMNS["payloads/index"]:
         codes = rows[column].astype(np.int64)
-        flag(column, ~np.isin(codes, [int(v) for v in enum_type]),
+        flag(column, unknown_mask(codes, enum_type),
              lambda i, c=codes, col=column: f"payload index {col} has unknown code {c[i]}")
     fits = dtype_size[rows["dtype"].astype(np.uint8)] == itemsize
     flag("fits", ~fits, lambda i: f"payload itemsize {itemsize[i]} does not fit dtype code {int(rows['dtype'][i])}")
@@ -777,7 +781,7 @@ def scan_payload_index(trace: Trace) -> IndexScan:
         block = trace.table("payloads/index", rows=slice(start, min(n, start + INDEX_BLOCK)), check_codes=False)
         skip = np.zeros(len(block), dtype=bool)
         for column, enum_type in ENUM_COLUMNS["payloads/index"] if trace.newer_minor else ():
-            skip |= ~np.isin(block[column], [int(v) for v in enum_type])
+            skip |= unknown_mask(block[column], enum_type)
         mask, found = payload_row_problems(block, skip)
         bad.append(mask)
         skipped.append(skip)

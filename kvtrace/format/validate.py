@@ -26,6 +26,7 @@ from kvtrace.format.reader import (
     Trace,
     structure_problems,
     unknown_codes,
+    unknown_mask,
 )
 from kvtrace.format.serving_rules import cb_request_problems, serving_problems
 
@@ -176,11 +177,10 @@ def _check_block(name: str, rows: np.ndarray, text_len: int, seen: set[str],
     counted into ``unknown`` (column -> (rows, codes)): whether they are a problem depends on the minor."""
     for column, enum_type in ENUM_COLUMNS.get(name, ()):
         if name != "payloads/index" and rows.size:
-            bad = unknown_codes(rows[column], enum_type)
-            if bad:
+            mask = unknown_mask(rows[column], enum_type)
+            if mask.any():
                 count, codes = unknown.get(column, (0, set()))
-                n = int(np.count_nonzero(~np.isin(rows[column], [int(v) for v in enum_type])))
-                unknown[column] = (count + n, codes | set(bad))
+                unknown[column] = (count + int(np.count_nonzero(mask)), codes | set(unknown_codes(rows[column], enum_type)))
     for off, length in TEXT_REFS.get(name, ()):
         if rows.size and np.any(rows[length] > 0):
             ends = rows[off].astype(np.uint64) + rows[length].astype(np.uint64)
