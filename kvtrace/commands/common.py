@@ -21,7 +21,7 @@ from kvtrace.errors import (
     Unavailable,
     UnsupportedVersion,
 )
-from kvtrace.format.reader import collect_skipped, skipped_notes
+from kvtrace.format.skipped import collect_skipped, skipped_notes
 from kvtrace.jsonable import json_default
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -38,6 +37,7 @@ from kvtrace.format.numeric import to_float32
 from kvtrace.format.parallel_meta import parallel_problems
 from kvtrace.format.serving_rules import TABLES as SERVING_TABLES
 from kvtrace.format.serving_rules import serving_problems
+from kvtrace.format.skipped import Skipped, notify_skipped, skipped_note
 from kvtrace.units import format_bytes
 
 # One /meta JSON attribute. Real ones are kilobytes (the largest Hugging Face configs, with label
@@ -61,53 +61,7 @@ MAX_STORED_CHUNK_BYTES = schema.PAYLOAD_CHUNK_BYTES + schema.PAYLOAD_CHUNK_BYTES
 # Enumerated columns per table (declared in schema): a code the reader does not know is refused in
 # a file of its own minor or older, and its row skipped in a newer minor's file (spec §2).
 ENUM_COLUMNS = schema.ENUM_COLUMNS
-SKIP_BLOCK = 1 << 20  # rows per read when counting skipped rows (a few bytes of each)
-# How the note about skipped rows names them: table -> (one row, several rows); column -> its codes.
-ROW_NOUNS = {"events": ("event", "events"), "requests": ("request", "requests"), "layers": ("layer", "layers"),
-             "readings": ("reading", "readings"), "steps": ("step", "steps"),
-             "payloads/index": ("payload", "payloads"), "sched_groups": ("/sched_groups row", "/sched_groups rows")}
-COLUMN_NOUNS = {"kind": "kinds", "outcome": "outcomes", "layer_type": "layer types", "k_dtype": "key dtypes",
-                "v_dtype": "value dtypes", "dtype": "dtypes", "phase": "phases", "label": "labels"}
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """Rows of one table a reader skipped: they hold codes a newer minor added (spec §2)."""
-
-    rows: int
-    codes: dict[str, list[int]]  # column -> its unknown codes (at most 8)
-
-
-# Who hears of traces that skipped rows: the CLI collects them for the duration of a command
-# (:func:`collect_skipped`) and says so once per trace; a library caller reads Trace.skipped.
-_SKIP_LISTENERS: list[list[Trace]] = []
-
-
-def _notify_skipped(trace: Trace) -> None:
-    for sink in _SKIP_LISTENERS:
-        if trace not in sink:
-            sink.append(trace)
-
-
-@contextmanager
-def collect_skipped() -> Iterator[list[Trace]]:
-    """The traces opened inside the block that skipped rows of a newer minor, in the order they did."""
-    sink: list[Trace] = []
-    _SKIP_LISTENERS.append(sink)
-    try:
-        yield sink
-    finally:
-        _SKIP_LISTENERS.remove(sink)
-
-
-def skipped_notes(traces: list[Trace]) -> list[str]:
-    """One line per trace file (a file opened twice is named once): ``PATH: note: ...``."""
-    seen: dict[str, str] = {}
-    for t in traces:
-        note = t.skipped_note()
-        if note and str(t.path) not in seen:
-            seen[str(t.path)] = f"{t.path}: {note}"
-    return list(seen.values())
+SKIP_BLOCK = 1 << 20  # rows per read when finding skipped rows (a few bytes of each)
 
 
 @dataclass(frozen=True)
@@ -458,22 +412,12 @@ class Trace:
         self._positions[name] = positions
         if positions is not None:
             self.skipped[name] = Skipped(int(unknown.sum()), {c: sorted(v)[:8] for c, v in codes.items()})
-            _notify_skipped(self)
+            notify_skipped(self)
         return positions
 
     def skipped_note(self) -> str | None:
         """One line saying which rows of a newer minor this reader skipped (None when none were)."""
-        if not self.skipped:
-            return None
-        parts = []
-        for name, s in sorted(self.skipped.items(), key=lambda item: list(schema.TABLES).index(item[0])):
-            noun = ROW_NOUNS.get(name, (f"/{name} row", f"/{name} rows"))[s.rows != 1]
-            what = " or ".join(COLUMN_NOUNS.get(c, c + "s") for c in s.codes)
-            shown = "; ".join(f"{c} {', '.join(map(str, v))}" for c, v in s.codes.items())
-            parts.append(f"{s.rows:,} {noun} of {what} added after format {schema.FORMAT_VERSION} ({shown})")
-        listed = parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
-        verb = "was" if len(parts) == 1 and next(iter(self.skipped.values())).rows == 1 else "were"
-        return f"note: {listed} {verb} skipped (written by format {self.version}); a newer kvtrace reads them"
+        return skipped_note(self.skipped, self.version)
 
     @cached_property
     def _serving_problems(self) -> list[str]:

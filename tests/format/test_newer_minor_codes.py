@@ -25,7 +25,7 @@ from test_hostile_14 import NOT_READING_SERVING, check_case, run_every_consumer
 from kvtrace import exitcodes
 from kvtrace.format import CacheDType, PayloadKind, Trace, TraceWriter, encode_payload, schema
 from kvtrace.format.errors import InvalidTrace
-from kvtrace.format.reader import collect_skipped, skipped_notes
+from kvtrace.format.skipped import collect_skipped, skipped_notes
 from kvtrace.format.validate import validate
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
