@@ -7,12 +7,22 @@ a client sees), end-to-end to the end of the stream."""
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from kvtrace.serving.openai_stream import (
+    DONE,
+    NOT_OPENAI,
+    NotOpenAI,
+    chunk_text,
+    error_detail,
+    sse_data,
+    whole_completion,
+)
 
 API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -71,19 +81,11 @@ def request_body(api: str, text: str, max_tokens: int, model: str | None) -> dic
     return body
 
 
-def _chunk_text(chunk: dict[str, Any]) -> str:
-    choices = chunk.get("choices") or []
-    if not choices:
-        return ""
-    first = choices[0]
-    if "text" in first:
-        return first.get("text") or ""
-    return (first.get("delta") or {}).get("content") or ""
-
-
 async def stream_request(client: httpx.AsyncClient, base: str, api: str, body: dict[str, Any], *,
                          phase: str, index: int, prompt_words: int, t0: float) -> RequestResult:
-    """Send one streaming request; never raises for the server's failures (they are the status)."""
+    """Send one streaming request; never raises for the server's failures (they are the status). An
+    answer that is not an OpenAI completion (a web page, another API) is status "error: not an OpenAI
+    completion: ..." (:mod:`kvtrace.serving.openai_stream`), a failed request like any other."""
     start = time.perf_counter()
     row = RequestResult(phase, index, "ok", prompt_words, -1, 0, start - t0)
     arrivals: list[float] = []
@@ -91,26 +93,24 @@ async def stream_request(client: httpx.AsyncClient, base: str, api: str, body: d
     try:
         async with client.stream("POST", base + API_PATHS[api], json=body) as resp:
             if resp.status_code != 200:
-                await resp.aread()
-                row.status = f"http {resp.status_code}"
+                row.status = f"http {resp.status_code}" + error_detail(await resp.aread())
                 return row
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                try:
-                    chunk = json.loads(data)
-                except json.JSONDecodeError:
-                    continue
+            seen = False
+            async for chunk in _chunks(resp):
+                seen = True
                 if "error" in chunk:
                     row.status = f"error: {str(chunk['error'])[:200]}"
                     break
-                if _chunk_text(chunk):
+                if chunk_text(chunk):
                     arrivals.append(time.perf_counter())
                 if isinstance(chunk.get("usage"), dict):
                     usage = chunk["usage"]
+            if not seen:
+                raise NotOpenAI(f"HTTP 200 {resp.headers.get('content-type') or '(no content type)'} with no "
+                                "completion chunk")
+    except NotOpenAI as exc:
+        row.status = f"error: {NOT_OPENAI}: {exc}"[:300]
+        arrivals, usage = [], {}
     except httpx.TimeoutException:
         row.status = "timeout"
     except httpx.HTTPError as exc:
@@ -128,6 +128,24 @@ async def stream_request(client: httpx.AsyncClient, base: str, api: str, body: d
     row.prompt_tokens = int(usage.get("prompt_tokens", -1))
     row.output_tokens = int(usage.get("completion_tokens", len(arrivals)))
     return row
+
+
+async def _chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The checked completion chunks of a 200 answer: SSE lines up to [DONE] or the end, or the one
+    object of a server that answered application/json (it ignored "stream")."""
+    ctype = resp.headers.get("content-type") or ""
+    if ctype.split(";")[0].strip().lower() == "application/json":
+        yield whole_completion(await resp.aread())
+        return
+    async for line in resp.aiter_lines():
+        try:
+            item = sse_data(line)
+        except NotOpenAI as exc:
+            raise NotOpenAI(f"HTTP 200 {ctype or '(no content type)'}: {exc}") from None
+        if item == DONE:
+            return
+        if isinstance(item, dict):
+            yield item
 
 
 async def get_json(client: httpx.AsyncClient, url: str) -> tuple[int, Any]:

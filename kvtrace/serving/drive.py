@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvtrace.serving.client import (
+    API_PATHS,
     RequestResult,
     ServerUnreachable,
     get_json,
@@ -27,6 +28,7 @@ from kvtrace.serving.client import (
     request_body,
     stream_request,
 )
+from kvtrace.serving.openai_stream import NOT_OPENAI
 from kvtrace.serving.phases import END_MARKER, Phase, prompt
 from kvtrace.serving.tracefacts import Group, groups_from_occupancy, sample_from_occupancy
 
@@ -104,12 +106,51 @@ async def _poll(client: httpx.AsyncClient, url: str, run: PhaseRun, every: float
 
 
 async def _mark(client: httpx.AsyncClient, url: str, name: str) -> str:
+    """The marker's event kind ("PHASE" / "NOTE") when kvtrace serve took it; "unsupported ..." when
+    the server is another one (no marker is tried again): a 404, or a 200 that is not kvtrace serve's
+    answer ({"phase": name, "t_ns": int, "event": ...}, kvtrace.serving.routes), which a catch-all
+    route or a web page gives."""
     code, body = await post_json(client, url + "/kvtrace/phase", {"name": name})
-    if code == 200 and isinstance(body, dict):
-        return str(body.get("event", "marked"))
+    if code == 200:
+        if is_marker_answer(body, name):
+            return str(body["event"])
+        return "unsupported (HTTP 200, not kvtrace serve's answer)"
     if code in (404, 405):
         return "unsupported (404)"
     return f"failed: HTTP {code}"
+
+
+def is_marker_answer(body: Any, name: str) -> bool:
+    """kvtrace serve's answer to POST /kvtrace/phase (routes.add_routes)."""
+    return (isinstance(body, dict) and body.get("phase") == name and isinstance(body.get("t_ns"), int)
+            and body.get("event") in ("PHASE", "NOTE"))
+
+
+def is_status_answer(body: Any) -> bool:
+    """kvtrace serve's answer to GET /kvtrace/status (routes.live_status)."""
+    return (isinstance(body, dict) and isinstance(body.get("requests_recorded"), int)
+            and isinstance(body.get("paged_cache"), dict))
+
+
+def refuse_unless_openai(rows: list[RequestResult], cfg: DriveConfig, *, warmup: bool) -> bool:
+    """Pre-flight: True once a request got an OpenAI completion. A warm-up request that failed, or
+    (with --warmup 0) a first phase whose requests all failed because the answers are not OpenAI
+    completions or the route does not exist, stops the run: ServerUnhealthy, one line, exit 69."""
+    if any(r.ok for r in rows):
+        return True
+    path = API_PATHS[cfg.api]
+    for r in rows:
+        if r.status.startswith(("http 404", "http 405")):
+            other = "chat" if cfg.api == "completions" else "completions"
+            raise ServerUnhealthy(f"not an OpenAI-compatible server: POST {path} answered HTTP {r.status[5:]} "
+                                  f"(--api {other} posts to {API_PATHS[other]})")
+        if r.status.startswith(f"error: {NOT_OPENAI}: "):
+            raise ServerUnhealthy(f"not an OpenAI-compatible server: POST {path} answered "
+                                  f"{r.status.removeprefix(f'error: {NOT_OPENAI}: ')}, {NOT_OPENAI}")
+    if warmup and rows:
+        raise ServerUnhealthy(f"the warm-up request to POST {path} failed ({rows[0].status}); a server that "
+                              f"fails it cannot be load-tested")
+    return False
 
 
 async def drive(cfg: DriveConfig) -> DriveResult:
@@ -125,14 +166,17 @@ async def drive(cfg: DriveConfig) -> DriveResult:
         code, _ = await get_json(client, cfg.url + "/health")
         if code != 200:
             raise ServerUnhealthy(f"{cfg.url}/health answered HTTP {code}")
-        code, _ = await get_json(client, cfg.url + "/kvtrace/status")
-        live = code == 200
+        code, body = await get_json(client, cfg.url + "/kvtrace/status")
+        live = code == 200 and is_status_answer(body)
         markers = True
         runs: list[PhaseRun] = []
-        warm = [await stream_request(client, cfg.url, cfg.api,
-                                     request_body(cfg.api, prompt(WARMUP_WORDS, 10_000 + i), 2, cfg.model),
-                                     phase="warmup", index=i, prompt_words=WARMUP_WORDS, t0=t0)
-                for i in range(cfg.warmup)]
+        warm: list[RequestResult] = []
+        proven = False  # a request got an OpenAI completion
+        for i in range(cfg.warmup):
+            warm.append(await stream_request(client, cfg.url, cfg.api,
+                                             request_body(cfg.api, prompt(WARMUP_WORDS, 10_000 + i), 2, cfg.model),
+                                             phase="warmup", index=i, prompt_words=WARMUP_WORDS, t0=t0))
+            proven = proven or refuse_unless_openai(warm[-1:], cfg, warmup=True)
         seq = 0
         for phase in cfg.phases:
             run = PhaseRun(phase, time.perf_counter() - t0)
@@ -156,6 +200,13 @@ async def drive(cfg: DriveConfig) -> DriveResult:
 
                 run.results = list(await asyncio.gather(*(one(i, seq + i) for i in range(phase.requests))))
                 seq += phase.requests
+                try:
+                    proven = proven or refuse_unless_openai(run.results, cfg, warmup=False)
+                except ServerUnhealthy:
+                    if poller is not None:
+                        stop.set()
+                        await poller
+                    raise
             if poller is not None:
                 stop.set()
                 await poller
