@@ -15,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PHASES = ("baseline", "single", "concurrent", "long")
+# the phase whose one long request is the planted probe: kvtrace analyze's context_spike reports a
+# spike admitted in it as the probe (context_spike.PROBE_PHASES names it; a test keeps them equal)
+LONG_PROBE = "long"
 END_MARKER = "end"  # the marker posted after the last phase, closing its window in the trace
 
 WORDS = ("the of and to in is it that for on was with as be at by this had not are but from or have an they "

@@ -20,11 +20,10 @@ import numpy as np
 
 from kvtrace.analyzer.detectors._serving import (
     cached_bytes_of,
+    device_outside,
     held,
-    outside_pool,
     pool_room,
     pool_usage,
-    room_at,
 )
 from kvtrace.format.schema import EventKind
 
@@ -192,27 +191,14 @@ def _pool_room(trace: Any, source: str | None, samples: list[dict[str, Any]]) ->
 
 def device_facts(rows: np.ndarray, room: tuple[np.ndarray, np.ndarray] | None, devices: int) -> DeviceFacts | None:
     """DeviceFacts of one phase's NVML rows: device memory in use less the pool's room at each
-    reading (outside_pool, room_at: the detector's functions), raw where that cannot be told."""
+    reading (the detectors' device_outside), raw where that cannot be told."""
     if not rows.size:
         return None
     used = rows["used_bytes"].astype(np.float64)
     total = rows["total_bytes"].astype(np.float64)
-    why = ""
-    if room is None:
-        why = "no paged-cache pool recorded"
-    elif devices > 1:
-        why = f"{devices} GPUs in the NVML readings: the pool's device is unknown"
-    t = rows["t_ns"].astype(np.int64)
-    subtract = not why and bool((t >= room[0][0]).any())
-    if not why and not subtract:
-        why = "no reading after the pool's first recorded step"
-    here = np.zeros(rows.size)
-    if subtract:
-        assert room is not None
-        here = np.where(t >= room[0][0], room_at(room[0], room[1], t), 0.0)  # no pool before its first step
-    outside = outside_pool(used, here) / total
+    outside, here, why = device_outside(rows["t_ns"], used, total, room, devices)
     i = int(np.argmax(outside))
-    return DeviceFacts(int(used[i]), int(total[i]), int(here[i]) if subtract else None, float(outside[i]),
+    return DeviceFacts(int(used[i]), int(total[i]), int(here[i]) if here is not None else None, float(outside[i]),
                        held(outside), int(rows.size), why)
 
 

@@ -12,7 +12,8 @@ not a warning; what is left beside the pool is what can run out), both reached a
 least (held); the typical context is the one a fifth of the requests so far reach (the
 context_spike detector). In a load test every context is the tester's choice (the long phase's
 16K request is the planted probe), so a 2x spike is reported with its KV cost and is a WARNING
-only when its phase also takes the pool or the device memory outside it past the 80 % threshold.
+only when its phase also takes the pool or the device memory outside it past the 80 % threshold
+(the detector's probe_memory_level: `kvtrace analyze` judges the long phase's probe the same way).
 
 Sources, best first: the trace (``--trace``: every scheduler step, NVML and allocator readings),
 then the live samples of ``GET /kvtrace/status`` (kvtrace serve only, every ``--poll`` seconds, so
@@ -25,7 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtrace.analyzer.detectors._serving import USAGE_CRITICAL, USAGE_WARNING
-from kvtrace.analyzer.detectors.context_spike import SPIKE_RATIO, TAIL_SHARE, typical_context
+from kvtrace.analyzer.detectors.context_spike import (
+    SPIKE_RATIO,
+    TAIL_SHARE,
+    probe_memory_level,
+    typical_context,
+)
 from kvtrace.serving.drive import PhaseRun
 from kvtrace.serving.tracefacts import DeviceFacts, PhaseFacts, apply_occupancy, capacity
 from kvtrace.units import format_bytes
@@ -106,7 +112,8 @@ def judge_phase(run: PhaseRun, facts: PhaseFacts | None, history: list[int], max
     checks.append(_concurrency(run, occ, occ_source, max_tokens))
     if run.results:
         checks.append(_released(run))
-    memory = worst([c.level for c in checks if c.name in ("kv_pool_use", "device_memory_use")])
+    memory = probe_memory_level(occ.pool_use_held if occ is not None else None,
+                                facts.device.outside_held if facts is not None and facts.device is not None else None)
     checks.append(_context(run, history, occ, memory))
     failed = [r for r in run.results if not r.ok]
     if run.results:

@@ -368,3 +368,14 @@ def test_trace_sched_rows_give_the_pool_room_and_cached_blocks_count_as_free():
     assert facts.device.room_bytes == 70 * GiB and facts.device.outside_held == pytest.approx(0.20)
     c = _checks(judge([_run("concurrent", results=[_req(32)] * 3)], [facts], max_tokens=4)[0])
     assert c["kv_pool_use"].level == "ok" and c["device_memory_use"].level == "ok"
+
+
+def test_the_probe_phase_is_the_one_the_detector_knows():
+    """kvtrace analyze's context_spike reports a spike admitted in the long phase as the load test's
+    probe: the two name the same phase (the analyser imports nothing from kvtrace.serving)."""
+    from kvtrace.analyzer.detectors.context_spike import PROBE_PHASES
+    from kvtrace.serving.phases import LONG_PROBE, PHASES
+
+    assert PROBE_PHASES == (LONG_PROBE,) and LONG_PROBE in PHASES
+    plan = build_phases(list(PHASES), concurrency=2, tokens=4, long_tokens=64, baseline_s=0)
+    assert [p.name for p in plan if p.prompt_tokens == 64] == [LONG_PROBE]

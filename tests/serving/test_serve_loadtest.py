@@ -121,6 +121,17 @@ def test_kvtrace_serve_continuous_batching_loadtest_then_sigterm(model_dir, tmp_
         assert _phase_names(t) == ["baseline", "single", "concurrent", "long", "end"]
         assert len(t.events(EventKind.REQUEST_END)) == N_REQUESTS + 1
 
+    # kvtrace analyze on the same trace agrees with the verdict: the long phase's request is the load
+    # test's own probe (132 tokens, 3.7x the typical 36), info while the pool holds it (was critical)
+    import kvtrace
+    from kvtrace.analyzer.base import INFO_MAX_SCORE
+
+    (probe,) = kvtrace.analyze(trace).result("context_spike").findings
+    assert probe.kind == "long_context_probe" and probe.score <= INFO_MAX_SCORE, probe.message
+    assert "(phase 'long') is the load test's long-context probe: a 132-token context, 3.7x the typical 36" in probe.message
+    assert probe.evidence["spike_share_of_pool"].value == pytest.approx(9 / 64, abs=1e-3)  # 9 blocks of 16 tokens
+    assert "under the 80% warning" in probe.message
+
     # the latency table beside the trace: one row per request, streamed tokens timed
     rows = list(csv.DictReader(open(tmp_path / "served.latency.csv", encoding="utf-8")))
     assert rows[0]["phase"] == "warmup" and rows[0]["status"] == "ok"  # before the first marker, judged nowhere

@@ -191,11 +191,44 @@ def request_peak_bytes(ctx: ReplayContext, manager: int) -> dict[int, int]:
     return out
 
 
-def phase_at(ctx: ReplayContext, t_ns: int) -> str:
-    """' (phase NAME)' for the load-test phase marker in force at `t_ns` (kvtrace loadtest, Recorder.mark_phase),
-    '' when the trace has none before it: messages name the phase of the four-phase protocol."""
+def phase_window(ctx: ReplayContext, t_ns: int) -> tuple[str, int, int] | None:
+    """(name, start, end) of the load-test phase marker in force at `t_ns` (kvtrace loadtest,
+    Recorder.mark_phase): from its marker to the next one (the load test's closing "end" marker), or
+    to the end of time for the last; None when the trace has no marker before `t_ns`."""
     phases = ctx.view.phases
-    if not phases.size:
-        return ""
-    i = int(np.searchsorted(phases["t_ns"], t_ns, side="right")) - 1
-    return f" (phase {str(phases['name'][i])!r})" if i >= 0 else ""
+    i = int(np.searchsorted(phases["t_ns"], t_ns, side="right")) - 1 if phases.size else -1
+    if i < 0:
+        return None
+    end = int(phases["t_ns"][i + 1]) if i + 1 < phases.size else int(np.iinfo(np.int64).max)
+    return str(phases["name"][i]), int(phases["t_ns"][i]), end
+
+
+def phase_at(ctx: ReplayContext, t_ns: int) -> str:
+    """' (phase NAME)' for the load-test phase marker in force at `t_ns`, '' when the trace has none
+    before it: messages name the phase of the four-phase protocol."""
+    window = phase_window(ctx, t_ns)
+    return f" (phase {window[0]!r})" if window is not None else ""
+
+
+def device_outside(t_ns: np.ndarray, used: np.ndarray, total: np.ndarray, room: tuple[np.ndarray, np.ndarray] | None,
+                   devices: int) -> tuple[np.ndarray, np.ndarray | None, str]:
+    """Per NVML reading: device memory in use outside the KV pool's room over the device's total
+    (outside_pool at room_at; pool_room gives `room`); the room subtracted at each reading (None when
+    not subtracted: then the share is raw use) and why not ('' when subtracted). Not subtracted
+    without a recorded pool, with several GPUs in the readings (the pool's device is unknown) or
+    when no reading comes after the pool's first step; a reading before that step has no pool yet.
+    Shared by kvtrace loadtest's per-phase device check and the context_spike probe rule."""
+    t = np.asarray(t_ns, dtype=np.int64)
+    used = np.asarray(used, dtype=np.float64)
+    why = ""
+    if room is None or not room[0].size:
+        why = "no paged-cache pool recorded"
+    elif devices > 1:
+        why = f"{devices} GPUs in the NVML readings: the pool's device is unknown"
+    elif not bool((t >= room[0][0]).any()):
+        why = "no reading after the pool's first recorded step"
+    if why:
+        return used / np.asarray(total, dtype=np.float64), None, why
+    assert room is not None
+    here = np.where(t >= room[0][0], room_at(room[0], room[1], t), 0.0)
+    return outside_pool(used, here) / np.asarray(total, dtype=np.float64), here, ""
