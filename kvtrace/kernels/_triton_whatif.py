@@ -82,7 +82,8 @@ def _launch(tag: str, fn, grid, args: tuple, consts: dict) -> None:
     lookup) cost ~50 us of Python per launch on the H200's host, several times a decode step's
     kernel. ``grid``: a tuple or a callable of the constexprs (the autotuner's choice included);
     ``args``: the kernel's runtime arguments in signature order, ``consts`` its constexprs."""
-    if interpreting() or not DIRECT_LAUNCH:
+    global DIRECT_LAUNCH
+    if interpreting() or not DIRECT_LAUNCH or not hasattr(triton, "knobs"):  # knobs: triton >= 3.4
         fn[grid](*args, **consts)
         return
     key = (tag, *map(_spec, args), *consts.items())
@@ -102,9 +103,14 @@ def _launch(tag: str, fn, grid, args: tuple, consts: dict) -> None:
     knobs = triton.knobs.runtime
     stream = triton.runtime.driver.active.get_current_stream(triton.runtime.driver.active.get_current_device())
     full = (*args, *tail)
-    # As JITFunction.run launches (triton 3.4-3.6): launch metadata only when a hook wants it.
-    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata(g, stream, *full), knobs.launch_enter_hook, knobs.launch_exit_hook, *full)
+    try:  # as JITFunction.run launches in triton 3.6 (every argument, constexprs included)
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(g, stream, *full), knobs.launch_enter_hook, knobs.launch_exit_hook,
+                     *full)
+    except (TypeError, AttributeError) as exc:  # a Triton whose launcher differs: its own call path
+        DIRECT_LAUNCH = False
+        FALLBACKS.append(f"direct launches unavailable ({type(exc).__name__}: {str(exc)[:200]}); Triton's call path")
+        fn[grid](*args, **consts)
 
 
 @triton.jit

@@ -382,3 +382,63 @@ def test_grid_decided_per_key_block_in_the_packed_kernel(tri_device, monkeypatch
     # The position bound, read after the launches on this path.
     with pytest.raises(ValueError, match="below 2"):
         W.keep_measures_triton(*(_t(x, tri_device) for x in (*bf, keep)), q_positions=[2**29, 2**29 + 1])
+
+
+def test_launch_cache_keys_and_fallback(monkeypatch):
+    """_launch's bookkeeping, against a stand-in Triton (runs anywhere): the first call of a
+    specialisation goes through Triton, a repeat through the compiled launcher with the runtime
+    arguments then the constexprs in signature order and the grid from them; another int class
+    (16 is divisible by 16, 5 is not) is a new specialisation; a launcher that rejects the call
+    turns direct launches off, says so in FALLBACKS and launches through Triton."""
+    from types import SimpleNamespace
+
+    from kvtrace.kernels import _triton_whatif as tw
+
+    calls = []
+
+    class Compiled:
+        packed_metadata, function = "meta", "fn"
+
+        def __init__(self, fail=False):
+            self.fail = fail
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+        def run(self, *a):
+            if self.fail:
+                raise TypeError("the launcher takes other arguments")
+            calls.append(("direct", a[:4], a[9:]))
+
+    class Fn:
+        arg_names = ["X", "n", "BLOCK"]
+
+        def __init__(self, compiled):
+            self.compiled = compiled
+
+        def __getitem__(self, grid):
+            def go(*args, **consts):
+                calls.append(("triton", grid(consts), args))
+                return self.compiled
+            return go
+
+    active = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda dev: 7)
+    fake = SimpleNamespace(knobs=SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)),
+                           runtime=SimpleNamespace(Autotuner=type("Autotuner", (), {}),
+                                                   driver=SimpleNamespace(active=active)))
+    for name, value in (("triton", fake), ("interpreting", lambda: False), ("_COMPILED", {}), ("FALLBACKS", []),
+                        ("DIRECT_LAUNCH", True)):
+        monkeypatch.setattr(tw, name, value)
+    x = torch.zeros(4)
+    grid = lambda meta: (meta["BLOCK"] // 2,)  # noqa: E731
+    fn = Fn(Compiled())
+    for n in (5, 5, 16, 16):
+        tw._launch("t", fn, grid, (x, n), dict(BLOCK=8))
+    assert [c[0] for c in calls] == ["triton", "direct", "triton", "direct"]
+    assert calls[1][1] == (4, 1, 1, 7) and calls[1][2] == (x, 5, 8)
+    calls.clear()
+    bad = Fn(Compiled(fail=True))
+    for _ in range(3):
+        tw._launch("u", bad, grid, (x, 3), dict(BLOCK=4))
+    assert [c[0] for c in calls] == ["triton", "triton", "triton"]
+    assert tw.DIRECT_LAUNCH is False and len(tw.FALLBACKS) == 1 and "direct launches unavailable" in tw.FALLBACKS[0]
