@@ -99,16 +99,18 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
       kvtrace loadtest http://gpu-host:8000 --phases single,concurrent --concurrency 64 -o lat.csv
     \b
     Against kvtrace serve it posts a phase marker into the recording before each phase (POST
-    /kvtrace/phase; a 404 means another server: latency table only) and samples GET /kvtrace/status.
-    Each phase gets a verdict against the alert thresholds: KV pool use and device memory use
-    (warning 80 %, critical 90 %), fragmentation (warning > 2 GiB), requests in flight (warning at
-    80 % of the requests that fit), context length (warning at 2x the run's average); each check
-    names its source or says "not measured". Every answer must parse as an OpenAI completion
-    (streamed or not): one that does not (a web page, another API) is a failed request. Exit codes:
-    0 done (whatever the verdicts, unless --fail-on), 3 a verdict reached --fail-on, 64 bad option
-    or URL, 2 a --trace that is missing or unreadable, 69 the server cannot be reached, is unhealthy
-    or fails the warm-up before the first phase, or is not an OpenAI-compatible server (a 404 on the
-    route or an answer that is not a completion before any request succeeded; or httpx is missing).
+    /kvtrace/phase; any answer but kvtrace serve's means another server: latency table only) and
+    samples GET /kvtrace/status. Each phase gets a verdict against the alert thresholds: KV pool
+    use and device memory use (warning 80 %, critical 90 %), fragmentation (warning > 2 GiB),
+    requests in flight (warning at 80 % of the requests that fit), context spikes (2x the typical
+    context: reported with their KV, a warning only where the phase's memory warns too, as kvtrace
+    analyze judges the long phase's probe); each check names its source or says "not measured".
+    Every answer must parse as an OpenAI completion (streamed or not): one that does not (a web
+    page, another API) is a failed request. Exit codes: 0 done (whatever the verdicts, unless
+    --fail-on), 3 a verdict reached --fail-on, 64 bad option or URL, 2 a --trace that is missing
+    or unreadable, 69 the server cannot be reached, is unhealthy or fails the warm-up before the
+    first phase, or is not an OpenAI-compatible server (a 404 on the route or an answer that is
+    not a completion before any request succeeded; or httpx is missing).
     """
     cfg_url = base_url(url)
     try:
