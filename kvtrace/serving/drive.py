@@ -1,13 +1,15 @@
 """Run the phase protocol against one endpoint: markers, requests, live samples, health.
 
-Per phase: post the phase marker (``POST /kvtrace/phase``; a 404 means the server is not
-``kvtrace serve`` and no marker is tried again), send the phase's requests (at most ``concurrency``
+Per phase: post the phase marker (``POST /kvtrace/phase``; a 404, or a 200 that is not kvtrace
+serve's answer, means the server is not ``kvtrace serve`` and no marker is tried again), send the phase's requests (at most ``concurrency``
 in flight), meanwhile poll ``GET /kvtrace/status`` every ``poll_s`` when the server has it (the
 paged cache's pool, free bytes, running and waiting requests), then read ``/health``. After the
 last phase an "end" marker closes the last window in the trace. Before the first phase,
 ``warmup`` short requests (8 words, 2 tokens) start what the server builds lazily (transformers
 serve creates its continuous-batching manager and pool at the first request): they belong to no
-phase and no verdict; the latency table lists them as phase "warmup"."""
+phase and no verdict; the latency table lists them as phase "warmup". They are also the pre-flight
+check (:func:`refuse_unless_openai`): a server whose warm-up fails, or that does not answer as an
+OpenAI-compatible server, is refused before the first phase (ServerUnhealthy, exit 69)."""
 
 from __future__ import annotations
 
