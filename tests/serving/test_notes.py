@@ -34,7 +34,8 @@ def test_the_managers_note_of_a_continuous_batching_recording(tmp_path, capsys):
     pytest.importorskip("transformers.generation.continuous_batching")
     import serving_scenarios as S
 
-    trace = S.batch(tmp_path / "cb.kvt.h5", [20, 30, 40], 4)
+    # a small pool: a default one is sized from free memory (18 s of allocation on a CPU host)
+    trace = S.batch(tmp_path / "cb.kvt.h5", [20, 30, 40], 4, page_size=16, num_blocks=32, max_batch_tokens=128)
     code, out = _info(trace, capsys, "--json")
     doc = json.loads(out)
     (note,) = doc["notes"]
