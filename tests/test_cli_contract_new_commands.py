@@ -361,6 +361,9 @@ CALC = [
      exitcodes.USAGE, "disagree on the world size"),
     (["calc", "--trace", "{r0}", "--trace", "{a}", "--context", "4k", "--gpu-memory", "80GiB"], exitcodes.USAGE,
      "is not a tensor-parallel rank trace"),
+    # report refuses the same sets calc refuses (world sizes that disagree were reported with exit 0)
+    (["report", "{r0}", "{r1world3}", "-o", "{dir}/run.html"], exitcodes.USAGE, "disagree on the world size"),
+    (["report", "{r0}", "{r0}", "-o", "{dir}/run.html"], exitcodes.USAGE, "give one rank twice"),
     (["calc", "--trace", "{a}", "--trace", "{b}", "--context", "4k", "--gpu-memory", "80GiB"], exitcodes.USAGE,
      "is not a tensor-parallel rank trace"),
     (["calc", "--trace", "{r0}", "--trace", "{trunc}", "--context", "4k", "--gpu-memory", "80GiB"],

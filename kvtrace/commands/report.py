@@ -133,6 +133,8 @@ def _rank_set(traces: tuple[str, ...], output: str, figures_dir: str | None, no_
     if len(results) != 1 or len(results[0].ranks.members) != len(traces):
         raise click.UsageError("the rank traces belong to more than one run (or give one rank twice); "
                                "report one run at a time")
+    if results[0].ranks.problems:  # world sizes that disagree, a rank outside the world: as calc --trace refuses them
+        raise click.UsageError(f"the rank traces do not make one run: {'; '.join(results[0].ranks.problems[:4])}")
     pages: dict[int, Path] = {}
     written_figures: list[str] = []
     for path, rank in opened:
