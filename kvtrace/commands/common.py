@@ -23,6 +23,7 @@ from kvtrace.errors import (
 )
 from kvtrace.format.skipped import collect_skipped, skipped_notes
 from kvtrace.jsonable import json_default
+from kvtrace.recorder.options import CannotWriteOutput  # torch-free: the checks made before a recording
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -41,7 +42,7 @@ def exit_code_for(exc: BaseException) -> int:
         return exitcodes.UNREADABLE
     if isinstance(exc, Unavailable):
         return exitcodes.UNAVAILABLE
-    if isinstance(exc, CannotWrite):
+    if isinstance(exc, (CannotWrite, CannotWriteOutput)):
         return exitcodes.CANNOT_WRITE
     if isinstance(exc, TraceIncomplete):
         return exitcodes.IO_ERROR
@@ -93,7 +94,7 @@ def guarded(fn: F) -> F:
             fail("interrupted", exitcodes.INTERRUPTED)
         except BrokenPipeError:
             stdout_closed()
-        except (TraceError, Unavailable, CannotWrite, TraceIncomplete) as exc:
+        except (TraceError, Unavailable, CannotWrite, CannotWriteOutput, TraceIncomplete) as exc:
             fail(str(exc), exit_code_for(exc))
         except MemoryError:  # a trace within the reader's limits that this machine cannot hold
             fail("out of memory (the trace needs more than this machine has free)", exitcodes.UNAVAILABLE)

@@ -10,7 +10,7 @@ import click
 
 from kvtrace.commands.common import guarded
 from kvtrace.commands.metrics_options import check_metrics_options, metrics_options
-from kvtrace.errors import CannotWrite, TraceIncomplete, Unavailable
+from kvtrace.errors import TraceIncomplete, Unavailable
 from kvtrace.loading import encode, load_model, model_config_dict
 from kvtrace.units import format_bytes
 
@@ -193,17 +193,10 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
             _check_tp_split(config)
     check_metrics_options(prometheus, prometheus_textfile, [prompts_file] if prompts_file else [])
     try:
-        from kvtrace.recorder.session import (
-            CannotServeMetrics,
-            CannotWriteOutput,
-            check_writable,
-        )
+        from kvtrace.recorder.session import CannotServeMetrics, check_writable
     except ImportError as exc:
         raise Unavailable(f"recording needs torch and transformers ({exc}); install kvtrace[record]") from None
-    try:
-        check_writable(output)  # before the (possibly slow) model load
-    except CannotWriteOutput as exc:
-        raise CannotWrite(str(exc)) from None
+    check_writable(output)  # before the (possibly slow) model load (CannotWriteOutput: exit 73, guarded)
     from kvtrace.recorder.sampling import SamplingSettings
 
     try:  # the sampler's own rules (evenly spaced heads...), before the model loads
@@ -251,8 +244,6 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
                 ids = encode(loaded.tokenizer, text, dev)
                 out = loaded.model.generate(ids, **gen_kw)
                 say(f"request {i}: {ids.shape[-1]} prompt tokens, {out.shape[-1] - ids.shape[-1]} new")
-    except CannotWriteOutput as exc:
-        raise CannotWrite(str(exc)) from None
     except CannotServeMetrics as exc:
         raise Unavailable(str(exc)) from None
     if rec.storage_failure is not None:  # generation finished; the trace could not be fully written

@@ -139,10 +139,7 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
         raise Unavailable(f"serving needs torch and transformers ({exc}); install kvtrace[serve]") from None
     if not is_serve_available():
         raise Unavailable("transformers serve needs fastapi, uvicorn and openai: install kvtrace[serve]")
-    try:
-        check_writable(output)
-    except CannotWriteOutput as exc:
-        raise CannotWrite(str(exc)) from None
+    check_writable(output)  # CannotWriteOutput: exit 73 (guarded)
     check_port(host, port)  # a busy port fails now, not after the model load (exit 69)
     metrics_at = check_metrics_options(prometheus, prometheus_textfile, [model] if os.path.exists(model) else [])
     if metrics_at is not None and metrics_at[1] == port:
