@@ -1,6 +1,12 @@
 """Run what-if policies over a trace: bytes from the recorded sizes, attention and reconstruction
 measures from the sampled K/V/Q (offline proxies, not model quality). JSON contract:
-spec/whatif-json.md."""
+spec/whatif-json.md.
+
+Order of the work: unit by unit (a sampled (request, layer) at a step). For each unit the
+keep-sets of every eviction policy at every ratio are planned first, then measured together in
+one ``keep_measures_many`` call per chunk of queries (one kernel pass over the unit's K/V on a
+GPU, instead of one per policy and ratio); quantisers follow on the same unit. The document is
+assembled per policy and ratio as if each had been evaluated alone."""
 
 from __future__ import annotations
 
@@ -37,6 +43,9 @@ NOTE = ("offline proxies from the recorded sizes and sampled tensors, not model 
 STEPS_NOTE = {"last": "each (request, layer)'s last sampled step",
               "all": f"up to {source.MAX_STEPS} sampled steps of each (request, layer), evenly spaced, the last included"}
 
+# (policy, ratio, its result in the document): one evaluation of the content measures.
+_Job = tuple[Policy, float | None, dict[str, Any]]
+
 
 def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ratios: list[float],
                device: str = "cpu", steps: str = "last") -> dict[str, Any]:
@@ -66,14 +75,21 @@ def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ra
         "sampled_units": len(units), "policies": [],
     }
     no_contents = "" if units else "the trace holds no sampled K/V (record with sampling={'every_n_steps': N})"
+    jobs: list[_Job] = []
     for pol in policies:
         entry: dict[str, Any] = {"policy": pol.name, "label": pol.label(), "family": pol.family,
                                  "needs": pol.needs, "params": pol.params(), "results": []}
         if pol.note:
             entry["note"] = pol.note
         for ratio in (ratios if isinstance(pol, ScorerPolicy) and not _fixed(pol) else [None]):
-            entry["results"].append(_evaluate(pol, ratio, sz, units, base, no_contents, calc))
+            res = _result(pol, ratio, sz, base, no_contents)
+            entry["results"].append(res)
+            if pol.family != "paging" and not no_contents:
+                jobs.append((pol, ratio, res))
         doc["policies"].append(entry)
+    _replay(jobs, units, calc)
+    for _, _, res in jobs:
+        res["overall"] = _overall(res["layers"])
     return plain(doc)
 
 
@@ -116,8 +132,10 @@ def _n_kept(tokens: np.ndarray, ratio: float | None) -> np.ndarray:
     return np.where(tokens > 0, np.maximum(kept, 1), 0)
 
 
-def _evaluate(pol: Policy, ratio: float | None, sz: source.Sizes, units: list[source.Unit],
-              base: tuple[float, float], no_contents: str, calc: Exact | Accelerated) -> dict[str, Any]:
+def _result(pol: Policy, ratio: float | None, sz: source.Sizes, base: tuple[float, float],
+            no_contents: str) -> dict[str, Any]:
+    """The result of ``pol`` at ``ratio`` with its bytes; the content measures are filled in by
+    :func:`_replay` (none for paging, a skip when the trace has no contents)."""
     kept = _totals(sz, _kept_bytes(pol, ratio, sz))
     res: dict[str, Any] = {
         "ratio": ratio,
@@ -127,66 +145,113 @@ def _evaluate(pol: Policy, ratio: float | None, sz: source.Sizes, units: list[so
     }
     if pol.family == "paging":
         res["bytes"]["waste_peak"], res["bytes"]["waste_mean"] = _totals(sz, _kept_bytes(pol, ratio, sz) - sz.valid)
-        return res
-    if no_contents:
+    elif no_contents:
         res["skipped"].append({"measure": "all content measures", "request": None, "layer": None, "reason": no_contents})
-        return res
-    for u in units:
-        try:
-            row = _unit(pol, ratio, u, res["skipped"], calc)
-        except PolicyError as exc:
-            res["skipped"].append({"measure": "all content measures", "request": u.request, "layer": u.layer,
-                                   "reason": str(exc)})
-            continue
-        if row:
-            res["layers"].append(row)
-    res["overall"] = _overall(res["layers"])
     return res
+
+
+def _replay(jobs: list[_Job], units: list[source.Unit], calc: Exact | Accelerated) -> None:
+    """Content measures of every job on every unit, into the jobs' results: per unit, the keep-sets
+    of all eviction jobs in one :func:`_measure_keeps`, then each quantiser."""
+    scorers = [j for j in jobs if isinstance(j[0], ScorerPolicy)]
+    quantizers = [j for j in jobs if not isinstance(j[0], ScorerPolicy)]
+    for u in units:
+        _scorer_unit(scorers, u, calc)
+        for pol, _, res in quantizers:
+            try:
+                res["layers"].append(_quantizer_unit(pol, u, res["skipped"], calc))
+            except PolicyError as exc:
+                _skip(res["skipped"], "all content measures", u, str(exc))
 
 
 def _skip(skipped: list[dict[str, Any]], measure: str, u: source.Unit, reason: str) -> None:
     skipped.append({"measure": measure, "request": u.request, "layer": u.layer, "reason": reason})
 
 
-def _unit(pol: Policy, ratio: float | None, u: source.Unit, skipped: list[dict[str, Any]],
-          calc: Exact | Accelerated) -> dict[str, Any]:
+def _row(u: source.Unit) -> dict[str, Any]:
     row: dict[str, Any] = {"request": u.request, "layer": u.layer, "step": u.step, "layer_type": u.layer_type,
                            "tokens": int(u.k.shape[2]), "kv_heads": u.kv_heads}
     if u.latent:
         row["tensors"] = ["latent", "rope_key"]  # what key_* / value_* measure on an MLA cache
     if u.notes:
         row["notes"] = list(u.notes)
+    return row
+
+
+def _attn(u: source.Unit) -> tuple[Any, ...]:
+    return (u.eval_q, u.k, u.v, u.eval_pos, u.k_pos, u.window, u.scale)
+
+
+def _plan(pol: ScorerPolicy, ratio: float | None, u: source.Unit, skipped: list[dict[str, Any]]) -> np.ndarray | None:
+    """``pol``'s keep-set [B, Hk, T] of ``u``, or None with the skip said (no observed queries).
+    Raises PolicyError where the policy cannot plan this unit."""
+    obs = None
+    if pol.needs.startswith("Q"):
+        if u.obs_q is None:
+            reason = u.no_queries or f"no query sampled before step {u.step} to score with"
+            _skip(skipped, "all content measures", u, f"{pol.name} needs observed queries: {reason}")
+            return None
+        obs = Observed(u.obs_q, u.obs_pos, u.k_pos, u.window, u.scale)
+    return pol.plan(u.k, ratio if ratio is not None else 0.0, obs, u.v)
+
+
+def _scorer_unit(jobs: list[_Job], u: source.Unit, calc: Exact | Accelerated) -> None:
+    """Every eviction job on ``u``: plan each keep-set, measure them all at once, one row each."""
+    planned: list[tuple[dict[str, Any], np.ndarray]] = []
+    for pol, ratio, res in jobs:
+        assert isinstance(pol, ScorerPolicy)
+        try:
+            keep = _plan(pol, ratio, u, res["skipped"])
+        except PolicyError as exc:
+            _skip(res["skipped"], "all content measures", u, str(exc))
+            continue
+        if keep is not None:
+            planned.append((res, keep))
+    if not planned:
+        return
+    measurable = u.eval_q is not None and not u.latent
+    measures = _measure_keeps(calc, _attn(u), [keep for _, keep in planned]) if measurable else []
     hk = u.k.shape[1]
-    attn = (u.eval_q, u.k, u.v, u.eval_pos, u.k_pos, u.window, u.scale)
-    if isinstance(pol, ScorerPolicy):
-        obs = None
-        if pol.needs.startswith("Q"):
-            if u.obs_q is None:
-                reason = u.no_queries or f"no query sampled before step {u.step} to score with"
-                _skip(skipped, "all content measures", u, f"{pol.name} needs observed queries: {reason}")
-                return {}
-            obs = Observed(u.obs_q, u.obs_pos, u.k_pos, u.window, u.scale)
-        keep = pol.plan(u.k, ratio if ratio is not None else 0.0, obs, u.v)
+    for i, (res, keep) in enumerate(planned):
+        row = _row(u)
         row["kept_tokens_per_head"] = keep.sum(axis=(0, 2)).tolist()
-        if u.eval_q is None or u.latent:
-            _skip(skipped, "attention_mass_recall", u, u.no_queries)
-            _skip(skipped, "attention_output_error", u, u.no_queries)
-            return row
-        recall, err = _by_queries(lambda a: calc.keep_measures(*a, keep), attn)
-        row["attention_mass_recall"] = _per_kv_head(recall, hk)
-        row["attention_output_error"] = _per_kv_head(err, hk)
-        return row
+        if measurable:
+            row["attention_mass_recall"] = _per_kv_head(measures[i][0], hk)
+            row["attention_output_error"] = _per_kv_head(measures[i][1], hk)
+        else:
+            _skip(res["skipped"], "attention_mass_recall", u, u.no_queries)
+            _skip(res["skipped"], "attention_output_error", u, u.no_queries)
+        res["layers"].append(row)
+
+
+def _measure_keeps(calc: Exact | Accelerated, attn: tuple[Any, ...], keeps: list[np.ndarray]
+                   ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(recall, output error) [B, Hq, Tq] of each keep-set: one ``keep_measures_many`` call per
+    chunk of queries for all sets."""
+    flat = _by_queries(lambda a: [x for pair in calc.keep_measures_many(*a, keeps) for x in pair], attn)
+    return list(zip(flat[0::2], flat[1::2], strict=True))
+
+
+def _quantizer_unit(pol: Policy, u: source.Unit, skipped: list[dict[str, Any]],
+                    calc: Exact | Accelerated) -> dict[str, Any]:
     assert isinstance(pol, Quantizer)
+    row = _row(u)
     for name, x in (("key", u.k), ("value", u.v)):
         row[f"{name}_mse"], row[f"{name}_cosine"] = calc.reconstruction(pol, x, name)
     if u.eval_q is None:
         _skip(skipped, "attention_output_error", u, u.no_queries)
     else:
-        row["attention_output_error"] = _per_kv_head(_by_queries(lambda a: (calc.output_error(pol, *a),), attn)[0], hk)
+        err = _by_queries(lambda a: (calc.output_error(pol, *a),), _attn(u))[0]
+        row["attention_output_error"] = _per_kv_head(err, u.k.shape[1])
     return row
 
 
-CHUNK_ELEMENTS = 1 << 24  # per [B, Hq, queries, T] array of one pass (128 MiB in float64)
+# Per [B, Hq, queries, T] array of one pass (128 MiB in float64). Not divided by the number of
+# keep-sets measured in the pass: Exact measures them one after another (the peak is one set's),
+# the torch reference holds the probabilities once plus one set's temporaries, and the Triton
+# kernels' partial states are (sets + 1) x rows x Dv fp32 -- (sets + 1) * Dv / (2 T) of this
+# budget, small at the long caches where the chunking matters.
+CHUNK_ELEMENTS = 1 << 24
 
 
 def _by_queries(fn: Any, attn: tuple[Any, ...]) -> tuple[np.ndarray, ...]:
