@@ -249,8 +249,8 @@ def _quantizer_unit(pol: Policy, u: source.Unit, skipped: list[dict[str, Any]],
 # Per [B, Hq, queries, T] array of one pass (128 MiB in float64). Not divided by the number of
 # keep-sets measured in the pass: Exact measures them one after another (the peak is one set's),
 # the torch reference holds the probabilities once plus one set's temporaries, and the Triton
-# kernels' partial states are (sets + 1) x rows x Dv fp32 -- (sets + 1) * Dv / (2 T) of this
-# budget, small at the long caches where the chunking matters.
+# kernels' partial states are (sets + 1) x rows x Dv fp32 (key splits only where rows x sets are
+# few) -- (sets + 1) * Dv / (2 T) of this budget, small at the long caches where chunks matter.
 CHUNK_ELEMENTS = 1 << 24
 
 
