@@ -326,6 +326,40 @@ def _merged_states(parts, g: _Attn, S1: int, Dv: int, device: torch.device):
     return m, lsum, o
 
 
+def _pieces_runner(q, k, v, keep, g: _Attn, num_splits: int | None):
+    """The signature-pieces path (kernels/whatif_pieces.py) for a KV head of 16+ query rows, as a
+    callable; None where it does not apply or its kernels failed to compile here before."""
+    from kvtrace.kernels import _triton_whatif as tw
+    from kvtrace.kernels import whatif_pieces
+
+    if not whatif_pieces.PIECES or not keep.shape[0] or tw.packed(g.group, g.Tq) or _PIECES_FAILED:
+        return None
+    return whatif_pieces.runner(q, k, v, keep, g, num_splits)
+
+
+_PIECES_FAILED: list[str] = []
+
+
+def _pieces_measures(q, k, v, keep, g: _Attn, num_splits: int | None):
+    """(recall, error) from the signature-pieces path, or None where it does not apply; a compiler
+    that rejects its kernels turns it off for the process (FALLBACKS says so) and the shared-max
+    kernel, which computes the same, answers instead."""
+    from kvtrace.kernels import _triton_whatif as tw
+
+    try:
+        run = _pieces_runner(q, k, v, keep, g, num_splits)
+        return None if run is None else run()
+    except ValueError:
+        raise
+    except Exception as exc:
+        if "out of memory" in str(exc).lower():
+            raise
+        msg = f"signature-pieces kernels unavailable ({type(exc).__name__}: {str(exc)[:200]}); the shared-max kernel"
+        _PIECES_FAILED.append(msg)
+        tw.FALLBACKS.append(msg)
+        return None
+
+
 def keep_measures_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
     q_positions: torch.Tensor | Sequence[int] | None = None, k_start: int = 0, window: int | None = None,
@@ -338,6 +372,9 @@ def keep_measures_triton(
     g = _geometry(q, k, v, q_positions, k_start, window, scale, causal)
     keep = _keep_sets(keep, g)
     shape = (keep.shape[0], g.B, g.Hq, g.Tq)
+    measured = _pieces_measures(q, k, v, keep, g, num_splits)
+    if measured is not None:
+        return measured
     plan = _keep_plan(q, k, v, keep, g, num_splits) if keep.shape[0] else None
     if plan is None:  # no sets, queries or keys: recall 0, error NaN (||o|| = 0)
         recall = torch.zeros(shape, dtype=torch.float32, device=q.device)
@@ -361,6 +398,9 @@ def keep_kernels_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: t
     g = _geometry(q, k, v, kw.pop("q_positions", None), kw.pop("k_start", 0), kw.pop("window", None),
                   kw.pop("scale", None), kw.pop("causal", True))
     keep = _keep_sets(keep, g)
+    pieces = _pieces_runner(q, k, v, keep, g, num_splits)
+    if pieces is not None:
+        return pieces
     launch, pm, pl, pacc, n_splits, finish_kw, verify = _keep_plan(q, k, v, keep, g, num_splits)
     recall = torch.empty(keep.shape[0], g.B, g.Hq, g.Tq, dtype=torch.float32, device=q.device)
     err = torch.empty_like(recall)

@@ -277,8 +277,11 @@ def test_bf16_grid_fp32_kv_is_read_as_bf16_in_registers(tri_device, monkeypatch)
         _close(e.cpu().numpy(), want_e, ERROR)
     assert seen[0] == (True, True, True, torch.float32, torch.float32)
     assert seen[1] == (False, False, False, torch.float32, torch.float32)
-    # 2 x 9 query rows (the shared-scores kernel, which reads each key block many times): bf16
-    # copies of K and V instead of casts; the same numbers.
+    # 2 x 9 query rows on the shared-max kernel (the signature-pieces path off; it reads each key
+    # block many times): bf16 copies of K and V instead of casts; the same numbers.
+    from kvtrace.kernels import whatif_pieces
+
+    monkeypatch.setattr(whatif_pieces, "PIECES", False)
     q, k, v, keep, pos = _case(11, Tq=9)
     grid = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v)]
     want_r, want_e = _numpy_sets(*grid, keep, pos, 0, None, q.shape[-1] ** -0.5)
@@ -334,7 +337,7 @@ def test_direct_launch_repeats_the_triton_launch(tri_device, monkeypatch):
         pytest.skip("direct launches exist on CUDA only")
     from kvtrace.kernels import _triton_whatif as tw
 
-    for tq in (1, 9):  # packed and shared-scores kernels
+    for tq in (1, 9):  # packed and signature-pieces kernels
         q, k, v, keep, pos = _case(17, Tq=tq, T=300)
         grid = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v)]
         for arrays in ((q, k, v), grid):
@@ -344,7 +347,8 @@ def test_direct_launch_repeats_the_triton_launch(tri_device, monkeypatch):
             monkeypatch.setattr(tw, "DIRECT_LAUNCH", True)
             tw._COMPILED.clear()
             first = W.keep_measures_triton(*args, q_positions=pos)  # Triton's path, fills the cache
-            assert {key[0] for key in tw._COMPILED} >= {"grid", "finish", "packed" if tq == 1 else "shared"}
+            assert {key[0] for key in tw._COMPILED} >= ({"grid", "finish", "packed"} if tq == 1
+                                                        else {"grid", "pieces", "fold"})
             again = W.keep_measures_triton(*args, q_positions=pos)  # the compiled launchers
             for got in (first, again):
                 for a, b in zip(got, want, strict=True):

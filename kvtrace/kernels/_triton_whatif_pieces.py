@@ -1,0 +1,202 @@
+"""Triton kernels of the keep-set measures by key signature (kvtrace/kernels/whatif_pieces.py plans
+them). Imported lazily.
+
+Every keep-set is a mask over the keys of a KV head, the same for all of that head's query rows.
+Keys with the same *signature* (which of the sets keep them) therefore contribute to exactly the
+same sets: the plan sorts each head's keys by signature and cuts the sorted order into *pieces*
+(runs of one signature, at most a few thousand keys each). Then:
+
+* ``_piece_kernel`` -- one program per (piece, block of query rows): a flash-attention pass over
+  the piece's keys (gathered through the sort permutation), ONE online-softmax state per row
+  (max ``m``, ``l = sum exp(s - m)``, ``acc = sum exp(s - m) v``) over the keys it sees. The
+  attention is computed once for all sets, not once per set.
+* ``_fold_kernel`` -- one program per (output row, chunk of sets): merges the row's piece states
+  into every set's state at once (a piece joins the sets its signature names; slot 0 of a chunk
+  is "every key"), then recall ``exp(m_s - m_0) l_s / l_0`` and error ``||o_s - o_0|| / ||o_0||``.
+
+Each piece has its own running max, so no set's terms are measured against another set's max:
+nothing underflows that the per-set softmax would keep (the shared-max kernel's concern). Work:
+one attention pass over the visible keys per chunk of sets, against one per set before; memory
+O(rows x pieces). Precision as in _triton_whatif (exact products for 16-bit values, ``p @ V`` as
+three bf16 parts against bf16 V, 3xTF32 for fp32).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import triton
+import triton.language as tl
+
+from kvtrace.kernels._env import interpreting
+from kvtrace.kernels._triton_attention import _scaled
+from kvtrace.kernels._triton_whatif import _launch, _load_kv, _load_q, _pv, _rows, _visible
+
+INTERP_BLOCK_M = 16
+INTERP_BLOCK_N = 16
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk", "k_start", "window", "rows_h"])
+def _piece_kernel(
+    Q, K, V, PERM, WORK, QPOS, PM, PL, PACC,
+    Hq, Tq, Tk, GROUP, D, DV, scale, k_start, window, rows_h,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr, PREC_QK: tl.constexpr,
+    PREC_PV: tl.constexpr, PV_SPLIT: tl.constexpr, CAST_Q: tl.constexpr, CAST_K: tl.constexpr,
+    CAST_V: tl.constexpr, ROUNDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Piece ``program_id(0)`` (WORK row: batch * KV head, permutation row, first and end index in
+    it), query rows ``program_id(1) * BLOCK_M ..`` of that head: (m, l, acc) at [piece, row]."""
+    piece = tl.program_id(0).to(tl.int64)
+    hd = tl.load(WORK + piece * 4)
+    prow = tl.load(WORK + piece * 4 + 1)
+    lo = tl.load(WORK + piece * 4 + 2)
+    hi = tl.load(WORK + piece * 4 + 3)
+    Hk = Hq // GROUP
+    vq = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = vq < rows_h
+    _, _, pos, out_row = _rows(vq, hd % Hk, hd // Hk, Hq, Tq, GROUP, QPOS, k_start, valid)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_valid = offs_d < D
+    dv_valid = offs_dv < DV
+    q = _load_q(Q, out_row, D, offs_d, valid, d_valid, CAST_Q, DOT_F32)
+    k_base = K + hd.to(tl.int64) * Tk * D
+    v_base = V + hd.to(tl.int64) * Tk * DV
+    perm = PERM + prow.to(tl.int64) * Tk
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        in_piece = offs < hi
+        idx = tl.load(perm + offs, mask=in_piece, other=0)  # the keys' own indices (positions - k_start)
+        kt, v = _load_kv(k_base, v_base, idx, in_piece, D, DV, offs_d, d_valid, offs_dv, dv_valid, DOT_F32,
+                         CAST_K, CAST_V)
+        s = _scaled(tl.dot(q, kt, input_precision=PREC_QK), scale, ROUNDED)
+        s = tl.where(_visible(idx, in_piece, pos, valid, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no inf - inf for rows that saw no key yet
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = alpha * l_i + tl.sum(p, axis=1)
+        acc = _pv(acc * alpha[:, None], p, v, PV_SPLIT, DOT_F32, PREC_PV)
+        m_i = m_new
+
+    out = piece * rows_h + vq
+    tl.store(PM + out, m_i, mask=valid)
+    tl.store(PL + out, l_i, mask=valid)
+    tl.store(PACC + out[:, None] * DV + offs_dv[None, :], acc, mask=valid[:, None] & dv_valid[None, :])
+
+
+@triton.jit
+def _fold_kernel(PM, PL, PACC, PSIG, POFF, CSETS, RECALL, ERR, R, rows_h, HD, DV,
+                 SLOTS: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Output row ``program_id(0)`` (rows of one batch * KV head are contiguous: row = hd * rows_h +
+    r), set chunk ``program_id(1)``: pieces POFF[c, hd] .. POFF[c, hd + 1] merged into each slot's
+    state. Slot 0 keeps every key; slot j >= 1 is global set CSETS[c, j] (>= 1; -1: unused) and
+    reads bit j - 1 of a piece's signature."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    hd = row // rows_h
+    r = row % rows_h
+    p0 = tl.load(POFF + c * (HD + 1) + hd)
+    p1 = tl.load(POFF + c * (HD + 1) + hd + 1)
+    slots = tl.arange(0, SLOTS)
+    gset = tl.load(CSETS + c * SLOTS + slots)
+    bit = tl.maximum(slots - 1, 0).to(tl.int64)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+
+    m = tl.zeros([SLOTS], dtype=tl.float32) - float("inf")
+    lsum = tl.zeros([SLOTS], dtype=tl.float32)
+    acc = tl.zeros([SLOTS, BLOCK_DV], dtype=tl.float32)
+    for p in range(p0, p1):
+        at = tl.cast(p, tl.int64) * rows_h + r
+        mj = tl.load(PM + at)
+        lj = tl.load(PL + at)
+        aj = tl.load(PACC + at * DV + offs_dv, mask=dv_ok, other=0.0)
+        sig = tl.load(PSIG + p)
+        in_set = (slots == 0) | ((sig >> bit) % 2 == 1)  # signatures are >= 0
+        member = in_set & (gset >= 0) & (tl.zeros([SLOTS], dtype=tl.float32) + lj > 0)  # lj 0: no key seen
+        m_new = tl.where(member, tl.maximum(m, mj), m)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - m_use)
+        w = tl.where(member, tl.exp(mj - m_use), 0.0)
+        lsum = a * lsum + w * lj
+        acc = a[:, None] * acc + w[:, None] * aj[None, :]
+        m = m_new
+
+    first = slots == 0
+    m0 = tl.max(tl.where(first, m, float("-inf")), axis=0)
+    l0 = tl.sum(tl.where(first, lsum, 0.0), axis=0) + tl.zeros([SLOTS], dtype=tl.float32)  # as a vector
+    o = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]  # 0 where the set kept no key this row sees
+    o0 = tl.sum(tl.where(first[:, None], o, 0.0), axis=0)
+    den = tl.sqrt(tl.sum(o0 * o0, axis=0)) + tl.zeros([SLOTS], dtype=tl.float32)
+    both = (lsum > 0) & (l0 > 0)
+    recall = tl.where(both, tl.exp(tl.where(both, m - m0, 0.0)) * lsum / tl.where(l0 > 0, l0, 1.0), 0.0)
+    d = o - o0[None, :]
+    err = tl.where(den > 0, tl.sqrt(tl.sum(d * d, axis=1)) / tl.where(den > 0, den, 1.0), float("nan"))
+    out = (gset.to(tl.int64) - 1) * R + row
+    keep = (slots > 0) & (gset > 0)
+    tl.store(RECALL + out, recall, mask=keep)
+    tl.store(ERR + out, err, mask=keep)
+
+
+def _piece_configs() -> list:
+    """(BLOCK_M, BLOCK_N, warps, stages): flash-attention-like tiles; small ones for fp32 inputs,
+    whose 3xTF32 operand splits take the most shared memory (the autotuner skips what does not fit)."""
+    specs = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2), (128, 32, 8, 3), (64, 32, 4, 3),
+             (32, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (16, 64, 4, 2), (64, 64, 4, 1)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in specs]
+
+
+_TUNE_KEY = ["BLOCK_D", "BLOCK_DV", "CAST_Q", "CAST_K", "CAST_V", "PV_SPLIT", "PREC_QK"]
+
+
+@cache
+def _tuned():
+    return triton.autotune(configs=_piece_configs(), key=_TUNE_KEY)(_piece_kernel)
+
+
+def run_pieces(q, k, v, perm, work, qpos, pm, pl, pacc, *, group: int, scale: float, k_start: int,
+               window: int | None, causal: bool, rows_h: int, cast_q: bool, cast_k: bool, cast_v: bool) -> None:
+    """Launch ``_piece_kernel`` over the ``work`` rows (int32 [pieces, 4]); q [B, Hq, Tq, D], k/v
+    [B, Hk, T, D/Dv] contiguous, perm int32 [rows, T] (sorted key indices), qpos int64 [Tq];
+    pm/pl fp32 [pieces * rows_h], pacc fp32 [... * Dv] outputs."""
+    import torch
+
+    _, Hq, Tq, D = q.shape
+    Tk, DV = k.shape[2], v.shape[3]
+    n_pieces = work.shape[0]
+    v_bf16 = v.dtype == torch.bfloat16 or cast_v
+    q_bf16 = q.dtype == torch.bfloat16 or cast_q
+    dot_f32 = interpreting() and (q_bf16 or v_bf16)  # the interpreter mis-computes bf16 dots: upcast there
+    prec_qk = "ieee" if interpreting() else ("tf32x3" if q.dtype == torch.float32 and not cast_q else "tf32")
+    args = (q, k, v, perm, work, qpos, pm, pl, pacc, Hq, Tq, Tk, group, D, DV, float(scale), int(k_start),
+            int(window or 0), rows_h)
+    flags = dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, DOT_F32=dot_f32, PREC_QK=prec_qk,
+                 PREC_PV="ieee" if interpreting() else "tf32x3", PV_SPLIT=v_bf16, CAST_Q=bool(cast_q),
+                 CAST_K=bool(cast_k), CAST_V=bool(cast_v), ROUNDED=not interpreting(),
+                 BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)))
+    if interpreting():
+        grid = (n_pieces, triton.cdiv(rows_h, INTERP_BLOCK_M))
+        _piece_kernel[grid](*args, **flags, BLOCK_M=INTERP_BLOCK_M, BLOCK_N=INTERP_BLOCK_N)
+        return
+    _launch("pieces", _tuned(), lambda meta: (n_pieces, triton.cdiv(rows_h, meta["BLOCK_M"])), args, flags)
+
+
+def run_fold(pm, pl, pacc, psig, poff, csets, recall, err, *, rows_h: int, n_heads: int, dv: int) -> None:
+    """Launch ``_fold_kernel``: recall and err [S, R] fp32 (R = n_heads * rows_h) from the piece
+    states; poff int32 [chunks, n_heads + 1], csets int32 [chunks, slots], psig int64 [pieces]."""
+    R = n_heads * rows_h
+    n_chunks, slots = csets.shape
+    _launch("fold", _fold_kernel, (R, n_chunks),
+            (pm, pl, pacc, psig, poff, csets, recall, err, R, rows_h, n_heads, dv),
+            dict(SLOTS=slots, BLOCK_DV=max(16, triton.next_power_of_2(dv)), num_warps=4))
+
+
+def unit() -> int:
+    """Pieces are cut at multiples of this (the largest BLOCK_N a tile may use)."""
+    return INTERP_BLOCK_N if interpreting() else 128
