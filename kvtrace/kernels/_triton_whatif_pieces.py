@@ -36,6 +36,37 @@ INTERP_BLOCK_M = 16
 INTERP_BLOCK_N = 16
 
 
+@triton.jit(do_not_specialize=["Tk", "n_pos", "k_start", "window", "first"])
+def _signature_kernel(KEEP, QPOS, SIG, Tk, n_pos, k_start, window, first, n_sets,
+                      CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """SIG [heads, Tk] int64 of keys ``program_id(1) * BLOCK ..`` of head ``program_id(0)``: bit j
+    where set ``first + j`` (of KEEP [S, heads, Tk], nonzero = kept) keeps the key, -1 where no
+    query (QPOS, int64) sees it. One launch instead of a dozen torch ops."""
+    head = tl.program_id(0).to(tl.int64)
+    offs_q = tl.arange(0, BLOCK_Q)
+    top = tl.full([BLOCK_Q], -(2**31) + 1, tl.int64)
+    bottom = tl.full([BLOCK_Q], 2**31 - 1, tl.int64)
+    for q0 in range(0, n_pos, BLOCK_Q):
+        at = q0 + offs_q
+        p = tl.load(QPOS + at, mask=at < n_pos, other=0)
+        top = tl.maximum(top, tl.where(at < n_pos, p, -(2**31) + 1))
+        bottom = tl.minimum(bottom, tl.where(at < n_pos, p, 2**31 - 1))
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = j < Tk
+    kpos = j.to(tl.int64) + k_start
+    seen = ok
+    if CAUSAL:
+        seen = seen & (kpos <= tl.max(top, axis=0))
+    if HAS_WINDOW:
+        seen = seen & (kpos > tl.min(bottom, axis=0) - window)
+    sig = tl.zeros([BLOCK], dtype=tl.int64)
+    heads = tl.num_programs(0)
+    for b in range(0, n_sets):
+        kept = tl.load(KEEP + ((first + b) * heads + head) * Tk + j, mask=ok, other=0)
+        sig = sig | tl.where(kept != 0, tl.full([BLOCK], 1, tl.int64) << b, 0)
+    tl.store(SIG + head * Tk + j, tl.where(seen, sig, -1), mask=ok)
+
+
 @triton.jit(do_not_specialize=["Tq", "Tk", "k_start", "window", "rows_h"])
 def _piece_kernel(
     Q, K, V, PERM, WORK, QPOS, PM, PL, PACC,
@@ -92,11 +123,11 @@ def _piece_kernel(
 
 @triton.jit
 def _fold_kernel(PM, PL, PACC, PSIG, POFF, CSETS, RECALL, ERR, R, rows_h, HD, DV,
-                 SLOTS: tl.constexpr, BLOCK_DV: tl.constexpr):
+                 SLOTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr):
     """Output row ``program_id(0)`` (rows of one batch * KV head are contiguous: row = hd * rows_h +
-    r), set chunk ``program_id(1)``: pieces POFF[c, hd] .. POFF[c, hd + 1] merged into each slot's
-    state. Slot 0 keeps every key; slot j >= 1 is global set CSETS[c, j] (>= 1; -1: unused) and
-    reads bit j - 1 of a piece's signature."""
+    r), set chunk ``program_id(1)``: pieces POFF[c, hd] .. POFF[c, hd + 1] merged, BLOCK_P at a
+    time, into each slot's state. Slot 0 keeps every key; slot j >= 1 is global set CSETS[c, j]
+    (>= 1; -1: unused) and reads bit j - 1 of a piece's signature."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     hd = row // rows_h
@@ -106,26 +137,29 @@ def _fold_kernel(PM, PL, PACC, PSIG, POFF, CSETS, RECALL, ERR, R, rows_h, HD, DV
     slots = tl.arange(0, SLOTS)
     gset = tl.load(CSETS + c * SLOTS + slots)
     bit = tl.maximum(slots - 1, 0).to(tl.int64)
+    offs_p = tl.arange(0, BLOCK_P)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < DV
 
     m = tl.zeros([SLOTS], dtype=tl.float32) - float("inf")
     lsum = tl.zeros([SLOTS], dtype=tl.float32)
     acc = tl.zeros([SLOTS, BLOCK_DV], dtype=tl.float32)
-    for p in range(p0, p1):
-        at = tl.cast(p, tl.int64) * rows_h + r
-        mj = tl.load(PM + at)
-        lj = tl.load(PL + at)
-        aj = tl.load(PACC + at * DV + offs_dv, mask=dv_ok, other=0.0)
-        sig = tl.load(PSIG + p)
-        in_set = (slots == 0) | ((sig >> bit) % 2 == 1)  # signatures are >= 0
-        member = in_set & (gset >= 0) & (tl.zeros([SLOTS], dtype=tl.float32) + lj > 0)  # lj 0: no key seen
-        m_new = tl.where(member, tl.maximum(m, mj), m)
+    for b0 in range(p0, p1, BLOCK_P):
+        pp = b0 + offs_p
+        ok = pp < p1
+        at = pp.to(tl.int64) * rows_h + r
+        mj = tl.load(PM + at, mask=ok, other=float("-inf"))
+        lj = tl.load(PL + at, mask=ok, other=0.0)
+        aj = tl.load(PACC + at[:, None] * DV + offs_dv[None, :], mask=ok[:, None] & dv_ok[None, :], other=0.0)
+        sig = tl.load(PSIG + pp, mask=ok, other=0)
+        in_set = (slots[:, None] == 0) | ((sig[None, :] >> bit[:, None]) % 2 == 1)  # signatures are >= 0
+        member = in_set & (gset >= 0)[:, None] & (ok & (lj > 0))[None, :]  # lj 0: the piece saw no key
+        m_new = tl.maximum(m, tl.max(tl.where(member, mj[None, :], float("-inf")), axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         a = tl.exp(m - m_use)
-        w = tl.where(member, tl.exp(mj - m_use), 0.0)
-        lsum = a * lsum + w * lj
-        acc = a[:, None] * acc + w[:, None] * aj[None, :]
+        w = tl.where(member, tl.exp(mj[None, :] - m_use[:, None]), 0.0)  # [SLOTS, BLOCK_P]
+        lsum = a * lsum + tl.sum(w * lj[None, :], axis=1)
+        acc = tl.dot(w, aj, a[:, None] * acc, input_precision=DOT_PREC)
         m = m_new
 
     first = slots == 0
@@ -192,9 +226,23 @@ def run_fold(pm, pl, pacc, psig, poff, csets, recall, err, *, rows_h: int, n_hea
     states; poff int32 [chunks, n_heads + 1], csets int32 [chunks, slots], psig int64 [pieces]."""
     R = n_heads * rows_h
     n_chunks, slots = csets.shape
+    # The weights x piece outputs product in fp32 (FMA: "ieee"); slots padded to a dot's 16 rows.
     _launch("fold", _fold_kernel, (R, n_chunks),
             (pm, pl, pacc, psig, poff, csets, recall, err, R, rows_h, n_heads, dv),
-            dict(SLOTS=slots, BLOCK_DV=max(16, triton.next_power_of_2(dv)), num_warps=4))
+            dict(SLOTS=slots, BLOCK_P=16, BLOCK_DV=max(16, triton.next_power_of_2(dv)), DOT_PREC="ieee",
+                 num_warps=4))
+
+
+def run_signatures(keep8, qpos, sig, *, first: int, n_sets: int, k_start: int, window: int | None,
+                   causal: bool) -> None:
+    """Launch ``_signature_kernel``: sig [heads, T] int64 of sets first .. first + n_sets of keep8
+    [S, heads, T] int8 (contiguous)."""
+    heads, T = keep8.shape[1] * keep8.shape[2], keep8.shape[3]
+    block = INTERP_BLOCK_N if interpreting() else 1024
+    _launch("signatures", _signature_kernel, (heads, triton.cdiv(T, block)),
+            (keep8, qpos, sig, T, qpos.numel(), int(k_start), int(window or 0), int(first), int(n_sets)),
+            dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, BLOCK=block,
+                 BLOCK_Q=16 if interpreting() else 256, num_warps=4))
 
 
 def unit() -> int:

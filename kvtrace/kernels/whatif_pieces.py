@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 # Off: the many-query rows run the shared-max kernel (_triton_whatif._keep_shared_kernel) as before.
@@ -39,119 +38,94 @@ class PiecePlan:
     chunks: list[list[int]]
 
 
-def _visible_any(g: Any, T: int, device: torch.device) -> torch.Tensor:
-    """[T] bool: keys some query sees (the others join no piece)."""
-    j = g.k_start + torch.arange(T, device=device)
-    pos = g.positions.to(device)
-    vis = torch.ones(T, dtype=torch.bool, device=device)
-    if g.causal:
-        vis &= j <= pos.max()
-    if g.window:
-        vis &= j > pos.min() - g.window
-    return vis
+def _signatures(keep8: torch.Tensor, chunk: list[int], g: Any) -> torch.Tensor:
+    """int64 [B * Hk, T]: bit j set where chunk[j] keeps the key; -1 where no query sees it."""
+    from kvtrace.kernels import _triton_whatif_pieces as tp
 
-
-def _signatures(keep8: torch.Tensor, sets: list[int], vis: torch.Tensor) -> torch.Tensor:
-    """int64 [B * Hk, T]: bit j set where sets[j] keeps the key; -1 where no query sees it."""
     S, B, Hk, T = keep8.shape
-    bits = (keep8[sets].ne(0).to(torch.int64) << torch.arange(len(sets), device=keep8.device)[:, None, None, None])
-    sig = bits.sum(dim=0).view(B * Hk, T)
-    return torch.where(vis[None, :], sig, torch.full_like(sig, -1))
-
-
-def _sorted(sig: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted signatures, the permutation, run starts) of each head's keys; stable, so a run keeps
-    its keys in position order (neighbouring loads)."""
-    ss, perm = torch.sort(sig, dim=-1, stable=True)
-    new = torch.ones_like(ss, dtype=torch.bool)
-    new[:, 1:] = ss[:, 1:] != ss[:, :-1]
-    return ss, perm, new
-
-
-def _runs(new: torch.Tensor, ss: torch.Tensor) -> torch.Tensor:
-    """Runs of one visible signature per head, the most of any head (a 0-d tensor)."""
-    return (new & (ss >= 0)).sum(dim=-1).max()
+    sig = torch.empty(B * Hk, T, dtype=torch.int64, device=keep8.device)
+    tp.run_signatures(keep8, g.positions, sig, first=chunk[0], n_sets=len(chunk), k_start=g.k_start,
+                      window=g.window, causal=g.causal)
+    return sig
 
 
 def _halves(c: list[int]) -> list[list[int]]:
     return [c[: len(c) // 2], c[len(c) // 2:]]
 
 
+_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def _cached(key: tuple, make) -> torch.Tensor:
+    """Small constant device tensors (chunk tables, piece-boundary masks), made once: creating
+    them from host data each call would be a host-to-device copy that waits for the stream."""
+    hit = _CACHE.get(key)
+    if hit is None:
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        hit = _CACHE[key] = make()
+    return hit
+
+
 def plan(keep8: torch.Tensor, g: Any, device: torch.device, *, piece_keys: int, unit: int,
          extra: torch.Tensor | None = None) -> tuple[PiecePlan | None, list[int]]:
-    """The plan for keep-sets ``keep8`` [S, B, Hk, T] (int8) and geometry ``g``, or None when no
-    query sees any key; and ``extra`` (an int tensor on the device, e.g. check flags) read in the
-    same host sync, as a list."""
+    """The plan for keep-sets ``keep8`` [S, B, Hk, T] (int8, contiguous) and geometry ``g``, or
+    None when no query sees any key; and ``extra`` (an int tensor on the device, e.g. check
+    flags) read in the same host sync, as a list. One host sync unless a chunk must be split."""
     S, B, Hk, T = keep8.shape
     HD = B * Hk
-    vis = _visible_any(g, T, device)
+    per = max(unit, -(-piece_keys // unit) * unit)
+    # Cut the sorted keys where the signature changes and every ``per`` keys (long runs).
+    every = _cached(("every", T, per, device), lambda: torch.arange(T, device=device) % per == 0)
     chunks = [list(range(i, min(i + MAX_CHUNK_SETS, S))) for i in range(0, S, MAX_CHUNK_SETS)]
-    state: dict[int, tuple] = {}
-    n_vis = vis.sum()
-    todo = list(range(len(chunks)))
     extra_out: list[int] = []
     while True:
-        for i in todo:
-            ss, perm, new = _sorted(_signatures(keep8, chunks[i], vis))
-            state[i] = (ss, perm, new)
-        counts = torch.stack([n_vis, *(_runs(state[i][2], state[i][0]) for i in todo)])
+        sig = torch.stack([_signatures(keep8, c, g) for c in chunks]).view(len(chunks) * HD, T)
+        ss, perm = torch.sort(sig, dim=-1, stable=True)  # stable: a run keeps its keys in position order
+        new = torch.ones_like(ss, dtype=torch.bool)
+        torch.ne(ss[:, 1:], ss[:, :-1], out=new[:, 1:])
+        seen = ss >= 0
+        runs = (new & seen).view(len(chunks), HD, T).sum(dim=-1).amax(dim=-1)
+        cut = (new | every) & seen
+        counts = torch.cat([seen[0].sum()[None], cut.sum()[None], runs])
         if extra is not None:
             counts = torch.cat([counts, extra.to(counts.dtype).reshape(-1)])
         got = counts.tolist()  # the host sync
+        n_visible, n_pieces, runs_of = got[0], got[1], got[2:2 + len(chunks)]
         if extra is not None:
-            extra_out, extra = got[1 + len(todo):], None
-        n_visible, runs = got[0], got[1:1 + len(todo)]
+            extra_out, extra = got[2 + len(chunks):], None
         if n_visible == 0:
             return None, extra_out
-        split = [i for i, n in zip(todo, runs, strict=True)
-                 if len(chunks[i]) > 1 and n * MIN_SEGMENT_KEYS > n_visible]
+        split = [i for i, n in enumerate(runs_of) if len(chunks[i]) > 1 and n * MIN_SEGMENT_KEYS > n_visible]
         if not split:
             break
-        order: list[list[int]] = []
-        for i, c in enumerate(chunks):
-            order.extend(_halves(c) if i in split else [c])
-        old = {id(c): state[i] for i, c in enumerate(chunks) if i not in split}
-        chunks = order
-        state = {i: old[id(c)] for i, c in enumerate(chunks) if id(c) in old}
-        todo = [i for i in range(len(chunks)) if i not in state]
-    return _pieces(chunks, state, HD, T, piece_keys, unit, device), extra_out
+        chunks = [h for i, c in enumerate(chunks) for h in (_halves(c) if i in split else [c])]
+    return _pieces(chunks, ss, perm, cut, n_pieces, HD, T, device), extra_out
 
 
-def _pieces(chunks: list[list[int]], state: dict[int, tuple], HD: int, T: int, piece_keys: int, unit: int,
-            device: torch.device) -> PiecePlan:
+def _pieces(chunks: list[list[int]], ss: torch.Tensor, perm: torch.Tensor, cut: torch.Tensor, n_pieces: int,
+            HD: int, T: int, device: torch.device) -> PiecePlan:
+    """Pieces from the cut flags of the sorted keys [chunks * HD, T], on the device (no sync)."""
     C = len(chunks)
-    ss = torch.stack([state[i][0] for i in range(C)])  # [C, HD, T]
-    new = torch.stack([state[i][2] for i in range(C)])
-    perm = torch.stack([state[i][1] for i in range(C)]).to(torch.int32).view(C * HD, T)
-    at = new.nonzero()  # [runs, 3]: chunk, head, first index (row-major: sorted)
-    info = torch.cat([at, ss[at[:, 0], at[:, 1], at[:, 2]][:, None]], dim=1).cpu().numpy()
-    c, hd, first, sig = info[:, 0], info[:, 1], info[:, 2], info[:, 3]
-    end = np.full(len(first), T, dtype=np.int64)
-    same = (c[1:] == c[:-1]) & (hd[1:] == hd[:-1])
-    end[:-1] = np.where(same, first[1:], T)
-    seen = sig >= 0
-    c, hd, first, end, sig = c[seen], hd[seen], first[seen], end[seen], sig[seen]
-    per = max(unit, -(-piece_keys // unit) * unit)
-    n = -(-(end - first) // per)
-    seg = np.repeat(np.arange(len(first)), n)
-    k = np.arange(len(seg)) - np.repeat(np.cumsum(n) - n, n)
-    lo = first[seg] + k * per
-    hi = np.minimum(lo + per, end[seg])
-    work = np.stack([hd[seg], c[seg] * HD + hd[seg], lo, hi], axis=1).astype(np.int32)
-    counts = np.bincount(c[seg] * HD + hd[seg], minlength=C * HD).reshape(C, HD)
-    poff = np.zeros((C, HD + 1), dtype=np.int32)
-    poff[:, 1:] = np.cumsum(counts, axis=1)
-    poff += np.concatenate([[0], np.cumsum(counts.sum(axis=1))[:-1]]).astype(np.int32)[:, None]
-    slots = max(2, 1 << (max(len(ch) for ch in chunks)).bit_length())
-    csets = np.full((C, slots), -1, dtype=np.int32)
-    csets[:, 0] = 0
-    for i, ch in enumerate(chunks):
-        csets[i, 1:1 + len(ch)] = np.asarray(ch) + 1
-    host = torch.from_numpy(np.concatenate([work.ravel(), poff.ravel(), csets.ravel()]))
-    dev = host.to(device, non_blocking=False)
-    nw, npf = work.size, poff.size
-    return PiecePlan(perm=perm, work=dev[:nw].view(-1, 4), psig=torch.from_numpy(sig[seg].astype(np.int64)).to(device),
-                     poff=dev[nw:nw + npf].view(C, HD + 1), csets=dev[nw + npf:].view(C, slots), chunks=chunks)
+    at = torch.nonzero_static(cut.view(-1), size=n_pieces)[:, 0]  # sorted: (chunk, head, first)
+    prow, lo = at // T, at % T
+    hi = torch.full_like(lo, T)
+    hi[:-1] = torch.where(prow[1:] == prow[:-1], lo[1:], hi[:-1])
+    work = torch.stack([prow % HD, prow, lo, hi], dim=1).to(torch.int32)
+    bounds = _cached(("bounds", C * HD, device), lambda: torch.arange(C * HD + 1, device=device))
+    poff = torch.searchsorted(prow, bounds).to(torch.int32).unfold(0, HD + 1, HD)
+    slots = max(16, 1 << (max(len(ch) for ch in chunks)).bit_length())  # the fold's dot: 16 rows at least
+
+    def table() -> torch.Tensor:
+        t = torch.full((C, slots), -1, dtype=torch.int32)
+        t[:, 0] = 0
+        for i, ch in enumerate(chunks):
+            t[i, 1:1 + len(ch)] = torch.tensor(ch, dtype=torch.int32) + 1
+        return t.to(device)
+
+    csets = _cached(("sets", tuple(map(tuple, chunks)), slots, device), table)
+    return PiecePlan(perm=perm.to(torch.int32), work=work, psig=ss.view(-1)[at], poff=poff.contiguous(),
+                     csets=csets, chunks=chunks)
 
 
 def piece_keys_for(T: int, HD: int, rows_h: int, sms: int, unit: int, num_splits: int | None) -> int:

@@ -110,20 +110,20 @@ def test_chunks_and_piece_lengths_give_the_same_answer(tri_device, monkeypatch):
         np.testing.assert_allclose(e.cpu().numpy(), want_e, **ERROR)
 
 
-def _plan(keep, T, pos, window=None, k_start=0, piece_keys=1 << 20, unit=1):
-    q = torch.zeros(1, keep.shape[2], len(pos), 4)
-    k = torch.zeros(1, keep.shape[2], T, 4)
+def _plan(dev, keep, T, pos, window=None, k_start=0, piece_keys=1 << 20, unit=1):
+    q = torch.zeros(1, keep.shape[2], len(pos), 4, device=dev)
+    k = torch.zeros(1, keep.shape[2], T, 4, device=dev)
     g = W._geometry(q, k, k, pos, k_start, window, None, True)
-    return P.plan(W._keep_arg(torch.from_numpy(keep)), g, torch.device("cpu"), piece_keys=piece_keys, unit=unit)[0]
+    return P.plan(W._keep_arg(_t(keep, dev)), g, torch.device(dev), piece_keys=piece_keys, unit=unit)[0]
 
 
 def _pieces_of(plan):
-    work, sig = plan.work.numpy(), plan.psig.numpy()
-    perm = plan.perm.numpy()
+    work, sig = plan.work.cpu().numpy(), plan.psig.cpu().numpy()
+    perm = plan.perm.cpu().numpy()
     return [(int(hd), int(row), perm[row, lo:hi], int(s)) for (hd, row, lo, hi), s in zip(work, sig, strict=True)]
 
 
-def test_plan_covers_each_visible_key_once_per_chunk_with_its_signature(monkeypatch):
+def test_plan_covers_each_visible_key_once_per_chunk_with_its_signature(monkeypatch, tri_device):
     """Nested sets (one policy at three ratios) make 4 runs a head and one chunk; the pieces of a
     chunk partition the keys some query sees, each carrying the bits of the sets that keep it."""
     monkeypatch.setattr(P, "MIN_SEGMENT_KEYS", 16)  # 4 runs of 16 keys: one chunk
@@ -134,9 +134,9 @@ def test_plan_covers_each_visible_key_once_per_chunk_with_its_signature(monkeypa
     keep = np.zeros((3, 1, Hk, T), bool)
     for s, n in enumerate((48, 32, 16)):
         np.put_along_axis(keep[s], order[..., :n], True, axis=-1)
-    plan = _plan(keep, T, pos=np.arange(48, 64))
+    plan = _plan(tri_device, keep, T, pos=np.arange(48, 64))
     assert plan.chunks == [[0, 1, 2]]
-    assert plan.csets.tolist() == [[0, 1, 2, 3]]
+    assert plan.csets.tolist() == [[0, 1, 2, 3] + [-1] * 12]  # padded to the fold's 16 slots
     pieces = _pieces_of(plan)
     assert len(pieces) == 4 * Hk  # one run per band of the nested sets, per head
     for hd in range(Hk):
@@ -149,22 +149,22 @@ def test_plan_covers_each_visible_key_once_per_chunk_with_its_signature(monkeypa
     assert plan.poff.tolist() == [[0, 4, 8]]
 
 
-def test_plan_drops_keys_no_query_sees_and_splits_long_runs():
+def test_plan_drops_keys_no_query_sees_and_splits_long_runs(tri_device):
     """A window of 8 behind queries at 40..47 and keys from position 10: only keys at 33..47 are
     seen by any query; runs longer than the piece length are cut; random sets with many short runs
     are split into chunks."""
     keep = np.ones((1, 1, 1, 40), bool)
-    plan = _plan(keep, 40, pos=np.arange(40, 48), window=8, k_start=10, piece_keys=4, unit=2)
+    plan = _plan(tri_device, keep, 40, pos=np.arange(40, 48), window=8, k_start=10, piece_keys=4, unit=2)
     pieces = _pieces_of(plan)
     keys = np.concatenate([x for _, _, x, _ in pieces])
     assert sorted(keys.tolist()) == list(range(23, 38))  # positions 33..47 minus k_start 10
     assert all(len(x) <= 4 for _, _, x, _ in pieces) and len(pieces) == 4
     rng = np.random.default_rng(3)
     many = rng.random((6, 1, 1, 256)) < 0.5  # 64 signatures x ~4 keys: under MIN_SEGMENT_KEYS
-    plan = _plan(many, 256, pos=np.arange(240, 256))
+    plan = _plan(tri_device, many, 256, pos=np.arange(240, 256))
     assert len(plan.chunks) > 1 and sorted(sum(plan.chunks, [])) == list(range(6))
     for i, c in enumerate(plan.chunks):  # a chunk of 2+ sets averages MIN_SEGMENT_KEYS keys a run or more
         runs = {s for _, row, _, s in _pieces_of(plan) if row == i}
         assert len(c) == 1 or len(runs) * P.MIN_SEGMENT_KEYS <= 256
-    nothing = _plan(keep, 40, pos=np.array([5, 6]), k_start=10)  # every query before the first key
+    nothing = _plan(tri_device, keep, 40, pos=np.array([5, 6]), k_start=10)  # every query before the first key
     assert nothing is None
