@@ -53,6 +53,25 @@ def _kernels(torch, fn, calls: int = 3) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def _host_profile(torch, fn, calls: int = 20) -> list[str]:
+    """The Python functions where one call spends its host time (cProfile, top 12 by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+    return [line for line in out.getvalue().splitlines() if line.strip()][-14:]
+
+
 def probe(torch, W, P, T: int, Tq: int, grid: str, rounds: int) -> dict:
     dev = "cuda"
     Hq, Hk, D = 32, 8, 128
@@ -98,6 +117,7 @@ def probe(torch, W, P, T: int, Tq: int, grid: str, rounds: int) -> dict:
         med, lo, hi = bootstrap_median_ci([e / x for x, e in zip(times[name], times["eager"], strict=True)])
         row[f"{name}_speedup"], row[f"{name}_ci95"] = med, [lo, hi]
     row["pieces_gpu_ms_by_kernel"] = _kernels(torch, pieces)
+    row["pieces_host_profile"] = _host_profile(torch, pieces)
     row["pieces_peak_bytes"] = peak_extra_bytes(torch, pieces, True)
     row["shared_peak_bytes"] = peak_extra_bytes(torch, shared, True)
     g = W._geometry(q, k, v, kw["q_positions"], 0, None, None, True)
@@ -135,8 +155,10 @@ def main() -> int:
         doc["rows"].append(row)
         brief = {x: row.get(x) for x in ("keys", "queries", "values_on", "pieces_ms", "shared_ms", "eager_ms",
                                          "pieces_speedup", "pieces_ci95", "shared_speedup", "pieces_max_diff",
-                                         "chunks", "pieces", "pieces_gpu_ms_by_kernel", "pieces_peak_bytes", "error")}
+                                         "chunks", "pieces", "pieces_peak_bytes", "error")}
+        brief["gpu_top"] = dict(list(row.get("pieces_gpu_ms_by_kernel", {}).items())[:4])
         print(json.dumps(brief), flush=True)
+        print("\n".join(row.get("pieces_host_profile", [])), flush=True)
         if a.json_out:
             a.json_out.write_text(json.dumps(doc, indent=1))
         torch.cuda.empty_cache()
