@@ -67,6 +67,47 @@ def _signature_kernel(KEEP, QPOS, SIG, Tk, n_pos, k_start, window, first, n_sets
     tl.store(SIG + head * Tk + j, tl.where(seen, sig, -1), mask=ok)
 
 
+@triton.jit(do_not_specialize=["Tk", "per"])
+def _cuts_kernel(SS, CUT, RUNS, SEEN, TOTAL, Tk, per, BLOCK: tl.constexpr):
+    """Over the sorted signatures SS [rows, Tk] (-1 first: keys no query sees): CUT where a piece
+    starts (the signature changes, or every ``per`` keys) among seen keys; per row the runs of one
+    seen signature (RUNS) and the seen keys (SEEN); TOTAL[0] the cuts of all rows."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = j < Tk
+    s = tl.load(SS + row * Tk + j, mask=ok, other=-1)
+    prev = tl.load(SS + row * Tk + j - 1, mask=ok & (j > 0), other=-2)
+    seen = ok & (s >= 0)
+    new = seen & (s != prev)
+    cut = new | (seen & (j % per == 0))
+    tl.store(CUT + row * Tk + j, cut.to(tl.int8), mask=ok)
+    tl.atomic_add(RUNS + row, tl.sum(new.to(tl.int32), axis=0))
+    tl.atomic_add(SEEN + row, tl.sum(seen.to(tl.int32), axis=0))
+    tl.atomic_add(TOTAL, tl.sum(cut.to(tl.int32), axis=0))
+
+
+@triton.jit(do_not_specialize=["Tk", "n_pieces"])
+def _piece_rows_kernel(AT, SS, WORK, PSIG, FIRST, Tk, HD, n_pieces, BLOCK: tl.constexpr):
+    """Pieces from the cut positions AT (flat indices into [rows, Tk], ascending): WORK rows
+    (batch * KV head, row, first, end), the signature, and FIRST[row] = the row's first piece
+    (FIRST[rows] = n_pieces; every row has a piece)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n_pieces
+    a = tl.load(AT + i, mask=ok, other=0)
+    nxt = tl.load(AT + i + 1, mask=ok & (i + 1 < n_pieces), other=-1)
+    prv = tl.load(AT + i - 1, mask=ok & (i > 0), other=-1)
+    row = a // Tk
+    lo = a % Tk
+    hi = tl.where((nxt >= 0) & (nxt // Tk == row), nxt % Tk, Tk)
+    tl.store(WORK + i * 4, (row % HD).to(tl.int32), mask=ok)
+    tl.store(WORK + i * 4 + 1, row.to(tl.int32), mask=ok)
+    tl.store(WORK + i * 4 + 2, lo.to(tl.int32), mask=ok)
+    tl.store(WORK + i * 4 + 3, hi.to(tl.int32), mask=ok)
+    tl.store(PSIG + i, tl.load(SS + a, mask=ok, other=0), mask=ok)
+    tl.store(FIRST + row, i.to(tl.int32), mask=ok & ((prv < 0) | (prv // Tk != row)))
+    tl.store(FIRST + row + 1, (i * 0 + n_pieces).to(tl.int32), mask=ok & (i == n_pieces - 1))
+
+
 @triton.jit(do_not_specialize=["Tq", "Tk", "k_start", "window", "rows_h"])
 def _piece_kernel(
     Q, K, V, PERM, WORK, QPOS, PM, PL, PACC,
@@ -122,18 +163,18 @@ def _piece_kernel(
 
 
 @triton.jit
-def _fold_kernel(PM, PL, PACC, PSIG, POFF, CSETS, RECALL, ERR, R, rows_h, HD, DV,
+def _fold_kernel(PM, PL, PACC, PSIG, FIRST, CSETS, RECALL, ERR, R, rows_h, HD, DV,
                  SLOTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr):
     """Output row ``program_id(0)`` (rows of one batch * KV head are contiguous: row = hd * rows_h +
-    r), set chunk ``program_id(1)``: pieces POFF[c, hd] .. POFF[c, hd + 1] merged, BLOCK_P at a
+    r), set chunk ``program_id(1)``: pieces FIRST[c * HD + hd] .. FIRST[c * HD + hd + 1] merged, BLOCK_P at a
     time, into each slot's state. Slot 0 keeps every key; slot j >= 1 is global set CSETS[c, j]
     (>= 1; -1: unused) and reads bit j - 1 of a piece's signature."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     hd = row // rows_h
     r = row % rows_h
-    p0 = tl.load(POFF + c * (HD + 1) + hd)
-    p1 = tl.load(POFF + c * (HD + 1) + hd + 1)
+    p0 = tl.load(FIRST + c * HD + hd)
+    p1 = tl.load(FIRST + c * HD + hd + 1)
     slots = tl.arange(0, SLOTS)
     gset = tl.load(CSETS + c * SLOTS + slots)
     bit = tl.maximum(slots - 1, 0).to(tl.int64)
@@ -221,16 +262,35 @@ def run_pieces(q, k, v, perm, work, qpos, pm, pl, pacc, *, group: int, scale: fl
     _launch("pieces", _tuned(), lambda meta: (n_pieces, triton.cdiv(rows_h, meta["BLOCK_M"])), args, flags)
 
 
-def run_fold(pm, pl, pacc, psig, poff, csets, recall, err, *, rows_h: int, n_heads: int, dv: int) -> None:
+def run_fold(pm, pl, pacc, psig, first, csets, recall, err, *, rows_h: int, n_heads: int, dv: int) -> None:
     """Launch ``_fold_kernel``: recall and err [S, R] fp32 (R = n_heads * rows_h) from the piece
-    states; poff int32 [chunks, n_heads + 1], csets int32 [chunks, slots], psig int64 [pieces]."""
+    states; first int32 [chunks * n_heads + 1] (the first piece of each (chunk, head), then the
+    piece count), csets int32 [chunks, slots], psig int64 [pieces]."""
     R = n_heads * rows_h
     n_chunks, slots = csets.shape
     # The weights x piece outputs product in fp32 (FMA: "ieee"); slots padded to a dot's 16 rows.
     _launch("fold", _fold_kernel, (R, n_chunks),
-            (pm, pl, pacc, psig, poff, csets, recall, err, R, rows_h, n_heads, dv),
+            (pm, pl, pacc, psig, first, csets, recall, err, R, rows_h, n_heads, dv),
             dict(SLOTS=slots, BLOCK_P=16, BLOCK_DV=max(16, triton.next_power_of_2(dv)), DOT_PREC="ieee",
                  num_warps=4))
+
+
+def run_cuts(ss, cut, runs, seen, total, *, per: int) -> None:
+    """Launch ``_cuts_kernel`` over ss [rows, T] int64 (sorted); cut int8 [rows, T]; runs, seen
+    int32 [rows] and total int32 [1] zeroed counters."""
+    rows, T = ss.shape
+    block = INTERP_BLOCK_N if interpreting() else 1024
+    _launch("cuts", _cuts_kernel, (rows, triton.cdiv(T, block)), (ss, cut, runs, seen, total, T, int(per)),
+            dict(BLOCK=block, num_warps=4))
+
+
+def run_piece_rows(at, ss, work, psig, first, *, heads: int) -> None:
+    """Launch ``_piece_rows_kernel``: work int32 [pieces, 4], psig int64 [pieces], first int32
+    [rows + 1] from the cut positions ``at`` (int64, ascending flat indices into ss [rows, T])."""
+    n = at.numel()
+    block = INTERP_BLOCK_N if interpreting() else 256
+    _launch("piece_rows", _piece_rows_kernel, (triton.cdiv(n, block),), (at, ss, work, psig, first, ss.shape[1],
+                                                                         heads, n), dict(BLOCK=block, num_warps=4))
 
 
 def run_signatures(keep8, qpos, sig, *, first: int, n_sets: int, k_start: int, window: int | None,

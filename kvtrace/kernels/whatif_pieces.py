@@ -30,23 +30,12 @@ MAX_CHUNK_SETS = 31
 class PiecePlan:
     """Launch arguments of one call (``_triton_whatif_pieces.run_pieces`` / ``run_fold``)."""
 
-    perm: torch.Tensor  # int32 [chunks * B * Hk, T]: each head's key indices sorted by signature
+    perm: torch.Tensor  # int64 [chunks * B * Hk, T]: each head's key indices sorted by signature
     work: torch.Tensor  # int32 [pieces, 4]: batch * KV head, perm row, first, end
     psig: torch.Tensor  # int64 [pieces]: the piece's signature
-    poff: torch.Tensor  # int32 [chunks, B * Hk + 1]: first piece of each (chunk, head)
+    first: torch.Tensor  # int32 [chunks * B * Hk + 1]: first piece of each (chunk, head), then the count
     csets: torch.Tensor  # int32 [chunks, slots]: 0, then the chunk's global sets (1-based), -1
     chunks: list[list[int]]
-
-
-def _signatures(keep8: torch.Tensor, chunk: list[int], g: Any) -> torch.Tensor:
-    """int64 [B * Hk, T]: bit j set where chunk[j] keeps the key; -1 where no query sees it."""
-    from kvtrace.kernels import _triton_whatif_pieces as tp
-
-    S, B, Hk, T = keep8.shape
-    sig = torch.empty(B * Hk, T, dtype=torch.int64, device=keep8.device)
-    tp.run_signatures(keep8, g.positions, sig, first=chunk[0], n_sets=len(chunk), k_start=g.k_start,
-                      window=g.window, causal=g.causal)
-    return sig
 
 
 def _halves(c: list[int]) -> list[list[int]]:
@@ -72,25 +61,27 @@ def plan(keep8: torch.Tensor, g: Any, device: torch.device, *, piece_keys: int, 
     """The plan for keep-sets ``keep8`` [S, B, Hk, T] (int8, contiguous) and geometry ``g``, or
     None when no query sees any key; and ``extra`` (an int tensor on the device, e.g. check
     flags) read in the same host sync, as a list. One host sync unless a chunk must be split."""
+    from kvtrace.kernels import _triton_whatif_pieces as tp
+
     S, B, Hk, T = keep8.shape
     HD = B * Hk
     per = max(unit, -(-piece_keys // unit) * unit)
-    # Cut the sorted keys where the signature changes and every ``per`` keys (long runs).
-    every = _cached(("every", T, per, device), lambda: torch.arange(T, device=device) % per == 0)
     chunks = [list(range(i, min(i + MAX_CHUNK_SETS, S))) for i in range(0, S, MAX_CHUNK_SETS)]
     extra_out: list[int] = []
     while True:
-        sig = torch.stack([_signatures(keep8, c, g) for c in chunks]).view(len(chunks) * HD, T)
+        rows = len(chunks) * HD
+        sig = torch.empty(rows, T, dtype=torch.int64, device=device)
+        for i, c in enumerate(chunks):
+            tp.run_signatures(keep8, g.positions, sig[i * HD:(i + 1) * HD], first=c[0], n_sets=len(c),
+                              k_start=g.k_start, window=g.window, causal=g.causal)
         ss, perm = torch.sort(sig, dim=-1, stable=True)  # stable: a run keeps its keys in position order
-        new = torch.ones_like(ss, dtype=torch.bool)
-        torch.ne(ss[:, 1:], ss[:, :-1], out=new[:, 1:])
-        seen = ss >= 0
-        runs = (new & seen).view(len(chunks), HD, T).sum(dim=-1).amax(dim=-1)
-        cut = (new | every) & seen
-        counts = torch.cat([seen[0].sum()[None], cut.sum()[None], runs])
+        cut = torch.empty(rows, T, dtype=torch.int8, device=device)
+        counters = torch.zeros(2 * rows + 1, dtype=torch.int32, device=device)  # runs, seen keys, cuts
+        tp.run_cuts(ss, cut, counters[:rows], counters[rows:2 * rows], counters[2 * rows:], per=per)
+        parts = [counters[rows:rows + 1], counters[2 * rows:], counters[:rows].view(len(chunks), HD).amax(dim=1)]
         if extra is not None:
-            counts = torch.cat([counts, extra.to(counts.dtype).reshape(-1)])
-        got = counts.tolist()  # the host sync
+            parts.append(extra.to(torch.int32).reshape(-1))
+        got = torch.cat(parts).tolist()  # the host sync
         n_visible, n_pieces, runs_of = got[0], got[1], got[2:2 + len(chunks)]
         if extra is not None:
             extra_out, extra = got[2 + len(chunks):], None
@@ -100,20 +91,20 @@ def plan(keep8: torch.Tensor, g: Any, device: torch.device, *, piece_keys: int, 
         if not split:
             break
         chunks = [h for i, c in enumerate(chunks) for h in (_halves(c) if i in split else [c])]
-    return _pieces(chunks, ss, perm, cut, n_pieces, HD, T, device), extra_out
+    return _pieces(chunks, ss, perm, cut, n_pieces, HD, device), extra_out
 
 
 def _pieces(chunks: list[list[int]], ss: torch.Tensor, perm: torch.Tensor, cut: torch.Tensor, n_pieces: int,
-            HD: int, T: int, device: torch.device) -> PiecePlan:
+            HD: int, device: torch.device) -> PiecePlan:
     """Pieces from the cut flags of the sorted keys [chunks * HD, T], on the device (no sync)."""
+    from kvtrace.kernels import _triton_whatif_pieces as tp
+
     C = len(chunks)
-    at = torch.nonzero_static(cut.view(-1), size=n_pieces)[:, 0]  # sorted: (chunk, head, first)
-    prow, lo = at // T, at % T
-    hi = torch.full_like(lo, T)
-    hi[:-1] = torch.where(prow[1:] == prow[:-1], lo[1:], hi[:-1])
-    work = torch.stack([prow % HD, prow, lo, hi], dim=1).to(torch.int32)
-    bounds = _cached(("bounds", C * HD, device), lambda: torch.arange(C * HD + 1, device=device))
-    poff = torch.searchsorted(prow, bounds).to(torch.int32).unfold(0, HD + 1, HD)
+    at = torch.nonzero_static(cut.view(-1), size=n_pieces)[:, 0]  # ascending: (chunk, head, first)
+    work = torch.empty(n_pieces, 4, dtype=torch.int32, device=device)
+    psig = torch.empty(n_pieces, dtype=torch.int64, device=device)
+    first = torch.empty(C * HD + 1, dtype=torch.int32, device=device)
+    tp.run_piece_rows(at, ss, work, psig, first, heads=HD)
     slots = max(16, 1 << (max(len(ch) for ch in chunks)).bit_length())  # the fold's dot: 16 rows at least
 
     def table() -> torch.Tensor:
@@ -124,8 +115,7 @@ def _pieces(chunks: list[list[int]], ss: torch.Tensor, perm: torch.Tensor, cut: 
         return t.to(device)
 
     csets = _cached(("sets", tuple(map(tuple, chunks)), slots, device), table)
-    return PiecePlan(perm=perm.to(torch.int32), work=work, psig=ss.view(-1)[at], poff=poff.contiguous(),
-                     csets=csets, chunks=chunks)
+    return PiecePlan(perm=perm, work=work, psig=psig, first=first, csets=csets, chunks=chunks)
 
 
 def piece_keys_for(T: int, HD: int, rows_h: int, sms: int, unit: int, num_splits: int | None) -> int:
@@ -191,7 +181,7 @@ def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor
         tp.run_pieces(q, k, v, pl_.perm, pl_.work, positions, pm, pls, pacc, group=g.group, scale=g.scale,
                       k_start=g.k_start, window=window, causal=g.causal, rows_h=rows_h, cast_q=cast_q,
                       cast_k=cast_k, cast_v=cast_v)
-        tp.run_fold(pm, pls, pacc, pl_.psig, pl_.poff, pl_.csets, recall, err, rows_h=rows_h,
+        tp.run_fold(pm, pls, pacc, pl_.psig, pl_.first, pl_.csets, recall, err, rows_h=rows_h,
                     n_heads=g.B * g.Hk, dv=dv)
         return recall, err
 

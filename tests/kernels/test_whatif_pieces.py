@@ -146,7 +146,7 @@ def test_plan_covers_each_visible_key_once_per_chunk_with_its_signature(monkeypa
         for ks, s in mine:
             want = sum(int(b) << j for j, b in enumerate(keep[:, 0, hd, ks[0]]))
             assert s == want and all(sum(int(b) << j for j, b in enumerate(keep[:, 0, hd, x])) == s for x in ks)
-    assert plan.poff.tolist() == [[0, 4, 8]]
+    assert plan.first.tolist() == [0, 4, 8]
 
 
 def test_plan_drops_keys_no_query_sees_and_splits_long_runs(tri_device):
