@@ -27,6 +27,7 @@ from kvtrace.kernels import _triton_attention as ta  # noqa: E402
 from kvtrace.kernels import _triton_mla as tm  # noqa: E402
 from kvtrace.kernels import _triton_norms as tn  # noqa: E402
 from kvtrace.kernels import _triton_whatif as tw  # noqa: E402
+from kvtrace.kernels import _triton_whatif_pieces as tp  # noqa: E402
 
 
 def _compile(fn, types: dict, consts: dict, cfg_opts: dict, target: GPUTarget):
@@ -129,6 +130,37 @@ def whatif_jobs(all_configs: bool, smoke: bool = False):
                    dict(LEVELS=3.0, MODE=mode, MAN=3, EMIN=-6, TOP=448.0, BLOCK_T=16, BLOCK_D=128), dict(num_warps=4))
 
 
+def pieces_jobs(all_configs: bool, smoke: bool = False):
+    """The signature-pieces kernels of the many-query keep-set measures."""
+    ints = dict.fromkeys(("Hq", "Tq", "Tk", "GROUP", "D", "DV", "k_start", "window", "rows_h"), "i32")
+    for dt in ("fp32", "bf16") if smoke else ("fp32", "bf16", "fp16"):
+        cfgs = tp._piece_configs()
+        for cfg in cfgs if all_configs else cfgs[:1]:
+            for cast in (False, True) if dt == "bf16" else (False,):
+                types = dict(Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", PERM="*i64", WORK="*i32", QPOS="*i64", PM="*fp32",
+                             PL="*fp32", PACC="*fp32", scale="fp32", **ints)
+                if cast:
+                    types.update(Q="*fp32", K="*fp32", V="*fp32")
+                c = dict(CAUSAL=True, HAS_WINDOW=True, DOT_F32=False, PREC_QK="tf32x3" if dt == "fp32" else "tf32",
+                         PREC_PV="tf32x3", PV_SPLIT=dt == "bf16", CAST_Q=cast, CAST_K=cast, CAST_V=cast, ROUNDED=True,
+                         BLOCK_D=128, BLOCK_DV=128, **cfg.kwargs)
+                yield (f"_piece_kernel {dt}{' cast' if cast else ''} {cfg.kwargs} w{cfg.num_warps}", tp._piece_kernel,
+                       types, c, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    i32 = "i32"
+    yield ("fold", tp._fold_kernel,
+           dict(PM="*fp32", PL="*fp32", PACC="*fp32", PSIG="*i64", FIRST="*i32", CSETS="*i32", RECALL="*fp32",
+                ERR="*fp32", R=i32, rows_h=i32, HD=i32, DV=i32),
+           dict(SLOTS=16, BLOCK_P=16, BLOCK_DV=128, DOT_PREC="ieee"), dict(num_warps=4))
+    yield ("signatures", tp._signature_kernel,
+           dict(KEEP="*i8", QPOS="*i64", SIG="*i64", Tk=i32, n_pos=i32, k_start=i32, window=i32, first=i32, n_sets=i32),
+           dict(CAUSAL=True, HAS_WINDOW=True, BLOCK=1024, BLOCK_Q=256), dict(num_warps=4))
+    yield ("cuts", tp._cuts_kernel, dict(SS="*i64", CUT="*i8", RUNS="*i32", SEEN="*i32", TOTAL="*i32", Tk=i32, per=i32),
+           dict(BLOCK=1024), dict(num_warps=4))
+    yield ("piece rows", tp._piece_rows_kernel,
+           dict(AT="*i64", SS="*i64", WORK="*i32", PSIG="*i64", FIRST="*i32", Tk=i32, HD=i32, n_pieces=i32),
+           dict(BLOCK=256), dict(num_warps=4))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 80")
@@ -137,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     failed = 0
-    for label, fn, types, consts, opts in [*jobs(args.all, args.smoke), *whatif_jobs(args.all, args.smoke)]:
+    for label, fn, types, consts, opts in [*jobs(args.all, args.smoke), *whatif_jobs(args.all, args.smoke),
+                                           *pieces_jobs(args.all, args.smoke)]:
         try:
             k = _compile(fn, types, consts, opts, target)
             print(f"ok   {label} (shared {k.metadata.shared} B)")
