@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 bench/bench_whatif.py --json-out bench/results/whatif.json [--quick]
     PYTHONPATH=. python3 bench/bench_whatif.py --smoke      # tiny shapes; CPU + Triton interpreter if no GPU
+    PYTHONPATH=. python3 bench/bench_whatif.py --quick --only keep --keys 32768 --queries 1   # a focused run
 
 Rows:
   keep   mass recall + output error of 9 keep-sets (knorm, random, streaming_llm x ratios 0.25,
@@ -387,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="fewer shapes (a short GPU run)")
     mode.add_argument("--smoke", action="store_true", help="tiny shapes; runs on the CPU interpreter without a GPU")
+    ap.add_argument("--only", choices=("keep", "quant"), help="measure only the keep-set or the quantisation rows")
+    ap.add_argument("--keys", type=int, nargs="+", help="key counts to measure (default: the size's list)")
+    ap.add_argument("--queries", type=int, nargs="+", help="queries per head for the keep rows (default: the size's)")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -408,12 +412,14 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the eager reference is fp32; keep it honest
     dev = "cuda" if cuda else "cpu"
-    sz = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    sz = dict(SIZES["smoke" if args.smoke else "quick" if args.quick else "full"])
+    sz.update({name: getattr(args, name) for name in ("keys", "queries") if getattr(args, name)})
     t0 = time.perf_counter()
     doc: dict[str, Any] = {
         "bench": "bench_whatif", "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor()})",
         "torch": torch.__version__, "triton": triton.__version__, "commit": _git_commit(),
-        "sizes": "smoke" if args.smoke else "quick" if args.quick else "full", "rows": [], "float64_check": {},
+        "sizes": "smoke" if args.smoke else "quick" if args.quick else "full",
+        "selection": {"only": args.only, "keys": args.keys, "queries": args.queries}, "rows": [], "float64_check": {},
         "goal": [],
     }
 
@@ -426,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json_out.write_text(json.dumps(doc, indent=2))
 
     goal_keys = GOAL_KEYS if not args.smoke else sz["keys"][-1]
-    for T in sz["keys"]:
+    for T in sz["keys"] if args.only != "quant" else ():
         for Tq in sz["queries"]:
             for grid in ("bf16", "fp32") if T == goal_keys else ("bf16",):
                 doc["rows"].append(bench_keep(torch, W, dev, sz, T, Tq, grid))
@@ -435,12 +441,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"keep T={T} Tq={Tq} {grid}: kernel {r.get('kernel_ms')} ms, eager {r.get('eager_ms')} ms "
                       f"{r.get('kernel_error', '')}{r.get('eager_error', '')}", flush=True)
                 save()
-    for T in sz["keys"]:
+    for T in sz["keys"] if args.only != "keep" else ():
         for name, kw in QUANTS:
             doc["rows"].append(bench_quant(torch, W, dev, sz, T, name, kw))
             _release(torch, cuda)
             save()
-    doc["float64_check"] = float64_check(torch, W, dev, sz)
+    doc["float64_check"] = float64_check(torch, W, dev, sz) if args.only is None else {"skipped": f"--only {args.only}"}
     for r in doc["rows"]:
         if r["kind"] == "keep" and r["keys"] == goal_keys:
             ci = r.get("speedup_ci95")

@@ -7,12 +7,18 @@ online-softmax state over the keys that are visible AND kept by the row's set: r
 ``l = sum exp(s - m)`` and ``acc = sum exp(s - m) v``; ``_keep_finish_kernel`` merges the key
 splits' partial states. Set 0 is "keep every key" (the full attention), so mass recall
 ``exp(m_s - m_0) l_s / l_0`` and the output error follow from the merged states alone. Nothing of
-size rows x keys x sets is formed: memory O(rows * sets * splits * Dv). Both keep kernels share
+size rows x keys x sets is formed: memory O(rows * sets * splits * Dv). The packed and shared kernels share
 their prologue (``_program``) and loads.
 
-* ``_keep_packed_kernel`` (fewer than 16 query rows per KV head: a decode step's samples): rows
-  are dense (set, query) pairs, each scoring the keys itself with its own running max
-  (memory-bound; no padding rows).
+* ``_keep_fma_kernel`` (fewer than 16 query rows per KV head: a decode step's samples; the
+  default there, ``whatif.EXACT_DECODE``): fp32 arithmetic on the CUDA cores for any input dtype,
+  so exact whatever grid the values sit on -- no bf16-grid check pass over K/V and no host sync
+  before the launch. The KV head's queries score each key block once (broadcast products summed
+  over head-dim chunks); the scores are broadcast to the rows, (set, query) pairs set-major, each
+  with its own running max; ``p @ V`` is one fp32 FMA dot per block.
+* ``_keep_packed_kernel`` (the same rows on the tensor cores, after the grid check: bf16 dots for
+  bf16-grid values, 3xTF32 otherwise): rows are dense (set, query) pairs, each scoring the keys
+  itself with its own running max (no padding rows). The exact kernel's fallback.
 * ``_keep_shared_kernel`` (more queries): BLOCK_M query rows score a key block once and take ONE
   running max per row, the full attention's, which every set shares (a set is a subset of the
   keys): the exponentials and the bf16 split of p are computed once, then SETS keep-sets mask p
@@ -22,7 +28,8 @@ their prologue (``_program``) and loads.
 
 ``_grid_check_kernel`` -- one pass over fp32 q, k, v (whether they hold bf16 values: then the
 keep kernels read them as bf16) and the query positions (the int32 bound), one launch and one
-host sync per call.
+host sync per call. Before the exact kernel it reads the positions only, and the bound is read
+after the launches.
 
 ``_quant_kernel`` -- min-max (or fp8) quantise-dequantise of K or V in registers, returning per
 (batch * head, program) the sum of squared errors and the sum and count of per-token cosines; the
@@ -30,7 +37,8 @@ dequantised tensor never reaches memory. Rounding and sums are float64 (numerics
 the kernel is memory-bound, and fp32 would break the many rounding ties of bf16/fp16-grid data
 differently from the reference.
 
-Precision: scores are fp32 dots (16-bit inputs: exact products, fp32 accumulation; fp32 inputs:
+Precision: the exact kernel computes in fp32 throughout (IEEE products and sums). Elsewhere
+scores are fp32 dots (16-bit inputs: exact products, fp32 accumulation; fp32 inputs:
 ``tf32x3``, about fp32 accuracy, on the GPU); ``p @ V`` takes fp32 ``p`` and fp32 ``V`` with
 ``tf32x3`` on the GPU, so outputs carry ~1e-6 relative error, far below the errors being measured.
 The interpreter computes in numpy fp32 throughout.
@@ -54,6 +62,8 @@ INTERP_BLOCK_N = 16
 INTERP_BLOCK_T = 16
 # Key splits are a multiple of the largest BLOCK_N an autotuned config may use.
 MAX_BLOCK_N = 128
+# Query positions (relative to the keys) the int32 kernels take: |p| below this (whatif._LIMIT).
+POSITION_LIMIT = 2**29
 
 
 # ------------------------------------------------------------------------------ launching
@@ -237,6 +247,18 @@ def _pv_auto(acc, p, v, DOT_F32: tl.constexpr, PREC_PV: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(m_i, l_i, s):
+    """One key block of a row-wise online softmax over scores ``s`` [rows, keys] (-inf where not
+    used): (new max, new sum, the old state's rescale factor, p = exp(s - new max))."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Rows that have used no key yet keep m = -inf; shift by 0 there so no inf - inf.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_use)
+    p = tl.exp(s - m_use[:, None])  # 0 where not used (s = -inf)
+    return m_new, alpha * l_i + tl.sum(p, axis=1), alpha, p
+
+
+@triton.jit
 def _program(Q, K, V, QPOS, vq, valid, Hq, Tq, Tk, GROUP, D, DV, k_start, window, keys_per_split,
              dv_off, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, CAST_Q: tl.constexpr, DOT_F32: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -301,24 +323,104 @@ def _keep_packed_kernel(
             s = _scaled(tl.dot(q, kt, input_precision=PREC_QK), scale, ROUNDED)
         kept = tl.load(keep_row[:, None] + offs_n[None, :], mask=has_keep[:, None] & n_valid[None, :], other=1)
         use = (kept != 0) & _visible(offs_n, n_valid, pos, valid, window, CAUSAL, HAS_WINDOW)
-        s = tl.where(use, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows that have used no key yet keep m = -inf; shift by 0 there so no inf - inf.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, None])  # 0 where not used (s = -inf)
-        l_i = alpha * l_i + tl.sum(p, axis=1)
+        m_i, l_i, alpha, p = _softmax_step(m_i, l_i, tl.where(use, s, float("-inf")))
         if GRID_AUTO:
             acc = _pv_auto(acc * alpha[:, None], p, v, DOT_F32, PREC_PV)
         else:
             acc = _pv(acc * alpha[:, None], p, v, PV_SPLIT, DOT_F32, PREC_PV)
-        m_i = m_new
 
     # Partial states, laid out [S, B * Hq, Tq, n_splits] (and x DV for acc).
     out = (row_s.to(tl.int64) * tl.num_programs(1) * GROUP * Tq + out_row) * n_splits + tl.program_id(2)
     tl.store(PM + out, m_i, mask=valid)
     tl.store(PL + out, l_i, mask=valid)
     tl.store(PACC + out[:, None] * DV + offs_dv[None, :], acc, mask=valid[:, None] & dv_valid[None, :])
+
+
+POS_CLAMP = tl.constexpr(2**30)
+
+
+@triton.jit
+def _scores_fma(Q, q_row, q_ok, k_base, offs_n, n_valid, D, scale, ROUNDED: tl.constexpr, BLOCK_D: tl.constexpr,
+                CHUNK_D: tl.constexpr):
+    """[queries, BLOCK_N] scores of the queries at row offsets ``q_row`` against a key block, as
+    broadcast products summed on the CUDA cores, CHUNK_D dimensions a step (fp32 products and
+    sums: exact for any input grid). The query chunks are reloaded per block (a few hundred bytes,
+    cached) so no [queries, keys, BLOCK_D] product is ever live."""
+    for c in tl.static_range(0, BLOCK_D, CHUNK_D):
+        offs_c = c + tl.arange(0, CHUNK_D)
+        c_ok = offs_c < D
+        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * D + offs_c[None, :], mask=n_valid[:, None] & c_ok[None, :],
+                    other=0.0).to(tl.float32)
+        q = tl.load(Q + q_row[:, None] * D + offs_c[None, :], mask=q_ok[:, None] & c_ok[None, :],
+                    other=0.0).to(tl.float32)
+        part = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        if c == 0:
+            s = part
+        else:
+            s += part
+    return _scaled(s, scale, ROUNDED)
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk", "S", "k_start", "window", "keys_per_split"])
+def _keep_fma_kernel(
+    Q, K, V, KEEP, QPOS, PM, PL, PACC,
+    Hq, Tq, Tk, S, GROUP, D, DV, scale, k_start, window, keys_per_split, n_splits,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ROUNDED: tl.constexpr, PREC_PV: tl.constexpr, GP: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Few queries (a decode step), exact for any input dtype and grid: fp32 arithmetic on the
+    CUDA cores (no tensor cores, so no bf16-grid check and no host sync before the launch). The
+    KV head's ``GROUP * Tq`` queries (padded to GP) score each key block ONCE; the scores are
+    broadcast to SETS = ROWS // GP keep-sets, rows (set, query) set-major, each row with its own
+    running max (exact for sets far below the row max); ``p @ V`` is one fp32 FMA dot per block.
+    Program: (block of SETS sets, batch * KV head, key split)."""
+    SETS: tl.constexpr = ROWS // GP
+    nvq = GROUP * Tq
+    vq = tl.arange(0, GP)
+    q_ok = vq < nvq
+    Hk = Hq // GROUP
+    b = tl.program_id(1) // Hk
+    kvh = tl.program_id(1) % Hk
+    _, qi, _, q_row = _rows(vq, kvh, b, Hq, Tq, GROUP, QPOS, k_start, q_ok)
+    # Positions relative to the keys, clamped in int64 to +-2**30 before int32 arithmetic: every
+    # visibility decision stays the same (Tk and the window are below 2**29), so any int64
+    # position works and nothing is checked before or after the launch.
+    pos = tl.load(QPOS + qi, mask=q_ok, other=0) - k_start
+    pos = tl.minimum(tl.maximum(pos, -POS_CLAMP), POS_CLAMP).to(tl.int32)
+    head = b.to(tl.int64) * Hk + kvh  # K/V/keep are contiguous [B, Hk, Tk, ...]
+    k_base = K + head * Tk * D
+    v_base = V + head * Tk * DV
+    lo, hi = _key_range(tl.program_id(2), keys_per_split, Tk, pos, q_ok, window, CAUSAL, HAS_WINDOW, BLOCK_N)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+    sets = tl.program_id(0) * SETS + tl.arange(0, SETS)
+    s_ok = sets < S
+    # Set 0 keeps every key and has no row in KEEP (set s > 0 reads KEEP[s - 1]).
+    keep_base = KEEP + ((sets - 1).to(tl.int64) * tl.num_programs(1) + head) * Tk
+    has_keep = s_ok & (sets > 0)
+
+    m_i = tl.zeros([ROWS], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_DV], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):  # per block: scores once per query, then every set's row
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < Tk
+        sc = _scores_fma(Q, q_row, q_ok, k_base, offs_n, n_valid, D, scale, ROUNDED, BLOCK_D, CHUNK_D)
+        sc = tl.where(_visible(offs_n, n_valid, pos, q_ok, window, CAUSAL, HAS_WINDOW), sc, float("-inf"))
+        kept = tl.load(keep_base[:, None] + offs_n[None, :], mask=has_keep[:, None] & n_valid[None, :], other=1) != 0
+        s = tl.reshape(tl.where(kept[:, None, :], sc[None, :, :], float("-inf")), (ROWS, BLOCK_N))
+        m_i, l_i, alpha, p = _softmax_step(m_i, l_i, s)
+        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * DV + offs_dv[None, :],
+                    mask=n_valid[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PREC_PV)
+
+    # Partial states, laid out [S, B * Hq, Tq, n_splits] (and x DV for acc), as the packed kernel's.
+    out = tl.reshape(sets[:, None].to(tl.int64) * tl.num_programs(1) * nvq + q_row[None, :], (ROWS,)) * n_splits \
+        + tl.program_id(2)
+    ok = tl.reshape(s_ok[:, None] & q_ok[None, :], (ROWS,))
+    tl.store(PM + out, m_i, mask=ok)
+    tl.store(PL + out, l_i, mask=ok)
+    tl.store(PACC + out[:, None] * DV + offs_dv[None, :], acc, mask=ok[:, None] & dv_ok[None, :])
 
 
 @triton.jit
@@ -423,6 +525,24 @@ def _packed_configs() -> list:
     return [triton.Config({"ROWS": r, "BLOCK_N": bn}, num_warps=w, num_stages=st) for r, bn, w, st in specs]
 
 
+def _fma_configs() -> list:
+    """(ROWS, BLOCK_N, CHUNK_D, warps, stages) for the exact few-query kernel (``_keep_fma_kernel``)."""
+    specs = FMA_SPECS
+    return [triton.Config({"ROWS": r, "BLOCK_N": bn, "CHUNK_D": cd}, num_warps=w, num_stages=st)
+            for r, bn, cd, w, st in specs]
+
+
+# The best of a 72-tile sweep on an H200 (32k keys, one query, 4 queries per KV head, 10 sets,
+# fp32; tiles of 64 rows: 0.298-0.32 ms a launch, 32 rows >= 0.41, 16 rows >= 0.43): a whole
+# block of sets per program (the scores, K/V loads and reductions are per program) and small
+# head-dim chunks. Smaller row counts stay for more queries per KV head (fewer sets a program).
+FMA_PREC_PV = "ieee"
+FMA_SPECS: list[tuple[int, int, int, int, int]] = [
+    (64, 32, 16, 4, 2), (64, 64, 16, 8, 3), (64, 32, 16, 4, 3), (64, 32, 8, 4, 2), (64, 64, 8, 8, 3),
+    (64, 32, 16, 2, 2), (32, 32, 16, 4, 3), (16, 32, 16, 4, 3),
+]
+
+
 def _shared_configs() -> list:
     """(BLOCK_M, SETS, BLOCK_N, warps, stages) for the many-query kernel: 64-128 stacked rows of
     fp32 state against 64 keys a step (the best of 13 on an H200 at 32k keys, 64 queries). fp32 inputs (the replay's) take 3xTF32 dots, whose
@@ -456,6 +576,8 @@ _TUNE_KEY = ["BLOCK_D", "BLOCK_DV", "CAST_Q", "CAST_K", "CAST_V", "PV_SPLIT", "P
 def _tuned(kind: str):
     if kind == "packed":
         return triton.autotune(configs=_packed_configs(), key=[*_TUNE_KEY, "GRID_AUTO"])(_keep_packed_kernel)
+    if kind == "fma":  # the tensors' dtypes join the key; GP (queries per KV head) sets the rows' shape
+        return triton.autotune(configs=_fma_configs(), key=["BLOCK_D", "BLOCK_DV", "GP"])(_keep_fma_kernel)
     return triton.autotune(configs=_shared_configs(), key=_TUNE_KEY)(_keep_shared_kernel)
 
 
@@ -465,13 +587,18 @@ def split_unit() -> int:
 
 
 def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window, causal,
-             keys_per_split, n_splits, n_sets, cast_q=False, cast_k=False, cast_v=False, grid_auto=False) -> bool:
+             keys_per_split, n_splits, n_sets, cast_q=False, cast_k=False, cast_v=False, grid_auto=False,
+             exact=False) -> bool:
     """Launch a keep-set kernel for ``n_sets`` sets: set 0 keeps every key, set s > 0 the keys of
     keep[s - 1]. q [B, Hq, Tq, D], k [B, Hk, T, D], v [B, Hk, T, Dv], keep int8 [n_sets - 1, B,
     Hk, T] (all contiguous), qpos int64 [Tq] (|positions| < 2**29); pm/pl fp32 [n_sets * B * Hq * Tq * n_splits], pacc
     fp32 [... * Dv] outputs. ``cast_*``: fp32 tensors holding bf16 values, read as bf16. Returns
     whether the shared-max kernel ran (its partial states need the finish kernel's underflow check).
-    ``grid_auto`` (fp32 q, k, v; the packed kernel only): the bf16 grid decided per key block."""
+    ``grid_auto`` (fp32 q, k, v; the packed kernel only): the bf16 grid decided per key block.
+    ``exact`` (fewer than 16 query rows per KV head): ``_keep_fma_kernel``, fp32 on the CUDA cores
+    for any input dtype (casts ignored) and any int64 positions; a compiler that rejects it falls
+    back to the packed kernel (3xTF32, as uncast fp32; positions checked against the int32 bound
+    first, with a host sync) and says so in FALLBACKS."""
     import torch
 
     B, Hq, Tq, D = q.shape
@@ -492,6 +619,15 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
                  PREC_PV=prec_pv, PV_SPLIT=v_bf16, CAST_Q=bool(cast_q), CAST_K=bool(cast_k), CAST_V=bool(cast_v),
                  ROUNDED=not interpreting(), BLOCK_D=block_d, BLOCK_DV=block_dv)
     nvq = group * Tq
+    if exact and packed(group, Tq):
+        if _run_fma(args, causal, window, nvq, block_d, block_dv, (B * Hk, n_splits)):
+            return False
+        if run_grid_check(None, None, None, qpos, POSITION_LIMIT, 1)[0]:  # its positions are int32
+            raise ValueError("positions and lengths must be below 2**29 for the Triton path")
+        dt = torch.promote_types(q.dtype, k.dtype)  # the packed kernel's score dot takes one dtype
+        return run_keep(q.to(dt), k.to(dt), v, keep, qpos, pm, pl, pacc, group=group, scale=scale, k_start=k_start,
+                        window=window, causal=causal, keys_per_split=keys_per_split, n_splits=n_splits,
+                        n_sets=n_sets)
     if packed(group, Tq):
         flags["GRID_AUTO"] = bool(grid_auto)
         if interpreting():
@@ -524,6 +660,35 @@ def run_keep(q, k, v, keep, qpos, pm, pl, pacc, *, group, scale, k_start, window
     _launch("packed", _tuned("packed"), lambda meta: (triton.cdiv(S * nvq, meta["ROWS"]), B * Hk, n_splits), args,
             {**flags, "GRID_AUTO": False})
     return False
+
+
+def fma_tag(gp: int) -> str:
+    """The FALLBACKS entry's prefix when the exact few-query kernel could not run."""
+    return f"exact few-query kernel unavailable (GP {gp})"
+
+
+def _run_fma(args: tuple, causal: bool, window, nvq: int, block_d: int, block_dv: int, grid_tail: tuple) -> bool:
+    """Launch ``_keep_fma_kernel`` on ``run_keep``'s arguments; False (with the reason in
+    FALLBACKS) when the compiler rejects it, so the caller runs the packed kernel instead."""
+    gp = triton.next_power_of_2(nvq)
+    consts = dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, ROUNDED=not interpreting(),
+                  PREC_PV="ieee" if interpreting() else FMA_PREC_PV, GP=gp, BLOCK_D=block_d, BLOCK_DV=block_dv)
+    S = args[11]
+    if any(f.startswith(fma_tag(gp)) for f in FALLBACKS):
+        return False
+    if interpreting():
+        # Small chunks of the head dim (the test sizes get several, the last one ragged).
+        grid = (triton.cdiv(S, INTERP_ROWS // gp), *grid_tail)
+        _keep_fma_kernel[grid](*args, **consts, ROWS=INTERP_ROWS, BLOCK_N=INTERP_BLOCK_N, CHUNK_D=8)
+        return True
+    try:
+        _launch("fma", _tuned("fma"), lambda meta: (triton.cdiv(S, meta["ROWS"] // gp), *grid_tail), args, consts)
+        return True
+    except Exception as exc:
+        if "out of memory" in str(exc).lower():
+            raise
+        FALLBACKS.append(f"{fma_tag(gp)} ({type(exc).__name__}: {str(exc)[:200]}); the packed kernel with 3xTF32")
+        return False
 
 
 @triton.jit

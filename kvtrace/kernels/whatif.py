@@ -45,6 +45,12 @@ CONVERT_SHARED = True
 # time than the check and the sync it saves (0.410 vs 0.298 ms device, 0.593 vs 0.491 ms a call
 # with bf16 values; 0.716 vs 0.509 / 1.096 vs 0.871 with fp32 values). Kept as a tested switch.
 GRID_IN_KERNEL = False
+# Fewer than 16 query rows per KV head (a decode step) with fp32 K or V: the exact fp32 CUDA-core
+# kernel (``_keep_fma_kernel``), on the bf16 grid or not -- no grid check pass over K/V, no
+# position check (the kernel clamps positions) and no host sync in the call. Off: the packed
+# kernel after the grid check and its sync (tensor cores: bf16 dots on the bf16 grid, 3xTF32 off
+# it). docs/benchmarks.md "Decode-step rows (q = 1), fourth pass" has the numbers.
+EXACT_DECODE = True
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,9 @@ def keep_measures_reference(
 
 
 # ------------------------------------------------------------------------------ Triton path
+
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _kernel_dtype(*xs: torch.Tensor) -> torch.dtype:
@@ -244,21 +253,22 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
     q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))
     positions = g.positions.contiguous()
     verify = _verified
-    grid_auto = GRID_IN_KERNEL and tw.packed(g.group, g.Tq) and q.dtype == k.dtype == v.dtype == torch.float32
-    if grid_auto:
+    fp32 = [x if x.dtype == torch.float32 else None for x in (q, k, v)]
+    # fp32 K or V of a decode step: the exact kernel (16-bit K and V: the packed kernel's tensor
+    # cores, exact on them; on the H200 the exact kernel took 4-7 ms reading bf16 tensors).
+    exact = EXACT_DECODE and tw.packed(g.group, g.Tq) and (fp32[1] is not None or fp32[2] is not None)
+    grid_auto = not exact and GRID_IN_KERNEL and tw.packed(g.group, g.Tq) \
+        and q.dtype == k.dtype == v.dtype == torch.float32
+    if exact:  # no grid to check, and the kernel clamps positions itself: no check at all
+        off = [True, True, True]
+    elif grid_auto or fp32 == [None, None, None]:
         # The position bound checked on the device and read after the launches: no host sync
-        # before them (the grid of each key block is decided in the kernel).
-        bound = tw.run_grid_check(None, None, None, positions, _LIMIT, _sms(q.device), sync=False)
-
-        def verify() -> None:
-            if int(bound[0]) & 1:
-                raise ValueError("positions and lengths must be below 2**29 for the Triton path")
-
+        # before them (16-bit tensors have no grid to check, grid_auto decides it per key block).
+        verify = _bound_verifier(tw.run_grid_check(None, None, None, positions, _LIMIT, _sms(q.device), sync=False))
         off = [True, True, True]
     else:
         # One launch and one host sync for every check the launch depends on: the position bound
         # and, for fp32 tensors, whether they hold bf16 values (each a read of the whole tensor).
-        fp32 = [x if x.dtype == torch.float32 else None for x in (q, k, v)]
         big, *off = tw.run_grid_check(*fp32, positions, _LIMIT, _sms(q.device))
         if big:
             raise ValueError("positions and lengths must be below 2**29 for the Triton path")
@@ -271,12 +281,14 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
     # p @ V as three bf16 dots against the exact V), cast in registers: a converted copy would
     # cost a pass over the tensor and its size again in memory.
     dt = _kernel_dtype(q, k)
-    as_bf16 = dt == torch.float32 and bf16[0] and bf16[1]
+    if exact:  # the kernel reads any of fp16 / bf16 / fp32 as it is stored
+        q, k, v = (x if x.dtype in _KERNEL_DTYPES else x.to(dt) for x in (q, k, v))
+    as_bf16 = not exact and dt == torch.float32 and bf16[0] and bf16[1]
     cast_q, cast_k = as_bf16 and q.dtype == torch.float32, as_bf16 and k.dtype == torch.float32
-    if not as_bf16:
+    if not as_bf16 and not exact:
         q, k = q.to(dt), k.to(dt)
-    vt = v.dtype if v.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
-    cast_v = v.dtype == torch.float32 and bf16[2]
+    vt = v.dtype if v.dtype in _KERNEL_DTYPES else torch.float32
+    cast_v = not exact and v.dtype == torch.float32 and bf16[2]
     v = v.to(vt)
     if CONVERT_SHARED and not tw.packed(g.group, g.Tq) and (cast_k or cast_v):
         # The shared-scores kernel reads each key block once per block of rows and sets (~20-40
@@ -287,9 +299,7 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
     S1, Dv = keep.shape[0] + 1, v.shape[3]
     rows = g.B * g.Hq * g.Tq
     n_splits, per = _split_plan(g, S1, q.device, num_splits)
-    pm = torch.empty(S1 * rows * n_splits, dtype=torch.float32, device=q.device)
-    pl = torch.empty_like(pm)
-    pacc = torch.empty(S1 * rows * n_splits * Dv, dtype=torch.float32, device=q.device)
+    pm, pl, pacc = _partial_buffers(S1 * rows * n_splits, Dv, q.device)
     keep8, qpos = _keep_arg(keep), positions  # int64, read as int32 (bounded above)
     finish_kw = dict(q=q, k=k, v=v, keep=keep8, qpos=qpos, group=g.group, scale=g.scale, k_start=g.k_start,
                      window=window, causal=g.causal)
@@ -298,13 +308,32 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
         finish_kw["check"] = tw.run_keep(q, k, v, keep8, qpos, pm, pl, pacc, group=g.group, scale=g.scale,
                                          k_start=g.k_start, window=window, causal=g.causal, keys_per_split=per,
                                          n_splits=n_splits, n_sets=S1, cast_q=cast_q, cast_k=cast_k, cast_v=cast_v,
-                                         grid_auto=grid_auto)
+                                         grid_auto=grid_auto, exact=exact)
 
     return launch, pm, pl, pacc, n_splits, finish_kw, verify
 
 
+def _partial_buffers(n: int, dv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pm, pl [n], pacc [n * dv]) fp32: views of one allocation (a decode step's call is bound by
+    host work before its launch: each allocation is one more torch call), each 128-byte aligned."""
+    step = -(-n // 32) * 32
+    buf = torch.empty(2 * step + n * dv, dtype=torch.float32, device=device)
+    return buf[:n], buf[step:step + n], buf[2 * step:]
+
+
 def _verified() -> None:
     """Nothing left to check after the launches (the checks ran before them)."""
+
+
+def _bound_verifier(flags: torch.Tensor):
+    """``verify`` for a position bound checked on the device (``run_grid_check(sync=False)``'s
+    flags), read after the launches: the call's one host sync."""
+
+    def verify() -> None:
+        if int(flags[0]) & 1:
+            raise ValueError("positions and lengths must be below 2**29 for the Triton path")
+
+    return verify
 
 
 def _merged_states(parts, g: _Attn, S1: int, Dv: int, device: torch.device):

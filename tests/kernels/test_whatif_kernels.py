@@ -260,6 +260,7 @@ def test_bf16_grid_fp32_kv_is_read_as_bf16_in_registers(tri_device, monkeypatch)
     from kvtrace.kernels import _triton_whatif as tw
 
     monkeypatch.setattr(W, "GRID_IN_KERNEL", False)
+    monkeypatch.setattr(W, "EXACT_DECODE", False)  # the packed kernel after the grid check (the switch's other side)
     seen = []
     real = tw.run_keep
 
@@ -337,7 +338,7 @@ def test_direct_launch_repeats_the_triton_launch(tri_device, monkeypatch):
         pytest.skip("direct launches exist on CUDA only")
     from kvtrace.kernels import _triton_whatif as tw
 
-    for tq in (1, 9):  # packed and signature-pieces kernels
+    for tq in (1, 9):  # exact few-query and signature-pieces kernels
         q, k, v, keep, pos = _case(17, Tq=tq, T=300)
         grid = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v)]
         for arrays in ((q, k, v), grid):
@@ -347,7 +348,7 @@ def test_direct_launch_repeats_the_triton_launch(tri_device, monkeypatch):
             monkeypatch.setattr(tw, "DIRECT_LAUNCH", True)
             tw._COMPILED.clear()
             first = W.keep_measures_triton(*args, q_positions=pos)  # Triton's path, fills the cache
-            assert {key[0] for key in tw._COMPILED} >= ({"grid", "finish", "packed"} if tq == 1
+            assert {key[0] for key in tw._COMPILED} >= ({"finish", "fma"} if tq == 1
                                                         else {"grid", "pieces", "fold"})
             again = W.keep_measures_triton(*args, q_positions=pos)  # the compiled launchers
             for got in (first, again):
@@ -364,6 +365,7 @@ def test_grid_decided_per_key_block_in_the_packed_kernel(tri_device, monkeypatch
     from kvtrace.kernels import _triton_whatif as tw
 
     monkeypatch.setattr(W, "GRID_IN_KERNEL", True)
+    monkeypatch.setattr(W, "EXACT_DECODE", False)  # grid_auto is the packed kernel's (the exact one needs no grid)
     seen = []
     real = tw.run_keep
 
@@ -446,3 +448,161 @@ def test_launch_cache_keys_and_fallback(monkeypatch):
         tw._launch("u", bad, grid, (x, 3), dict(BLOCK=4))
     assert [c[0] for c in calls] == ["triton", "triton", "triton"]
     assert tw.DIRECT_LAUNCH is False and len(tw.FALLBACKS) == 1 and "direct launches unavailable" in tw.FALLBACKS[0]
+
+
+def _bf16_grid(*xs):
+    return [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in xs]
+
+
+class _KernelSpy:
+    """Which keep kernels a call launched and which tensors the grid check read: on CUDA through
+    _launch's tags, in the interpreter through the kernels themselves (launched there directly)."""
+
+    def __init__(self, monkeypatch, tri_device):
+        from kvtrace.kernels import _triton_whatif as tw
+
+        self.ran: list[str] = []
+        self.grid_reads: list[tuple[bool, bool, bool]] = []
+        real_launch, real_check = tw._launch, tw.run_grid_check
+
+        def launch(tag, *a, **kw):
+            self.ran.append(tag)
+            return real_launch(tag, *a, **kw)
+
+        def check(q, k, v, *a, **kw):
+            self.grid_reads.append((q is not None, k is not None, v is not None))
+            return real_check(q, k, v, *a, **kw)
+
+        monkeypatch.setattr(tw, "run_grid_check", check)
+        if tri_device == "cuda":
+            monkeypatch.setattr(tw, "_launch", launch)
+            return
+        for tag, name in (("fma", "_keep_fma_kernel"), ("packed", "_keep_packed_kernel")):
+            monkeypatch.setattr(tw, name, self._wrap(tag, getattr(tw, name)))
+
+    def _wrap(self, tag, kernel):
+        spy = self
+
+        class Wrapped:
+            def __getitem__(self, grid):
+                spy.ran.append(tag)
+                return kernel[grid]
+
+        return Wrapped()
+
+
+# The exact few-query kernel (fewer than 16 query rows per KV head): causal GQA, a window with
+# sampled positions (one before the first key: nothing visible) and keys from position 100, no GQA
+# with ragged head dims (12: chunks of the head dim 8 + 4 in the interpreter; 20 value columns).
+EXACT_CASES = [
+    dict(seed=30, Tq=1, T=70),
+    dict(seed=31, B=2, Hq=4, Hk=1, Tq=3, q_pos=[99, 120, 139], k_start=100, T=40, window=8, S=4),
+    dict(seed=32, B=2, Hq=2, Hk=2, Tq=2, T=37, D=12, Dv=20, S=5, window=16),
+]
+
+
+@pytest.mark.parametrize("case", EXACT_CASES)
+@pytest.mark.parametrize("values", ["fp32", "bf16 grid", "bf16 tensors", "bf16 q, fp32 k/v"])
+def test_exact_decode_kernel_agrees_without_a_grid_check(case, values, tri_device, monkeypatch):
+    """A decode step's few query rows with fp32 K/V take the exact fp32 CUDA-core kernel, on the
+    bf16 grid or not: it agrees with numerics.py, nothing is checked before it (no grid, and it
+    clamps positions itself) and the packed kernel does not run. 16-bit K/V take the packed
+    kernel (tensor cores), with no grid to check either: the position bound only, read after the
+    launches."""
+    from kvtrace.kernels import _triton_whatif as tw
+
+    monkeypatch.setattr(W, "EXACT_DECODE", True)
+    monkeypatch.setattr(tw, "FALLBACKS", [])
+    spy = _KernelSpy(monkeypatch, tri_device)
+    case = dict(case)
+    window = case.pop("window", None)
+    q, k, v, keep, pos = _case(**case)
+    if values != "fp32":
+        q, k, v = _bf16_grid(q, k, v)
+    if values == "bf16 grid" and case["Tq"] == 1:
+        keep[:] = True  # every set keeps every key: recall 1, error 0 exactly (per-row max, same sums)
+    ks = case.get("k_start", 0)
+    want_r, want_e = _numpy_sets(q, k, v, keep, pos, ks, window, q.shape[-1] ** -0.5)
+    args = [_t(x, tri_device) for x in (q, k, v)]
+    if values == "bf16 tensors":
+        args = [x.to(torch.bfloat16) for x in args]
+    elif values == "bf16 q, fp32 k/v":
+        args[0] = args[0].to(torch.bfloat16)
+    r, e = W.keep_measures_triton(*args, _t(keep, tri_device), q_positions=pos, k_start=ks, window=window)
+    _close(r.cpu().numpy(), want_r, RECALL)
+    _close(e.cpu().numpy(), want_e, ERROR)
+    kernels = [t for t in spy.ran if t in ("fma", "packed")]
+    assert kernels == (["packed"] if values == "bf16 tensors" else ["fma"]) and not tw.FALLBACKS
+    assert spy.grid_reads == ([(False, False, False)] if values == "bf16 tensors" else [])
+    if "q_pos" in case:  # the query before the first key sees nothing
+        assert np.all(r.cpu().numpy()[..., 0] == 0) and np.all(np.isnan(e.cpu().numpy()[..., 0]))
+
+
+@pytest.mark.parametrize("split", [None, 3])
+def test_exact_decode_kernel_planted_sets_far_below_the_max(split, tri_device, monkeypatch):
+    """Sets keeping only keys ~120 and ~20 nats below the row max, one keeping a single key and one
+    keeping the top key plus one far below: each (set, query) row has its own running max in the
+    exact kernel, so no set underflows (key splits too: the merge rescales per split)."""
+    from kvtrace.kernels import _triton_whatif as tw
+
+    monkeypatch.setattr(W, "EXACT_DECODE", True)
+    monkeypatch.setattr(tw, "FALLBACKS", [])
+    spy = _KernelSpy(monkeypatch, tri_device)
+    T, D, tq = 48, 16, 3
+    rng = np.random.default_rng(33)
+    q = np.zeros((1, 2, tq, D), np.float32)
+    q[..., 0] = 1.0
+    q[..., 2:] = rng.standard_normal((2, tq, D - 2)) * 0.1
+    k = rng.standard_normal((1, 1, T, D)).astype(np.float32) * 0.3
+    k[0, 0, :, 0] = 0.0
+    k[0, 0, 3, 0] = 480.0  # score ~120 above every other key
+    k[0, 0, 7, 0] = 400.0  # ~20 below key 3
+    v = rng.standard_normal((1, 1, T, 8)).astype(np.float32)
+    keep = np.zeros((4, 1, 1, T), bool)
+    keep[0] = True
+    keep[0, 0, 0, 3] = False
+    keep[1, 0, 0, [5, 9, 30]] = True
+    keep[2, 0, 0, T - 1] = True
+    keep[3, 0, 0, [3, 40]] = True
+    pos = np.arange(T - tq, T)
+    want_r, want_e = _numpy_sets(q, k, v, keep, pos, 0, None, 0.25)
+    r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (q, k, v, keep)), q_positions=pos, scale=0.25,
+                                  num_splits=split)
+    r, e = r.cpu().numpy(), e.cpu().numpy()
+    assert np.all(r[1] < 1e-6) and np.all(want_e[1] > 0.1)  # the far-below set matters to the error
+    _close(r, want_r, RECALL)
+    _close(e, want_e, ERROR)
+    assert "fma" in spy.ran and "packed" not in spy.ran
+
+
+def test_exact_decode_kernel_takes_any_position_and_its_fallback_checks_them(tri_device, monkeypatch):
+    """The exact kernel clamps positions itself (int64 -> +-2**30 relative to the keys, the same
+    visibility): queries far beyond 2**29 agree with numerics.py, causal (every key visible) and
+    windowed (none), with no check launched. Where the compiler rejected it (its FALLBACKS entry)
+    the packed kernel runs instead, bf16 queries with fp32 K/V promoted for its score dot, with
+    the same numbers; it takes int32 positions, so there the bound raises."""
+    from kvtrace.kernels import _triton_whatif as tw
+
+    monkeypatch.setattr(W, "EXACT_DECODE", True)
+    q, k, v, keep, pos = _case(34, Tq=2, T=50)
+    q = _bf16_grid(q)[0]
+    args = [_t(x, tri_device) for x in (q, k, v, keep)]
+    args[0] = args[0].to(torch.bfloat16)
+    far = np.array([2**33, 2**29 + 5])
+    for positions, window in ((pos, None), (far, None), (far, 8), (np.array([-(2**40), 30]), 8)):
+        monkeypatch.setattr(tw, "FALLBACKS", [])
+        spy = _KernelSpy(monkeypatch, tri_device)
+        want_r, want_e = _numpy_sets(q, k, v, keep, positions, 0, window, q.shape[-1] ** -0.5)
+        r, e = W.keep_measures_triton(*args, q_positions=positions, window=window)
+        _close(r.cpu().numpy(), want_r, RECALL)
+        _close(e.cpu().numpy(), want_e, ERROR)
+        assert [t for t in spy.ran if t in ("fma", "packed")] == ["fma"] and spy.grid_reads == []
+    monkeypatch.setattr(tw, "FALLBACKS", [tw.fma_tag(4) + " (test)"])
+    spy = _KernelSpy(monkeypatch, tri_device)
+    want_r, want_e = _numpy_sets(q, k, v, keep, pos, 0, None, q.shape[-1] ** -0.5)
+    r, e = W.keep_measures_triton(*args, q_positions=pos)
+    _close(r.cpu().numpy(), want_r, RECALL)
+    _close(e.cpu().numpy(), want_e, ERROR)
+    assert [t for t in spy.ran if t in ("fma", "packed")] == ["packed"]
+    with pytest.raises(ValueError, match="below 2"):
+        W.keep_measures_triton(*args, q_positions=far)
