@@ -16,8 +16,16 @@ from typing import Any
 
 import torch
 
-# Off: the many-query rows run the shared-max kernel (_triton_whatif._keep_shared_kernel) as before.
-PIECES = True
+# True: every call with 16+ query rows per KV head takes this path; False: the shared-max kernel
+# (_triton_whatif._keep_shared_kernel) does; "auto": this path where it pays by the cost model below.
+PIECES: bool | str = "auto"
+# Per-call cost model, from the H200 probe at 55eada5 (bench/results/whatif_pieces_probe_h200_55eada5.json,
+# whole calls, host glue included, 9 sets + the full one): the shared-max kernel ~0.4 ms + 4.5 ps per
+# (set x query row x key) -- 3.87 ms at 32k keys x 64 queries, 1.25 at 32k x 16, 0.84 at 4k x 64 --; this
+# path ~1.0 ms (its plan: a sort, a sync, six launches) + 17 ps per (query row x key) -- 2.17, 1.62, 1.07.
+SHARED_PS_PER_SET_ROW_KEY = 4.5
+PIECES_PS_PER_ROW_KEY = 17.0
+PIECES_EXTRA_US = 600.0
 # A chunk of sets whose runs of one signature average fewer keys than this is split: a run costs a
 # partly filled key block and a program of its own, so runs much shorter than a block would cost
 # more than the passes the chunk saves.
@@ -128,14 +136,24 @@ def piece_keys_for(T: int, HD: int, rows_h: int, sms: int, unit: int, num_splits
     return max(4 * unit, -(-HD * T // target))
 
 
+def pays(rows: int, keys: int, sets: int) -> bool:
+    """Whether this path beats the shared-max kernel for ``rows`` query rows (all heads), ``keys``
+    keys and ``sets`` keep-sets (the full one included), by the cost model above."""
+    work = float(rows) * keys
+    return work * (SHARED_PS_PER_SET_ROW_KEY * sets - PIECES_PS_PER_ROW_KEY) > PIECES_EXTRA_US * 1e6
+
+
 def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, g: Any,
            num_splits: int | None = None):
     """Checks, conversions, the plan and the output buffers of one call, and the launches as a
-    callable returning (recall, error) ``[S, B, Hq, Tq]`` fp32. ``g``: whatif._geometry's."""
+    callable returning (recall, error) ``[S, B, Hq, Tq]`` fp32; None where ``PIECES`` is "auto"
+    and the shared-max kernel would be faster. ``g``: whatif._geometry's."""
     from kvtrace.kernels import _triton_whatif as tw
     from kvtrace.kernels import _triton_whatif_pieces as tp
     from kvtrace.kernels import whatif as W
 
+    if PIECES == "auto" and not pays(g.B * g.Hq * g.Tq, g.T, keep.shape[0] + 1):
+        return None
     if abs(g.k_start) >= W._LIMIT or g.T >= W._LIMIT:
         raise ValueError("positions and lengths must be below 2**29 for the Triton path")
     q, k, v = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v))

@@ -337,7 +337,9 @@ def test_direct_launch_repeats_the_triton_launch(tri_device, monkeypatch):
     if tri_device != "cuda":
         pytest.skip("direct launches exist on CUDA only")
     from kvtrace.kernels import _triton_whatif as tw
+    from kvtrace.kernels import whatif_pieces
 
+    monkeypatch.setattr(whatif_pieces, "PIECES", True)  # "auto" would leave this small call to the shared kernel
     for tq in (1, 9):  # exact few-query and signature-pieces kernels
         q, k, v, keep, pos = _case(17, Tq=tq, T=300)
         grid = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v)]

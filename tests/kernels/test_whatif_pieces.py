@@ -15,6 +15,13 @@ from kvtrace.kernels import whatif_pieces as P  # noqa: E402
 from kvtrace.whatif import numerics as N  # noqa: E402
 
 RECALL = dict(atol=1e-5, rtol=0)
+
+
+@pytest.fixture(autouse=True)
+def _pieces_on(monkeypatch):
+    """This path for every many-query call here ("auto" leaves test-sized calls to the shared-max
+    kernel, whose fixed costs are lower)."""
+    monkeypatch.setattr(P, "PIECES", True)
 ERROR = dict(atol=1e-5, rtol=1e-4)
 
 
@@ -168,3 +175,23 @@ def test_plan_drops_keys_no_query_sees_and_splits_long_runs(tri_device):
         assert len(c) == 1 or len(runs) * P.MIN_SEGMENT_KEYS <= 256
     nothing = _plan(tri_device, keep, 40, pos=np.array([5, 6]), k_start=10)  # every query before the first key
     assert nothing is None
+
+
+def test_auto_takes_the_path_where_the_probe_measured_it_faster(tri_device, monkeypatch):
+    """The cost model against the H200 probe it was fitted on (9 sets + the full one, Llama-3-8B
+    heads): pieces at 32k keys x 64 and 256 queries, the shared-max kernel at 32k x 16 and 4k x 64
+    (there the plan's fixed cost outweighs it); a test-sized call in "auto" runs the shared kernel."""
+    assert P.pays(32 * 64, 32768, 10) and P.pays(32 * 256, 32768, 10)
+    assert not P.pays(32 * 16, 32768, 10) and not P.pays(32 * 64, 4096, 10)
+    assert not P.pays(32 * 64, 32768, 2) or P.pays(32 * 64, 32768, 10)  # more sets only help this path
+    monkeypatch.setattr(P, "PIECES", "auto")
+    calls = _spy_pieces(monkeypatch)
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((1, 2, 8, 16), (1, 1, 40, 16), (1, 1, 40, 8)))
+    keep = rng.random((3, 1, 1, 40)) < 0.5
+    pos = np.arange(32, 40)
+    want_r, want_e = _numpy_sets(q, k, v, keep, pos, 0, None, 0.25)
+    r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (q, k, v, keep)), q_positions=pos)
+    assert calls == []
+    np.testing.assert_allclose(r.cpu().numpy(), want_r, **RECALL)
+    np.testing.assert_allclose(e.cpu().numpy(), want_e, **ERROR)
