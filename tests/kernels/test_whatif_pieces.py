@@ -76,7 +76,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("grid", ["fp32", "bf16"])
+@pytest.mark.parametrize("grid", ["fp32", "bf16", "bf16-tensors"])
 def test_pieces_agree_with_numerics(case, grid, tri_device, monkeypatch):
     c = dict(CASES[case])
     rng = np.random.default_rng(c["seed"])
@@ -84,14 +84,16 @@ def test_pieces_agree_with_numerics(case, grid, tri_device, monkeypatch):
     q = rng.standard_normal((B, Hq, Tq, D)).astype(np.float32)
     k = rng.standard_normal((B, Hk, T, D)).astype(np.float32)
     v = rng.standard_normal((B, Hk, T, Dv)).astype(np.float32)
-    if grid == "bf16":  # a bf16 model's recorded values, upcast: read as bf16 in registers
+    if grid != "fp32":  # a bf16 model's recorded values, upcast: read as bf16 in registers
         q, k, v = (torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v))
     keep = _nested_and_random(rng, B, Hk, T, S)
     pos = np.asarray(c["q_pos"] if c["q_pos"] is not None else c["k_start"] + T - Tq + np.arange(Tq))
     want_r, want_e = _numpy_sets(q, k, v, keep, pos, c["k_start"], c["window"], D ** -0.5)
     calls = _spy_pieces(monkeypatch)
-    r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (q, k, v, keep)), q_positions=pos,
-                                  k_start=c["k_start"], window=c["window"])
+    args = [_t(x, tri_device) for x in (q, k, v, keep)]
+    if grid == "bf16-tensors":  # what the replay passes (whatif.as_bf16_if_exact): nothing to cast
+        args[:3] = [x.to(torch.bfloat16) for x in args[:3]]
+    r, e = W.keep_measures_triton(*args, q_positions=pos, k_start=c["k_start"], window=c["window"])
     assert len(calls) == 1 and not W._PIECES_FAILED  # the path ran, no silent fallback
     assert all(calls[0][f"cast_{x}"] == (grid == "bf16") for x in "qkv")
     np.testing.assert_allclose(r.cpu().numpy(), want_r, equal_nan=True, **RECALL)
