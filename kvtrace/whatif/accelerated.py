@@ -87,8 +87,9 @@ def _contiguous(pos: np.ndarray) -> bool:
 class Accelerated:
     """The kernels on one torch device (a :class:`kvtrace.kernels.compute.Compute`)."""
 
-    # Device copies of the unit arrays last used (the replay asks about the same unit once per
-    # policy and ratio): kept up to this many bytes, least recently used dropped first.
+    # Device copies of the unit arrays last used (the replay asks about one unit several times: its
+    # keep-sets in one pass per query chunk, then each quantiser's reconstruction and output error):
+    # kept up to this many bytes, least recently used dropped first.
     CACHE_BYTES = 2 << 30
 
     def __init__(self, compute: Any) -> None:
