@@ -19,7 +19,9 @@ their prologue (``_program``) and loads.
 * ``_keep_packed_kernel`` (the same rows on the tensor cores, after the grid check: bf16 dots for
   bf16-grid values, 3xTF32 otherwise): rows are dense (set, query) pairs, each scoring the keys
   itself with its own running max (no padding rows). The exact kernel's fallback.
-* ``_keep_shared_kernel`` (more queries): BLOCK_M query rows score a key block once and take ONE
+* ``_keep_shared_kernel`` (more queries, where the signature-pieces path of
+  kvtrace/kernels/whatif_pieces.py -- one attention pass for all sets, keys grouped by which sets
+  keep them -- does not pay for its plan): BLOCK_M query rows score a key block once and take ONE
   running max per row, the full attention's, which every set shares (a set is a subset of the
   keys): the exponentials and the bf16 split of p are computed once, then SETS keep-sets mask p
   into one [SETS * BLOCK_M, BLOCK_N] @ V dot per part. A set whose kept keys all sit >= ~27 nats

@@ -14,7 +14,8 @@ one pass. Per set, query head and query (``[S, B, Hq, Tq]`` each):
   visible keys (0 where none is kept), ``o`` over all visible keys (NaN where ``||o|| = 0``).
 
 Backends: ``triton`` (one pass over the keys for all sets, memory O(rows * sets), never a
-rows x keys matrix), ``torch`` (materialises the ``[B, Hq, Tq, T]`` scores once and a softmax per
+rows x keys matrix; with 16+ query rows per KV head, where it pays, the signature-pieces path of
+whatif_pieces.py: one attention pass whatever the number of sets, memory O(rows * pieces)), ``torch`` (materialises the ``[B, Hq, Tq, T]`` scores once and a softmax per
 set; float64 by default, the exact reference). ``auto``: triton for CUDA tensors, else torch.
 """
 
