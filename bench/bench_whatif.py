@@ -391,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=("keep", "quant"), help="measure only the keep-set or the quantisation rows")
     ap.add_argument("--keys", type=int, nargs="+", help="key counts to measure (default: the size's list)")
     ap.add_argument("--queries", type=int, nargs="+", help="queries per head for the keep rows (default: the size's)")
+    ap.add_argument("--pairs", type=int, help="kernel/eager pairs per keep row (default: the size's; more pairs "
+                    "narrow a CI that straddles the goal)")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -413,13 +415,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the eager reference is fp32; keep it honest
     dev = "cuda" if cuda else "cpu"
     sz = dict(SIZES["smoke" if args.smoke else "quick" if args.quick else "full"])
-    sz.update({name: getattr(args, name) for name in ("keys", "queries") if getattr(args, name)})
+    sz.update({name: getattr(args, name) for name in ("keys", "queries", "pairs") if getattr(args, name)})
     t0 = time.perf_counter()
     doc: dict[str, Any] = {
         "bench": "bench_whatif", "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor()})",
         "torch": torch.__version__, "triton": triton.__version__, "commit": _git_commit(),
         "sizes": "smoke" if args.smoke else "quick" if args.quick else "full",
-        "selection": {"only": args.only, "keys": args.keys, "queries": args.queries}, "rows": [], "float64_check": {},
+        "selection": {"only": args.only, "keys": args.keys, "queries": args.queries, "pairs": sz["pairs"]}, "rows": [], "float64_check": {},
         "goal": [],
     }
 
