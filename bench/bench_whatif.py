@@ -190,13 +190,11 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 
-def bench_keep(torch, W, dev: str, sz: dict, T: int, Tq: int, grid: str = "bf16") -> dict[str, Any]:
-    """``grid`` bf16: fp32 tensors holding bf16 values (a bf16 model's recorded K/V/Q, as the
-    replay reads them; the kernels then run bf16 dots exactly); fp32: full fp32 mantissas (3xTF32)."""
-    cuda = dev == "cuda"
-    Hq, Hk, D = sz["heads"]
-    row: dict[str, Any] = {"kind": "keep", "keys": T, "queries": Tq, "q_heads": Hq, "kv_heads": Hk, "head_dim": D,
-                           "sets": 3 * len(RATIOS), "dtype": "float32", "values_on": grid}
+def keep_inputs(torch, dev: str, heads: tuple[int, int, int], T: int, Tq: int, grid: str):
+    """(q, k, v, keep, positions) of a keep row: random fp32 q/k/v ([1, Hq, Tq, D], [1, Hk, T, D]),
+    on the bf16 grid when ``grid`` is "bf16" (a bf16 model's recorded values upcast), the 9
+    ``keep_sets`` and the queries at the last Tq positions; seeded by the shape."""
+    Hq, Hk, D = heads
     gen = torch.Generator(device=dev).manual_seed(T * 7 + Tq)
 
     def draw(*shape):
@@ -204,8 +202,17 @@ def bench_keep(torch, W, dev: str, sz: dict, T: int, Tq: int, grid: str = "bf16"
         return x.to(torch.bfloat16).float() if grid == "bf16" else x
 
     q, k, v = draw(1, Hq, Tq, D), draw(1, Hk, T, D), draw(1, Hk, T, D)
-    keep = keep_sets(torch, k)
-    pos = torch.arange(T - Tq, T, device=dev)
+    return q, k, v, keep_sets(torch, k), torch.arange(T - Tq, T, device=dev)
+
+
+def bench_keep(torch, W, dev: str, sz: dict, T: int, Tq: int, grid: str = "bf16") -> dict[str, Any]:
+    """``grid`` bf16: fp32 tensors holding bf16 values (a bf16 model's recorded K/V/Q, as the
+    replay reads them; the kernels then run bf16 dots exactly); fp32: full fp32 mantissas (3xTF32)."""
+    cuda = dev == "cuda"
+    Hq, Hk, D = sz["heads"]
+    row: dict[str, Any] = {"kind": "keep", "keys": T, "queries": Tq, "q_heads": Hq, "kv_heads": Hk, "head_dim": D,
+                           "sets": 3 * len(RATIOS), "dtype": "float32", "values_on": grid}
+    q, k, v, keep, pos = keep_inputs(torch, dev, (Hq, Hk, D), T, Tq, grid)
     kw = dict(q_positions=pos)
 
     def kern():

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_overhead import bootstrap_median_ci  # noqa: E402
-from bench_whatif import _max_diff, keep_sets, peak_extra_bytes  # noqa: E402
+from bench_whatif import _max_diff, keep_inputs, peak_extra_bytes  # noqa: E402
 
 CASES = [(32768, 64, "bf16"), (32768, 64, "fp32"), (4096, 64, "bf16"), (32768, 16, "bf16"), (65536, 64, "bf16"),
          (32768, 256, "bf16")]
@@ -73,17 +73,9 @@ def _host_profile(torch, fn, calls: int = 20) -> list[str]:
 
 
 def probe(torch, W, P, T: int, Tq: int, grid: str, rounds: int) -> dict:
-    dev = "cuda"
-    Hq, Hk, D = 32, 8, 128
-    gen = torch.Generator(device=dev).manual_seed(T * 7 + Tq)
-
-    def draw(*shape):
-        x = torch.randn(*shape, device=dev, generator=gen)
-        return x.to(torch.bfloat16).float() if grid == "bf16" else x
-
-    q, k, v = draw(1, Hq, Tq, D), draw(1, Hk, T, D), draw(1, Hk, T, D)
-    keep = keep_sets(torch, k)
-    kw = dict(q_positions=torch.arange(T - Tq, T, device=dev))
+    q, k, v, keep, pos = keep_inputs(torch, "cuda", (32, 8, 128), T, Tq, grid)
+    Hk = k.shape[1]
+    kw = dict(q_positions=pos)
     row: dict = {"keys": T, "queries": Tq, "values_on": grid, "sets": int(keep.shape[0])}
 
     def pieces():

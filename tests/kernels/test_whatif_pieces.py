@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from kvtrace.kernels import whatif as W  # noqa: E402
 from kvtrace.kernels import whatif_pieces as P  # noqa: E402
-from kvtrace.whatif import numerics as N  # noqa: E402
+from tests.kernels.test_whatif_kernels import _numpy_sets, _t  # noqa: E402
 
 RECALL = dict(atol=1e-5, rtol=0)
 
@@ -23,16 +23,6 @@ def _pieces_on(monkeypatch):
     kernel, whose fixed costs are lower)."""
     monkeypatch.setattr(P, "PIECES", True)
 ERROR = dict(atol=1e-5, rtol=1e-4)
-
-
-def _numpy_sets(q, k, v, keep, pos, k_start, window, scale):
-    vis = N.visible_mask(pos, k_start + np.arange(k.shape[2]), window)
-    out = [N.keep_measures(q, k, v, vis, scale, keep[s]) for s in range(keep.shape[0])]
-    return np.stack([r for r, _ in out]), np.stack([e for _, e in out])
-
-
-def _t(x, dev):
-    return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
 
 
 def _nested_and_random(rng, B, Hk, T, S):
