@@ -32,6 +32,10 @@ PIECES_EXTRA_US = 600.0
 MIN_SEGMENT_KEYS = 64
 # Sets per chunk at most (signatures are int64; the fold kernel holds every set of a chunk).
 MAX_CHUNK_SETS = 31
+# The piece states (pieces x query rows of a head x (Dv + 2) fp32) above this: the shared-max kernel
+# answers instead (memory O(rows x sets)). Many independent sets split into many chunks, each with
+# its own pieces; the replay's query chunks keep real calls far below it.
+PIECES_MAX_BYTES = 1 << 30
 
 
 @dataclass
@@ -181,6 +185,8 @@ def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor
     err = torch.full_like(recall, float("nan"))
     if pl_ is None:  # no query sees a key: recall 0, error NaN (||o|| = 0)
         return lambda: (recall, err)
+    if pl_.work.shape[0] * rows_h * (v.shape[3] + 2) * 4 > PIECES_MAX_BYTES:
+        return None
     dt = W._kernel_dtype(q, k)
     as_bf16 = dt == torch.float32 and bf16[0] and bf16[1]
     cast_q, cast_k = as_bf16 and q.dtype == torch.float32, as_bf16 and k.dtype == torch.float32

@@ -187,3 +187,18 @@ def test_auto_takes_the_path_where_the_probe_measured_it_faster(tri_device, monk
     assert calls == []
     np.testing.assert_allclose(r.cpu().numpy(), want_r, **RECALL)
     np.testing.assert_allclose(e.cpu().numpy(), want_e, **ERROR)
+
+
+def test_piece_states_over_the_memory_cap_go_to_the_shared_kernel(tri_device, monkeypatch):
+    """Piece states above PIECES_MAX_BYTES: the shared-max kernel answers, with the same numbers."""
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((1, 2, 8, 16), (1, 1, 40, 16), (1, 1, 40, 8)))
+    keep = rng.random((3, 1, 1, 40)) < 0.5
+    pos = np.arange(32, 40)
+    want_r, want_e = _numpy_sets(q, k, v, keep, pos, 0, None, 0.25)
+    monkeypatch.setattr(P, "PIECES_MAX_BYTES", 1024)
+    calls = _spy_pieces(monkeypatch)
+    r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (q, k, v, keep)), q_positions=pos)
+    assert calls == []
+    np.testing.assert_allclose(r.cpu().numpy(), want_r, **RECALL)
+    np.testing.assert_allclose(e.cpu().numpy(), want_e, **ERROR)
