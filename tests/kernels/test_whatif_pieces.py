@@ -62,6 +62,9 @@ CASES = [
     # the first key (nothing visible: recall 0, error NaN); ragged head dims
     dict(seed=1, B=2, Hq=4, Hk=1, Tq=5, T=37, D=12, Dv=20, S=5, window=9, k_start=50,
          q_pos=[49, 60, 70, 80, 86]),
+    # not causal (an encoder's or cross attention's keys): every query sees every key
+    dict(seed=2, B=1, Hq=2, Hk=1, Tq=8, T=30, D=16, Dv=16, S=5, window=None, k_start=0, q_pos=[0, 3, 5, 9, 11, 2, 7, 1],
+         causal=False),
 ]
 
 
@@ -78,12 +81,17 @@ def test_pieces_agree_with_numerics(case, grid, tri_device, monkeypatch):
         q, k, v = (torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v))
     keep = _nested_and_random(rng, B, Hk, T, S)
     pos = np.asarray(c["q_pos"] if c["q_pos"] is not None else c["k_start"] + T - Tq + np.arange(Tq))
-    want_r, want_e = _numpy_sets(q, k, v, keep, pos, c["k_start"], c["window"], D ** -0.5)
+    causal = c.get("causal", True)
+    if causal:
+        want_r, want_e = _numpy_sets(q, k, v, keep, pos, c["k_start"], c["window"], D ** -0.5)
+    else:  # numerics' visibility is causal: the reference over every key is the torch one in float64
+        want_r, want_e = (x.numpy() for x in W.keep_measures_reference(
+            *(torch.from_numpy(x) for x in (q, k, v, keep)), q_positions=pos, causal=False))
     calls = _spy_pieces(monkeypatch)
     args = [_t(x, tri_device) for x in (q, k, v, keep)]
     if grid == "bf16-tensors":  # what the replay passes (whatif.as_bf16_if_exact): nothing to cast
         args[:3] = [x.to(torch.bfloat16) for x in args[:3]]
-    r, e = W.keep_measures_triton(*args, q_positions=pos, k_start=c["k_start"], window=c["window"])
+    r, e = W.keep_measures_triton(*args, q_positions=pos, k_start=c["k_start"], window=c["window"], causal=causal)
     assert len(calls) == 1 and not W._PIECES_FAILED  # the path ran, no silent fallback
     assert all(calls[0][f"cast_{x}"] == (grid == "bf16") for x in "qkv")
     np.testing.assert_allclose(r.cpu().numpy(), want_r, equal_nan=True, **RECALL)
