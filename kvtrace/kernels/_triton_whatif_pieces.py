@@ -30,7 +30,7 @@ import triton.language as tl
 
 from kvtrace.kernels._env import interpreting
 from kvtrace.kernels._triton_attention import _scaled
-from kvtrace.kernels._triton_whatif import _launch, _load_kv, _load_q, _pv, _rows, _visible
+from kvtrace.kernels._triton_whatif import _launch, _load_kv, _load_q, _pv, _rows, _softmax_step, _visible
 
 INTERP_BLOCK_M = 16
 INTERP_BLOCK_N = 16
@@ -148,13 +148,8 @@ def _piece_kernel(
                          CAST_K, CAST_V)
         s = _scaled(tl.dot(q, kt, input_precision=PREC_QK), scale, ROUNDED)
         s = tl.where(_visible(idx, in_piece, pos, valid, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no inf - inf for rows that saw no key yet
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, None])
-        l_i = alpha * l_i + tl.sum(p, axis=1)
+        m_i, l_i, alpha, p = _softmax_step(m_i, l_i, s)
         acc = _pv(acc * alpha[:, None], p, v, PV_SPLIT, DOT_F32, PREC_PV)
-        m_i = m_new
 
     out = piece * rows_h + vq
     tl.store(PM + out, m_i, mask=valid)
