@@ -875,9 +875,15 @@ def run_grid_check(q, k, v, positions, limit: int, sms: int, sync: bool = True):
             dict(LIMIT=limit, BLOCK=block, num_warps=4))
     if not sync:
         return flags
+    return grid_flags(flags.tolist())  # the one host sync of a keep-set call
+
+
+def grid_flags(values) -> tuple[bool, bool, bool, bool]:
+    """(a position's magnitude >= limit, q / k / v off the bf16 grid) from the per-program flags
+    of ``run_grid_check`` read to the host (ints)."""
     bits = 0
-    for f in flags.tolist():  # the one host sync of a keep-set call
-        bits |= f
+    for f in values:
+        bits |= int(f)
     return bool(bits & 1), bool(bits & 2), bool(bits & 4), bool(bits & 8)
 
 

@@ -273,24 +273,15 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
         big, *off = tw.run_grid_check(*fp32, positions, _LIMIT, _sms(q.device))
         if big:
             raise ValueError("positions and lengths must be below 2**29 for the Triton path")
-    bf16 = [x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not bad) for x, bad in zip((q, k, v), off,
-                                                                                                  strict=True)]
     if g.B * g.Hq * g.Tq == 0 or g.T == 0:
         verify()
         return None
-    # Recorded bf16 upcast to fp32: the same values run as bf16 (exact scores on the tensor cores;
-    # p @ V as three bf16 dots against the exact V), cast in registers: a converted copy would
-    # cost a pass over the tensor and its size again in memory.
-    dt = _kernel_dtype(q, k)
     if exact:  # the kernel reads any of fp16 / bf16 / fp32 as it is stored
+        dt = _kernel_dtype(q, k)
         q, k, v = (x if x.dtype in _KERNEL_DTYPES else x.to(dt) for x in (q, k, v))
-    as_bf16 = not exact and dt == torch.float32 and bf16[0] and bf16[1]
-    cast_q, cast_k = as_bf16 and q.dtype == torch.float32, as_bf16 and k.dtype == torch.float32
-    if not as_bf16 and not exact:
-        q, k = q.to(dt), k.to(dt)
-    vt = v.dtype if v.dtype in _KERNEL_DTYPES else torch.float32
-    cast_v = not exact and v.dtype == torch.float32 and bf16[2]
-    v = v.to(vt)
+        cast_q = cast_k = cast_v = False
+    else:
+        q, k, v, cast_q, cast_k, cast_v = _operands(q, k, v, off)
     if CONVERT_SHARED and not tw.packed(g.group, g.Tq) and (cast_k or cast_v):
         # The shared-scores kernel reads each key block once per block of rows and sets (~20-40
         # times at 64 queries): there a bf16 copy (one pass, half the inputs' size in memory)
@@ -312,6 +303,23 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
                                          grid_auto=grid_auto, exact=exact)
 
     return launch, pm, pl, pacc, n_splits, finish_kw, verify
+
+
+def _operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, off: Sequence[bool]):
+    """(q, k, v, cast_q, cast_k, cast_v) for the tensor-core kernels, ``off`` saying which of q, k,
+    v (if fp32) hold values off the bf16 grid. Recorded bf16 upcast to fp32 runs as bf16 (exact
+    scores on the tensor cores; p @ V as three bf16 dots against the exact V), cast in registers:
+    a converted copy would cost a pass over the tensor and its size again in memory."""
+    bf16 = [x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not bad) for x, bad in zip((q, k, v), off,
+                                                                                                  strict=True)]
+    dt = _kernel_dtype(q, k)
+    as_bf16 = dt == torch.float32 and bf16[0] and bf16[1]
+    cast_q, cast_k = as_bf16 and q.dtype == torch.float32, as_bf16 and k.dtype == torch.float32
+    if not as_bf16:
+        q, k = q.to(dt), k.to(dt)
+    cast_v = v.dtype == torch.float32 and bf16[2]
+    v = v.to(v.dtype if v.dtype in _KERNEL_DTYPES else torch.float32)
+    return q, k, v, cast_q, cast_k, cast_v
 
 
 def _partial_buffers(n: int, dv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -174,31 +174,18 @@ def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor
     unit = tp.unit()
     pk = piece_keys_for(g.T, g.B * g.Hk, rows_h, W._sms(q.device), unit, num_splits)
     pl_, bits = plan(keep8, g, q.device, piece_keys=pk, unit=unit, extra=flags)
-    got = 0
-    for f in bits:
-        got |= int(f)
-    if got & 1:
+    big, *off = tw.grid_flags(bits)
+    if big:
         raise ValueError("positions and lengths must be below 2**29 for the Triton path")
-    bf16 = [x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not got & bit)
-            for x, bit in zip((q, k, v), (2, 4, 8), strict=True)]
     recall = torch.zeros(shape, dtype=torch.float32, device=q.device)
     err = torch.full_like(recall, float("nan"))
     if pl_ is None:  # no query sees a key: recall 0, error NaN (||o|| = 0)
         return lambda: (recall, err)
     if pl_.work.shape[0] * rows_h * (v.shape[3] + 2) * 4 > PIECES_MAX_BYTES:
         return None
-    dt = W._kernel_dtype(q, k)
-    as_bf16 = dt == torch.float32 and bf16[0] and bf16[1]
-    cast_q, cast_k = as_bf16 and q.dtype == torch.float32, as_bf16 and k.dtype == torch.float32
-    if not as_bf16:
-        q, k = q.to(dt), k.to(dt)
-    vt = v.dtype if v.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
-    cast_v = v.dtype == torch.float32 and bf16[2]
-    v = v.to(vt)
+    q, k, v, cast_q, cast_k, cast_v = W._operands(q, k, v, off)
     n_pieces, dv = pl_.work.shape[0], v.shape[3]
-    pm = torch.empty(n_pieces * rows_h, dtype=torch.float32, device=q.device)
-    pls = torch.empty_like(pm)
-    pacc = torch.empty(n_pieces * rows_h * dv, dtype=torch.float32, device=q.device)
+    pm, pls, pacc = W._partial_buffers(n_pieces * rows_h, dv, q.device)
     window = None if g.window is None else min(g.window, W._LIMIT)
 
     def launch() -> tuple[torch.Tensor, torch.Tensor]:
