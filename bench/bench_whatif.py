@@ -147,6 +147,14 @@ def device_ms(torch, fn, cuda: bool, calls: int = 5) -> float | None:
     torch profiler, per call -- what the call costs the device, without host time between launches."""
     if not cuda:
         return None
+    prof = profiled(torch, fn, calls)
+    gpu = torch.autograd.DeviceType.CUDA
+    total_us = sum(ev.device_time_total for ev in prof.events() if ev.device_type == gpu)
+    return total_us / 1e3 / calls
+
+
+def profiled(torch, fn, calls: int):
+    """The torch profiler (CUDA activity) over ``calls`` calls of ``fn`` after one warm-up call."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -155,9 +163,7 @@ def device_ms(torch, fn, cuda: bool, calls: int = 5) -> float | None:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    gpu = torch.autograd.DeviceType.CUDA
-    total_us = sum(ev.device_time_total for ev in prof.events() if ev.device_type == gpu)
-    return total_us / 1e3 / calls
+    return prof
 
 
 def keep_sets(torch, k, ratios=RATIOS, seed: int = 0):

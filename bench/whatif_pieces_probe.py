@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_overhead import bootstrap_median_ci  # noqa: E402
-from bench_whatif import _max_diff, keep_inputs, peak_extra_bytes  # noqa: E402
+from bench_whatif import _max_diff, keep_inputs, peak_extra_bytes, profiled  # noqa: E402
 
 CASES = [(32768, 64, "bf16"), (32768, 64, "fp32"), (4096, 64, "bf16"), (32768, 16, "bf16"), (65536, 64, "bf16"),
          (32768, 256, "bf16")]
@@ -38,16 +38,8 @@ def _event_ms(torch, fn) -> float:
 
 def _kernels(torch, fn, calls: int = 3) -> dict[str, float]:
     """GPU ms per call by kernel name (the torch profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
     out: dict[str, float] = {}
-    for ev in prof.key_averages():
+    for ev in profiled(torch, fn, calls).key_averages():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
             out[ev.key[:60]] = round(ev.device_time_total / 1e3 / calls, 4)
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
