@@ -8,6 +8,13 @@ opens the trace itself: h5py objects do not pickle and h5py serialises threads, 
 paths (a spawn process pool, or dask.distributed workers that share the filesystem) and write
 their own files; only small dicts and the one-row traces table travel back. The parent alone
 writes traces.parquet and the manifest, rewriting both whole (atomically) at checkpoints.
+
+Every file is created fresh inside DIR (:func:`kvtrace.wholefile.create_in_dir`: no symlink, hard
+link or FIFO found there is written through) under a name checked by
+:func:`kvtrace.wholefile.check_name`; the manifest and traces.parquet are validated
+(:mod:`kvtrace.fleet.layout`) before anything in them is acted on. One export runs in a directory at
+a time (an advisory lock on it); a run that fails or is stopped removes the per-trace files of the
+traces it did not record, and the next run removes what a killed one left.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -31,17 +39,28 @@ import pyarrow.parquet as pq
 from kvtrace import exitcodes
 from kvtrace.errors import CannotWrite
 from kvtrace.fleet import FleetError
+from kvtrace.fleet.layout import (
+    OWN_TRACE_ID,
+    PER_TRACE_TABLES,
+    check_trace_ids,
+    kind_of,
+    load_manifest,
+    lstat_or_none,
+    open_regular,
+    table_dir,
+)
 from kvtrace.fleet.source import file_identity, read_trace
 from kvtrace.fleet.tables import (
     FLEET_SCHEMA_VERSION,
     MANIFEST,
-    TABLE_NAMES,
     TRACES_FILE,
     newer_major,
     trace_tables,
 )
 from kvtrace.format.errors import InvalidTrace, TraceError, UnsupportedVersion
-from kvtrace.wholefile import failure_reason, write_text_whole, write_whole
+from kvtrace.wholefile import clean_parts, create_in_dir, failure_reason, remove_in_dir
+
+__all__ = ["MANIFEST", "ExportResult", "export_one", "export_parquet", "load_manifest", "load_traces", "plan"]
 
 # traces.parquet and the manifest are rewritten whole after at least this many exports AND this
 # many seconds since the last rewrite (at the end of the run in any case): a crash loses at most
@@ -59,13 +78,18 @@ def _code_for(exc: BaseException) -> int:
     return exitcodes.UNREADABLE
 
 
-def _write_atomic(table: Any, path: Path) -> None:
-    """Write a table whole or not at all (its temporary is not matched by the *.parquet globs); a
-    full disk is CannotWrite (exit 73), not pyarrow's OSError (an internal error)."""
+def _write_file(out_dir: str | os.PathLike[str], rel: tuple[str, ...], write: Callable[[Any], object]) -> None:
+    """Create ``out_dir/rel...`` fresh, whole or not at all (its temporary is hidden, not matched by
+    the *.parquet globs); a full disk is CannotWrite (exit 73), not pyarrow's OSError (an internal
+    error)."""
     try:
-        write_whole(path, lambda p: pq.write_table(table, p, compression="zstd"))
+        create_in_dir(out_dir, rel, write)
     except OSError as exc:
-        raise CannotWrite(f"cannot write {path}: {failure_reason(exc)}") from None
+        raise CannotWrite(f"cannot write {Path(out_dir, *rel)}: {failure_reason(exc)}") from None
+
+
+def _write_table(table: Any, out_dir: str | os.PathLike[str], *rel: str) -> None:
+    _write_file(out_dir, rel, lambda fh: pq.write_table(table, fh, compression="zstd"))
 
 
 def export_one(path: str, out_dir: str, identity: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -81,28 +105,30 @@ def export_one(path: str, out_dir: str, identity: dict[str, Any] | None = None) 
     tid = data.identity["trace_id"]
     traces_row = tables.pop("traces")  # the parent merges it into traces.parquet
     rows = {"traces": traces_row.num_rows}
-    written: list[Path] = []  # this call's new files: removed when a later table cannot be written
+    written: list[str] = []  # this call's tables: removed when a later table cannot be written
     try:
         for name, table in tables.items():
-            target = Path(out_dir) / name / f"{tid}.parquet"
             if table.num_rows == 0:  # views fall back to the known schema; empty files only slow globs
-                target.unlink(missing_ok=True)
+                _remove(out_dir, name, tid)
                 continue
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise CannotWrite(f"cannot write {target}: {failure_reason(exc)}") from None
-            new = not target.exists()
-            _write_atomic(table, target)
-            if new:
-                written.append(target)
+            _write_table(table, out_dir, name, f"{tid}.parquet")
+            written.append(name)
             rows[name] = table.num_rows
-    except CannotWrite:  # a trace is exported whole or not at all: no rows without its traces row
-        for target in written:
-            target.unlink(missing_ok=True)
+    except BaseException:  # a trace is exported whole or not at all: no rows without its traces row
+        for name in written:
+            with contextlib.suppress(OSError):
+                remove_in_dir(out_dir, (name, f"{tid}.parquet"))
         raise
     return {"path": path, "status": "exported", **data.identity, "rows": rows, "traces_row": traces_row,
             "analysis_error": data.analysis_error, "seconds": (time.perf_counter_ns() - t0) / 1e9}
+
+
+def _remove(out_dir: str | os.PathLike[str], table: str, trace_id: str) -> None:
+    try:
+        remove_in_dir(out_dir, (table, f"{trace_id}.parquet"))
+    except OSError as exc:
+        raise CannotWrite(f"cannot remove {Path(out_dir, table, trace_id + '.parquet')}: "
+                          f"{failure_reason(exc)}") from None
 
 
 @dataclass
@@ -129,43 +155,60 @@ class ExportResult:
                 "skipped": self.skipped, "failed": self.failed}
 
 
-def load_manifest(out_dir: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {"fleet_schema_version": FLEET_SCHEMA_VERSION, "traces": {}}
-    if not isinstance(doc, dict) or not isinstance(doc.get("traces"), dict):
-        return {"fleet_schema_version": FLEET_SCHEMA_VERSION, "traces": {}}
-    return doc
-
-
 def _save_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
-    try:
-        write_text_whole(out_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-    except OSError as exc:
-        raise CannotWrite(f"cannot write {out_dir / MANIFEST}: {failure_reason(exc)}") from None
-
-
-def _remove_trace(out_dir: Path, trace_id: str) -> None:
-    for name in TABLE_NAMES:
-        (out_dir / name / f"{trace_id}.parquet").unlink(missing_ok=True)
+    text = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8")
+    _write_file(out_dir, (MANIFEST,), lambda fh: fh.write(text))
 
 
 def load_traces(out_dir: Path) -> pa.Table | None:
-    """The traces table of an export (None when there is none yet)."""
+    """The traces table of an export (None when there is none yet); FleetError when it is not a
+    regular Parquet file with safe trace ids (damaged: refused rather than drop its rows)."""
+    path = out_dir / TRACES_FILE
     try:
-        return pq.read_table(out_dir / TRACES_FILE)
+        fh = open_regular(path, TRACES_FILE)
     except FileNotFoundError:
         return None
-    except (OSError, pa.ArrowException) as exc:  # damaged: refuse rather than drop its rows
-        raise FleetError(f"{out_dir / TRACES_FILE}: not a readable Parquet file ({exc}); "
+    try:
+        with fh:
+            table = pq.read_table(fh)
+    except (OSError, pa.ArrowException) as exc:
+        raise FleetError(f"{path}: not a readable Parquet file ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
                          "remove it and export again, or export into a new directory") from None
+    if "trace_id" not in table.column_names:
+        raise FleetError(f"{path}: not a table kvtrace exported (it has no trace_id column); "
+                         "remove it and export again, or export into a new directory")
+    check_trace_ids(table.column("trace_id").to_pylist(), path)
+    return table
+
+
+def _sweep(out: Path, keep: set[str]) -> None:
+    """Check the table directories and remove what a stopped export left in them: temporaries of
+    dead writers, and ``<id>.parquet`` files (ids of kvtrace's own shape) of traces neither
+    traces.parquet nor the manifest lists. Any other ``*.parquet`` there, a directory named like
+    one, or a table directory that is a symlink is a damaged fleet (FleetError, exit 2)."""
+    clean_parts(out)
+    for name in PER_TRACE_TABLES:
+        d = table_dir(out, name)
+        if d is None:
+            continue
+        clean_parts(d)
+        for entry in os.scandir(d):
+            if entry.name.startswith(".") or not entry.name.endswith(".parquet"):
+                continue
+            stem = entry.name[: -len(".parquet")]
+            mode = entry.stat(follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode) or (stem not in keep and not OWN_TRACE_ID.fullmatch(stem)):
+                why = kind_of(mode) if stat.S_ISDIR(mode) else f"not a trace of {TRACES_FILE} or {MANIFEST}"
+                raise FleetError(f"{d / entry.name}: {why}, not a file kvtrace exported (a damaged fleet "
+                                 "directory: remove it, or export into a new directory)")
+            if stem not in keep:
+                _remove(out, name, stem)
 
 
 def _merge_traces(old: pa.Table | None, new_rows: list[pa.Table], drop: set[str]) -> pa.Table:
     """Old rows minus the replaced and re-exported trace ids, then the new rows."""
     parts = []
-    if old is not None:
+    if old is not None and old.num_columns:
         ids = old.column("trace_id").to_pylist()
         parts.append(old.filter(pa.array([i not in drop for i in ids], pa.bool_())))
     parts += new_rows
@@ -215,10 +258,13 @@ def _run_pool(todo: list[tuple[str, dict[str, Any]]], out_dir: str, jobs: int) -
         for path, ident in todo:
             yield export_one(path, out_dir, ident)
         return
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"))
+    try:
         futures = [pool.submit(export_one, path, out_dir, ident) for path, ident in todo]
         for fut in as_completed(futures):
             yield fut.result()
+    finally:  # stopped early (a failure, Ctrl-C): queued traces never start, running ones finish
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _run_dask(todo: list[tuple[str, dict[str, Any]]], out_dir: str, address: str | None,
@@ -236,15 +282,37 @@ def _run_dask(todo: list[tuple[str, dict[str, Any]]], out_dir: str, address: str
         client = Client(cluster if cluster is not None else address, timeout=DASK_CONNECT_TIMEOUT_S)
     except (OSError, TimeoutError) as exc:
         raise ConnectionError(f"cannot reach the dask scheduler {address}: {exc}") from None
+    futures: list[Any] = []
     try:
         futures = client.map(export_one, [p for p, _ in todo], [out_dir] * len(todo), [i for _, i in todo],
                              pure=False)
         for fut in dask_completed(futures):
             yield fut.result()
     finally:
+        client.cancel(futures)  # queued traces never start (one running on a worker finishes)
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """An advisory lock on the directory itself (no file made for it) for the export's duration: a
+    second export into the same directory would overwrite traces.parquet with its own rows and
+    remove the first one's files as leftovers. Where the file system has no flock, no lock."""
+    import fcntl
+
+    fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CannotWrite(f"cannot write {out}: another kvtrace export parquet is writing into it") from None
+        except OSError:  # no flock here (some network file systems): export unlocked
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def export_parquet(paths: Iterable[str], out_dir: str | os.PathLike[str], *, jobs: int = 1,
@@ -253,21 +321,34 @@ def export_parquet(paths: Iterable[str], out_dir: str | os.PathLike[str], *, job
     """Export traces into ``out_dir``; unchanged traces already there are skipped.
 
     ``jobs`` > 1: a spawn process pool; ``dask_address`` or ``dask_workers`` > 0: dask.distributed
-    (an existing scheduler, or a LocalCluster of that many single-threaded worker processes)."""
-    t0 = time.perf_counter()
+    (an existing scheduler, or a LocalCluster of that many single-threaded worker processes).
+    FleetError (exit 2) when the directory is not a fleet kvtrace wrote (a forged or damaged
+    manifest or traces.parquet, a symlinked or foreign entry); nothing is then written or removed."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    with _locked(out):
+        return _export(paths, out, jobs=jobs, dask_address=dask_address, dask_workers=dask_workers, force=force,
+                       progress=progress)
+
+
+def _export(paths: Iterable[str], out: Path, *, jobs: int, dask_address: str | None, dask_workers: int,
+            force: bool, progress: Callable[[str], None] | None) -> ExportResult:
+    t0 = time.perf_counter()
     manifest = load_manifest(out)
     if newer_major(manifest.get("fleet_schema_version")):  # re-exporting would downgrade a newer export
         raise UnsupportedVersion(f"{out}: exported by a newer kvtrace (fleet schema "
                                  f"{manifest['fleet_schema_version']}; this kvtrace writes {FLEET_SCHEMA_VERSION}); "
                                  "upgrade kvtrace, or export into a new directory")
-    # rows written under another fleet schema lack columns the views expect: export them again
-    force = force or manifest.get("fleet_schema_version") != FLEET_SCHEMA_VERSION
-    if (out / "traces").is_dir():  # fleet schema 1.0 kept one traces file per trace
-        shutil.rmtree(out / "traces")
     traces = load_traces(out)
     exported_ids = set(traces.column("trace_id").to_pylist()) if traces is not None else set()
+    listed = {v["trace_id"] for v in manifest["traces"].values()}
+    old_layout = table_dir(out, "traces")  # fleet schema 1.0 kept one traces file per trace
+    _sweep(out, exported_ids | listed)
+    # rows written under another fleet schema lack columns the views expect: export them again
+    force = force or manifest.get("fleet_schema_version") != FLEET_SCHEMA_VERSION
+    if old_layout is not None:
+        shutil.rmtree(old_layout)
+    made = {name for name in PER_TRACE_TABLES if lstat_or_none(out / name) is None}
     todo, skipped, failed = plan(paths, manifest, exported_ids, force)
     result = ExportResult(out, skipped=skipped, failed=failed)
     for entry in skipped:
@@ -281,40 +362,65 @@ def export_parquet(paths: Iterable[str], out_dir: str | os.PathLike[str], *, job
     by_path = {ident["path"]: ident for _, ident in todo}
     new_rows: list[pa.Table] = []
     drop: set[str] = set()
+    stale: set[str] = set()  # ids of traces whose file changed: their files go once traces.parquet is written
+    committed = exported_ids | listed  # the ids whose files a failure keeps
     last = time.monotonic()
 
     def checkpoint() -> None:
-        nonlocal traces, new_rows, drop, last
-        traces = _merge_traces(traces, new_rows, drop)
-        new_rows, drop, last = [], set(), time.monotonic()
-        if traces.num_rows:
-            _write_atomic(traces, out / TRACES_FILE)
+        nonlocal traces, new_rows, drop, stale, committed, last
+        merged = _merge_traces(traces, new_rows, drop)
+        if merged.num_rows:
+            _write_table(merged, out, TRACES_FILE)
+        traces, new_rows, drop, last = merged, [], set(), time.monotonic()
+        committed = set(merged.column("trace_id").to_pylist()) if merged.num_rows else set()
         manifest["fleet_schema_version"] = FLEET_SCHEMA_VERSION
         _save_manifest(out, manifest)
+        committed |= {v["trace_id"] for v in manifest["traces"].values()}
+        for tid in stale - committed:
+            for name in PER_TRACE_TABLES:
+                _remove(out, name, tid)
+        stale = set()
 
     try:
-        for entry in runner:
-            if entry["status"] == "failed":
-                result.failed.append(entry)
-            else:
-                old = manifest["traces"].get(entry["path"])
-                if old and old["trace_id"] != entry["trace_id"] and not any(
-                        v["trace_id"] == old["trace_id"] for k, v in manifest["traces"].items()
-                        if k != entry["path"]):
-                    _remove_trace(out, old["trace_id"])  # the file changed: its old rows go
-                    drop.add(old["trace_id"])
-                drop.add(entry["trace_id"])
-                new_rows.append(entry.pop("traces_row"))
-                manifest["traces"][entry["path"]] = {k: by_path.get(entry["path"], entry)[k] for k in
-                                                     ("size", "mtime_ns", "sha256_edges", "trace_id")}
-                result.exported.append(entry)
-                if len(new_rows) >= CHECKPOINT_TRACES and time.monotonic() - last >= CHECKPOINT_SECONDS:
-                    checkpoint()
-            progress and progress(entry["path"])
+        try:
+            for entry in runner:
+                if entry["status"] == "failed":
+                    result.failed.append(entry)
+                else:
+                    old = manifest["traces"].get(entry["path"])
+                    if old and old["trace_id"] != entry["trace_id"] and not any(
+                            v["trace_id"] == old["trace_id"] for k, v in manifest["traces"].items()
+                            if k != entry["path"]):
+                        stale.add(old["trace_id"])  # the file changed: its old rows go
+                        drop.add(old["trace_id"])
+                    drop.add(entry["trace_id"])
+                    new_rows.append(entry.pop("traces_row"))
+                    manifest["traces"][entry["path"]] = {k: by_path.get(entry["path"], entry)[k] for k in
+                                                         ("size", "mtime_ns", "sha256_edges", "trace_id")}
+                    result.exported.append(entry)
+                    if len(new_rows) >= CHECKPOINT_TRACES and time.monotonic() - last >= CHECKPOINT_SECONDS:
+                        checkpoint()
+                progress and progress(entry["path"])
+        finally:
+            runner.close()  # no worker writes after this: queued traces cancelled, running ones done
+        checkpoint()
     except CannotWrite:  # keep the traces exported whole before the failure, when there is room for them
         with contextlib.suppress(CannotWrite):
             checkpoint()
+        _clean_after_failure(out, committed, made)
         raise
-    checkpoint()
+    except BaseException:  # Ctrl-C, SIGTERM (the CLI raises SystemExit), a bug: the last checkpoint stands
+        _clean_after_failure(out, committed, made)
+        raise
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _clean_after_failure(out: Path, committed: set[str], made: set[str]) -> None:
+    """What a failed run leaves is what its last checkpoint recorded: the files of traces it did not
+    record are removed, and the table directories it made and left empty go."""
+    with contextlib.suppress(FleetError, CannotWrite, OSError):
+        _sweep(out, committed)
+    for name in made:
+        with contextlib.suppress(OSError):
+            (out / name).rmdir()  # fails when it holds a file: kept
