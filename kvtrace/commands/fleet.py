@@ -6,6 +6,7 @@ DIR is what `kvtrace export parquet TRACES -o DIR` wrote; spec/fleet.md document
 from __future__ import annotations
 
 import importlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -72,17 +73,24 @@ def fleet() -> None:
 def _read_only(sql: str) -> None:
     """--sql runs one query that reads: COPY, ATTACH, EXPORT, INSTALL, SET... could write files
     (the fleet directory's own Parquet included: no output may replace an input) or change the
-    session, and several statements would print only the last result. Exit 64 otherwise."""
+    session, and several statements would print only the last result. Exit 64 otherwise. This is
+    the first of two guards: the connection itself (kvtrace.fleet.query.connect) has no file
+    system access, so a statement that passes here (EXPLAIN ANALYZE COPY ..., SELECT ... FROM
+    read_csv('/etc/...')) fails there, exit 64 as well."""
     import duckdb
 
     try:
         statements = duckdb.extract_statements(sql)
+        kinds = [s.type for s in statements]
     except duckdb.Error as exc:
         (query,) = fleet_modules("query")
         raise click.UsageError(f"query failed: {query.first_line(exc)}") from None
+    except ValueError:  # a statement type this duckdb's Python client has no name for (UPDATE EXTENSIONS)
+        raise click.BadParameter("only queries that read (SELECT, WITH, DESCRIBE, EXPLAIN ...) run here, not a "
+                                 "statement of a type DuckDB's Python client cannot name", param_hint="--sql") from None
     if len(statements) != 1:
         raise click.BadParameter(f"give one SQL statement, got {len(statements)}", param_hint="--sql")
-    kind = statements[0].type
+    kind = kinds[0]
     if kind not in (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN):
         raise click.BadParameter(f"only queries that read (SELECT, WITH, DESCRIBE, EXPLAIN ...) run here, not "
                                  f"{kind.name}: kvtrace fleet writes no file", param_hint="--sql")
@@ -137,14 +145,22 @@ def summary(directory: str, group_by: str, sql: str | None, as_json: bool, json_
         else:
             query.check_keys(con, keys)
             results = query.summary(con, keys)
+        doc = {name: r.records() for name, r in results.items()} if (as_json or json_out) else {}
     except query.FleetError as exc:
         if sql is not None:  # the user's own query: a usage error
             raise click.UsageError(str(exc)) from None
         _built_in(directory, exc)
-    write_json({name: r.records() for name, r in results.items()}, json_out, as_json=as_json)
+    write_json(doc, json_out, as_json=as_json)
     if not as_json:
         for name, r in results.items():
             _print_table(name.replace("_", " "), r.columns, r.rows)
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """click's FloatRange lets NaN through (every comparison with NaN is false): refuse it (64)."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number in range")
+    return value
 
 
 @fleet.command("diff")
@@ -154,8 +170,8 @@ def summary(directory: str, group_by: str, sql: str | None, as_json: bool, json_
 @click.option("--fail-on", type=click.Choice(["regressed"]), default=None,
               help="Exit 3 when a metric regressed (for CI pipelines).")
 @click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05,
-              show_default=True, help="Significance level of the Mann-Whitney test.")
-@click.option("--min-effect", type=click.FloatRange(0), default=0.05, show_default=True,
+              show_default=True, callback=_finite, help="Significance level of the Mann-Whitney test.")
+@click.option("--min-effect", type=click.FloatRange(0), default=0.05, show_default=True, callback=_finite,
               help="Smallest change called one: median shift as a fraction of the baseline median; "
                    "findings rates: rate points (0.05 = 5 points).")
 @json_options

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtrace.fleet.query import FleetError, trace_columns
+from kvtrace.fleet.query import FleetError, sql_ident, trace_columns
 
 BOOTSTRAP = 2000
 SEED = 0
@@ -71,7 +71,7 @@ def _trace_ids(con: Any, sel: Selector) -> list[str]:
     cols = trace_columns(con)
     if sel.key not in cols:
         raise FleetError(f"unknown key {sel.key!r}; columns of traces: {', '.join(cols)}")
-    rows = con.execute(f'SELECT trace_id FROM traces WHERE CAST("{sel.key}" AS VARCHAR) = $v', {"v": sel.value})
+    rows = con.execute(f"SELECT trace_id FROM traces WHERE CAST({sql_ident(sel.key)} AS VARCHAR) = $v", {"v": sel.value})
     return [r[0] for r in rows.fetchall()]
 
 

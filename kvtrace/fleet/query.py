@@ -1,14 +1,25 @@
 """DuckDB views over a fleet directory and the default summary (spec/fleet.md).
 
-``traces`` is ``DIR/traces.parquet`` read into memory; every other view reads
-``DIR/<table>/*.parquet`` with ``union_by_name`` (files that different versions
-of kvtrace wrote may differ in columns); a table no trace had rows in is an empty view with the
-known schema, so queries never fail on a missing table.
+``traces`` is ``DIR/traces.parquet`` read into memory; every other view reads the files
+``DIR/<table>/<trace_id>.parquet`` of the traces ``traces`` lists, by column name (files that
+different versions of kvtrace wrote may differ in columns); a table no trace had rows in is an
+empty view with the known schema, so queries never fail on a missing table.
+
+The connection cannot touch the file system: the files are checked (:mod:`kvtrace.fleet.layout`:
+regular files, no symlink, no foreign file) and handed to DuckDB as Arrow datasets, then
+``enable_external_access`` is turned off and the configuration locked. A query (``--sql``) can
+read the views and nothing else: no COPY/EXPORT/ATTACH writes, no read_csv/read_text/glob of
+another path, no extension, no SET that undoes it.
 """
 
 from __future__ import annotations
 
+import base64
+import datetime
+import decimal
+import math
 import re
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +27,11 @@ from typing import Any
 
 import duckdb
 import pyarrow as pa
+import pyarrow.dataset as pa_dataset
+import pyarrow.parquet as pq
 
 from kvtrace.fleet import FleetError
+from kvtrace.fleet.layout import check_trace_ids, lstat_or_none, open_regular, table_files
 from kvtrace.fleet.tables import (
     FLEET_SCHEMA_VERSION,
     MANIFEST,
@@ -44,6 +58,11 @@ def _sql_string(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def sql_ident(name: str) -> str:
+    """A column name quoted for SQL (a forged traces.parquet may name a column ``x" OR 1``)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
 def tables_named(sql: str) -> tuple[str, ...]:
     """The fleet tables whose names appear as words in ``sql``: the views a query can reference.
     Binding a view reads the footer of every file it globs, so views nobody queries are not made."""
@@ -60,7 +79,8 @@ def connect(directory: str | Path, tables: Iterable[str] = TABLE_NAMES) -> duckd
     if newer_major(exported_as):
         raise UnsupportedVersion(f"{d}: exported by a newer kvtrace (fleet schema {exported_as}; this kvtrace "
                                  f"reads {FLEET_SCHEMA_VERSION}); upgrade kvtrace")
-    if not (d / TRACES_FILE).is_file():
+    st = lstat_or_none(d / TRACES_FILE)
+    if st is None:
         if (d / "traces").is_dir():  # fleet schema 1.0: one traces file per trace
             raise FleetError(f"{d}: exported by an older kvtrace (traces/ instead of {TRACES_FILE}); "
                              f"run 'kvtrace export parquet TRACES -o {d}' again to update it")
@@ -68,8 +88,13 @@ def connect(directory: str | Path, tables: Iterable[str] = TABLE_NAMES) -> duckd
     con = duckdb.connect(":memory:")
     try:
         _create_views(con, d, tables)
+        _lock_down(con)
     except duckdb.Error as exc:  # a damaged or foreign file in the directory: one line, not a traceback
+        con.close()
         raise FleetError(f"{d}: cannot read the exported tables ({first_line(exc)})") from None
+    except BaseException:
+        con.close()
+        raise
     if "traces" in tables:
         have = set(trace_columns(con))
         missing = [f.name for f in TRACES_SCHEMA if f.name not in have]
@@ -78,12 +103,21 @@ def connect(directory: str | Path, tables: Iterable[str] = TABLE_NAMES) -> duckd
     return con
 
 
+def _lock_down(con: duckdb.DuckDBPyConnection) -> None:
+    """After the views exist: no file system access (COPY, EXPORT, ATTACH, read_csv of any path,
+    glob, extensions), no Python objects by name, and no SET that would undo it."""
+    for setting in ("autoinstall_known_extensions = false", "autoload_known_extensions = false",
+                    "python_enable_replacements = false", "enable_external_access = false",
+                    "lock_configuration = true"):
+        con.execute(f"SET {setting}")
+
+
 def exported_schema(d: Path) -> str | None:
     """The fleet schema version ``DIR/_manifest.json`` names (None: no manifest, or not one). The
     manifest is written with sorted keys, so the version comes before the (large) per-trace entries:
     only its head is read, every query opens the directory."""
     try:
-        with open(d / MANIFEST, "rb") as fh:
+        with open_regular(d / MANIFEST, MANIFEST) as fh:  # never a FIFO (a read would wait forever)
             head = fh.read(4096).decode("utf-8", errors="replace")
     except OSError:
         return None
@@ -113,20 +147,58 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _read_traces(d: Path) -> pa.Table:
+    """DIR/traces.parquet, opened without following a link or waiting on a FIFO."""
+    path = d / TRACES_FILE
+    try:
+        with open_regular(path, TRACES_FILE) as fh:
+            return pq.read_table(fh)
+    except FileNotFoundError:
+        raise FleetError(f"{d}: no exported traces (no {TRACES_FILE}); run 'kvtrace export parquet' first") from None
+    except (OSError, pa.ArrowException) as exc:
+        raise FleetError(f"{d}: cannot read the exported tables ({TRACES_FILE} is not a readable Parquet "
+                         f"file: {first_line(exc)})") from None
+
+
+def _table_dataset(d: Path, name: str, trace_ids: set[str]) -> pa_dataset.Dataset | pa.Table:
+    """The files of table ``name`` as one Arrow dataset, columns matched by name and types promoted
+    as DuckDB's union_by_name does; an empty table of the known schema when there are none."""
+    files = table_files(d, name, trace_ids)
+    if not files:
+        return pa.Table.from_batches([], schema=empty_schema(name))
+    schemas = []
+    for f in files:
+        try:
+            schemas.append(pq.read_schema(f))
+        except (OSError, pa.ArrowException) as exc:
+            raise FleetError(f"{d}: cannot read the exported tables ({f.relative_to(d)} is not a readable "
+                             f"Parquet file: {first_line(exc)})") from None
+    try:
+        schema = pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowException, TypeError) as exc:
+        raise FleetError(f"{d}: cannot read the exported tables (the files of {name}/ do not agree on "
+                         f"column types: {first_line(exc)})") from None
+    return pa_dataset.dataset([str(f) for f in files], schema=schema, format="parquet")
+
+
 def _create_views(con: duckdb.DuckDBPyConnection, d: Path, tables: Iterable[str]) -> None:
+    traces = _read_traces(d)
+    if "trace_id" in traces.column_names:
+        trace_ids = check_trace_ids(traces.column("trace_id").to_pylist(), d / TRACES_FILE)
+    elif any(n != "traces" for n in tables):
+        raise FleetError(f"{d}: {TRACES_FILE} is not a table kvtrace exported (it has no trace_id column)")
+    else:
+        trace_ids = set()
     for name in TABLE_NAMES:
         if name not in tables:
             continue
         if name == "traces":
             # one file, read once into memory: the summary and diff query it several times
-            con.execute(f"CREATE TEMP TABLE traces AS SELECT * FROM read_parquet({_sql_string(str(d / TRACES_FILE))})")
-        elif any((d / name).glob("*.parquet")):
-            glob = _sql_string(str(d / name / "*.parquet"))
-            con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet({glob}, union_by_name = true)")
+            con.register("_traces_file", traces)
+            con.execute("CREATE TEMP TABLE traces AS SELECT * FROM _traces_file")
+            con.unregister("_traces_file")
         else:
-            empty = pa.Table.from_batches([], schema=empty_schema(name))
-            con.register(f"_empty_{name}", empty)
-            con.execute(f"CREATE VIEW {name} AS SELECT * FROM _empty_{name}")
+            con.register(name, _table_dataset(d, name, trace_ids))  # a (temporary) view of that name
 
 
 @dataclass
@@ -135,7 +207,58 @@ class QueryResult:
     rows: list[tuple[Any, ...]]
 
     def records(self) -> list[dict[str, Any]]:
-        return [dict(zip(self.columns, r, strict=True)) for r in self.rows]
+        """The rows as JSON-ready objects (:func:`json_value` of every cell). A result column name
+        repeated (``SELECT 1 AS a, 2 AS a``) gets a suffix rather than lose a value."""
+        names = _unique(self.columns)
+        return [dict(zip(names, (json_value(v) for v in r), strict=True)) for r in self.rows]
+
+
+def _unique(columns: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for c in columns:
+        n = seen.get(c, 0)
+        seen[c] = n + 1
+        out.append(c if n == 0 else f"{c}_{n + 1}")
+    return out
+
+
+def json_value(v: Any) -> Any:
+    """One DuckDB value as JSON (spec/fleet.md "--json"): numbers stay numbers (DECIMAL as a float,
+    HUGEINT/UBIGINT as integers of any size), NaN and infinity become null (JSON has neither), DATE,
+    TIME, TIMESTAMP[TZ] ISO 8601 text, INTERVAL seconds, UUID text, BLOB base64 text, LIST a list,
+    STRUCT an object, MAP an object when its keys are text, else a list of {key, value}; anything
+    else its text. Nesting deeper than Python's recursion allows is a FleetError."""
+    try:
+        return _json_value(v)
+    except RecursionError:
+        raise FleetError("query failed: a result value is nested too deeply to convert to JSON") from None
+
+
+def _json_value(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, decimal.Decimal):  # DECIMAL(p, 0) exactly, as an integer; with a scale, a float
+        if not v.is_finite():
+            return None
+        return int(v) if v.as_tuple().exponent >= 0 else float(v)
+    if isinstance(v, (datetime.datetime, datetime.date, datetime.time)):
+        return v.isoformat()
+    if isinstance(v, datetime.timedelta):
+        return v.total_seconds()
+    if isinstance(v, uuid.UUID):
+        return str(v)
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(v)).decode("ascii")
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    if isinstance(v, dict):
+        if all(isinstance(k, str) for k in v):
+            return {k: _json_value(x) for k, x in v.items()}
+        return [{"key": _json_value(k), "value": _json_value(x)} for k, x in v.items()]
+    return str(v)
 
 
 def run_sql(con: duckdb.DuckDBPyConnection, sql: str) -> QueryResult:
@@ -170,7 +293,7 @@ SUMMARY_TABLES = ("traces",)
 def summary(con: duckdb.DuckDBPyConnection, keys: list[str]) -> dict[str, QueryResult]:
     """The default summary, one row per combination of ``keys`` (columns of traces)."""
     check_keys(con, keys)
-    k = ", ".join(f't."{key}"' for key in keys)
+    k = ", ".join(f"t.{sql_ident(key)}" for key in keys)
     sel = f"{k}, " if keys else ""
     by = f"{k}, " if keys else ""
     group = f"GROUP BY {k}" if keys else ""

@@ -23,7 +23,7 @@ import numpy as np
 from kvtrace._version import __version__
 from kvtrace.fleet import format_cell
 from kvtrace.fleet.compare import Selector, fleet_diff, metric_rows
-from kvtrace.fleet.query import QueryResult, run_sql, summary
+from kvtrace.fleet.query import QueryResult, run_sql, sql_ident, summary
 from kvtrace.report import figures, html
 from kvtrace.units import format_bytes
 from kvtrace.wholefile import write_text_whole
@@ -60,7 +60,7 @@ def _label(row: tuple[Any, ...]) -> str:
 
 
 def _group_values(con: Any, keys: list[str], expr: str) -> list[tuple[str, np.ndarray]]:
-    k = ", ".join(f't."{key}"' for key in keys)
+    k = ", ".join(f"t.{sql_ident(key)}" for key in keys)
     sel, order = (f"{k}, ", f", {k}") if keys else ("", "")
     rows = con.execute(f"SELECT {sel}list({expr}) FILTER (WHERE {expr} IS NOT NULL), count(*) FROM traces t "
                        f"GROUP BY ALL ORDER BY count(*) DESC{order}").fetchall()
