@@ -9,6 +9,7 @@ from rich.table import Table
 
 from kvtrace.analyzer.diff import ReportDiff
 from kvtrace.labels import device_where
+from kvtrace.textsafe import visible
 from kvtrace.units import format_bytes, format_ns
 
 
@@ -29,12 +30,11 @@ def _fmt(d: dict[str, Any], unit: str = "bytes") -> tuple[str, str, str]:
 
 def render(d: ReportDiff, console: Console, *, all_layers: bool = False) -> None:
     a, b = d.a, d.b
-    console.print(f"A  {a['trace']}: {a['model']['id']} ({a['model']['type']}), transformers "
-                  f"{a['software']['transformers']}, torch {a['software']['torch']}")
-    console.print(f"B  {b['trace']}: {b['model']['id']} ({b['model']['type']}), transformers "
-                  f"{b['software']['transformers']}, torch {b['software']['torch']}")
+    for name, side in (("A", a), ("B", b)):
+        console.print(f"{name}  {visible(side['trace'])}: {visible(side['model']['id'])} ({visible(side['model']['type'])}), "
+                      f"transformers {visible(side['software']['transformers'])}, torch {visible(side['software']['torch'])}")
     for note in d.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {visible(note)}")
     t = Table(title="Requests (B - A)", title_justify="left")
     for col in ("req", "metric", "A", "B", "delta"):
         t.add_column(col, justify="right" if col != "metric" else "left")
@@ -57,6 +57,7 @@ def render(d: ReportDiff, console: Console, *, all_layers: bool = False) -> None
         kind = row["kind"]["b"] or row["kind"]["a"] or "?"
         if row["kind"]["a"] != row["kind"]["b"]:
             kind = f"{row['kind']['a'] or 'absent'} -> {row['kind']['b'] or 'absent'}"
+        kind = visible(kind)
         va, vb, vd = _fmt(row["bytes_valid"])
         lt.add_row(str(row["request"]), str(row["layer"]), kind, va, vb, vd, _fmt(row["bytes_allocated"])[2])
         shown += 1
@@ -70,15 +71,17 @@ def render(d: ReportDiff, console: Console, *, all_layers: bool = False) -> None
             mt.add_column(col, justify="right" if col != "metric" else "left")
         for m in d.memory:
             for key in ("max_allocated_bytes", "max_reserved_bytes", "max_gap_bytes", "max_inactive_split_bytes"):
-                mt.add_row(device_where(m["device"]), key.replace("_bytes", ""), *_fmt(m[key]))
+                mt.add_row(visible(device_where(m["device"])), key.replace("_bytes", ""), *_fmt(m[key]))
         console.print(mt)
     for title, items in (("appeared in B", d.appeared), ("disappeared from B", d.disappeared)):
         for f in items:
-            console.print(f"{title}: [{f['severity']}] {f['detector']}/{f['kind']} {f['score']:.2f}: {f['message']}")
+            console.print(f"{title}: [{visible(f['severity'])}] {visible(f['detector'])}/{visible(f['kind'])} "
+                          f"{f['score']:.2f}: {visible(f['message'])}")
     for c in d.changed:
-        console.print(f"changed: {c['detector']}/{c['kind']} {c['a']['severity']} ({c['a']['score']:.2f}) -> "
-                      f"{c['b']['severity']} ({c['b']['score']:.2f}): {c['message_b']}")
+        console.print(f"changed: {visible(c['detector'])}/{visible(c['kind'])} {visible(c['a']['severity'])} "
+                      f"({c['a']['score']:.2f}) -> {visible(c['b']['severity'])} ({c['b']['score']:.2f}): "
+                      f"{visible(c['message_b'])}")
     for n in d.not_compared:
-        console.print(f"not compared: {n['detector']}/{n['kind']}: {n['reason']}")
+        console.print(f"not compared: {visible(n['detector'])}/{visible(n['kind'])}: {visible(n['reason'])}")
     console.print(f"{len(d.appeared)} appeared, {len(d.disappeared)} disappeared, {len(d.changed)} changed "
                   f"severity, {d.unchanged} unchanged. Sizes in binary units (KiB = 1024 B).")

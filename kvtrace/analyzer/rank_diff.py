@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace.analyzer.diff import DIFF_SCHEMA_NAME, DIFF_SCHEMA_VERSION, ReportDiff, diff_reports
-from kvtrace.analyzer.rankset import RankCollector, RankSetResult
+from kvtrace.analyzer.rankset import RankCollector, RankSetResult, refuse_broken
 from kvtrace.errors import BadOption
 
 
@@ -48,7 +48,8 @@ def is_rank_diff(paths: tuple[str, ...]) -> bool:
 
 def diff_rank_sets(paths: tuple[str, ...]) -> RankSetDiff:
     """Diff the two tensor-parallel runs the rank traces in ``paths`` belong to. Raises BadOption
-    when the traces are not the ranks of exactly two runs."""
+    when the traces are not the ranks of exactly two runs, BrokenRankSet (exit 1) when a run's rank
+    traces contradict each other (a rank given twice...)."""
     from kvtrace.analyzer import TraceView, analyze
     from kvtrace.format.reader import Trace
 
@@ -63,6 +64,7 @@ def diff_rank_sets(paths: tuple[str, ...]) -> RankSetDiff:
                                 "traces of two runs (kvtrace diff a.rank*.kvt.h5 b.rank*.kvt.h5)")
             reports[str(view.path)] = report.to_dict()
     results = collector.finish()
+    refuse_broken(results, repeats=False)  # rank traces that contradict each other: exit 1 naming it
     runs = [r.ranks.run_id for r in results]
     if len(results) != 2 or len(collector.members) != sum(len(r.ranks.members) for r in results):
         raise BadOption(f"the rank traces belong to {len(set(m.run_id for m in collector.members))} run(s) "

@@ -14,6 +14,7 @@ numpy, kvtrace.format and kvtrace.geometry only: no torch.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,6 +180,8 @@ class RankSet:
     members: list[RankTrace]
     world_size: int | None
     problems: list[str] = field(default_factory=list)
+    repeated: list[str] = field(default_factory=list)  # files given more than once (a command-line slip)
+    claimed_twice: list[int] = field(default_factory=list)  # ranks two different files claim (forged or mixed up)
 
     @property
     def ranks(self) -> list[int]:
@@ -273,9 +276,14 @@ def group(members: Sequence[RankTrace]) -> list[RankSet]:
             problems.append(f"the rank traces disagree on the world size ({', '.join(map(str, sizes))})")
         seen: dict[int, str] = {}
         kept = []
+        repeated, claimed = [], []
         for m in ms:
             if m.rank in seen:
                 problems.append(f"rank {m.rank} is given twice ({seen[m.rank]} and {m.path})")
+                if _same_file(seen[m.rank], m.path):
+                    repeated.append(m.path)
+                else:
+                    claimed.append(m.rank)
                 continue
             seen[m.rank] = m.path
             kept.append(m)
@@ -284,8 +292,15 @@ def group(members: Sequence[RankTrace]) -> list[RankSet]:
             for m in kept:
                 if m.rank >= world:
                     problems.append(f"{m.path} says rank {m.rank} of a world of {world}")
-        out.append(RankSet(run_id, kept, world, problems))
+        out.append(RankSet(run_id, kept, world, problems, repeated, claimed))
     return out
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def ranks_text(ranks: Sequence[int], limit: int = 16) -> str:

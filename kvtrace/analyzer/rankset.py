@@ -5,6 +5,10 @@ tensor-parallel rank they hand its open view to :meth:`RankCollector.add`, and a
 :meth:`RankCollector.finish` groups the ranks by run (analyzer/ranks.py) and runs the
 ``rank_balance`` detector on every run given with two or more ranks. A run given with one rank is
 not a set: it is analysed as one trace and :attr:`RankCollector.notes` says what else to pass.
+Rank traces that contradict each other (two files claiming one rank, world sizes that disagree,
+a rank outside its world) are reported as a set too, and the commands then exit 1 naming the
+problem and the ranks it leaves missing (:func:`refuse_broken`); a set that only lacks ranks is
+analysed, with a critical ``missing_ranks`` finding.
 """
 
 from __future__ import annotations
@@ -26,9 +30,18 @@ from kvtrace.analyzer.ranks import (
     rank_trace,
     ranks_text,
 )
+from kvtrace.errors import BadOption
+from kvtrace.format.errors import InvalidTrace
+from kvtrace.textsafe import markup, visible
 from kvtrace.units import format_bytes
 
-__all__ = ["RankCollector", "RankSetResult", "missing_message", "render"]
+__all__ = ["BrokenRankSet", "RankCollector", "RankSetResult", "broken_message", "missing_message", "refuse_broken",
+           "refuse_claimed_twice", "render"]
+
+
+class BrokenRankSet(InvalidTrace):
+    """Rank traces that cannot be one run: a rank given twice (two files claiming it), world sizes
+    that disagree, a rank outside its world. Exit 1 (invalid input), naming the problem."""
 
 
 @dataclass
@@ -66,9 +79,11 @@ class RankCollector:
         return member
 
     def finish(self) -> list[RankSetResult]:
+        """The rank set of every run given with two or more rank traces (a run whose traces
+        contradict each other, e.g. two files claiming rank 0, is a set too: :func:`refuse_broken`)."""
         out = []
         for rs in group(self.members):
-            if len(rs.members) < 2:
+            if len(rs.members) < 2 and not rs.problems:
                 m = rs.members[0]
                 if m.world_size and m.world_size > 1:
                     self.notes.append(f"{m.path} is rank {m.rank} of {m.world_size} of run {rs.run_id}: analysed alone; "
@@ -82,14 +97,16 @@ def render(result: RankSetResult, console: Console, *, show_info: bool = True) -
     """The terminal view of one run's rank set: a row per rank, the sums, the findings."""
     rs = result.ranks
     d = rs.to_dict()
-    console.print(f"[bold]tensor-parallel run {rs.run_id}[/bold]: world size {rs.world_size}, ranks "
-                  f"{', '.join(map(str, rs.ranks)) or 'none'}"
-                  + (f" ([red]missing {ranks_text(rs.missing)}[/red])" if rs.missing else ""))
+    console.print(f"[bold]tensor-parallel run {markup(rs.run_id)}[/bold]: world size {rs.world_size}, ranks "
+                  f"{ranks_text(rs.ranks) or 'none'}"
+                  + (f" ([red]missing {ranks_text(rs.missing)}[/red])" if rs.missing else ""), markup=True)
+    for problem in rs.problems:  # a rank given twice, world sizes that disagree: the set is not one run
+        console.print(f"problem: {visible(problem)}", style="red")
     t = Table(title=None)
     for col in ("rank", "trace", "KV heads/layer", "peak KV", "KV alive after", "peak allocated", "requests"):
         t.add_column(col, justify="right" if col not in ("trace",) else "left")
     for m in rs.members:
-        t.add_row(str(m.rank), m.path, str(m.kv_heads_recorded if m.kv_heads_recorded is not None else "-"),
+        t.add_row(str(m.rank), visible(m.path), str(m.kv_heads_recorded if m.kv_heads_recorded is not None else "-"),
                   format_bytes(m.peak_kv_bytes), format_bytes(m.kv_alive_bytes),
                   format_bytes(m.max_allocated_bytes) if m.max_allocated_bytes is not None else "not recorded",
                   str(len(m.requests)))
@@ -108,4 +125,37 @@ def render(result: RankSetResult, console: Console, *, show_info: bool = True) -
     for f in sorted(result.findings, key=lambda f: -f.score):
         if f.severity == Severity.INFO and not show_info:
             continue
-        console.print(f"{f.severity.label:8s} {f.score:.2f} {f.detector}/{f.kind} ranks [{ranks_text(f.ranks)}]: {f.message}")
+        console.print(f"{f.severity.label:8s} {f.score:.2f} {f.detector}/{f.kind} ranks [{ranks_text(f.ranks)}]: "
+                      f"{visible(f.message)}")
+
+
+def broken_message(rs: RankSet) -> str | None:
+    """One line naming what makes a run's rank traces contradict each other, and the ranks that
+    are then missing (None when the set has no such problem; a set that only lacks ranks is
+    analysed, with a missing_ranks finding)."""
+    if not rs.problems:
+        return None
+    problems = "; ".join(rs.problems[:4]) + (f"; and {len(rs.problems) - 4} more" if len(rs.problems) > 4 else "")
+    missing = f"; rank(s) {ranks_text(rs.missing)} of world size {rs.world_size} not given" if rs.missing else ""
+    return f"run {rs.run_id}: the rank traces do not make one run: {problems}{missing}"
+
+
+def refuse_claimed_twice(results: list[RankSetResult] | list[RankSet]) -> None:
+    """:func:`refuse_broken` for sets where two different files claim one rank only (``report`` and
+    ``calc --trace`` refuse the other problems as usage errors, exit 64)."""
+    refuse_broken([r for r in results if (r.ranks if isinstance(r, RankSetResult) else r).claimed_twice])
+
+
+def refuse_broken(results: list[RankSetResult] | list[RankSet], *, repeats: bool = True) -> None:
+    """Raise :class:`BrokenRankSet` (exit 1) naming the first run whose rank traces contradict
+    each other; return when every set is sound. One file given twice on the command line is the
+    caller's slip, not the data's: BadOption (exit 64), or left to the caller (``repeats=False``)."""
+    for r in results:
+        rs = r.ranks if isinstance(r, RankSetResult) else r
+        if rs.repeated and len(rs.repeated) == len(rs.problems):
+            if repeats:
+                raise BadOption(f"{rs.repeated[0]} is given twice: give each rank trace once")
+            continue
+        msg = broken_message(rs)
+        if msg is not None:
+            raise BrokenRankSet(msg)

@@ -13,6 +13,7 @@ from rich.text import Text
 from kvtrace.analyzer.notes import note_lines
 from kvtrace.analyzer.report import AnalysisReport
 from kvtrace.labels import device_text
+from kvtrace.textsafe import SafeConsoleMixin, visible
 from kvtrace.units import format_bytes, format_ns
 
 _STYLE = {"info": "dim", "low": "cyan", "medium": "yellow", "high": "bold red", "critical": "bold white on red"}
@@ -22,9 +23,10 @@ def _b(value: int | None) -> str:
     return "-" if value is None else format_bytes(value)
 
 
-class _PipeConsole(Console):
+class _PipeConsole(SafeConsoleMixin, Console):
     """A closed stdout (`| head`) raises BrokenPipeError for the CLI to exit quietly with its
-    documented code, instead of rich's SystemExit(1) (1 means an invalid trace here)."""
+    documented code, instead of rich's SystemExit(1) (1 means an invalid trace here). Text from
+    traces is data (kvtrace.textsafe): no control character reaches the terminal, no emoji codes."""
 
     def on_broken_pipe(self) -> None:
         self.quiet = True
@@ -32,34 +34,37 @@ class _PipeConsole(Console):
 
 
 def console_for(file: IO[str] | None = None, width: int | None = None) -> Console:
-    c = _PipeConsole(file=file, highlight=False, soft_wrap=False)
+    """The console every command prints through. Markup is off: a string is printed as it is
+    written (a model id of ``[/bold]x`` included); a line that styles text says so with
+    ``markup=True`` and escapes what it interpolates (kvtrace.textsafe.markup), or uses ``style=``."""
+    c = _PipeConsole(file=file, highlight=False, soft_wrap=False, markup=False)
     if not c.is_terminal:
         # Pipes and CI logs: plain text, as wide as COLUMNS says (140 by default).
         cols = os.environ.get("COLUMNS", "")
         c = _PipeConsole(file=file, highlight=False, width=width or (int(cols) if cols.isdigit() else 140),
-                         no_color=True)
+                         no_color=True, markup=False)
     return c
 
 
 def render(report: AnalysisReport, console: Console, *, show_info: bool = True) -> None:
     t = report.trace
     state = "complete" if t["complete"] else "INCOMPLETE (writer did not close it)"
-    console.print(Text(f"kvtrace analysis of {t['path']}", style="bold"))
+    console.print(Text(f"kvtrace analysis of {visible(t['path'])}", style="bold"))
     devices = "; ".join(
-        device_text(d["index"], d["name"])
+        visible(device_text(d["index"], d["name"]))
         + (f" ({format_bytes(d['total_memory_bytes'])})" if d["total_memory_bytes"] > 0 else "")
         for d in report.devices
     ) or "unknown"
-    console.print(f"model   {report.model['id']} ({report.model['type']})")
+    console.print(f"model   {visible(report.model['id'])} ({visible(report.model['type'])})")
     console.print(f"device  {devices}")
     sw = report.software
-    console.print(f"trace   format {t['format_version']}, {state}; recorded with torch {sw['torch']}, "
-                  f"transformers {sw['transformers']}")
+    console.print(f"trace   format {visible(t['format_version'])}, {state}; recorded with torch {visible(sw['torch'])}, "
+                  f"transformers {visible(sw['transformers'])}")
     exp = report.expectation
-    note = f" ({'; '.join(exp['notes'])})" if exp["notes"] else ""
+    note = f" ({'; '.join(visible(n) for n in exp['notes'])})" if exp["notes"] else ""
     console.print(f"expect  from the {exp['source']}{note}")
     for i, line in enumerate(note_lines(report.notes, report.notes_unlisted)):
-        console.print(f"{'notes' if i == 0 else '':<8}{line}", markup=False)
+        console.print(f"{'notes' if i == 0 else '':<8}{visible(line)}")
 
     _requests_tables(report, console)
 
@@ -71,7 +76,8 @@ def render(report: AnalysisReport, console: Console, *, show_info: bool = True) 
     ft.add_column("finding", ratio=1)
     for f in findings:
         sev = f.severity.label
-        ft.add_row(Text(sev, style=_STYLE[sev]), f"{f.score:.2f}", f"{f.detector}\n{f.kind}", f.message)
+        ft.add_row(Text(sev, style=_STYLE[sev]), f"{f.score:.2f}", Text(f"{visible(f.detector)}\n{visible(f.kind)}"),
+                   Text(visible(f.message, multiline=True)))
     if findings:
         console.print(ft)
     else:
@@ -81,7 +87,7 @@ def render(report: AnalysisReport, console: Console, *, show_info: bool = True) 
     for r in skipped:
         groups.setdefault((r.status, r.reason), []).append(r.name)
     for (status, reason), names in groups.items():
-        console.print(f"{status:8s}{', '.join(names)}: {reason}")
+        console.print(f"{status:8s}{', '.join(names)}: {visible(reason)}")
     if report.contents is not None:
         render_contents(report.contents, console)
     worst = report.max_severity
@@ -138,12 +144,12 @@ def _ratio_list(values: list[float | None]) -> str:
 def render_contents(contents: dict, console: Console) -> None:
     """The "Contents" section: analyses of sampled K/V/Q/latents (kvtrace.analyzer.contents)."""
     if contents["status"] != "ran":
-        console.print(f"Contents: skipped: {contents['reason']}")
+        console.print(f"Contents: skipped: {visible(contents['reason'])}")
         return
-    console.print(Text(f"Contents of {contents['payloads']} sampled tensor(s), backend {contents['backend']}",
+    console.print(Text(f"Contents of {contents['payloads']} sampled tensor(s), backend {visible(contents['backend'])}",
                        style="bold"))
     if contents["device_note"]:
-        console.print(f"note    {contents['device_note']}")
+        console.print(f"note    {visible(contents['device_note'])}")
     if contents["dead_heads"]:
         t = Table(title="KV heads (V mean norm / layer median; dead < threshold)", title_justify="left")
         for col in ("req", "step", "layer", "type", "heads", "tokens", "V ratio", "K ratio", "dead", "bytes/head",
@@ -195,4 +201,4 @@ def render_contents(contents: dict, console: Console) -> None:
     for s in contents["skipped"]:
         reasons.setdefault((s["analysis"], s["reason"]), []).append(f"{s['request']}/{s['layer']}")
     for (analysis, reason), where in reasons.items():
-        console.print(f"not run {analysis} (request/layer {', '.join(where)}): {reason}")
+        console.print(f"not run {analysis} (request/layer {', '.join(where)}): {visible(reason)}")

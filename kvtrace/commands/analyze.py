@@ -12,6 +12,7 @@ from kvtrace.analyzer.base import SEVERITY_NAMES
 from kvtrace.commands.common import exit_code_for, guarded, require_cuda
 from kvtrace.commands.outputs import check_json_out, json_options, write_json
 from kvtrace.format.errors import TraceError
+from kvtrace.textsafe import visible
 
 
 @click.command("analyze")
@@ -35,7 +36,8 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
 
     \b
     Exit codes: 0 done (no finding reached --fail-on), 3 a finding reached --fail-on,
-    1 invalid trace, 2 unreadable / not a trace, 4 trace format newer than this kvtrace,
+    1 invalid trace (or rank traces that contradict each other: one rank given twice...),
+    2 unreadable / not a trace, 4 trace format newer than this kvtrace,
     69 --gpu without a CUDA device.
     Examples:
       kvtrace analyze run.kvt.h5
@@ -87,7 +89,7 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
                 if gpu or contents:
                     report.contents = _contents(t, gpu)
         except TraceError as exc:
-            click.echo(f"kvtrace: {exc}", err=True)
+            click.echo(f"kvtrace: {visible(exc)}", err=True)
             error_code = error_code or exit_code_for(exc)
             continue
         reports.append(report)
@@ -95,10 +97,10 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
             render(report, console, show_info=not quiet)
     rank_sets = ranks.finish()
     for note in ranks.notes:
-        click.echo(f"kvtrace: note: {note}", err=True)
+        click.echo(f"kvtrace: note: {visible(note)}", err=True)
     for rs in rank_sets:
-        if rs.ranks.missing:
-            click.echo(f"kvtrace: warning: {rankset.missing_message(rs.ranks)}", err=True)
+        if rs.ranks.missing and not rs.ranks.problems:  # a broken set: one error line below names both
+            click.echo(f"kvtrace: warning: {visible(rankset.missing_message(rs.ranks))}", err=True)
         if not to_stdout_json:
             rankset.render(rs, console, show_info=not quiet)
     if as_json or json_out is not None:
@@ -108,6 +110,7 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
         write_json(doc, json_out, as_json=as_json)
     if error_code:
         sys.exit(error_code)
+    rankset.refuse_broken(rank_sets)  # two files claiming one rank...: exit 1 naming it, after the reports
     threshold = Severity.parse(fail_on) if fail_on else None
     if threshold is not None and (any(r.reaches(threshold) for r in reports)
                                   or any(rs.reaches(threshold) for rs in rank_sets)):

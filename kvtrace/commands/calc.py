@@ -255,6 +255,9 @@ def _rank_traces(paths: tuple[str, ...]) -> tuple[Any, Any]:
     if len(sets) > 1:
         raise click.UsageError(f"the --trace files belong to {len(sets)} runs ({', '.join(s.run_id for s in sets)}); "
                                "give the ranks of one run")
+    from kvtrace.analyzer.rankset import refuse_claimed_twice
+
+    refuse_claimed_twice(sets)  # two files claiming one rank: exit 1 naming it and the ranks missing
     if sets[0].problems:  # a rank given twice, world sizes that disagree, a rank outside the world
         raise click.UsageError(f"the --trace files are not the ranks of one run: {'; '.join(sets[0].problems)}")
     return sets[0], first

@@ -29,7 +29,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def fail(message: str, code: int) -> None:
-    click.echo(f"kvtrace: {message}", err=True)
+    from kvtrace.textsafe import visible  # messages quote paths and trace text: data, one line
+
+    click.echo(f"kvtrace: {visible(message)}", err=True)
     sys.exit(code)
 
 
@@ -109,8 +111,10 @@ def guarded(fn: F) -> F:
 
 def say_skipped(traces: list[Any]) -> None:
     """One stderr line per trace whose rows of codes a newer minor added were skipped."""
+    from kvtrace.textsafe import visible
+
     for line in skipped_notes(traces):
-        click.echo(f"kvtrace: {line}", err=True)
+        click.echo(f"kvtrace: {visible(line)}", err=True)
 
 
 def json_dump(obj: Any) -> str:

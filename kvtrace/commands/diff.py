@@ -71,10 +71,11 @@ def _render_ranks(d: object, all_layers: bool) -> None:
     from kvtrace.analyzer.diff_terminal import render
     from kvtrace.analyzer.ranks import ranks_text
     from kvtrace.analyzer.terminal import console_for
+    from kvtrace.textsafe import visible
 
     console = console_for()
     for rank, rd in sorted(d.ranks.items()):  # type: ignore[attr-defined]
-        console.print(f"[bold]rank {rank}[/bold]")
+        console.print(f"rank {rank}", style="bold")
         render(rd, console, all_layers=all_layers)
     un = d.unmatched  # type: ignore[attr-defined]
     for side in ("a", "b"):
@@ -83,7 +84,7 @@ def _render_ranks(d: object, all_layers: bool) -> None:
     for word, items in (("appeared", d.appeared), ("disappeared", d.disappeared)):  # type: ignore[attr-defined]
         for f in items:  # ranks_text: a missing_ranks finding of a world of 2^16 names 65,534 ranks
             console.print(f"rank_balance {word}: {f['severity']} {f['kind']} ranks [{ranks_text(f['ranks'])}]: "
-                          f"{f['message']}")
+                          f"{visible(f['message'])}")
     for c in d.changed:  # type: ignore[attr-defined]
         console.print(f"rank_balance changed: {c['kind']} ranks [{ranks_text(c['ranks'])}]: {c['a']['severity']} -> "
                       f"{c['b']['severity']}")

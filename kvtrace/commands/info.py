@@ -11,6 +11,7 @@ import click
 from kvtrace.commands.common import guarded
 from kvtrace.commands.outputs import check_json_out, json_options, write_json
 from kvtrace.labels import device_text
+from kvtrace.textsafe import visible
 from kvtrace.units import format_bytes
 
 MAX_DEVICES_LISTED = 16
@@ -31,6 +32,8 @@ def info(traces: tuple[str, ...], as_json: bool, json_out: str | None) -> None:
       kvtrace info run.kvt.h5 --json | jq .requests
       kvtrace info run.rank*.kvt.h5        # one block per rank, then the run
     --json with one trace prints its summary; with several, {"traces": [...], "rank_sets": [...]}.
+    Rank traces that contradict each other (two files claiming one rank, world sizes that
+    disagree) are summarised, then exit 1 naming the problem.
     """
     from kvtrace.analyzer.notes import trace_notes
     from kvtrace.analyzer.ranks import group, parallel_of, rank_trace
@@ -58,15 +61,17 @@ def info(traces: tuple[str, ...], as_json: bool, json_out: str | None) -> None:
     sets = [rs for rs in group(members) if len(traces) > 1]
     doc = summaries[0] if len(traces) == 1 else {"traces": summaries, "rank_sets": [rs.to_dict() for rs in sets]}
     write_json(doc, json_out, as_json=as_json)
-    if as_json:
-        return
-    for i, summary in enumerate(summaries):
-        if i:
+    if not as_json:
+        for i, summary in enumerate(summaries):
+            if i:
+                click.echo()
+            _print(summary)
+        for rs in sets:
             click.echo()
-        _print(summary)
-    for rs in sets:
-        click.echo()
-        _print_rank_set(rs.to_dict())
+            _print_rank_set(rs.to_dict())
+    from kvtrace.analyzer.rankset import refuse_broken
+
+    refuse_broken(sets)  # two files claiming one rank...: exit 1 naming it, after the summaries
 
 
 def _print_parallel(par: dict | None, echo: Any) -> None:
@@ -92,23 +97,28 @@ def _print_parallel(par: dict | None, echo: Any) -> None:
 def _print_rank_set(d: dict) -> None:
     from kvtrace.analyzer.ranks import ranks_text
 
+    def echo(line: str) -> None:
+        click.echo(visible(line))
+
     missing = f"; MISSING rank(s) {ranks_text(d['missing_ranks'])}" if d["missing_ranks"] else ""
-    click.echo(f"run {d['run_id']}  tensor parallel, world size {d['world_size']}, ranks "
-               f"{', '.join(map(str, d['ranks_present']))}{missing}")
+    echo(f"run {d['run_id']}  tensor parallel, world size {d['world_size']}, ranks "
+               f"{ranks_text(d['ranks_present'])}{missing}")
     for p in d["problems"]:
-        click.echo(f"  problem: {p}")
+        echo(f"  problem: {p}")
     if d["model_kv_heads_per_layer"]:
-        click.echo(f"  KV heads per layer: ranks hold {d['kv_heads_sum']} in all, the model has "
+        echo(f"  KV heads per layer: ranks hold {d['kv_heads_sum']} in all, the model has "
                    f"{d['model_kv_heads_per_layer']} ({d['expected_kv_heads_per_rank']} per rank expected)")
     for r in d["ranks"]:
-        click.echo(f"  rank {r['rank']}  {r['path']}: {r['requests']} requests, peak KV {format_bytes(r['peak_kv_bytes'])}")
+        echo(f"  rank {r['rank']}  {r['path']}: {r['requests']} requests, peak KV {format_bytes(r['peak_kv_bytes'])}")
 
 
 def _print(s: dict) -> None:
     width = shutil.get_terminal_size((80, 24)).columns  # COLUMNS first, then the terminal, else 80
 
     def echo(line: str = "") -> None:
-        """Fold a long 'name  value' line under its value column so it reads at 80 columns."""
+        """Fold a long 'name  value' line under its value column so it reads at 80 columns. Text
+        from the trace is data: control characters shown as escapes, cut past 4096 characters."""
+        line = visible(line)
         click.echo(textwrap.fill(line, width=max(width, 40), subsequent_indent=" " * 11,
                                  break_on_hyphens=False) if len(line) > width else line)
 
@@ -154,7 +164,7 @@ def _print(s: dict) -> None:
     echo(f"privacy    prompt text {'STORED' if s['contains_prompt_text'] else 'not stored'}, "
                f"tensor contents {'STORED' if s['contains_tensor_payloads'] else 'not stored'}")
     for line in s.get("privacy_mismatches", ()):  # decided from the contents; the flag is wrong
-        click.echo(f"warning: {line} (the trace is invalid: see 'kvtrace validate')", err=True)
+        click.echo(f"warning: {visible(line)} (the trace is invalid: see 'kvtrace validate')", err=True)
     if "notes" in s:
         from kvtrace.analyzer.notes import note_lines
 

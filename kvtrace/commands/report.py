@@ -114,7 +114,7 @@ def _rank_set(traces: tuple[str, ...], output: str, figures_dir: str | None, no_
               as_json: bool, json_out: str | None) -> None:
     """One page per rank (each trace opened once) and the run's index page at ``output``."""
     from kvtrace.analyzer import TraceView
-    from kvtrace.analyzer.rankset import RankCollector
+    from kvtrace.analyzer.rankset import RankCollector, refuse_claimed_twice
     from kvtrace.format.reader import Trace
     from kvtrace.report import build, rank_page
 
@@ -130,6 +130,7 @@ def _rank_set(traces: tuple[str, ...], output: str, figures_dir: str | None, no_
                                    "rank traces of one run")
         opened.append((path, member.rank))
     results = collector.finish()
+    refuse_claimed_twice(results)  # two files claiming one rank: exit 1 naming it and the ranks missing
     if len(results) != 1 or len(results[0].ranks.members) != len(traces):
         raise click.UsageError("the rank traces belong to more than one run (or give one rank twice); "
                                "report one run at a time")

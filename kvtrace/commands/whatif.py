@@ -8,6 +8,7 @@ import click
 
 from kvtrace.commands.common import guarded, require_cuda
 from kvtrace.commands.outputs import check_json_out, json_options, write_json
+from kvtrace.textsafe import visible
 from kvtrace.units import format_bytes
 
 DEFAULT_POLICIES = ("paging:page_size=16", "streaming_llm", "knorm", "snapkv", "kivi:nbits=4", "fp8")
@@ -155,11 +156,11 @@ def _print(doc: dict[str, Any]) -> None:
 
     c = console_for()
     b = doc["baseline"]
-    c.print(f"kvtrace whatif {doc['trace']}: baseline (the trace's own layout) peak {format_bytes(b['bytes_peak'])}, "
+    c.print(f"kvtrace whatif {visible(doc['trace'])}: baseline (the trace's own layout) peak {format_bytes(b['bytes_peak'])}, "
             f"mean {format_bytes(b['bytes_mean'])}; {doc['sampled_units']} sampled (request, layer) units")
-    c.print(f"[dim]{doc['note']}[/dim]")
+    c.print(visible(doc["note"]), style="dim")
     if doc.get("numerics", {}).get("note"):
-        c.print(f"[dim]{doc['numerics']['note']}[/dim]")
+        c.print(visible(doc["numerics"]["note"]), style="dim")
     t = Table(show_edge=False)
     for col, just in (("policy", "left"), ("ratio", "right"), ("kept peak", "right"), ("saved peak", "right"),
                       ("saved mean", "right"), ("mass recall", "right"), ("output err", "right"),
@@ -169,7 +170,7 @@ def _print(doc: dict[str, Any]) -> None:
     for p in doc["policies"]:
         for r in p["results"]:
             o, by = r["overall"], r["bytes"]
-            t.add_row(p["label"], _f(r["ratio"], "{:.2f}"), format_bytes(by["kept_peak"]),
+            t.add_row(visible(p["label"]), _f(r["ratio"], "{:.2f}"), format_bytes(by["kept_peak"]),
                       format_bytes(by["saved_peak"]), format_bytes(by["saved_mean"]),
                       _f(o.get("attention_mass_recall", {}).get("mean")),
                       _f(o.get("attention_output_error", {}).get("mean")),
@@ -181,9 +182,9 @@ def _print(doc: dict[str, Any]) -> None:
             "output err: ||o'-o||/||o|| (needs Q, K and V); cos: K/V reconstruction (needs K, V)")
     for p in doc["policies"]:
         if p.get("note"):
-            c.print(f"note: {p['policy']}: {p['note']}", markup=False)
+            c.print(f"note: {visible(p['policy'])}: {visible(p['note'])}")
     for reason, n in skipped.items():
-        c.print(f"skipped {n}x: {reason}", style="dim", markup=False)
+        c.print(f"skipped {n}x: {visible(reason)}", style="dim")
 
 
 def _print_rerun(r: dict[str, Any]) -> None:
@@ -193,11 +194,11 @@ def _print_rerun(r: dict[str, Any]) -> None:
 
     c = console_for()
     pre = f", the first {r['prefill_tokens']} as a prefill" if r.get("prefill_tokens") else ""
-    c.print(f"quality by rerun: {r['model']} over {r['text']} ({r['tokens']} tokens{pre}; {r['scored_positions']} "
+    c.print(f"quality by rerun: {visible(r['model'])} over {visible(r['text'])} ({r['tokens']} tokens{pre}; {r['scored_positions']} "
             f"predictions scored); reference perplexity {r['reference']['perplexity']:.4g}")
-    c.print(f"[dim]{r['note']}[/dim]")
+    c.print(visible(r["note"]), style="dim")
     if r.get("warning"):
-        c.print(f"[yellow]{r['warning']}[/yellow]")
+        c.print(visible(r["warning"]), style="yellow")
     t = Table(show_edge=False)
     for col in ("policy", "ratio", "perplexity", "change", "KL mean", "KL max", "top-1 same", "full-layer tokens"):
         t.add_column(col, justify="left" if col == "policy" else "right")
@@ -215,5 +216,5 @@ def _print_rerun(r: dict[str, Any]) -> None:
                       _f(x["kl_max"], "{:.3g}"), _f(x["top1_agreement"], "{:.1%}"), kept)
     c.print(t)
     if r.get("sliding_layers"):
-        c.print(f"[dim]{r['sliding_layers']} sliding-window layers keep their window unpressed (eviction applies "
-                "to full-attention layers; quantisation to all)[/dim]")
+        c.print(f"{r['sliding_layers']} sliding-window layers keep their window unpressed (eviction applies "
+                "to full-attention layers; quantisation to all)", style="dim")

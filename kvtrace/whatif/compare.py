@@ -104,6 +104,7 @@ def render(d: dict[str, Any], console: Any) -> None:
     """The terminal table of a what-if diff (rich console)."""
     from rich.table import Table
 
+    from kvtrace.textsafe import visible
     from kvtrace.units import format_bytes
 
     def num(v: Any, fmt: str) -> str:
@@ -113,7 +114,7 @@ def render(d: dict[str, Any], console: Any) -> None:
         return "-" if v is None else ("+" if v > 0 else "-" if v < 0 else "") + format_bytes(abs(v))
 
     base = d["baseline"]["bytes_peak"]
-    console.print(f"what-if (offline proxies): A {d['a']['trace']}, B {d['b']['trace']}; baseline peak "
+    console.print(f"what-if (offline proxies): A {visible(d['a']['trace'])}, B {visible(d['b']['trace'])}; baseline peak "
                   f"{format_bytes(base['a'])} -> {format_bytes(base['b'])} ({signed_bytes(base['delta'])})")
     t = Table(title="What-if per policy (B - A)", title_justify="left", show_edge=False)
     for col in ("policy", "ratio", "saved peak A", "saved peak B", "delta", "output err A", "output err B", "delta",
@@ -122,12 +123,12 @@ def render(d: dict[str, Any], console: Any) -> None:
     for r in d["results"]:
         s, e = r["bytes"]["saved_peak"], r["overall"].get("attention_output_error", {"a": None, "b": None, "delta": None})
         m = r["overall"].get("attention_mass_recall", {"a": None, "b": None})
-        t.add_row(r["label"], num(r["ratio"], "{:g}"), format_bytes(s["a"]), format_bytes(s["b"]), signed_bytes(s["delta"]),
+        t.add_row(visible(r["label"]), num(r["ratio"], "{:g}"), format_bytes(s["a"]), format_bytes(s["b"]), signed_bytes(s["delta"]),
                   num(e["a"], "{:.4f}"), num(e["b"], "{:.4f}"), num(e["delta"], "{:+.4f}"),
                   num(m["a"], "{:.3f}"), num(m["b"], "{:.3f}"))
     console.print(t)
     for side in ("a", "b"):
         for x in d[f"only_{side}"]:
-            console.print(f"only in {side.upper()}: {x['label']}" + (f" at ratio {x['ratio']:g}" if x["ratio"] is not None else ""))
+            console.print(f"only in {side.upper()}: {visible(x['label'])}" + (f" at ratio {x['ratio']:g}" if x["ratio"] is not None else ""))
     for note in d["notes"]:
-        console.print(f"note: {note}")
+        console.print(f"note: {visible(note)}")
