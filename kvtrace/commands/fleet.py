@@ -109,12 +109,13 @@ def _print_table(title: str, columns: list[str], rows: list[tuple[Any, ...]]) ->
     from rich.table import Table
 
     from kvtrace.analyzer.terminal import console_for
+    from kvtrace.textsafe import visible  # model ids, paths, SQL results: data, printed as written
 
-    table = Table(title=title, title_justify="left")
+    table = Table(title=visible(title), title_justify="left")
     for c in columns:
-        table.add_column(c)
+        table.add_column(visible(c))
     for r in rows:
-        table.add_row(*(format_cell(c, v) for c, v in zip(columns, r, strict=True)))
+        table.add_row(*(visible(format_cell(c, v)) for c, v in zip(columns, r, strict=True)))
     console_for().print(table)  # a closed stdout (`| head`) exits 141 quietly, as every command
 
 
@@ -259,4 +260,6 @@ def report(directory: str, output: str, group_by: str, baseline: str | None, can
                 "worst": [{k: w[k] for k in ("trace_id", "path", "max_severity", "report_link", "report_command")}
                           for w in res.worst], "regressed": res.regressed}, json_out, as_json=as_json)
     if not (quiet or as_json):
-        click.echo(f"fleet report written to {res.html} ({res.traces} traces, {res.groups} group(s))")
+        from kvtrace.textsafe import visible
+
+        click.echo(visible(f"fleet report written to {res.html} ({res.traces} traces, {res.groups} group(s))"))
