@@ -102,11 +102,15 @@ def main(argv: list[str] | None = None) -> Any:
         click.echo("kvtrace: interrupted", err=True)
         sys.exit(exitcodes.INTERRUPTED)
     except click.exceptions.UsageError as exc:
+        from kvtrace.textsafe import visible  # a message may quote a path or a trace's text: data
+
         hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx and exc.ctx.parent else ""
-        click.echo(f"kvtrace: {exc.format_message()}{hint}", err=True)
+        click.echo(f"kvtrace: {visible(exc.format_message())}{hint}", err=True)
         sys.exit(exitcodes.USAGE)
     except click.exceptions.ClickException as exc:
-        click.echo(f"kvtrace: {exc.format_message()}", err=True)
+        from kvtrace.textsafe import visible
+
+        click.echo(f"kvtrace: {visible(exc.format_message())}", err=True)
         sys.exit(exitcodes.USAGE)
 
 

@@ -161,11 +161,13 @@ def calc(preset: str | None, config_path: str | None, trace_paths: tuple[str, ..
     if quiet:
         click.echo("FITS" if plan.fits else "DOES NOT FIT")
     else:
-        click.echo(planner.format_plan(plan))
+        from kvtrace.textsafe import visible  # the model id and paths come from the trace or config: data
+
+        click.echo(visible(planner.format_plan(plan), multiline=True, limit=None))
         if check is not None:
-            click.echo(_format_check(check))
+            click.echo(visible(_format_check(check), multiline=True, limit=None))
         if ranks is not None:
-            click.echo(_format_rank_check(doc["rank_check"]))
+            click.echo(visible(_format_rank_check(doc["rank_check"]), multiline=True, limit=None))
 
 
 def _known_preset(name: str | None) -> str | None:

@@ -82,11 +82,13 @@ def report(traces: tuple[str, ...], output: str, figures_dir: str | None, no_ana
         "sections": result.sections, "absent": result.absent, "findings": result.findings,
     }, json_out, as_json=as_json)
     if not (quiet or as_json):
-        click.echo(f"report written to {result.html}")
+        from kvtrace.textsafe import visible  # reasons may quote the trace: data, one line each
+
+        click.echo(visible(f"report written to {result.html}"))
         if result.figures:
-            click.echo(f"{len(result.figures)} figure files written to {figures_dir}")
+            click.echo(visible(f"{len(result.figures)} figure files written to {figures_dir}"))
         for section, reason in result.absent.items():
-            click.echo(f"  {section}: not shown ({reason})")
+            click.echo(visible(f"  {section}: not shown ({reason})"))
 
 
 def _whatif_options(policies: tuple[str, ...], ratio_text: str | None, off: bool) -> object:
@@ -152,6 +154,8 @@ def _rank_set(traces: tuple[str, ...], output: str, figures_dir: str | None, no_
     write_json({"report": str(index), "rank_pages": {str(r): str(p) for r, p in sorted(pages.items())},
                 "figures": written_figures, "rank_findings": len(results[0].findings)}, json_out, as_json=as_json)
     if not (quiet or as_json):
-        click.echo(f"run page written to {index}; rank pages: {', '.join(str(p) for p in pages.values())}")
+        from kvtrace.textsafe import visible
+
+        click.echo(visible(f"run page written to {index}; rank pages: {', '.join(str(p) for p in pages.values())}"))
         if results[0].ranks.missing:
             click.echo(f"  missing rank trace(s): {', '.join(map(str, results[0].ranks.missing))}")

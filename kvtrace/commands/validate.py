@@ -34,12 +34,14 @@ def validate(trace: str, no_payloads: bool, as_json: bool, json_out: str | None)
                 "problems": report.problems, "warnings": report.warnings}, json_out, as_json=as_json)
     if as_json:
         sys.exit(0 if report.valid else exitcodes.INVALID)
+    from kvtrace.textsafe import visible  # problems quote the trace's own text: data, one line each
+
     for warning in report.warnings:
-        click.echo(f"warning: {warning}", err=True)
+        click.echo(f"warning: {visible(warning)}", err=True)
     if report.valid:
-        click.echo(f"{trace}: valid kvtrace trace (format {report.version})")
+        click.echo(visible(f"{trace}: valid kvtrace trace (format {report.version})"))
         return
     for problem in report.problems:
-        click.echo(f"{trace}: {problem}", err=True)
-    click.echo(f"{trace}: INVALID ({len(report.problems)} problem(s))", err=True)
+        click.echo(visible(f"{trace}: {problem}"), err=True)
+    click.echo(visible(f"{trace}: INVALID ({len(report.problems)} problem(s))"), err=True)
     sys.exit(exitcodes.INVALID)
