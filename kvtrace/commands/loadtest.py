@@ -70,7 +70,18 @@ def default_table(trace: str | None) -> str | None:
 @click.option("--model", default=None, metavar="NAME", help="The request's model field (default: omitted; "
               "servers pinned to one model, as kvtrace serve, need none).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
-              show_default=True, help="Seconds a request may wait for its next bytes (and 10 s at most to connect).")
+              show_default=True, help="Seconds a request may wait for its next bytes (and 10 s at most to connect); "
+                                      "/health, /kvtrace/status and /kvtrace/phase must answer in full within it.")
+@click.option("--request-timeout", "request_s", type=click.FloatRange(min=0, min_open=True), default=1800.0,
+              show_default=True, help="Seconds a completion request may take in all, from sending it to the last "
+                                      "byte of its answer (a stream that never ends is cut here).")
+@click.option("--max-line-bytes", type=click.IntRange(min=1024), default=1 << 20, show_default=True,
+              help="Bytes one SSE line, or one JSON answer read whole (/kvtrace/status, /health, an error, a "
+                   "non-streamed completion), may hold.")
+@click.option("--max-answer-bytes", type=click.IntRange(min=1024), default=8 << 20, show_default=True,
+              help="Bytes one answer may hold in all (a whole stream included).")
+@click.option("--max-in-flight", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Requests sent and not yet answered, at once (--concurrency may not exceed it).")
 @click.option("--poll", "poll_s", type=click.FloatRange(min=0.01), default=0.25, show_default=True,
               help="Seconds between live samples of GET /kvtrace/status (kvtrace serve only).")
 @click.option("--trace", default=None, metavar="TRACE",
@@ -84,7 +95,8 @@ def default_table(trace: str | None) -> str | None:
 @json_options
 @guarded
 def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: int, max_tokens: int,
-             baseline_s: float, warmup: int, api: str, model: str | None, timeout_s: float, poll_s: float, trace: str | None,
+             baseline_s: float, warmup: int, api: str, model: str | None, timeout_s: float, request_s: float,
+             max_line_bytes: int, max_answer_bytes: int, max_in_flight: int, poll_s: float, trace: str | None,
              output: str | None, fail_on: str | None, as_json: bool, json_out: str | None) -> None:
     """Drive URL (an OpenAI-compatible server) through the four-phase KV-cache diagnosis.
 
@@ -106,7 +118,10 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
     context: reported with their KV, a warning only where the phase's memory warns too, as kvtrace
     analyze judges the long phase's probe); each check names its source or says "not measured".
     Every answer must parse as an OpenAI completion (streamed or not): one that does not (a web
-    page, another API) is a failed request. Exit codes: 0 done (whatever the verdicts, unless
+    page, another API) is a failed request. A server is followed only so far: a request that
+    outlasts --request-timeout, a line over --max-line-bytes or an answer over --max-answer-bytes
+    fails with that reason (counted in the phase verdict); a /kvtrace/status answer that breaks a
+    bound or has wrong types leaves the live numbers "not measured", saying why. Exit codes: 0 done (whatever the verdicts, unless
     --fail-on), 3 a verdict reached --fail-on, 64 bad option or URL, 2 a --trace that is missing
     or unreadable, 69 the server cannot be reached, is unhealthy or fails the warm-up before the
     first phase, or is not an OpenAI-compatible server (a 404 on the route or an answer that is
@@ -114,7 +129,7 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
     """
     cfg_url = base_url(url)
     try:
-        from kvtrace.serving.client import ServerUnreachable
+        from kvtrace.serving.client import Bounds, ServerUnreachable
         from kvtrace.serving.drive import DriveConfig, ServerUnhealthy, drive
     except ImportError as exc:
         raise Unavailable(f"loadtest needs httpx ({exc}): pip install httpx (kvtrace[serve] has it)") from None
@@ -135,8 +150,13 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
     check_json_out(json_out, inputs=inputs)
     if trace is not None and not Path(trace).is_file():  # as every command that reads a trace: 2
         fail(f"{trace}: {'is a directory' if Path(trace).is_dir() else 'no such file'}", exitcodes.UNREADABLE)
-    cfg = DriveConfig(cfg_url, plan, api=api, max_tokens=max_tokens, model=model, timeout_s=timeout_s,
-                      poll_s=poll_s, warmup=warmup)
+    if concurrency > max_in_flight and "concurrent" in {p.name for p in plan}:
+        raise click.BadParameter(f"{concurrency} requests at once is above --max-in-flight {max_in_flight}",
+                                 param_hint="--concurrency")
+    bounds = Bounds(request_s=request_s, gap_s=timeout_s, line_bytes=max_line_bytes, answer_bytes=max_answer_bytes,
+                    in_flight=max_in_flight)
+    cfg = DriveConfig(cfg_url, plan, api=api, max_tokens=max_tokens, model=model, bounds=bounds, poll_s=poll_s,
+                      warmup=warmup)
     try:
         result = asyncio.run(drive(cfg))
     except (ServerUnreachable, ServerUnhealthy) as exc:

@@ -9,7 +9,13 @@ last phase an "end" marker closes the last window in the trace. Before the first
 serve creates its continuous-batching manager and pool at the first request): they belong to no
 phase and no verdict; the latency table lists them as phase "warmup". They are also the pre-flight
 check (:func:`refuse_unless_openai`): a server whose warm-up fails, or that does not answer as an
-OpenAI-compatible server, is refused before the first phase (ServerUnhealthy, exit 69)."""
+OpenAI-compatible server, is refused before the first phase (ServerUnhealthy, exit 69).
+
+Every answer is bounded (:class:`kvtrace.serving.client.Bounds`: whole time, bytes per line and per
+answer, requests in flight): a server that breaks a bound fails that request, its status naming
+the bound, and the phase verdict counts it; a /kvtrace/status answer that breaks one, or is
+kvtrace-shaped JSON of wrong types (:func:`kvtrace.serving.tracefacts.occupancy_problem`), leaves
+the live numbers "not measured" with that reason."""
 
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ import httpx
 
 from kvtrace.serving.client import (
     API_PATHS,
+    BoundBroken,
+    Bounds,
     RequestResult,
     ServerUnreachable,
     get_json,
@@ -30,9 +38,9 @@ from kvtrace.serving.client import (
     request_body,
     stream_request,
 )
-from kvtrace.serving.openai_stream import NOT_OPENAI
+from kvtrace.serving.openai_stream import NOT_OPENAI, brief
 from kvtrace.serving.phases import END_MARKER, Phase, prompt
-from kvtrace.serving.tracefacts import Group, groups_from_occupancy, sample_from_occupancy
+from kvtrace.serving.tracefacts import Group, groups_from_occupancy, occupancy_problem, sample_from_occupancy
 
 WARMUP_WORDS = 8
 
@@ -48,7 +56,7 @@ class DriveConfig:
     api: str = "completions"
     max_tokens: int = 64
     model: str | None = None
-    timeout_s: float = 600.0  # per request (connect, read gaps)
+    bounds: Bounds = Bounds()  # what a server is followed into, at most
     poll_s: float = 0.25
     warmup: int = 1  # short requests before the first phase and its marker (lazy start-up: CB manager, pool)
 
@@ -76,17 +84,31 @@ class DriveResult:
     live_status: bool  # the server offered /kvtrace/status
     started_unix: float
     warmup: list[RequestResult] = field(default_factory=list)  # outside every phase and verdict
+    bounds: Bounds = Bounds()
+    live_unavailable: str | None = None  # why /kvtrace/status is not sampled, when it is not
 
 
-async def _sample_status(client: httpx.AsyncClient, url: str, run: PhaseRun, *, after: bool = False) -> None:
-    code, body = await get_json(client, url + "/kvtrace/status")
+async def _sample_status(client: httpx.AsyncClient, url: str, run: PhaseRun, bounds: Bounds, *,
+                         after: bool = False) -> None:
+    """One live sample into ``run``, or the reason there is none in ``run.status_unavailable``:
+    the server going away, breaking a bound, or answering what is not kvtrace serve's status."""
+    try:
+        code, body = await get_json(client, url + "/kvtrace/status", bounds)
+    except (ServerUnreachable, BoundBroken) as exc:
+        run.status_unavailable = f"GET /kvtrace/status: {exc}"
+        return
     if code != 200 or not isinstance(body, dict):
-        run.status_unavailable = f"/kvtrace/status answered {code}"
+        why = body.get("error") or body.get("detail") if isinstance(body, dict) else None
+        run.status_unavailable = f"/kvtrace/status answered {code}" + (f": {brief(why)}" if why else "")
         return
     occ = body.get("paged_cache") or {}
+    problem = occupancy_problem(occ)
+    if problem is not None:
+        run.status_unavailable = f"/kvtrace/status answered JSON that is not kvtrace serve's: {problem}"
+        return
     sample = sample_from_occupancy(time.monotonic_ns(), occ)
     if sample is None:
-        run.status_unavailable = str(occ.get("unavailable", "no paged-cache numbers"))
+        run.status_unavailable = brief(occ.get("unavailable", "no paged-cache numbers"))
         return
     run.samples.append(sample)
     if after:
@@ -95,24 +117,25 @@ async def _sample_status(client: httpx.AsyncClient, url: str, run: PhaseRun, *, 
     run.status_unavailable = None
 
 
-async def _poll(client: httpx.AsyncClient, url: str, run: PhaseRun, every: float, stop: asyncio.Event) -> None:
+async def _poll(client: httpx.AsyncClient, url: str, run: PhaseRun, every: float, stop: asyncio.Event,
+                bounds: Bounds) -> None:
     while not stop.is_set():
-        try:
-            await _sample_status(client, url, run)
-        except ServerUnreachable:
-            pass  # the requests' own rows say when the server goes away
+        await _sample_status(client, url, run, bounds)
         try:
             await asyncio.wait_for(stop.wait(), timeout=every)
         except asyncio.TimeoutError:
             pass
 
 
-async def _mark(client: httpx.AsyncClient, url: str, name: str) -> str:
+async def _mark(client: httpx.AsyncClient, url: str, name: str, bounds: Bounds) -> str:
     """The marker's event kind ("PHASE" / "NOTE") when kvtrace serve took it; "unsupported ..." when
     the server is another one (no marker is tried again): a 404, or a 200 that is not kvtrace serve's
     answer ({"phase": name, "t_ns": int, "event": ...}, kvtrace.serving.routes), which a catch-all
-    route or a web page gives."""
-    code, body = await post_json(client, url + "/kvtrace/phase", {"name": name})
+    route or a web page gives; "failed: ..." when the answer broke a bound."""
+    try:
+        code, body = await post_json(client, url + "/kvtrace/phase", {"name": name}, bounds)
+    except BoundBroken as exc:
+        return f"failed: {exc}"
     if code == 200:
         if is_marker_answer(body, name):
             return str(body["event"])
@@ -157,19 +180,32 @@ def refuse_unless_openai(rows: list[RequestResult], cfg: DriveConfig, *, warmup:
 
 async def drive(cfg: DriveConfig) -> DriveResult:
     """Run every phase; raises ServerUnreachable / ServerUnhealthy before the first one."""
-    concurrency = max([p.concurrency for p in cfg.phases] + [1])
+    bounds = cfg.bounds
+    concurrency = min(max([p.concurrency for p in cfg.phases] + [1]), bounds.in_flight)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 10.0))
+    timeout = httpx.Timeout(bounds.gap_s, connect=min(bounds.gap_s, 10.0))
     t0 = time.perf_counter()
     started = time.time()
     # a proxy from the environment must not carry loopback traffic (CI sets HTTP(S)_PROXY for registries)
     loopback = (urlsplit(cfg.url).hostname or "") in ("127.0.0.1", "localhost", "::1")
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=not loopback) as client:
-        code, _ = await get_json(client, cfg.url + "/health")
+    # identity: a compressed answer's decoded size is not bounded by the bytes that arrive
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=not loopback,
+                                 headers={"Accept-Encoding": "identity"}) as client:
+        try:
+            code, body = await get_json(client, cfg.url + "/health", bounds)
+        except BoundBroken as exc:
+            raise ServerUnhealthy(f"GET /health: {exc}") from None
         if code != 200:
-            raise ServerUnhealthy(f"{cfg.url}/health answered HTTP {code}")
-        code, body = await get_json(client, cfg.url + "/kvtrace/status")
-        live = code == 200 and is_status_answer(body)
+            why = (body.get("detail") or body.get("reason")) if isinstance(body, dict) else None
+            raise ServerUnhealthy(f"{cfg.url}/health answered HTTP {code}" + (f": {brief(why)}" if why else ""))
+        live_unavailable: str | None = "the server has no /kvtrace/status (not kvtrace serve)"
+        try:
+            code, body = await get_json(client, cfg.url + "/kvtrace/status", bounds)
+            live = code == 200 and is_status_answer(body)
+        except BoundBroken as exc:
+            live, live_unavailable = False, f"GET /kvtrace/status: {exc}"
+        if live:
+            live_unavailable = None
         markers = True
         runs: list[PhaseRun] = []
         warm: list[RequestResult] = []
@@ -177,28 +213,29 @@ async def drive(cfg: DriveConfig) -> DriveResult:
         for i in range(cfg.warmup):
             warm.append(await stream_request(client, cfg.url, cfg.api,
                                              request_body(cfg.api, prompt(WARMUP_WORDS, 10_000 + i), 2, cfg.model),
-                                             phase="warmup", index=i, prompt_words=WARMUP_WORDS, t0=t0))
+                                             phase="warmup", index=i, prompt_words=WARMUP_WORDS, t0=t0,
+                                             bounds=bounds))
             proven = proven or refuse_unless_openai(warm[-1:], cfg, warmup=True)
         seq = 0
         for phase in cfg.phases:
             run = PhaseRun(phase, time.perf_counter() - t0)
             if markers:
-                run.marker = await _mark(client, cfg.url, phase.name)
+                run.marker = await _mark(client, cfg.url, phase.name, bounds)
                 markers = not run.marker.startswith("unsupported")
             stop = asyncio.Event()
-            poller = asyncio.create_task(_poll(client, cfg.url, run, cfg.poll_s, stop)) if live else None
+            poller = asyncio.create_task(_poll(client, cfg.url, run, cfg.poll_s, stop, bounds)) if live else None
             if not live:
-                run.status_unavailable = "the server has no /kvtrace/status (not kvtrace serve)"
+                run.status_unavailable = live_unavailable
             if phase.requests == 0:
                 await asyncio.sleep(phase.idle_s)
             else:
-                gate = asyncio.Semaphore(phase.concurrency)
+                gate = asyncio.Semaphore(min(phase.concurrency, bounds.in_flight))
 
                 async def one(i: int, seed: int, phase: Phase = phase, gate: asyncio.Semaphore = gate) -> RequestResult:
                     async with gate:
                         body = request_body(cfg.api, prompt(phase.prompt_tokens, seed), cfg.max_tokens, cfg.model)
                         return await stream_request(client, cfg.url, cfg.api, body, phase=phase.name, index=i,
-                                                    prompt_words=phase.prompt_tokens, t0=t0)
+                                                    prompt_words=phase.prompt_tokens, t0=t0, bounds=bounds)
 
                 run.results = list(await asyncio.gather(*(one(i, seq + i) for i in range(phase.requests))))
                 seq += phase.requests
@@ -212,19 +249,19 @@ async def drive(cfg: DriveConfig) -> DriveResult:
             if poller is not None:
                 stop.set()
                 await poller
-                try:  # one sample after the phase: what it left behind
-                    await _sample_status(client, cfg.url, run, after=True)
-                except ServerUnreachable:
-                    pass
+                await _sample_status(client, cfg.url, run, bounds, after=True)  # what the phase left behind
             try:
-                run.health, _ = await get_json(client, cfg.url + "/health")
-            except ServerUnreachable as exc:
+                run.health, body = await get_json(client, cfg.url + "/health", bounds)
+                why = (body.get("detail") or body.get("reason")) if isinstance(body, dict) else None
+                if run.health != 200 and why:
+                    run.health_error = brief(why)
+            except (ServerUnreachable, BoundBroken) as exc:
                 run.health, run.health_error = None, str(exc)
             run.end_s = time.perf_counter() - t0
             runs.append(run)
         if markers and runs:
             try:
-                await _mark(client, cfg.url, END_MARKER)
+                await _mark(client, cfg.url, END_MARKER, bounds)
             except ServerUnreachable:
                 pass
-    return DriveResult(cfg.url, runs, markers, live, started, warm)
+    return DriveResult(cfg.url, runs, markers, live, started, warm, bounds, live_unavailable)

@@ -11,29 +11,70 @@ the end of the body (transformers serve sends no ``[DONE]``). Each JSON chunk is
 ``choices`` list of objects (``text`` for /v1/completions, ``delta.content`` for chat), an
 ``error``, or a trailing ``usage`` with integer counts. A server that ignores ``"stream": true``
 and answers one ``application/json`` completion object is accepted too (its text arrives at once).
+
+Everything here is hostile-input safe: a JSON document nested too deep, a number that does not fit
+(usage counts must lie in 0..2**40) or invalid UTF-8 is a NotOpenAI message, never an exception of
+another class, and what a message quotes from the server is one printable line (:func:`one_line`).
 """
 
 from __future__ import annotations
 
 import json
+import reprlib
 from typing import Any
 
 DONE = "[DONE]"
 NOT_OPENAI = "not an OpenAI completion"
 _SSE_FIELDS = ("event:", "id:", "retry:", ":")
 _USAGE_KEYS = ("prompt_tokens", "completion_tokens")
+MAX_COUNT = 2**40  # a usage count above this (a trillion tokens) is not a count
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 120, 120
 
 
 class NotOpenAI(ValueError):
     """The answer is not in the OpenAI completion format (the message says what was seen)."""
 
 
+def one_line(text: str, n: int = 200) -> str:
+    """``text`` as one printable line of at most about ``n`` characters: whitespace runs become one
+    space, other characters that do not print (control characters, bidi overrides, lone surrogates)
+    are written as escapes, so a server's text cannot move the cursor or split a message."""
+    text = " ".join(text[: 4 * n].split())
+    out = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text[:n])
+    return out + ("..." if len(text) > n else "")
+
+
+def brief(value: Any, n: int = 160) -> str:
+    """A short printable rendering of a JSON value of any shape or depth (bounded work)."""
+    if isinstance(value, str):
+        return one_line(value, n)
+    return one_line(_BRIEF.repr(value), n)
+
+
+def parse_json(data: str | bytes) -> Any:
+    """json.loads that raises only ValueError: invalid UTF-8 and nesting too deep for the parser
+    (RecursionError) included."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
+
+
 def snippet(text: str | bytes, n: int = 60) -> str:
     """The start of a body, on one line, for a message."""
     if isinstance(text, bytes):
-        text = text.decode("utf-8", "replace")
-    text = " ".join(text.split())
+        text = text[: 8 * n].decode("utf-8", "replace")
+    text = " ".join(text[: 8 * n].split())
     return repr(text[:n] + ("..." if len(text) > n else ""))
+
+
+def _shown(value: Any) -> str:
+    """snippet() of a parsed JSON value (its JSON text when it has one, else its brief form)."""
+    try:
+        return snippet(json.dumps(value))
+    except (ValueError, RecursionError):
+        return snippet(brief(value))
 
 
 def sse_data(line: str) -> dict[str, Any] | str | None:
@@ -48,7 +89,7 @@ def sse_data(line: str) -> dict[str, Any] | str | None:
     if data == DONE:
         return DONE
     try:
-        chunk = json.loads(data)
+        chunk = parse_json(data)
     except ValueError:
         raise NotOpenAI(f"a data line that is not JSON: {snippet(data)}") from None
     return check_chunk(chunk)
@@ -57,19 +98,22 @@ def sse_data(line: str) -> dict[str, Any] | str | None:
 def check_chunk(chunk: Any) -> dict[str, Any]:
     """``chunk`` if it is an OpenAI completion (chunk) object or an error object; else NotOpenAI."""
     if not isinstance(chunk, dict):
-        raise NotOpenAI(f"a JSON {type(chunk).__name__}, not a completion object: {snippet(json.dumps(chunk))}")
+        raise NotOpenAI(f"a JSON {type(chunk).__name__}, not a completion object: {_shown(chunk)}")
     if "error" in chunk:
         return chunk
     choices = chunk.get("choices")
     usage = chunk.get("usage")
     if choices is None and usage is None:
-        raise NotOpenAI(f"a JSON object with neither choices nor usage: {snippet(json.dumps(chunk))}")
+        raise NotOpenAI(f"a JSON object with neither choices nor usage: {_shown(chunk)}")
     if choices is not None and (not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices)):
-        raise NotOpenAI(f"choices is not a list of objects: {snippet(json.dumps(choices))}")
-    if usage is not None and not (isinstance(usage, dict) and all(
-            isinstance(usage.get(k, 0), int) and not isinstance(usage.get(k, 0), bool) for k in _USAGE_KEYS)):
-        raise NotOpenAI(f"usage is not an object of integer counts: {snippet(json.dumps(usage))}")
+        raise NotOpenAI(f"choices is not a list of objects: {_shown(choices)}")
+    if usage is not None and not (isinstance(usage, dict) and all(_count(usage.get(k, 0)) for k in _USAGE_KEYS)):
+        raise NotOpenAI(f"usage is not an object of integer counts: {_shown(usage)}")
     return chunk
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_COUNT
 
 
 def chunk_text(chunk: dict[str, Any]) -> str:
@@ -88,7 +132,7 @@ def chunk_text(chunk: dict[str, Any]) -> str:
 def whole_completion(body: bytes) -> dict[str, Any]:
     """A non-streamed answer (``application/json``): one completion object."""
     try:
-        return check_chunk(json.loads(body))
+        return check_chunk(parse_json(body))
     except ValueError as exc:
         if isinstance(exc, NotOpenAI):
             raise
@@ -98,7 +142,7 @@ def whole_completion(body: bytes) -> dict[str, Any]:
 def error_detail(body: bytes) -> str:
     """': MESSAGE' from an error answer's JSON (OpenAI's error.message, FastAPI's detail), else ''."""
     try:
-        doc = json.loads(body)
+        doc = parse_json(body)
     except ValueError:
         return ""
     if not isinstance(doc, dict):
@@ -108,4 +152,4 @@ def error_detail(body: bytes) -> str:
     msg = msg if msg is not None else doc.get("detail", doc.get("message"))
     if msg is None:
         return ""
-    return ": " + " ".join(str(msg).split())[:160]
+    return ": " + brief(msg)

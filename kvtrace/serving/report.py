@@ -25,7 +25,7 @@ def _phase_line(run: PhaseRun) -> str:
 
 def print_run(result: DriveResult, verdicts: list[PhaseVerdict], trace: str | None, table: str | None) -> None:
     click.echo(f"loadtest {result.url}: phase markers {'posted' if result.markers else 'not taken (not kvtrace serve)'}, "
-               f"live status {'sampled' if result.live_status else 'not offered'}"
+               f"live status {'sampled' if result.live_status else f'not sampled ({result.live_unavailable})'}"
                + (f", trace {trace}" if trace else ""))
     if result.warmup:
         ok = sum(r.ok for r in result.warmup)
@@ -59,5 +59,5 @@ def document(result: DriveResult, verdicts: list[PhaseVerdict], trace: str | Non
             "requests": [asdict(r) for r in run.results],
         })
     return {"url": result.url, "started_unix": result.started_unix, "warmup": [asdict(r) for r in result.warmup],
-            "markers": result.markers,
-            "live_status": result.live_status, "trace": trace, "latency_table": table, "phases": phases}
+            "markers": result.markers, "bounds": asdict(result.bounds), "live_status": result.live_status,
+            "live_unavailable": result.live_unavailable, "trace": trace, "latency_table": table, "phases": phases}

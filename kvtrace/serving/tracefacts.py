@@ -55,15 +55,68 @@ def capacity(pool_bytes: int, groups: list[Group], context: int) -> int | None:
     return pool_bytes // per_request
 
 
+MAX_NUMBER = 2**62  # bytes, blocks, tokens or requests above this are not a reading
+MAX_ALLOCATORS = 1024  # attention groups of one pool
+_OCC_NUMBERS = ("pool_bytes", "free_bytes", "blocks_in_use", "running", "waiting", "tokens_cached")
+_GROUP_NUMBERS = ("blocks_in_use", "blocks_total", "blocks_cached", "tokens_per_block", "bytes_per_block", "window")
+
+
+def occupancy_problem(occ: Any) -> str | None:
+    """Why ``occ`` is not the recorder's occupancy JSON (routes.live_status's ``paged_cache``, the
+    occupancy NOTE events), or None when it is: an object whose numbers are integers in -1..2**62
+    (-1: unknown), whose ``allocators`` is an object of at most 1,024 such objects, and whose
+    ``unavailable`` is a string. Answers from a server or text from a trace are checked with it
+    before any number is used, so wrong types (a list for an object, NaN, strings, 10**400) are a
+    reason, never an exception."""
+    if not isinstance(occ, dict):
+        return f"paged_cache is a JSON {_kind(occ)}, not an object"
+    if "unavailable" in occ and not isinstance(occ["unavailable"], str):
+        return f"paged_cache.unavailable is a JSON {_kind(occ['unavailable'])}, not a string"
+    for key in _OCC_NUMBERS:
+        why = _number_problem(occ.get(key, -1))
+        if why:
+            return f"paged_cache.{key} {why}"
+    allocators = occ.get("allocators", {})
+    if not isinstance(allocators, dict):
+        return f"paged_cache.allocators is a JSON {_kind(allocators)}, not an object"
+    if len(allocators) > MAX_ALLOCATORS:
+        return f"paged_cache.allocators holds {len(allocators)} groups (at most {MAX_ALLOCATORS})"
+    for name, group in allocators.items():
+        if not isinstance(group, dict):
+            return f"paged_cache.allocators[{name[:40]!r}] is a JSON {_kind(group)}, not an object"
+        for key in _GROUP_NUMBERS:
+            why = _number_problem(group.get(key, -1))
+            if why:
+                return f"paged_cache.allocators[{name[:40]!r}].{key} {why}"
+    return None
+
+
+def _kind(x: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null", float: "number",
+             int: "integer"}
+    return names.get(type(x), type(x).__name__)
+
+
+def _number_problem(x: Any) -> str:
+    if isinstance(x, bool) or not isinstance(x, int):
+        shown = repr(x) if isinstance(x, float) else f"a JSON {_kind(x)}"
+        return f"is {shown}, not an integer"
+    if not -1 <= x <= MAX_NUMBER:
+        return f"is {'negative' if x < 0 else 'above 2**62'}, not a reading"
+    return ""
+
+
 def groups_from_occupancy(occ: dict[str, Any]) -> list[Group]:
-    """Groups from the recorder's occupancy JSON (the NOTE event and /kvtrace/status)."""
+    """Groups from the recorder's occupancy JSON (the NOTE event and /kvtrace/status), once
+    :func:`occupancy_problem` found none."""
     return [Group(name.replace("_attention", ""), int(a.get("blocks_total", -1)), int(a.get("tokens_per_block", -1)),
                   int(a.get("bytes_per_block", -1)), int(a.get("window", -1)))
             for name, a in occ.get("allocators", {}).items()]
 
 
 def sample_from_occupancy(t_ns: int, occ: dict[str, Any]) -> dict[str, Any] | None:
-    """A live or NOTE sample; "cached" counts the evictable cached prefix blocks, "cached_bytes" their bytes."""
+    """A live or NOTE sample; "cached" counts the evictable cached prefix blocks, "cached_bytes" their
+    bytes (``occ`` checked by :func:`occupancy_problem`)."""
     if "pool_bytes" not in occ or "free_bytes" not in occ:
         return None
     allocators = occ.get("allocators", {}).values()
@@ -167,7 +220,9 @@ def _occupancy_rows(trace: Any) -> tuple[str | None, list[dict[str, Any]], list[
             continue
         try:
             occ = json.loads(text[len(OCCUPANCY_PREFIX):])
-        except ValueError:
+        except (ValueError, RecursionError):
+            continue
+        if occupancy_problem(occ) is not None:  # a NOTE of another shape (a hand-made or damaged trace)
             continue
         sample = sample_from_occupancy(int(e["t_ns"]), occ)
         if sample is not None:

@@ -122,7 +122,9 @@ def judge_phase(run: PhaseRun, facts: PhaseFacts | None, history: list[int], max
                             "client" + (f" (first failure: {failed[0].status})" if failed else "")))
     health = run.health
     checks.append(Check("health", "ok" if health == 200 else "critical",
-                        f"no answer ({run.health_error})" if health is None else f"HTTP {health}", "critical unless 200",
+                        f"no answer ({run.health_error})" if health is None else
+                        f"HTTP {health}" + (f": {run.health_error}" if health != 200 and run.health_error else ""),
+                        "critical unless 200",
                         "GET /health after the phase"))
     return PhaseVerdict(run.phase.name, worst([c.level for c in checks]), checks)
 
