@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -184,6 +188,25 @@ def prometheus_textfile(trace: str, output: str, quiet: bool, as_json: bool, jso
         click.echo(f"wrote {out} ({series} series)")
 
 
+@contextlib.contextmanager
+def _terminated_cleanly() -> Iterator[None]:
+    """SIGTERM (``kill``, a job scheduler's time limit) as Ctrl-C is: an exception, so the export
+    removes its temporaries and the files of traces it did not record before it exits (143)."""
+    def stop(signum: int, _frame: object) -> None:
+        click.echo("kvtrace: terminated", err=True)
+        sys.exit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread (an embedding application): its own handling stands
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @export.command("parquet")
 @click.argument("traces", nargs=-1, required=True, type=click.Path())  # a directory is "not a trace" (exit 2)
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
@@ -232,7 +255,8 @@ def parquet(traces: tuple[str, ...], output: str, jobs: int, workers: int | None
         Path(output).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         fail(f"cannot create -o {output}: {exc.strerror}", exitcodes.CANNOT_WRITE)
-    with progress_bar("parquet", len(traces), enabled=not (quiet or as_json) and len(traces) > 1) as steps:
+    with progress_bar("parquet", len(traces), enabled=not (quiet or as_json) and len(traces) > 1) as steps, \
+            _terminated_cleanly():
         try:
             result = fx.export_parquet(traces, output, jobs=jobs, dask_address=dask_address,
                                        dask_workers=workers or 0, force=force,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from html import escape
@@ -19,7 +22,7 @@ from kvtrace.format.reader import Trace
 from kvtrace.format.summary import summarize
 from kvtrace.report import contents, data, figures, findings, fixes, html, quality, whatif_section
 from kvtrace.units import format_bytes
-from kvtrace.wholefile import write_whole
+from kvtrace.wholefile import create_in_dir
 
 # Stages reported to the progress callback, in order.
 STAGES = ("overview", "memory-timeline", "layer-footprint", "growth-curves", "post-eos",
@@ -56,11 +59,50 @@ def _fmt(n: int | None) -> str:
     return "n/a" if n is None else format_bytes(n)
 
 
+class _FigureFiles:
+    """The --figures files of one report, all or none: written fresh into a hidden staging
+    directory inside the figures directory (:func:`kvtrace.wholefile.create_in_dir`: a symlink or
+    hard link already there is never written through) and renamed into place by :meth:`commit`
+    once the page is written; :meth:`discard` (any failure midway: a full disk, Ctrl-C, a bug)
+    removes the staging directory, so no partial set of figures is left behind and an earlier
+    run's figures stay as they were."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        try:
+            self.stage = Path(tempfile.mkdtemp(prefix=".kvtrace-figures.", dir=directory))
+        except OSError as exc:
+            raise CannotWrite(f"{directory}: cannot write figures ({exc.strerror or exc})") from None
+        self.names: list[str] = []
+
+    def write(self, name: str, blob: bytes) -> Path:
+        try:  # whole or not at all; a full disk is 73, not an internal error
+            create_in_dir(self.stage, (name,), lambda fh: fh.write(blob))
+        except OSError as exc:
+            raise CannotWrite(f"{self.directory / name}: cannot write figure ({exc.strerror or exc})") from None
+        self.names.append(name)
+        return self.directory / name
+
+    def commit(self) -> None:
+        flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+        src, dst = os.open(self.stage, flags), os.open(self.directory, flags)
+        try:
+            for name in self.names:  # a rename replaces a symlink at the name, never follows it
+                os.replace(name, name, src_dir_fd=src, dst_dir_fd=dst)
+        finally:
+            os.close(src)
+            os.close(dst)
+        self.discard()
+
+    def discard(self) -> None:
+        shutil.rmtree(self.stage, ignore_errors=True)
+
+
 class _Builder:
-    def __init__(self, view: TraceView, figures_dir: Path | None, progress: Progress | None) -> None:
+    def __init__(self, view: TraceView, figure_files: _FigureFiles | None, progress: Progress | None) -> None:
         self.view = view  # shared with the analyser: one /kv request index per report
         self.trace = view.trace
-        self.figures_dir = figures_dir
+        self.figure_files = figure_files
         self.progress = progress or (lambda _stage: None)
         self.sections: list[html.Section] = []
         self.written: list[Path] = []
@@ -74,14 +116,9 @@ class _Builder:
     def add_figure(self, section: html.Section, name: str, fig: Any, caption: str) -> None:
         try:
             svg = figures.to_svg(fig)
-            if self.figures_dir is not None:
+            if self.figure_files is not None:
                 for ext, blob in (("svg", svg), ("png", figures.to_png(fig))):
-                    path = self.figures_dir / f"{name}.{ext}"
-                    try:  # whole or not at all; a full disk is 73, not an internal error
-                        write_whole(path, lambda p, blob=blob: p.write_bytes(blob))
-                    except OSError as exc:
-                        raise CannotWrite(f"{path}: cannot write figure ({exc.strerror or exc})") from None
-                    self.written.append(path)
+                    self.written.append(self.figure_files.write(f"{name}.{ext}", blob))
         finally:
             figures.close(fig)
         section.figures.append(html.Figure(name, caption, svg))
@@ -357,11 +394,17 @@ def build_report(
     """write_report, returning what was written and which sections had nothing to draw."""
     out = Path(out_html)
     fig_dir = Path(figures_dir) if figures_dir is not None else None
-    _prepare_output(out, fig_dir)
-    figures._plt()  # fail early, before reading the trace, when matplotlib is missing
-    with Trace(trace_path) as trace:
-        return render(TraceView(trace), analysis, out, fig_dir, run_analyzer=run_analyzer, progress=progress,
-                      whatif=whatif)
+    made = _prepare_output(out, fig_dir)
+    try:
+        figures._plt()  # fail early, before reading the trace, when matplotlib is missing
+        with Trace(trace_path) as trace:
+            return render(TraceView(trace), analysis, out, fig_dir, run_analyzer=run_analyzer, progress=progress,
+                          whatif=whatif)
+    except BaseException:  # the figures directory this call made goes with its failure (render empties it)
+        if made is not None:
+            with contextlib.suppress(OSError):
+                made.rmdir()
+        raise
 
 
 def render(
@@ -380,61 +423,76 @@ def render(
     the trace holds sampled contents."""
     out = Path(out_html)
     fig_dir = Path(figures_dir) if figures_dir is not None else None
-    _prepare_output(out, fig_dir)
+    made = _prepare_output(out, fig_dir)
     figures._plt()
-    trace = view.trace
-    b = _Builder(view, fig_dir, progress)
-    b.progress("overview")
-    summary = summarize(trace)
-    b.overview(summary)
-    b.progress("memory-timeline")
-    b.memory_timeline()
-    b.progress("layer-footprint")
-    b.layer_footprint()
-    b.progress("growth-curves")
-    b.growth()
-    b.progress("post-eos")
-    mems = data.request_memory(trace)
-    b.post_eos(mems)
-    b.progress("allocator-state")
-    b.allocator_state(mems)
-    b.progress("findings")
-    note = ""
-    if analysis is None and run_analyzer:
-        analysis, note = findings.run_analysis(view)
-        note = "" if analysis is not None else note  # the table is the analyser's; no caption
-    elif analysis is None:
-        note = "analysis skipped (--no-analysis)"
-    rows = None if analysis is None else findings.flatten(analysis)
-    statuses = [] if analysis is None else findings.detector_statuses(analysis)
-    b.findings(rows, note, statuses)
-    b.verdict(rows, note, statuses)
-    b.progress("heatmaps")
-    b.heatmaps()
-    b.progress("whatif")
-    whatif_section.add(b, whatif)
-    b.progress("data-quality")
-    b.data_quality()
-    b.progress("write")
-    title = f"kvtrace report: {summary['model']['id']}"
-    header = [f"trace {summary['path']}",
-              f"{summary['requests']['count']} requests, {summary['layers']['count']} layers, "
-              f"format {summary['format_version']}"]
-    page = html.render(title, header, b.sections,
-                       f"Generated by kvtrace {__version__}. Self-contained: no network access needed. "
-                       "Sizes in binary units (KiB = 1024 B).")
-    html.write_page(out, page)
+    figure_files = _FigureFiles(fig_dir) if fig_dir is not None else None
+    try:
+        trace = view.trace
+        b = _Builder(view, figure_files, progress)
+        b.progress("overview")
+        summary = summarize(trace)
+        b.overview(summary)
+        b.progress("memory-timeline")
+        b.memory_timeline()
+        b.progress("layer-footprint")
+        b.layer_footprint()
+        b.progress("growth-curves")
+        b.growth()
+        b.progress("post-eos")
+        mems = data.request_memory(trace)
+        b.post_eos(mems)
+        b.progress("allocator-state")
+        b.allocator_state(mems)
+        b.progress("findings")
+        note = ""
+        if analysis is None and run_analyzer:
+            analysis, note = findings.run_analysis(view)
+            note = "" if analysis is not None else note  # the table is the analyser's; no caption
+        elif analysis is None:
+            note = "analysis skipped (--no-analysis)"
+        rows = None if analysis is None else findings.flatten(analysis)
+        statuses = [] if analysis is None else findings.detector_statuses(analysis)
+        b.findings(rows, note, statuses)
+        b.verdict(rows, note, statuses)
+        b.progress("heatmaps")
+        b.heatmaps()
+        b.progress("whatif")
+        whatif_section.add(b, whatif)
+        b.progress("data-quality")
+        b.data_quality()
+        b.progress("write")
+        title = f"kvtrace report: {summary['model']['id']}"
+        header = [f"trace {summary['path']}",
+                  f"{summary['requests']['count']} requests, {summary['layers']['count']} layers, "
+                  f"format {summary['format_version']}"]
+        page = html.render(title, header, b.sections,
+                           f"Generated by kvtrace {__version__}. Self-contained: no network access needed. "
+                           "Sizes in binary units (KiB = 1024 B).")
+        html.write_page(out, page)
+        if figure_files is not None:
+            figure_files.commit()
+    except BaseException:  # no partial --figures: the staged files go, and the directory if this made it
+        if figure_files is not None:
+            figure_files.discard()
+        if made is not None:
+            with contextlib.suppress(OSError):
+                made.rmdir()  # only when empty
+        raise
     return ReportResult(out, b.written, [s.id for s in b.sections], b.absent,
                         None if rows is None else len(rows))
 
 
-def _prepare_output(out: Path, fig_dir: Path | None) -> None:
+def _prepare_output(out: Path, fig_dir: Path | None) -> Path | None:
+    """Check the page's path and make the figures directory; returns it when this call made it."""
     if out.exists() and out.is_dir():
         raise CannotWrite(f"{out}: is a directory")
     if not out.parent.exists():
         raise CannotWrite(f"{out.parent}: directory does not exist")
     if fig_dir is not None:
+        existed = fig_dir.exists()
         try:
             fig_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CannotWrite(f"{fig_dir}: cannot create figures directory ({exc.strerror})") from None
+        return None if existed else fig_dir
+    return None
