@@ -25,6 +25,12 @@ __all__ = ["Observed", "Policy", "PolicyError", "REGISTRY", "parse_policy", "kee
 
 # Always kept: scores of tokens a policy must not drop (the observation window, unscored keys).
 KEEP = np.inf
+# Parameter domains, checked where a policy is made (parse_policy, the constructors): token counts
+# and windows up to 2^31 - 1 (more than any cache holds; positions stay int64-safe and fit the
+# kernels' int32), a pooling kernel up to 4095 keys, seeds as numpy takes them.
+TOKENS_MAX = (1 << 31) - 1
+KERNEL_MAX = 4095
+SEED_MAX = (1 << 63) - 1
 
 
 @dataclass
@@ -60,6 +66,13 @@ class Policy:
     doc: ClassVar[str] = ""
     note: ClassVar[str] = ""  # where the offline version departs from the original (shown in the output)
 
+    # parameter -> (lowest, highest) allowed, both included
+    ranges: ClassVar[dict[str, tuple[float, float]]] = {}
+
+    def __post_init__(self) -> None:
+        for key, value in self.params().items():
+            check_range(self.name, key, value, self.ranges)
+
     def params(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
@@ -71,6 +84,16 @@ class Policy:
 def _check(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise PolicyError(f"{name}: {msg}")
+
+
+def check_range(name: str, key: str, value: Any, ranges: dict[str, tuple[float, float]]) -> None:
+    """PolicyError naming the parameter and its range when ``value`` is outside it (NaN included)."""
+    if key not in ranges or isinstance(value, bool):
+        return
+    lo, hi = ranges[key]
+    if not lo <= value <= hi:
+        raise PolicyError(f"{name}: {key} must be in [{lo:g}, {hi:g}], got {value:g}" if isinstance(value, float)
+                          else f"{name}: {key} must be in [{lo}, {hi}], got {value}")
 
 
 # ------------------------------------------------------------------------------------ paging
@@ -87,6 +110,7 @@ class Paging(Policy):
     page_size: int = 16
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check(self.page_size in (16, 32, 64, 128, 256), self.name, f"page_size must be 16/32/64/128/256, got {self.page_size}")
 
     def tokens_allocated(self, tokens: np.ndarray) -> np.ndarray:
@@ -172,6 +196,7 @@ class Random(ScorerPolicy):
     gives a different (equally random) keep-set than kvpress."""
 
     name: ClassVar[str] = "random"
+    ranges: ClassVar[dict[str, tuple[float, float]]] = {"seed": (0, SEED_MAX)}
     seed: int = 0
 
     def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
@@ -184,10 +209,12 @@ class StreamingLLM(ScorerPolicy):
     ``window`` > 0 the cache is sinks + window tokens whatever the ratio (the paper's fixed cache)."""
 
     name: ClassVar[str] = "streaming_llm"
+    ranges: ClassVar[dict[str, tuple[float, float]]] = {"n_sink": (0, TOKENS_MAX), "window": (0, TOKENS_MAX)}
     n_sink: int = 4
     window: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check(self.n_sink >= 0 and self.window >= 0, self.name, "n_sink and window must be >= 0")
 
     def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
@@ -264,10 +291,12 @@ class SnapKV(QueryScorer):
     F.avg_pool1d), averaged over each KV head's query heads; the window's keys are kept."""
 
     name: ClassVar[str] = "snapkv"
+    ranges: ClassVar[dict[str, tuple[float, float]]] = {"window_size": (1, TOKENS_MAX), "kernel_size": (1, KERNEL_MAX)}
     window_size: int = 64
     kernel_size: int = 5
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check(self.window_size >= 1, self.name, "window_size must be >= 1")
         _check(self.kernel_size >= 1 and self.kernel_size % 2 == 1, self.name, "kernel_size must be odd and >= 1")
 
@@ -301,12 +330,14 @@ class ExpectedAttention(QueryScorer):
     needs: ClassVar[str] = "Q, K and V"
     note: ClassVar[str] = ("stand-in: statistics of the sampled post-RoPE queries replace kvpress's pre-RoPE "
                            "prefill queries rotated by the RoPE averaged over future positions")
+    ranges: ClassVar[dict[str, tuple[float, float]]] = {"n_sink": (0, TOKENS_MAX), "epsilon": (0.0, 1e6)}
     n_sink: int = 4
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check(self.n_sink >= 0 and self.epsilon >= 0, self.name, "n_sink and epsilon must be >= 0")
 
     def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
@@ -389,11 +420,13 @@ class KIVI(Quantizer):
     full precision; scale and zero per group (fp16)."""
 
     name: ClassVar[str] = "kivi"
+    ranges: ClassVar[dict[str, tuple[float, float]]] = {"group_size": (1, TOKENS_MAX), "residual_length": (0, TOKENS_MAX)}
     nbits: int = 2
     group_size: int = 32
     residual_length: int = 128
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check(self.nbits in (2, 4, 8), self.name, f"nbits must be 2, 4 or 8, got {self.nbits}")
         _check(self.group_size >= 1 and self.residual_length >= 0, self.name, "group_size >= 1, residual_length >= 0")
 
@@ -416,12 +449,15 @@ class Quanto(Quantizer):
     precision (defaults 4 bits, 64, 128)."""
 
     name: ClassVar[str] = "quanto"
+    ranges: ClassVar[dict[str, tuple[float, float]]] = {"q_group_size": (1, TOKENS_MAX),
+                                                       "residual_length": (0, TOKENS_MAX)}
     nbits: int = 4
     q_group_size: int = 64
     residual_length: int = 128
     allowed: ClassVar[tuple[int, ...]] = (2, 4)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check(self.nbits in self.allowed, self.name, f"nbits must be one of {self.allowed}, got {self.nbits}")
         _check(self.q_group_size >= 1 and self.residual_length >= 0, self.name, "q_group_size >= 1, residual_length >= 0")
 
@@ -452,6 +488,7 @@ class FP8(Quantizer):
     fmt: str = "e4m3"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check(self.fmt in FP8_FORMATS, self.name, f"fmt must be one of {sorted(FP8_FORMATS)}, got {self.fmt!r}")
 
     def _quantize(self, x: np.ndarray, which: str) -> np.ndarray:
@@ -495,4 +532,5 @@ def parse_policy(text: str) -> Policy:
             kwargs[key] = val.lower() in ("true", "1")
         else:
             kwargs[key] = val
+        check_range(name, key, kwargs[key], cls.ranges)  # its domain, where it is parsed
     return cls(**kwargs)
