@@ -29,6 +29,7 @@ from typing import Any
 
 from kvtrace import geometry as G
 from kvtrace import units as _units
+from kvtrace.geometry.reviewed import is_reviewed
 
 # Seed 001 alert thresholds: memory utilisation warning/critical, concurrency warning at 80% of max.
 UTILIZATION_WARNING = 0.80
@@ -226,6 +227,10 @@ def plan_capacity(
     geom = G.model_geometry(cfg, mla_cache=mla_cache)
     enc = context_len if encoder_len is None else int(encoder_len)
     notes: list[str] = []
+    model_type = str(G.text_config(cfg).get("model_type") or "")
+    if model_type and not is_reviewed(model_type):
+        notes.append(f"model_type {model_type!r} is newer than the architectures kvtrace's layer rules were "
+                     "checked against: the geometry follows the generic rules and is unverified.")
 
     # KV per token and per request, whole model and per rank
     bpt_total = G.bytes_per_token(geom, kv_b)

@@ -137,6 +137,18 @@ def make_inputs(d: Path) -> Path:
     return d
 
 
+def _fleet_versions() -> dict[str, str]:
+    """The transformers releases of the example fleet's two sides, read from the traces themselves."""
+    import transformers
+
+    import kvtrace
+
+    gpu_fixture = Path(__file__).resolve().parent / "data" / "gpu" / "gpu_clean.kvt.h5"
+    with kvtrace.open(gpu_fixture) as t:
+        fixture = t.meta.transformers_version
+    return {"--baseline": str(fixture), "--candidate": transformers.__version__}
+
+
 def _outputs(args: list[str]) -> set[int]:
     return {i + 1 for i, a in enumerate(args[:-1]) if a in OUTPUT_OPTIONS}
 
@@ -170,6 +182,10 @@ def prepare(args: list[str], work: Path, inputs: Path) -> list[str]:
                     relabel_as_rank(parent / name, r, 2, os.path.basename(arg).split(".rank")[0])
             fixed += sorted(os.path.relpath(p, work) for p in glob.glob(str(work / arg)))
             continue
+        if prev in ("--baseline", "--candidate") and arg.startswith("transformers_version="):
+            # An example names two releases as a user would; the fleet the suite builds holds the
+            # committed fixture's release (baseline) and the installed one (candidate).
+            arg = f"transformers_version={_fleet_versions()[prev]}"
         target = work / arg
         if args[1] == "fleet" and arg.rstrip("/") == "fleet":
             if not (inputs / "fleet").is_dir():

@@ -114,6 +114,10 @@ _HYBRID_MARKERS = (
 )
 # Two attention blocks per decoder layer (cache has 2 x num_hidden_layers layers): not modelled.
 _UNSUPPORTED_MODEL_TYPES = ("longcat_flash",)
+# Recurrent-depth models (a middle section of layers run several times per token, e.g. dory): the
+# looped layers may write one cache layer per loop, so the cache's layer count is not the config's,
+# and released configs list attention and MLP blocks as separate layer_types entries. Not modelled.
+_LOOPED_MARKERS = ("n_recurrent_loops",)
 # Attention and SSM side by side in every layer: the KV part is plain full attention (the SSM state,
 # constant in sequence length, is not counted).
 _PARALLEL_HYBRID = ("falcon_h1",)
@@ -123,6 +127,10 @@ def _check_supported(cfg: Mapping[str, Any]) -> None:
     mt = _model_type(cfg)
     if mt in _UNSUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {mt!r}: cache layout not supported by kvtrace.geometry")
+    looped = next((k for k in _LOOPED_MARKERS if cfg.get(k) is not None), None)
+    if looped is not None:
+        raise ValueError(f"model_type {mt!r} is a recurrent-depth model ({looped!r}): its looped layers write "
+                         "more cache layers than the config lists; not supported by kvtrace.geometry")
     if not cfg.get("layer_types") and mt not in _PARALLEL_HYBRID:
         marker = next((k for k in _HYBRID_MARKERS if cfg.get(k) is not None), None)
         if marker is not None:

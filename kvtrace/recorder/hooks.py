@@ -1,7 +1,8 @@
 """Finding attention modules generically and installing (then removing) the recorder's hooks.
 
 An attention module is any module with an integer ``layer_idx`` whose forward receives a
-transformers ``Cache`` (as ``past_key_values``, ``layer_past`` or positionally). Decoder layers
+transformers ``Cache`` under any keyword (``cache`` since transformers 5.24, ``past_key_values``,
+``layer_past``) or positionally: caches are found by type, never by argument name. Decoder layers
 often match too; the deepest matching module per (layer, self/cross) wins. Cross-attention is told
 apart by a non-None ``key_value_states`` / ``encoder_hidden_states`` argument, the transformers
 convention. Model names are never consulted.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -79,11 +80,8 @@ def _compile_opaque(fn: Callable) -> Callable:
 
 
 def find_cache(args: tuple, kwargs: dict) -> Any:
-    """The first transformers Cache among a call's arguments, or None."""
-    for key in ("past_key_values", "layer_past", "past_key_value"):
-        v = kwargs.get(key)
-        if isinstance(v, Cache):
-            return v
+    """The first transformers Cache among a call's arguments, or None (by type: the keyword was
+    renamed from ``past_key_values`` to ``cache`` in transformers 5.24 and may move again)."""
     for v in kwargs.values():
         if isinstance(v, Cache):
             return v
@@ -91,6 +89,31 @@ def find_cache(args: tuple, kwargs: dict) -> Any:
         if isinstance(v, Cache):
             return v
     return None
+
+
+def cache_of_output(output: Any) -> Any:
+    """The transformers Cache a forward returned, or None. Read from the output's values by type:
+    asking for ``output.past_key_values`` by name makes transformers >= 5.24 print a deprecation
+    warning on the user's terminal (the field is ``cache`` there)."""
+    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, tuple) else ()
+    for v in values:
+        if isinstance(v, Cache):
+            return v
+    return None
+
+
+def cache_keyword(forward: Callable) -> str:
+    """The keyword under which ``forward`` (a model's forward or ``generate``) takes a cache:
+    ``cache`` where the installed transformers has it (5.24+), else ``past_key_values``. Read from
+    the signature, not a version number, so that both old and new releases get their own name and
+    no deprecation shim prints on the user's terminal."""
+    import inspect
+
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def is_cross_call(kwargs: dict) -> bool:

@@ -105,8 +105,8 @@ class StepRecorder:
             self.ctx.event(EventKind.PREFILL_END, req.id, step=0, t=t)
         else:
             w.append("events", EventRow(t, _DECODE_STEP, req.id, step, -1, -1, step, 0, 0))
-        cache = getattr(output, "past_key_values", None)
-        if not isinstance(cache, _hooks.Cache):
+        cache = _hooks.cache_of_output(output)
+        if cache is None:
             cache = _hooks.find_cache(args, kwargs)
             if cache is None and self.discovery.last_cache is not None:
                 cache = self.discovery.last_cache()

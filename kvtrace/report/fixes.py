@@ -20,14 +20,17 @@ VERDICT_RANK = SEVERITY_ORDER["medium"]
 
 _SDPA = 'AutoModelForCausalLM.from_pretrained(..., attn_implementation="sdpa")'
 _EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-_FRESH_CACHE = "model.generate(ids, past_key_values=DynamicCache(config=model.config))  # a fresh cache per request"
+# Version-neutral on purpose: the cache argument and output field were renamed in transformers 5.24
+# (past_key_values -> cache), and either spelling is wrong on one side of that release.
+_FRESH_CACHE = "model.generate(ids)  # pass no cache object: generate builds a fresh one per request"
+_DROP_OUTPUT_CACHE = "out = out.sequences; gc.collect()  # keep the tokens, not the output that holds the cache"
 
 # (detector, kind) -> the fix; (detector, "") -> the detector's fallback.
 FIXES: dict[tuple[str, str], str] = {
     # A generate output (or a hook, a list) keeps the cache alive after the request.
-    ("post_eos", "retained_after_request"): "del out.past_key_values; gc.collect()  # drop every reference to the cache",
+    ("post_eos", "retained_after_request"): _DROP_OUTPUT_CACHE,
     ("post_eos", "non_kv_growth"): "keep no per-request tensors (outputs, logits, hidden states) past the request",
-    ("post_eos", ""): "del out.past_key_values; gc.collect()  # drop every reference to the cache",
+    ("post_eos", ""): _DROP_OUTPUT_CACHE,
     # The cache holds copies (a custom update that concatenates) or ignores its window.
     ("growth_curve", "duplication"): "update the cache only through Cache.update() (a stock DynamicCache); "
                                      "never torch.cat into cache tensors",

@@ -327,9 +327,12 @@ def teacher_forced_logprobs(model: Any, ids: torch.Tensor, policy: Policy | None
 
             capture = QueryCapture(model, keep_query)
             capture.install()
+        from kvtrace.recorder.hooks import cache_keyword
+
+        cache_arg = cache_keyword(model.forward)
         with torch.no_grad():
             for start, stop in [(0, first)] + [(t, t + 1) for t in range(first, ids.shape[1])]:
-                out = model(input_ids=ids[:, start:stop], past_key_values=cache, use_cache=True)
+                out = model(input_ids=ids[:, start:stop], use_cache=True, **{cache_arg: cache})
                 rows.extend(torch.log_softmax(out.logits[0].double(), dim=-1).cpu().numpy())
     finally:
         for h in hooks:

@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:  # run as a script from the checkout
     sys.path.insert(0, str(ROOT))
 
 from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
+from tests.hfcache import cache_kwargs, call_cache, output_cache  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests" / "analyzer"))  # the plants the detector tests use, shared
 # DUP_*: 16 KV heads x 64 so that copies (quadratic in tokens) dwarf allocator and RSS noise.
@@ -153,13 +154,13 @@ GLOBAL_CACHES: list[Any] = []
 
 
 def plant_global_list(path: Path) -> Path:
-    """User code appends every request's past_key_values to a module-level list (a "cache of
+    """User code appends every request's cache to a module-level list (a "cache of
     caches" that is never trimmed), on a hybrid sliding/full model."""
     model = tiny_model("gemma3_text")
     with _quiet(), _record(model, path):
         for prompt in (PROMPT, PROMPT + 4):
             out = _generate(model, prompt=prompt, return_dict_in_generate=True)
-            GLOBAL_CACHES.append(out.past_key_values)
+            GLOBAL_CACHES.append(output_cache(out))
             del out
     return path
 
@@ -171,7 +172,7 @@ def plant_forward_hook(path: Path) -> Path:
     HOLD.append(seen)
 
     def stash(module: Any, args: Any, kwargs: dict) -> None:
-        cache = kwargs.get("past_key_values")
+        cache = call_cache(args, kwargs)
         if cache is not None and (not seen or seen[-1] is not cache):
             seen.append(cache)
 
@@ -236,7 +237,7 @@ def plant_cat_subclass(path: Path) -> Path:
     with _quiet(), _record(model, path, telemetry_hz=100.0):
         cache = DynamicCache()
         cache.layer_class_to_replicate = _cat_layer_class()
-        _generate(model, prompt=DUP_PROMPT, new=DUP_NEW, past_key_values=cache)
+        _generate(model, prompt=DUP_PROMPT, new=DUP_NEW, **cache_kwargs(model, cache))
         del cache
     return path
 
@@ -272,7 +273,7 @@ def plant_static_user_cache(path: Path) -> Path:
     model = tiny_model("gemma3_text")
     with _quiet(), _record(model, path):
         cache = StaticCache(config=model.config, max_cache_len=200)
-        _generate(model, past_key_values=cache, disable_compile=True)
+        _generate(model, **cache_kwargs(model, cache), disable_compile=True)
         del cache
     return path
 
@@ -304,7 +305,7 @@ def plant_configless_cache(path: Path) -> Path:
 
     model = tiny_model("gpt_oss")
     with _quiet(), _record(model, path):
-        _generate(model, new=14, past_key_values=DynamicCache())
+        _generate(model, new=14, **cache_kwargs(model, DynamicCache()))
     return path
 
 
@@ -371,7 +372,7 @@ PLANTED: list[Case] = [
     Case("retention:kept_output", "retention", "post_eos", RET,
          "llama; the caller keeps generate(return_dict_in_generate=True)'s output", plant_kept_output),
     Case("retention:global_list", "retention", "post_eos", RET,
-         "gemma3 (hybrid); every past_key_values appended to a module-level list", plant_global_list),
+         "gemma3 (hybrid); every generate output's cache appended to a module-level list", plant_global_list),
     Case("retention:forward_hook", "retention", "post_eos", RET,
          "deepseek_v3 (MLA); a forward pre-hook stashes the cache it sees", plant_forward_hook),
     Case("duplication:arena", "duplication", "growth_curve", DUP,

@@ -29,6 +29,8 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[2]))
 sys.path.insert(0, str(HERE.parent))
 
+from tests.hfcache import cache_kwargs, call_cache, output_cache  # noqa: E402
+
 MiB, GiB = 1 << 20, 1 << 30
 HZ = 100  # telemetry rate: tiny models decode a step in a few ms
 KV4x64 = dict(num_key_value_heads=4, num_attention_heads=4, head_dim=64)
@@ -146,7 +148,7 @@ def retention_hook(path: Path) -> dict:
     stash: list[Any] = []
 
     def keep(module: Any, args: Any, kwargs: dict) -> None:
-        c = kwargs.get("past_key_values")
+        c = call_cache(args, kwargs)
         if c is not None and (not stash or stash[-1] is not c):
             stash.append(c)
 
@@ -165,10 +167,10 @@ def retention_global_list(path: Path) -> dict:
     with rec(m, path):
         for p in (32, 48):
             out = gen(m, p, 32, return_dict_in_generate=True)
-            kept.append(out.past_key_values)
+            kept.append(output_cache(out))
             del out
     kept.clear()
-    return {"note": "tiny gemma3 hybrid fp16, every request's past_key_values appended to a list"}
+    return {"note": "tiny gemma3 hybrid fp16, every request's cache appended to a list"}
 
 
 def dup_cat_subclass(path: Path) -> dict:
@@ -179,7 +181,7 @@ def dup_cat_subclass(path: Path) -> dict:
     with rec(m, path):
         c = DynamicCache()
         c.layer_class_to_replicate = cases._cat_layer_class()
-        gen(m, 32, 96, past_key_values=c)
+        gen(m, 32, 96, **cache_kwargs(m, c))
         del c
     return {"note": "tiny qwen3 fp16 16x64 KV heads, a DynamicLayer subclass (torch.cat) keeps every earlier K/V "
                     "in a list: copies outside the cache's storages"}

@@ -160,7 +160,7 @@ def test_verdict_first_with_fix(full_report):
     v = _verdict(page)
     assert 'data-verdict="attention"' in v and "Needs attention: 1 finding" in v
     assert "request 1 keeps 3.0 MiB after empty_cache" in v
-    assert "<code>del out.past_key_values; gc.collect()" in v  # the post_eos fix, copy-paste ready
+    assert "<code>out = out.sequences; gc.collect()" in v  # the post_eos fix, copy-paste ready
     assert "findings of kvtrace.analyze" not in page  # the stray caption is gone
 
 
@@ -270,5 +270,5 @@ def test_chromium_console_clean_and_verdict_on_top(full_report, tmp_path):
     assert any("192.0.2.1" in line for line in _console_lines(bad.resolve().as_uri()))
     dom = _chromium("--dump-dom", page.resolve().as_uri()).stdout
     assert dom.index('id="verdict"') < dom.index('id="overview"')
-    assert "Needs attention" in dom and "del out.past_key_values" in dom
+    assert "Needs attention" in dom and "out = out.sequences" in dom
     assert dom.count('href="#fig-heatmap_') == 2  # the per-request selection: one link per sampled request

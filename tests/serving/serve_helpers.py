@@ -64,3 +64,17 @@ def server_env() -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> tuple[int, str]:
+    """SIGTERM the server and wait for it: (exit code, everything it printed)."""
+    import signal
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"server did not stop on SIGTERM within {timeout_s:.0f} s:\n{out}") from None
+    return proc.returncode, out

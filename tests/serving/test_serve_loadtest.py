@@ -17,7 +17,14 @@ pytest.importorskip("fastapi", reason="the serving packages (kvtrace[serve]) are
 pytest.importorskip("uvicorn", reason="the serving packages (kvtrace[serve]) are not installed")
 pytest.importorskip("httpx", reason="the serving packages (kvtrace[serve]) are not installed")
 
-from serve_helpers import free_port, kvtrace_cmd, save_tiny_server_model, server_env, wait_healthy  # noqa: E402
+from serve_helpers import (  # noqa: E402
+    free_port,
+    kvtrace_cmd,
+    save_tiny_server_model,
+    server_env,
+    stop_server,
+    wait_healthy,
+)
 
 from kvtrace.format.reader import Trace  # noqa: E402
 from kvtrace.format.schema import EventKind, Outcome  # noqa: E402
@@ -39,14 +46,7 @@ def _start(cmd: list[str], port: int) -> subprocess.Popen:
 
 
 def _stop(proc: subprocess.Popen) -> tuple[int, str]:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        out, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        raise AssertionError(f"server did not stop on SIGTERM within 60 s:\n{out}") from None
-    return proc.returncode, out
+    return stop_server(proc)
 
 
 def _loadtest(*args: str) -> subprocess.CompletedProcess:

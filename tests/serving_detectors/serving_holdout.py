@@ -24,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serving_scenarios as S  # noqa: E402
 
+# The batching options of the max_memory_percent cases: they size transformers' reservations too.
+_SMALL_BATCH = dict(page_size=16, max_batch_tokens=32, max_requests_per_batch=8)
+
 
 def _eos(path: Path, arch: str, lengths: list[int], new: int, seed: int, **cb: Any) -> Path:
     """Sampling with EOS live (ids 2..29 end a request), seeded."""
@@ -129,7 +132,7 @@ SECOND: dict[str, tuple[Run, str | None]] = {
     "qwen2_prompt_spike": (_prompt_spike, "context_spike"),
     "phi3_memory_percent": (lambda p: S.batch(p, [4, 5, 6, 4, 5, 6], 36, arch="phi3", page_size=16,
                                               max_batch_tokens=32, max_requests_per_batch=8,
-                                              max_memory_percent=S._memory_percent(220 << 10)), "preemption"),
+                                              max_memory_percent=S._memory_percent(5, "phi3", **_SMALL_BATCH)), "preemption"),
     "gpt_oss_128_pages": (lambda p: S.batch(p, [4, 6, 5, 7, 8, 4, 6], 6, arch="gpt_oss", page_size=128, num_blocks=8,
                                             max_batch_tokens=256), "block_waste"),
     "gemma3_budget_16": (lambda p: S.batch(p, [40] * 6, 4, arch="gemma3_text", page_size=16, num_blocks=128,
@@ -255,7 +258,8 @@ FOURTH: dict[str, tuple[Run, str | None]] = {
                                               page_size=16, num_blocks=12, max_batch_tokens=256), "serving_capacity"),
     "gemma3_memory_percent": (lambda p: S.batch(p, [4, 5, 6, 4, 5, 6], 36, arch="gemma3_text", page_size=16,
                                                 max_batch_tokens=32, max_requests_per_batch=8,
-                                                max_memory_percent=S._memory_percent(260 << 10)), "preemption"),
+                                                max_memory_percent=S._memory_percent(6, "gemma3_text", **_SMALL_BATCH)),
+                              "preemption"),
     "qwen3_sharing_off_waves": (lambda p: _repeat_waves(p, "qwen3", allow_block_sharing=False), "prefix_cache"),
 }
 

@@ -344,20 +344,54 @@ def clean_many_short(path: Path) -> Path:
     return batch(path, lengths, 4, arch="gemma3_text", page_size=16, num_blocks=192, max_batch_tokens=64)
 
 
-def _memory_percent(nbytes: int) -> float:
-    """The max_memory_percent that leaves `nbytes` for the cache, from the host figures transformers'
-    CPU sizing reads (psutil total - RSS)."""
+def _memory_percent(blocks: int, arch: str = "qwen3", **cb: Any) -> float:
+    """The max_memory_percent that makes transformers size a pool of about `blocks` blocks itself.
+
+    Every release sizes the pool as (free memory x max_memory_percent) minus what it reserves for
+    activations, masks and logits, and what it reserves changed between releases (5.24 sets aside
+    per-request logit rows). Rather than model one release's accounting, measure it: record two
+    pools at two percentages, fit pool = a x percent - b (the sizing is affine in the percentage)
+    and solve for the bytes of `blocks` blocks (plus half a block, so that rounding to the pool's
+    allocation unit cannot drop one). cb: the scenario's own batching options, which size the
+    reservations."""
     import psutil
 
-    return nbytes / (psutil.virtual_memory().total - psutil.Process().memory_info().rss)
+    free = psutil.virtual_memory().total - psutil.Process().memory_info().rss
+    # Probes near the target: the host's free memory moves between runs (RSS), and that error
+    # scales with the percentage, so a fit from far away misses small pools by several blocks.
+    (p1, (b1, per_block)), (p2, (b2, _)) = [(p, _probe_pool(p, arch, **cb)) for p in ((1 << 20) / free,
+                                                                                        (2 << 20) / free)]
+    slope = (b2 - b1) / (p2 - p1)
+    target = (blocks + 0.5) * per_block
+    guess = p1 + (target - b1) / slope
+    got, _ = _probe_pool(guess, arch, **cb)  # one secant step at the answer itself
+    return guess + (target - got) / slope
+
+
+def _probe_pool(percent: float, arch: str, **cb: Any) -> tuple[int, int]:
+    """The pool bytes transformers allocates at `percent` and the bytes of one block (every
+    attention type's block together), read from a one-request recording."""
+    import tempfile
+
+    import kvtrace
+
+    with tempfile.TemporaryDirectory() as d:
+        path = batch(Path(d) / "probe.kvt.h5", [4], 1, arch=arch, max_memory_percent=percent, **cb)
+        with kvtrace.open(path) as t:
+            pools, groups = t.sched()["pool_bytes"], t.sched_groups()
+    pools = pools[pools > 0]
+    if not len(pools) or not len(groups):
+        raise RuntimeError(f"no paged pool recorded at max_memory_percent={percent:.3g}")
+    first = groups[groups["step"] == groups["step"].min()]
+    return int(pools.max()), int(first["bytes_per_block"].sum())
 
 
 @once
 def clean_sized_pool(path: Path) -> Path:
     """qwen3, no num_blocks: transformers sizes the pool itself from max_memory_percent (set to give
-    64 MiB for the cache here, not 60% of the host), the mixed short load uses a fraction of a percent."""
+    8192 blocks here, 64 MiB, not 60% of the host), the mixed short load uses a fraction of a percent."""
     return batch(path, MIXED, 8, arch="qwen3", page_size=16, max_batch_tokens=128,
-                 max_memory_percent=_memory_percent(64 << 20))
+                 max_memory_percent=_memory_percent(8192, page_size=16, max_batch_tokens=128))
 
 
 @once
@@ -365,7 +399,8 @@ def plant_memory_percent(path: Path) -> Path:
     """max_memory_percent set so low that the pool transformers sizes itself from it (no num_blocks)
     holds 5 blocks: six requests growing to 40 tokens (3 blocks each) preempt each other."""
     return batch(path, [4, 5, 6, 4, 5, 6], 36, arch="qwen3", page_size=16, max_batch_tokens=32,
-                 max_requests_per_batch=8, max_memory_percent=_memory_percent(200 << 10))
+                 max_requests_per_batch=8,
+                 max_memory_percent=_memory_percent(5, page_size=16, max_batch_tokens=32, max_requests_per_batch=8))
 
 
 @once

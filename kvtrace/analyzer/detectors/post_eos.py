@@ -185,8 +185,8 @@ class PostEos(Detector):
             attribution = (f"KV tensors of {layers_phrase(kv_layers)} ({format_bytes(kv_alive)}) are still "
                            f"alive, referred to by {who}")
             if any(r.startswith("Generate") and r.endswith("Output") for r in referrers):
-                attribution += (" (the generate output keeps past_key_values: drop it, or do not ask for "
-                                "return_dict_in_generate)")
+                attribution += (" (the generate output keeps the cache: keep only out.sequences, or do not "
+                                "ask for return_dict_in_generate)")
         elif ctx.has_retention_tracking():
             attribution = "no KV tensor of the request survived, so the memory is held by something else"
         else:
