@@ -95,13 +95,16 @@ def check_port(host: str, port: int) -> None:
               help="Presets: scale hidden/MLP/expert widths (KV geometry kept).")
 @click.option("--vocab", type=click.IntRange(min=256), default=None, help="Presets: vocabulary size.")
 @click.option("--force", is_flag=True, help="Replace an existing -o file (never one of the inputs).")
+@click.option("--max-request-bytes", type=click.IntRange(min=1024), default=8 << 20, show_default=True,
+              help="Largest request body of the completion routes (/v1/...): a larger one is answered 413 "
+                   "without being read; kvtrace's own routes take 64 KiB.")
 @metrics_options
 @click.option("--quiet", "-q", is_flag=True, help="Print only errors (transformers and uvicorn still log).")
 @click.argument("serve_args", nargs=-1, type=click.UNPROCESSED, metavar="[SERVE_OPTIONS]...")
 @guarded
 def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no_nvml: bool, tiny: bool,
-          layers: int | None, width: float | None, vocab: int | None, force: bool, prometheus: str | None,
-          prometheus_textfile: str | None, prometheus_linger: float, quiet: bool,
+          layers: int | None, width: float | None, vocab: int | None, force: bool, max_request_bytes: int,
+          prometheus: str | None, prometheus_textfile: str | None, prometheus_linger: float, quiet: bool,
           serve_args: tuple[str, ...]) -> None:
     """Serve MODEL with transformers' own server (`transformers serve`) and record it into TRACE.
 
@@ -118,8 +121,12 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
     built for it: one prompt word, one token; nothing is downloaded). Besides the OpenAI-compatible routes (/v1/chat/completions,
     /v1/completions, /health) it answers POST /kvtrace/phase {"name": ...} (a phase marker in the
     trace) and GET /kvtrace/status (requests recorded, paged-cache pool and free bytes, running and
-    waiting requests). Ctrl-C or SIGTERM stops it: open requests are drained, the trace is closed
-    complete, and the exit code is 0. Needs kvtrace[serve]. An existing -o file is refused (exit 64)
+    waiting requests, the batching worker's state). Request bodies are bounded (--max-request-bytes:
+    413), phase names checked (400), and completions transformers cannot serve (an empty prompt,
+    no messages, max_tokens below 1) refused with 400 before they reach the batching worker; a dead
+    worker makes /health and /kvtrace/status answer 503 with the reason. Ctrl-C or SIGTERM stops
+    it: open requests are drained, the trace is closed complete, and the exit code is 0. Needs
+    kvtrace[serve]. An existing -o file is refused (exit 64)
     unless --force. --prometheus HOST:PORT serves live serving metrics (pool usage, running and
     waiting requests, preemptions, prefix-cache hits, TTFT/ITL histograms: spec/prometheus-serving.md)
     on a port of its own.
@@ -157,7 +164,7 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
 
     settings = {"cli": {"command": "serve", "model": model, "host": host, "port": port,
                         "serve_args": list(serve_args), "tiny": tiny, "layers": layers, "width": width,
-                        "vocab": vocab}}
+                        "vocab": vocab, "max_request_bytes": max_request_bytes}}
     preloaded = load_preset(model, serve_args, tiny, layers, width, vocab) if model.startswith("preset:") else None
     options = {"telemetry_hz": telemetry_hz, "nvml": not no_nvml, "settings_extra": settings,
                "prometheus": prometheus, "prometheus_textfile": prometheus_textfile,
@@ -168,7 +175,7 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
                              on_ready=lambda url: say(f"serving {model} at {url} (phase markers: POST "
                                                       f"{url}/kvtrace/phase); recording to {output}; "
                                                       f"Ctrl-C or SIGTERM stops"),
-                             preloaded=preloaded)
+                             preloaded=preloaded, max_request_bytes=max_request_bytes)
     except Stopped as exc:
         fail(f"{exc}; no trace written", exitcodes.INTERRUPTED)
         return

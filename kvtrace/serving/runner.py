@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace.errors import BadOption, Unavailable
-from kvtrace.serving.routes import PhaseMarker, add_routes
+from kvtrace.serving.routes import MAX_REQUEST_BYTES, PhaseMarker, add_routes
 
 _USAGE_ERRORS = {"UsageError", "NoSuchOption", "BadParameter", "MissingParameter", "BadOptionUsage",
                  "BadArgumentUsage"}
@@ -61,12 +61,14 @@ def serve_command() -> Any:
 
 def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
           serve_args: Sequence[str] = (), record_options: dict[str, Any] | None = None,
-          on_ready: Callable[[str], None] | None = None, preloaded: tuple[Any, Any] | None = None) -> ServeOutcome:
+          on_ready: Callable[[str], None] | None = None, preloaded: tuple[Any, Any] | None = None,
+          max_request_bytes: int = MAX_REQUEST_BYTES) -> ServeOutcome:
     """Run the server until SIGINT/SIGTERM, recording into ``trace``. ``serve_args``: further
     ``transformers serve`` options (``--continuous-batching``, ``--cb-num-blocks 64``, ...).
     ``on_ready(url)`` is called once the recording runs, just before uvicorn binds.
     ``preloaded``: (model, tokenizer) already built for ``model`` (a kvtrace preset), handed to
-    transformers' model manager in place of loading ``model`` from disk."""
+    transformers' model manager in place of loading ``model`` from disk. ``max_request_bytes``: the
+    body limit of the completion routes (:class:`kvtrace.serving.routes.RequestGuard`)."""
     import transformers
 
     import kvtrace
@@ -103,7 +105,9 @@ def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
         marker = PhaseMarker(rec)
         recording["marker"] = marker
         outcome.recording_started = True
-        add_routes(app, rec, kwargs.get("generation_state"), marker, served=model)
+        add_routes(app, rec, kwargs.get("generation_state"), marker, served=model, tokenizer=opts["tokenizer"],
+                   max_positions=getattr(getattr(timed.model, "config", None), "max_position_embeddings", None),
+                   max_request_bytes=max_request_bytes)
         state["serving"] = True
         if on_ready is not None:
             on_ready(f"http://{host}:{port}")
