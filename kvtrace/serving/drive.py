@@ -202,6 +202,9 @@ async def drive(cfg: DriveConfig) -> DriveResult:
         try:
             code, body = await get_json(client, cfg.url + "/kvtrace/status", bounds)
             live = code == 200 and is_status_answer(body)
+            if not live and code == 200 and isinstance(body, dict) and "paged_cache" in body:
+                live_unavailable = ("/kvtrace/status answered JSON that is not kvtrace serve's: "
+                                    f"{occupancy_problem(body['paged_cache']) or 'requests_recorded is not an integer'}")
         except BoundBroken as exc:
             live, live_unavailable = False, f"GET /kvtrace/status: {exc}"
         if live:

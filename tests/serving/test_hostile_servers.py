@@ -293,7 +293,9 @@ WRONG_STATUS = {
     "bytes_per_block a float": {"requests_recorded": 1, "paged_cache": {
         "pool_bytes": 1, "free_bytes": 1, "allocators": {"full": {"bytes_per_block": 1.5, "blocks_cached": 2}}}},
     "unavailable an object": {"requests_recorded": 1, "paged_cache": {"unavailable": {"why": [1]}}},
-    "100,000 allocators": {"requests_recorded": 1, "paged_cache": {
+    "2,000 allocators": {"requests_recorded": 1, "paged_cache": {
+        "pool_bytes": 1, "free_bytes": 1, "allocators": {f"g{i}": {} for i in range(2_000)}}},
+    "100,000 allocators (1.4 MB)": {"requests_recorded": 1, "paged_cache": {
         "pool_bytes": 1, "free_bytes": 1, "allocators": {f"g{i}": {} for i in range(100_000)}}},
     "nested 500 deep": {"requests_recorded": 1, "paged_cache": {
         "pool_bytes": 1, "free_bytes": 1, "allocators": {"full": json.loads("[" * 500 + "]" * 500)}}},
@@ -319,6 +321,10 @@ def test_status_answers_of_wrong_types_never_crash(hostile, capsys, name):
         for phase in doc["phases"]:
             assert phase["live_unavailable"], phase
             assert _check(out, "kv_released")["level"] == "not measured"
+        if name in WRONG_STATUS:  # the first probe, else the phase's samples, say what is wrong with it
+            why = doc["live_unavailable"] or doc["phases"][0]["live_unavailable"]
+            assert why.startswith(("/kvtrace/status answered JSON that is not kvtrace serve's: paged_cache",
+                                   "GET /kvtrace/status: an answer of ")), why
 
 
 def test_occupancy_problem_names_what_is_wrong():
