@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["MAX_CHARS", "SafeConsoleMixin", "markup", "visible"]
+__all__ = ["MAX_CHARS", "SafeConsoleMixin", "markup", "visible", "visible_lines"]
 
 MAX_CHARS = 4096  # one field printed to a terminal; longer text is cut (its length is said)
 
@@ -48,6 +48,11 @@ def visible(text: Any, *, multiline: bool = False, limit: int | None = MAX_CHARS
         more, s = len(s) - limit, s[:limit]
     s = (_UNSAFE_TEXT if multiline else _UNSAFE_LINE).sub(_escape, s)
     return f"{s}... [{more:,} more characters]" if more else s
+
+
+def visible_lines(text: str, *, limit: int | None = MAX_CHARS) -> str:
+    """A block of lines kvtrace laid out, each line :func:`visible` and cut to ``limit``."""
+    return "\n".join(visible(line, limit=limit) for line in text.split("\n"))
 
 
 def markup(text: Any, *, limit: int | None = MAX_CHARS) -> str:

@@ -30,11 +30,13 @@ import numpy as np
 
 from kvtrace.format import schema
 from kvtrace.format.assemble import ContentsAssembler
+from kvtrace.format.errors import InvalidTrace
 from kvtrace.format.reader import Trace
+from kvtrace.geometry.bounds import checked_config
 from kvtrace.jsonable import plain
 from kvtrace.kernels.compute import Compute, open_compute, select_device  # noqa: F401 - select_device: this API
 
-__all__ = ["ContentsReport", "analyze_contents", "select_device"]
+__all__ = ["ContentsReport", "analyze_contents", "refuse_denied_payloads", "select_device"]
 
 LT = schema.LayerType
 PK = schema.PayloadKind
@@ -84,6 +86,17 @@ def analyze_contents(
         return _run(t, device, backend, params)
 
 
+def refuse_denied_payloads(trace: Trace) -> None:
+    """InvalidTrace (exit 1) when the trace holds sampled tensors its /meta flag says it does not
+    (spec §3; ``kvtrace validate`` calls it invalid): ``analyze --contents``, ``whatif`` and
+    ``diff --whatif`` call it before they read a payload, so they do not read what the file's own
+    privacy flag denies. (The HTML report draws them and says the flag is wrong.)"""
+    n = trace.nrows("payloads/index") if trace.has("payloads/index") else 0
+    if n and not trace.meta.contains_tensor_payloads:
+        raise InvalidTrace(f"{trace.path}: /meta contains_tensor_payloads is false but the trace holds {n:,} sampled "
+                           "tensor(s): not read (the flag denies them; 'kvtrace validate' calls the trace invalid)")
+
+
 def _run(trace: Trace, device: str, backend: str, params: dict[str, Any]) -> ContentsReport:
     index = trace.payload_index() if trace.has("payloads/index") else np.zeros(0, schema.PAYLOAD_INDEX)
     if index.size == 0:
@@ -107,7 +120,7 @@ class _Analysis:
         self.p = rep.params
         self.layers = {int(r["layer"]): r for r in trace.layers()} if trace.has("layers") else {}
         self.kv = trace.kv() if trace.has("kv") else np.zeros(0, schema.KV)
-        cfg = trace.meta.model_config
+        cfg = checked_config(trace, trace.layers() if trace.has("layers") else None)  # bounded sizes (exit 1)
         self.cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
         self.contents = ContentsAssembler(trace, index)  # K/V/latents at a step, increments joined
         self.rows_by: dict[tuple[int, int, int, int], int] = {}

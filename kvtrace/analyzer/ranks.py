@@ -139,7 +139,7 @@ def rank_trace(view: Any) -> RankTrace | None:
         path=view.path, rank=int(par["rank"]), world_size=_int(par, "world_size"),
         run_id=str(par.get("run_id") or ""), backend=str(par.get("backend") or ""),
         kv_heads_local=_int(par, "kv_heads_local"), kv_heads_total=_int(par, "kv_heads_total"),
-        kv_heads_recorded=heads, config=dict(view.meta.model_config or {}), itemsize=itemsize,
+        kv_heads_recorded=heads, config=_bounded_config(view), itemsize=itemsize,
     )
     for r in view.requests:
         rid = int(r["request"])
@@ -294,6 +294,15 @@ def group(members: Sequence[RankTrace]) -> list[RankSet]:
                     problems.append(f"{m.path} says rank {m.rank} of a world of {world}")
         out.append(RankSet(run_id, kept, world, problems, repeated, claimed))
     return out
+
+
+def _bounded_config(view: Any) -> dict[str, Any]:
+    """The rank's model config, or {} when its sizes are out of bounds (the per-rank sums are then
+    not checked; analyze and report refuse such a trace, info still summarises it)."""
+    from kvtrace.geometry.bounds import config_problems
+
+    config = view.meta.model_config or {}
+    return {} if config_problems(config) else dict(config)
 
 
 def _same_file(a: str, b: str) -> bool:

@@ -18,6 +18,7 @@ from kvtrace.analyzer.ranks import shard_config
 from kvtrace.analyzer.view import TraceView
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
+from kvtrace.geometry.bounds import checked_config
 from kvtrace.labels import device_text
 
 # /kv fields the grid exposes, plus derived columns.
@@ -173,6 +174,7 @@ class ReplayContext:
         retention = trace.retention()
         self.events = events[np.argsort(events["t_ns"], kind="stable")] if events.size else events
         self.kv_rows = view.nrows("kv")
+        checked_config(view, self.layers_table)  # sizes within bounds before they size anything (exit 1)
         self.expectation: Expectation = build_expectation(shard_config(self.meta), self.layers_table, view.kv_head(64))
         steps_by = _by_request(steps)
         ev_by = _by_request(self.events[self.events["request"] >= 0]) if events.size else {}

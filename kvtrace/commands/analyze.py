@@ -119,8 +119,9 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
 
 def _contents(trace: Any, gpu: bool) -> dict[str, Any]:
     """The content analyses of sampled tensors (needs torch), on the trace already open."""
-    from kvtrace.analyzer.contents import analyze_contents
+    from kvtrace.analyzer.contents import analyze_contents, refuse_denied_payloads
 
+    refuse_denied_payloads(trace)  # tensors the trace's privacy flag denies: exit 1, not read
     try:
         return analyze_contents(trace, device="cuda" if gpu else "auto").to_dict()
     except TraceError as exc:  # a payload that does not decode: the rest of the report stands

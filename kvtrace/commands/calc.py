@@ -161,13 +161,13 @@ def calc(preset: str | None, config_path: str | None, trace_paths: tuple[str, ..
     if quiet:
         click.echo("FITS" if plan.fits else "DOES NOT FIT")
     else:
-        from kvtrace.textsafe import visible  # the model id and paths come from the trace or config: data
+        from kvtrace.textsafe import visible_lines  # model ids and paths from traces and configs: data
 
-        click.echo(visible(planner.format_plan(plan), multiline=True, limit=None))
+        click.echo(visible_lines(planner.format_plan(plan)))
         if check is not None:
-            click.echo(visible(_format_check(check), multiline=True, limit=None))
+            click.echo(visible_lines(_format_check(check)))
         if ranks is not None:
-            click.echo(visible(_format_rank_check(doc["rank_check"]), multiline=True, limit=None))
+            click.echo(visible_lines(_format_rank_check(doc["rank_check"])))
 
 
 def _known_preset(name: str | None) -> str | None:
@@ -189,7 +189,9 @@ def render(view: TraceView, report: AnalysisReport | None) -> tuple[dict[str, An
     from kvtrace.report.kvcheck import check_kv
 
     del report  # see the docstring
-    config = view.meta.model_config
+    from kvtrace.geometry.bounds import checked_config
+
+    config = checked_config(view, view.layers)  # sizes within bounds before they size anything (exit 1)
     if not config:
         raise click.UsageError(f"{view.path}: the trace stores no model config; use --preset or --config")
     first = view.kv_head(1)

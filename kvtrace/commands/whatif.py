@@ -121,10 +121,12 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_t
                      "uses a GPU where there is one")
     doc: dict[str, Any] = {"trace": trace}
     if trace is not None:
+        from kvtrace.analyzer.contents import refuse_denied_payloads
         from kvtrace.format.reader import Trace
         from kvtrace.whatif.run import run_whatif
 
         with Trace(trace) as t:
+            refuse_denied_payloads(t)  # tensors the trace's privacy flag denies: exit 1, not read
             doc.update(run_whatif(t, policies, ratios, device, steps))
     else:
         from kvtrace.whatif.run import SCHEMA

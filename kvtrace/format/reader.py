@@ -62,6 +62,20 @@ MAX_STORED_CHUNK_BYTES = schema.PAYLOAD_CHUNK_BYTES + schema.PAYLOAD_CHUNK_BYTES
 # a file of its own minor or older, and its row skipped in a newer minor's file (spec §2).
 ENUM_COLUMNS = schema.ENUM_COLUMNS
 SKIP_BLOCK = 1 << 20  # rows per read when finding skipped rows (a few bytes of each)
+# Counters every consumer does int64 arithmetic with (spec §7): no cache holds 2^40 tokens and no
+# device 2^62 bytes, so a row beyond them is damage (a /kv tokens_seen of 2^64 - 1 made report and
+# whatif end in 70), refused where a command reads it as an unknown code is.
+MAX_TOKENS = 1 << 40
+MAX_BYTES = 1 << 62
+COUNTER_CEILINGS: dict[str, tuple[tuple[str, int], ...]] = {
+    "requests": (("prompt_tokens", MAX_TOKENS), ("new_tokens", MAX_TOKENS)),
+    "kv": (("tokens_seen", MAX_TOKENS), ("tokens_kept", MAX_TOKENS), ("bytes_allocated", MAX_BYTES),
+           ("bytes_valid", MAX_BYTES), ("bytes_unique", MAX_BYTES), ("k_storage_bytes", MAX_BYTES),
+           ("v_storage_bytes", MAX_BYTES), ("expanded_bytes", MAX_BYTES)),
+    "steps": (("tokens_seen", MAX_TOKENS), ("kv_bytes_naive", MAX_BYTES), ("kv_bytes_unique", MAX_BYTES),
+              ("kv_bytes_valid", MAX_BYTES)),
+    "retention": (("nbytes", MAX_BYTES),),
+}
 
 
 @dataclass(frozen=True)
@@ -363,6 +377,10 @@ class Trace:
             return data
         if check_codes and not self.newer_minor:
             self._refuse_unknown_codes(name, data)
+        if check_codes:
+            over = counter_problems(name, data)
+            if over:
+                raise InvalidTrace(f"{self.path}: {over[0]}; 'kvtrace validate' lists every problem")
         keep = [n for n in expected.names if n in data.dtype.names]
         if len(keep) == len(data.dtype.names) == len(expected.names):
             return data
@@ -632,6 +650,20 @@ class Trace:
                 yield ds.id.read_direct_chunk((c * chunk,))
             except (OSError, KeyError, ValueError, RuntimeError) as exc:
                 raise CorruptChunk(f"{self.path}: chunk {c} of {ds.name} unreadable ({exc})") from None
+
+
+def counter_problems(name: str, rows: np.ndarray) -> list[str]:
+    """The counters of ``rows`` (of table ``name``) beyond their ceiling (COUNTER_CEILINGS), one
+    line per column."""
+    out = []
+    for column, ceiling in COUNTER_CEILINGS.get(name, ()):
+        if rows.size and rows.dtype.names and column in rows.dtype.names:
+            top = rows[column].max()
+            if int(top) > ceiling:
+                unit = "tokens" if ceiling == MAX_TOKENS else "bytes"
+                out.append(f"/{name} {column} holds {int(top):,} (more {unit} than any recording holds: at most "
+                           f"2^{ceiling.bit_length() - 1})")
+    return out
 
 
 def unknown_mask(column: np.ndarray, enum_type: type) -> np.ndarray:

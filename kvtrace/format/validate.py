@@ -24,6 +24,7 @@ from kvtrace.format.reader import (
     MAX_TEXT_BYTES,
     IndexScan,
     Trace,
+    counter_problems,
     structure_problems,
     unknown_codes,
     unknown_mask,
@@ -67,6 +68,8 @@ def validate_open(trace: Trace, *, check_payloads: bool = True) -> ValidationRep
         _guard(_check_rows, trace, report, present)
         _guard(_check_serving, trace, report, present)
     _guard(_check_privacy, trace, report)
+    if "layers" in present and not problems:
+        _guard(_check_config, trace, report)
     if check_payloads and "payloads/index" in present:
         _guard(_check_payloads, trace, report)
     return report
@@ -153,9 +156,37 @@ def _check_rows(trace: Trace, report: ValidationReport, present: set[str]) -> No
             orphans = np.setdiff1d(ids, request_ids)
             if orphans.size:
                 report.problems.append(f"/{table} names requests absent from /requests: {orphans.tolist()[:8]}")
+    if "kv" in present and "steps" in present:
+        report.problems.extend(_kv_beyond_steps(trace))
     for table in ("telemetry/nvml", "telemetry/allocator", "telemetry/process"):
         if table in present and _goes_backwards(trace, table):
             report.warnings.append(f"/{table} timestamps go backwards (multi-device interleave?)")
+
+
+def _kv_beyond_steps(trace: Trace) -> list[str]:
+    """A decoder layer cannot have processed more tokens than the sequence holds: a /kv row's
+    tokens_seen is at most the /steps tokens_seen of its (request, step) (cross-attention layers
+    count the encoder's tokens instead). The analysers locate sampled positions from it."""
+    keys, seen = [], []
+    for rows in _blocks(trace, "steps"):
+        keys.append(rows["request"].astype(np.int64) << 32 | rows["step"].astype(np.int64))
+        seen.append(rows["tokens_seen"])
+    if not keys:
+        return []
+    k = np.concatenate(keys)
+    order = np.argsort(k, kind="stable")
+    k, s = k[order], np.concatenate(seen)[order]
+    cross = int(schema.LayerType.CROSS_ATTENTION)
+    for rows in _blocks(trace, "kv"):
+        rk = rows["request"].astype(np.int64) << 32 | rows["step"].astype(np.int64)
+        at = np.minimum(np.searchsorted(k, rk), k.size - 1)
+        over = (k[at] == rk) & (rows["layer_type"] != cross) & (rows["tokens_seen"] > s[at])
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            return [f"/kv holds layers that processed more tokens than their step's sequence (/steps tokens_seen): "
+                    f"request {int(rows['request'][i])} step {int(rows['step'][i])} layer {int(rows['layer'][i])} "
+                    f"{int(rows['tokens_seen'][i]):,} > {int(s[at[i]]):,}"]
+    return []
 
 
 def _report_codes(trace: Trace, report: ValidationReport, name: str, unknown: dict[str, tuple[int, set[int]]]) -> None:
@@ -188,6 +219,7 @@ def _check_block(name: str, rows: np.ndarray, text_len: int, seen: set[str],
                 seen.add(f"/{name} {off} points past the end of /text")
             if np.any(rows[length] > MAX_TEXT_BYTES):
                 seen.add(f"/{name} {length} exceeds the {MAX_TEXT_BYTES}-byte string limit")
+    seen.update(counter_problems(name, rows))  # beyond what any recording holds (spec §7)
     if name == "kv" and rows.size:
         if np.any(rows["tokens_kept"] > rows["tokens_seen"]):
             seen.add("/kv has rows keeping more tokens than seen")
@@ -219,6 +251,17 @@ def _check_privacy(trace: Trace, report: ValidationReport) -> None:
     (export zenodo, info, report) decide from the contents, and validate reports a flag that lies."""
     if "meta" in trace._file and "requests" in trace._file:
         report.problems.extend(trace.privacy_mismatches())
+
+
+def _check_config(trace: Trace, report: ValidationReport) -> None:
+    """The stored model config sizes what the analysers build (lists of layers, head pairings,
+    float arithmetic): its sizing values within their ceilings and the /layers rows' KV heads within
+    its attention heads (kvtrace.geometry.bounds)."""
+    from kvtrace.geometry.bounds import config_problems, recorded_problems
+
+    config = trace.meta.model_config
+    found = config_problems(config) or recorded_problems(config, trace.table("layers", check_codes=False))
+    report.problems.extend(f"/meta model_config_json: {p}" for p in found)
 
 
 def _index_rows(trace: Trace, scan: IndexScan) -> Iterator[tuple[int, np.void]]:

@@ -215,6 +215,16 @@ def mla_cache_mode(config: Mapping[str, Any], k_heads: Sequence[int] | np.ndarra
     return "expanded" if heads.size and int(np.median(heads)) > 1 else "latent"
 
 
+def _check_sizes(config: Mapping[str, Any]) -> None:
+    """ValueError before anything is sized from a value no model config holds (kvtrace.geometry.bounds:
+    10**400 heads, a string where an integer belongs, a billion layers)."""
+    from kvtrace.geometry.bounds import config_problems
+
+    problems = config_problems(config) if isinstance(config, Mapping) else []
+    if problems:
+        raise ValueError(f"config {problems[0]}")
+
+
 def layer_geometries(config: Mapping[str, Any], *, mla_cache: MlaCacheMode = "latent") -> list[LayerGeometry]:
     """Per-layer KV geometry of ``config`` (decoder layers, then cross-attention layers)."""
     return list(model_geometry(config, mla_cache=mla_cache).layers)
@@ -227,6 +237,7 @@ def model_geometry(config: Mapping[str, Any], *, mla_cache: MlaCacheMode = "late
     """
     if mla_cache not in MLA_CACHE_MODES:
         raise ValueError(f"mla_cache must be one of {MLA_CACHE_MODES}, got {mla_cache!r}")
+    _check_sizes(config)
     cfg = text_config(config)
     _check_supported(cfg)
     mt = _model_type(cfg)

@@ -134,8 +134,10 @@ def entropy_heatmap(trace: Trace, num_attention_heads: int | None = None, reques
         return None
     kv_heads = {int(r["layer"]): int(r["num_kv_heads"]) for r in trace.layers()}
     if num_attention_heads is None:
-        cfg = trace.meta.model_config
-        num_attention_heads = int(cfg.get("num_attention_heads") or 0) or None
+        from kvtrace.geometry.bounds import checked_config
+
+        heads = checked_config(trace, trace.layers()).get("num_attention_heads")  # bounded sizes (exit 1)
+        num_attention_heads = heads if isinstance(heads, int) and heads > 0 else None  # a list: vision configs
     cells: dict[tuple[int, int], float] = {}
     for layer, qi in sorted(queries.items()):
         qrow = index[qi]

@@ -67,8 +67,10 @@ def predictor(source: TraceView | Trace) -> Callable[[np.void, int], tuple[int, 
     """A function (kv row, tokens of the last forward) -> predicted (allocated, valid) bytes.
     Raises Unpredictable (here or when called) for what geometry cannot size."""
     from kvtrace import geometry
+    from kvtrace.geometry.bounds import checked_config
 
     view = TraceView.of(source)
+    checked_config(view, view.layers)  # sizes within bounds before they size anything (exit 1)
     config = shard_config(view.meta)  # a tensor-parallel rank holds its share of the KV heads
     if not config:
         raise Unpredictable("the trace stores no model config")

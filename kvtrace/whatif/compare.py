@@ -43,9 +43,13 @@ def load_whatif(path: str | os.PathLike[str], policies: Sequence[Any], ratios: S
         if doc["kvtrace_whatif"] != SCHEMA:
             refuse_schema(p, "what-if", doc["kvtrace_whatif"], str(SCHEMA))  # newer: exit 4, as a trace
         return doc
+    from kvtrace.analyzer.contents import refuse_denied_payloads
+    from kvtrace.format.reader import Trace
     from kvtrace.whatif.run import run_whatif
 
-    return {"trace": str(path), **run_whatif(p, list(policies), list(ratios))}
+    with Trace(p) as t:
+        refuse_denied_payloads(t)  # tensors the trace's privacy flag denies: exit 1, not read
+        return {"trace": str(path), **run_whatif(t, list(policies), list(ratios))}
 
 
 def _d(a: Any, b: Any) -> dict[str, Any]:

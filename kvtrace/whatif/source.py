@@ -15,6 +15,7 @@ import numpy as np
 from kvtrace.format import schema
 from kvtrace.format.assemble import ContentsAssembler
 from kvtrace.format.reader import Trace
+from kvtrace.geometry.bounds import checked_config
 
 PK = schema.PayloadKind
 LT = schema.LayerType
@@ -111,9 +112,10 @@ def units(trace: Trace, steps: str = "last") -> Iterator[Unit]:
     index = trace.payload_index()
     if index.size == 0:
         return
-    cfg = trace.meta.model_config
+    table = trace.layers() if trace.has("layers") else None
+    cfg = checked_config(trace, table)  # sizes within bounds before they size anything (exit 1)
     cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-    layers = {int(r["layer"]): r for r in trace.layers()} if trace.has("layers") else {}
+    layers = {int(r["layer"]): r for r in table} if table is not None else {}
     kv = trace.kv() if trace.has("kv") else np.zeros(0, schema.KV)
     asm = ContentsAssembler(trace, index)
     rows: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
@@ -153,7 +155,8 @@ def _unit(trace: Trace, asm: ContentsAssembler, kv: np.ndarray, layers: dict, ro
     lt = LT(code) if code in LT._value2member_map_ else LT.UNKNOWN
     kp = asm.at(request, layer, int(kk), step, first=first)
     vp = asm.at(request, layer, int(vk), step, first=first)
-    if kp is None or vp is None or len(kp.shape) != 4 or len(vp.shape) != 4 or kp.shape[:3] != vp.shape[:3]:
+    if kp is None or vp is None or len(kp.shape) != 4 or len(vp.shape) != 4 or kp.shape[:3] != vp.shape[:3] \
+            or kp.shape[2] == 0:  # no sampled position among those /kv says the cache held then
         return None
     k, v = kp.to_float32(), vp.to_float32()
     window = int(layers[layer]["window"]) if layer in layers and lt in (LT.SLIDING, LT.STATIC_SLIDING) \
