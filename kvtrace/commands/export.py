@@ -21,6 +21,7 @@ from kvtrace.commands.outputs import (
     write_json,
 )
 from kvtrace.errors import CannotWrite
+from kvtrace.textsafe import visible  # notes and errors quote traces: data, one line each
 
 
 @click.group("export")
@@ -71,7 +72,7 @@ def perfetto(trace: str, output: str, no_analysis: bool, quiet: bool, as_json: b
     if not (quiet or as_json):
         click.echo(f"wrote {path} ({info['events']} events); open it in https://ui.perfetto.dev")
         if info["findings"] is None:
-            click.echo(f"  no finding instants: {info['note']}")
+            click.echo(f"  no finding instants: {visible(info['note'])}")
 
 
 @export.command("zenodo")
@@ -145,7 +146,7 @@ def zenodo(traces: tuple[str, ...], output: str, creators: tuple[str, ...], titl
         click.echo(f"bundle written to {bundle.directory} ({len(bundle.traces)} traces)")
         for c in bundle.traces:
             flag = f"{len(c.quality.problems)} data-quality notes" if c.quality.problems else "clean"
-            click.echo(f"  {c.file}: {flag}")
+            click.echo(f"  {visible(c.file)}: {visible(flag)}")
         click.echo(f"check with: (cd {bundle.directory} && sha256sum -c SHA256SUMS)")
 
 
@@ -271,7 +272,7 @@ def parquet(traces: tuple[str, ...], output: str, jobs: int, workers: int | None
             raise
     write_json(result.to_dict(), json_out, as_json=as_json)
     for f in result.failed:
-        click.echo(f"kvtrace: {f['error']}", err=True)
+        click.echo(f"kvtrace: {visible(f['error'])}", err=True)
     if not (quiet or as_json):
         click.echo(f"{output}: {len(result.exported)} exported, {len(result.skipped)} skipped, "
                    f"{len(result.failed)} failed in {result.seconds:.1f} s ({result.engine})")
