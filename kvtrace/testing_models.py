@@ -8,6 +8,8 @@ window saturation happens within ~10 generated tokens. Nothing is downloaded. We
 Stable API (recorder, analyser and geometry tests rely on it):
 
 * ``TINY_MODEL_NAMES``: the supported names.
+* ``TINY_HYBRID_NAMES``: hybrid models whose cache holds conv / recurrent state beside the KV
+  (qwen3_next, falcon_h1, jamba, lfm2, minimax, Mamba-2 hybrids, kimi_linear); built the same way.
 * ``tiny_config_dict(name)``: the override dict (plain python, no torch/transformers import).
 * ``tiny_config(name)``: a ``PretrainedConfig``.
 * ``tiny_model(name, dtype=torch.float32, seed=0)``: an eval-mode ``*ForCausalLM`` (or
@@ -127,6 +129,69 @@ _TINY: dict[str, tuple[str, dict[str, Any]]] = {
 
 TINY_MODEL_NAMES: tuple[str, ...] = tuple(_TINY)
 
+_LIN, _CONV = "linear_attention", "conv"
+
+# Hybrid models: attention beside layers whose cache holds a constant-size conv / recurrent state
+# (format 1.5 /state). Kept out of TINY_MODEL_NAMES (their state is not KV: the KV matrices over
+# those names stay KV-only); each name is its model_type. Sizes as above, state dimensions small.
+_TINY_HYBRID: dict[str, tuple[str, dict[str, Any]]] = {
+    # gated delta-net layers (conv + recurrent state) and one full-attention layer
+    "qwen3_next": ("qwen3_next", dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        layer_types=[_LIN, _LIN, _LIN, _FULL])),
+    # every layer attention and Mamba-2 side by side (LinearAttentionAndFullAttentionLayer)
+    "falcon_h1": ("falcon_h1", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+        mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)),
+    # Mamba-1 layers, attention every 4th from layer 2
+    "jamba": ("jamba", dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        max_position_embeddings=256, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        use_mamba_kernels=False)),
+    # short-convolution layers (conv state only)
+    "lfm2": ("lfm2", dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        max_position_embeddings=256, layer_types=[_CONV, _FULL, _CONV, _FULL], conv_L_cache=3,
+        block_multiple_of=16)),
+    # lightning attention: its state lives in MiniMaxCache.linear_cache, not in a layer object
+    "minimax": ("minimax", dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, num_local_experts=2, block_size=16,
+        layer_types=[_LIN, _FULL, _LIN, _FULL])),
+    # Mamba-2 hybrids
+    "bamba": ("bamba", dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        max_position_embeddings=256, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)),
+    "zamba2": ("zamba2", dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+        max_position_embeddings=256, layers_block_type=["mamba", "hybrid", "mamba", "mamba"], mamba_d_state=8,
+        mamba_d_conv=4, mamba_expand=2, n_mamba_heads=4, mamba_ngroups=1, chunk_size=16, use_mamba_kernels=False,
+        adapter_rank=8)),
+    "nemotron_h": ("nemotron_h", dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, layers_block_type=["mamba", "attention", "mamba", "mlp"],
+        ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=1, conv_kernel=4, expand=1, chunk_size=16,
+        use_mamba_kernels=False)),
+    "granitemoehybrid": ("granitemoehybrid", dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        max_position_embeddings=256, layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=4,
+        mamba_d_head=32, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+        num_local_experts=2, shared_intermediate_size=32)),
+    # kimi delta attention (conv + recurrent) beside MLA full attention
+    "kimi_linear": ("kimi_linear", dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+        max_position_embeddings=256, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        linear_head_dim=16, linear_num_heads=4, moe_intermediate_size=32, num_local_experts=2,
+        num_experts_per_tok=1, layer_types=[_LIN, _FULL, _LIN, _LIN])),
+}
+TINY_HYBRID_NAMES: tuple[str, ...] = tuple(_TINY_HYBRID)
+
 
 def tiny_model_type(name: str) -> str:
     """The transformers ``model_type`` behind a tiny model name."""
@@ -218,6 +283,6 @@ def cache_tensor_bytes(cache: Any) -> list[tuple[int, int]]:
 
 def _lookup(name: str) -> tuple[str, dict[str, Any]]:
     try:
-        return _TINY[name]
+        return _TINY[name] if name in _TINY else _TINY_HYBRID[name]
     except KeyError:
-        raise KeyError(f"unknown tiny model {name!r}; known: {', '.join(TINY_MODEL_NAMES)}") from None
+        raise KeyError(f"unknown tiny model {name!r}; known: {', '.join(TINY_MODEL_NAMES + TINY_HYBRID_NAMES)}") from None

@@ -75,6 +75,7 @@ COUNTER_CEILINGS: dict[str, tuple[tuple[str, int], ...]] = {
     "steps": (("tokens_seen", MAX_TOKENS), ("kv_bytes_naive", MAX_BYTES), ("kv_bytes_unique", MAX_BYTES),
               ("kv_bytes_valid", MAX_BYTES)),
     "retention": (("nbytes", MAX_BYTES),),
+    "state": (("bytes_allocated", MAX_BYTES), ("bytes_valid", MAX_BYTES), ("bytes_unique", MAX_BYTES)),
 }
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 FORMAT_NAME = "kvtrace"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 4
+FORMAT_MINOR = 5
 # The minor whose table fields and /meta attributes this reader knows exactly: files of this minor
 # or newer must have every field with its type (1.3 changed only HDF5 types and attributes).
 FIELDS_MINOR = 2
@@ -166,6 +166,14 @@ class PayloadKind(enum.IntEnum):
     QUERY = 3
     LATENT = 4  # MLA c_KV
     ROPE_KEY = 5  # MLA decoupled rope key
+
+
+class StateKind(enum.IntEnum):
+    """What a constant-size cache state tensor is (table /state, 1.5)."""
+
+    CONV = 1  # short-convolution window: conv_states of linear-attention / Mamba / LFM2 conv layers
+    RECURRENT = 2  # recurrent or SSM state: recurrent_states
+    OTHER = 3  # any other tensor the cache object holds outside its layers' K/V (MiniMax's linear_cache)
 
 
 # ---- tables, declared ---------------------------------------------------------------------
@@ -561,6 +569,32 @@ BLOCKS_TABLE = Table(
     required=False,
 )
 
+STATE_TABLE = Table(
+    'state',
+    'one row per (request, step, state tensor): constant-size cache state beside the KV (1.5)',
+    (
+        Column('request', '<u4', units='id', doc=''),
+        Column('step', '<u4', units='step', doc=''),
+        Column('layer', '<i4', na=-1, units='index', doc='decoder layer the state belongs to; -1 if the cache does not tie it to one'),
+        Column('kind', 'u1', enum=StateKind, doc=''),
+        Column('state_index', '<u2', units='index', doc="which of the layer's states (transformers `state_idx`), or the position in the cache attribute holding it"),
+        Column('device', '<i2', na=-1, units='ordinal', doc='CUDA ordinal holding the tensor; -1 CPU'),
+        Column('dtype', 'u1', enum=CacheDType, doc=''),
+        Column('ndim', 'u1', doc='number of used entries of `shape` (≤ 6)'),
+        Column('shape', '<i8', shape=(6,), units='elements', doc='tensor shape, row-major; unused entries 0'),
+        Column('bytes_allocated', '<u8', units='bytes', doc="size of the tensor's storage"),
+        Column('bytes_valid', '<u8', units='bytes', doc='bytes of the tensor itself (elements × item size)'),
+        Column('bytes_unique', '<u8', units='bytes', doc="bytes this row adds to the step's de-duplicated cache total: 0 when its storage was already counted (a /kv storage of the step or an earlier /state row)"),
+        Column('storage', '<u8', units='id', doc='storage identity (data pointer of the untyped storage)'),
+        Column('source_off', '<u8', text='source_len', units='text ref', doc='where the cache holds it, e.g. `layers[3].recurrent_states[0]`, `linear_cache[2]`'),
+        Column('source_len', '<u4', units='bytes', doc=''),
+        Column('t_ns', '<u8', units='ns', doc='when read'),
+    ),
+    required=False,
+)
+# Shape entries a /state row holds (a tensor of more dimensions folds its leading ones into the first).
+STATE_MAX_NDIM = 6
+
 # ---- derived: numpy dtypes and row types (the names the rest of kvtrace uses) ---------------
 
 REQUESTS = REQUESTS_TABLE.dtype
@@ -582,6 +616,8 @@ STOP = STOP_TABLE.dtype
 SCHED = SCHED_TABLE.dtype
 SCHED_GROUPS = SCHED_GROUPS_TABLE.dtype
 BLOCKS = BLOCKS_TABLE.dtype
+# hybrid caches (1.5): optional, absent from older traces
+STATE = STATE_TABLE.dtype
 
 RequestRow = REQUESTS_TABLE.row
 LayerRow = LAYERS_TABLE.row
@@ -600,6 +636,7 @@ StopRow = STOP_TABLE.row
 SchedRow = SCHED_TABLE.row
 SchedGroupRow = SCHED_GROUPS_TABLE.row
 BlockRow = BLOCKS_TABLE.row
+StateRow = STATE_TABLE.row
 
 # A payload's description: the /payloads/index columns that say what a sampled tensor is (the
 # rest say where its chunks are). reader.Payload and writer.EncodedPayload carry these fields.
@@ -631,7 +668,7 @@ def payload_description(row: Any) -> dict[str, Any]:
 TABLE_DECLS: dict[str, Table] = {t.name: t for t in (
     REQUESTS_TABLE, LAYERS_TABLE, KV_TABLE, STEPS_TABLE, EVENTS_TABLE, READINGS_TABLE, RETENTION_TABLE,
     NVML_TABLE, ALLOCATOR_TABLE, PROCESS_TABLE, PAYLOAD_INDEX_TABLE, DEVICES_TABLE,
-    SCHED_TABLE, SCHED_GROUPS_TABLE, BLOCKS_TABLE,
+    SCHED_TABLE, SCHED_GROUPS_TABLE, BLOCKS_TABLE, STATE_TABLE,
 )}
 # name -> (dtype, required), the form readers and the writer iterate.
 TABLES: dict[str, tuple[np.dtype, bool]] = {name: (t.dtype, t.required) for name, t in TABLE_DECLS.items()}

@@ -30,6 +30,7 @@ from kvtrace.format.reader import (
     unknown_mask,
 )
 from kvtrace.format.serving_rules import cb_request_problems, serving_problems
+from kvtrace.format.state_rules import state_block_problems
 
 TEXT_REFS = schema.TEXT_REFS  # (offset, length) column pairs into /text, per table
 ROW_BLOCK = 1 << 16  # rows per read: a few MiB for the widest table
@@ -137,7 +138,7 @@ def _check_rows(trace: Trace, report: ValidationReport, present: set[str]) -> No
                 if name == "requests":
                     request_ids = np.concatenate([request_ids, rows["request"]])
                     running += int(np.sum(rows["outcome"] == schema.Outcome.RUNNING))
-                if name in ("kv", "steps", "payloads/index") and rows.size:  # /blocks: serving_rules
+                if name in ("kv", "steps", "payloads/index", "state") and rows.size:  # /blocks: serving_rules
                     referenced[name] = np.union1d(referenced.get(name, request_ids[:0]), rows["request"])
         except TraceError as exc:
             seen.add(_short(exc))
@@ -225,6 +226,8 @@ def _check_block(name: str, rows: np.ndarray, text_len: int, seen: set[str],
             seen.add("/kv has rows keeping more tokens than seen")
         if np.any(rows["bytes_valid"] > rows["bytes_allocated"]):
             seen.add("/kv has rows with more valid than allocated bytes")
+    if name == "state":
+        seen.update(state_block_problems(rows))  # spec §7 (1.5)
 
 
 def _check_serving(trace: Trace, report: ValidationReport, present: set[str]) -> None:

@@ -39,6 +39,7 @@ from kvtrace.recorder.layouts import (
 from kvtrace.recorder.readings import MemoryReadings
 from kvtrace.recorder.retention import RetentionTracker
 from kvtrace.recorder.rows import EventRow, KvRow, LayerRow, StepRow
+from kvtrace.recorder.state import StateReading, read_states, state_rows
 from kvtrace.recorder.submission import SampleSubmission
 
 _DECODE_STEP = int(EventKind.DECODE_STEP)
@@ -56,6 +57,7 @@ class StepRecorder:
         self.layout: LayoutContext | None = None  # from the model config, at the first Cache seen
         self._layers_written = False
         self._kv_heads: dict[int, int] = {}  # layer -> KV heads (maps query heads onto KV heads)
+        self._state_sources: dict[str, tuple[int, int]] = {}  # state source path -> /text reference
         self.discovery = _hooks.Discovery(model, ctx.error)
         self.hooks = _hooks.StepHooks(model, self.on_step_start, self.on_step_end, ctx.error)
         submission.group_of = self.query_group
@@ -148,10 +150,15 @@ class StepRecorder:
             if fast is not None:
                 self._write_fast(req, fast, memory=memory)
                 return
-        readings = read_cache(cache, ctx, observe=self._retention.observe if retention else None)
+        observe = self._retention.observe if retention else None
+        readings = read_cache(cache, ctx, observe=observe)
         rows, naive, unique, valid, seen = rows_of(rid, step, t, readings)
-        req.plan = fast_plan(cache, ctx, readings)
+        # A cache holding state (hybrid models) always takes this reader: the fast path reads K/V only.
+        states = read_states(cache, ctx.num_layers, observe=observe)
+        req.plan = None if states else fast_plan(cache, ctx, readings)
         self.write_structure(req, step, t, rows, naive, unique, valid, seen, memory=memory)
+        if states:
+            self.write_states(rid, step, t, readings, states)
         if not self._layers_written:
             self._write_layers(readings)
         if req.sample_now and self.submission.sampler is not None:
@@ -198,9 +205,11 @@ class StepRecorder:
                 return
             step = req.step - 1
             observe = self._retention.observe if self.ctx.options.retention else None
-            readings = read_cache(types.SimpleNamespace(layers=layers), self.layout, observe=observe)
-            layers = None
-            req.final = (step, *rows_of(req.id, step, req.step_t[step], readings))
+            dying = types.SimpleNamespace(layers=layers)  # the layers' states; the Cache's own attributes are gone
+            readings = read_cache(dying, self.layout, observe=observe)
+            states = read_states(dying, self.layout.num_layers, observe=observe)
+            layers = dying = None
+            req.final = (step, *rows_of(req.id, step, req.step_t[step], readings), readings, states)
         except Exception as exc:  # noqa: BLE001
             try:
                 self.ctx.error("final-structure", exc)
@@ -222,11 +231,30 @@ class StepRecorder:
             return
         final, req.final = req.final, None
         if final is not None and final[0] == last:
-            step, rows, naive, unique, valid, seen = final
+            step, rows, naive, unique, valid, seen, readings, states = final
             self.write_structure(req, step, req.step_t[step], rows, naive, unique, valid, seen, memory=False)
+            if states:
+                self.write_states(req.id, step, req.step_t[step], readings, states)
             return
         self.ctx.event(EventKind.NOTE, req.id, step=last,
                        text=f"structure of the last step ({last}) not recorded: its cache was not readable")
+
+    def write_states(self, rid: int, step: int, t: int, readings: list[LayerReading],
+                     states: list[StateReading]) -> None:
+        """The /state rows of one step (format 1.5), de-duplicated against its KV storages."""
+        w = self.ctx.writer
+        assert w is not None
+        rows, _, _ = state_rows(rid, step, t, readings, states, self._state_text)
+        w.append("state", rows)
+
+    def _state_text(self, source: str) -> tuple[int, int]:
+        """/text reference of a state's source path, stored once per session."""
+        ref = self._state_sources.get(source)
+        if ref is None:
+            w = self.ctx.writer
+            assert w is not None
+            ref = self._state_sources[source] = w.add_text(source)
+        return ref
 
     def _observe_step(self, step: int, seen: int, rows: list[KvRow]) -> None:
         observers = self.ctx.observers

@@ -144,7 +144,7 @@ def test_clean_control_passes_every_consumer(clean, tmp_path, capsys, source):
     for name, (rc, out, err) in results.items():
         assert rc == 0, (name, rc, err)
         assert "Traceback" not in out + err and "warning" not in err.lower(), (name, err)
-    assert "valid kvtrace trace (format 1.4)" in results["validate"][1]
+    assert "valid kvtrace trace (format 1.5)" in results["validate"][1]
     for name in ("report", "export perfetto", "export prometheus-textfile", "export parquet"):
         assert (tmp_path / "out" / OUTPUTS[name]).stat().st_size > 0
     if source == "serving":  # the control is a serving trace every serving consumer reads
@@ -212,7 +212,7 @@ def test_device_map_naming_120000_devices_is_valid_and_info_stays_short(clean, t
 def test_a_newer_minor_may_name_a_new_mode(clean, tmp_path, capsys):
     """1.5 may add a mode (a new code): a 1.4 reader reads such a trace and treats it as unknown."""
     trace = H.damaged(clean["device_map"], tmp_path / "v15.kvt.h5",
-                      lambda f: (H.version("1.5")(f), H.patch_parallel(mode="pipeline")(f)))
+                      lambda f: (H.version("1.6")(f), H.patch_parallel(mode="pipeline")(f)))
     rc, out, err = run_main(["validate", str(trace)], capsys)
     assert rc == 0, out + err
     rc, out, err = run_main(["info", str(trace)], capsys)
@@ -422,29 +422,29 @@ def test_odd_but_valid_serving_values_pass_every_consumer(clean, tmp_path, capsy
 
 def test_future_minor_is_read(clean, tmp_path, capsys):
     """1.5 (a newer minor) only adds: every consumer reads it as 1.4."""
-    trace = H.damaged(clean["serving"], tmp_path / "v15.kvt.h5", H.version("1.5"))
+    trace = H.damaged(clean["serving"], tmp_path / "v15.kvt.h5", H.version("1.6"))
     results = run_every_consumer(trace, clean["serving"], tmp_path / "out", capsys)
     for name, (rc, _, err) in results.items():
         assert rc == 0, (name, err)
-    assert "format 1.5" in results["info"][1]
+    assert "format 1.6" in results["info"][1]
 
 
 def test_future_minor_with_a_new_event_kind_is_read_without_it(clean, tmp_path, capsys):
     """A 1.5 trace holding event kind 23 (a code 1.5 may add, spec §2): every consumer reads it, the
     kind-23 event skipped, and each one that read /events says so in one stderr line; validate warns
     and exits 0. (Until this change kvtrace refused it with exit 1 from every reader of /events.)"""
-    trace = H.damaged(clean["serving"], tmp_path / "v15k.kvt.h5", lambda f: (H.version("1.5")(f), H.event(23, 0)(f)))
+    trace = H.damaged(clean["serving"], tmp_path / "v15k.kvt.h5", lambda f: (H.version("1.6")(f), H.event(23, 0)(f)))
     results = run_every_consumer(trace, clean["serving"], tmp_path / "out", capsys)
-    note = (f"kvtrace: {trace}: note: 1 event of kinds added after format 1.4 (kind 23) was skipped "
-            "(written by format 1.5); a newer kvtrace reads them")
+    note = (f"kvtrace: {trace}: note: 1 event of kinds added after format 1.5 (kind 23) was skipped "
+            "(written by format 1.6); a newer kvtrace reads them")
     for name, (rc, out, err) in results.items():
         assert rc == 0, (name, err)
         assert "Traceback" not in out + err
         if name in NOT_READING_SERVING or name in ("validate", "fleet summary"):
             continue
         assert err.splitlines() == [note], (name, err)
-    assert "/events kind has codes added after format 1.4 [23] in 1 row(s)" in results["validate"][2]
-    assert "valid kvtrace trace (format 1.5)" in results["validate"][1]
+    assert "/events kind has codes added after format 1.5 [23] in 1 row(s)" in results["validate"][2]
+    assert "valid kvtrace trace (format 1.6)" in results["validate"][1]
     # the same file claiming 1.4: the code is damage, refused as before
     (tmp_path / "as14").mkdir()
     check_case(clean, tmp_path / "as14", capsys, "serving", H.event(23, 0), "/events kind has unknown codes [23]",
@@ -452,7 +452,7 @@ def test_future_minor_with_a_new_event_kind_is_read_without_it(clean, tmp_path, 
 
 
 def test_future_major_is_refused_with_4_by_every_consumer(clean, tmp_path, capsys):
-    check_case(clean, tmp_path, capsys, "serving", H.version("2.0"), "trace format 2.0 is newer than this kvtrace reads (1.4)",
+    check_case(clean, tmp_path, capsys, "serving", H.version("2.0"), "trace format 2.0 is newer than this kvtrace reads (1.5)",
                code=exitcodes.VERSION)
 
 

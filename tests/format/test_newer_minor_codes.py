@@ -1,9 +1,9 @@
 """Enumeration codes a reader does not know, decided by the file's minor (spec §2).
 
-- A newer minor's file (1.5, written by a newer kvtrace): rows holding such codes are skipped by the
+- A newer minor's file (1.6, written by a newer kvtrace): rows holding such codes are skipped by the
   reader; every command answers (exit 0) and each one that read a skipping table says so in one
   stderr line per trace; validate warns and exits 0.
-- The same file claiming 1.4 (this kvtrace's minor): the codes are damage, refused with exit 1.
+- The same file claiming 1.5 (this kvtrace's minor): the codes are damage, refused with exit 1.
 
 The skipped rows are left out coherently: a table's row count, its slices and the payload numbers
 are those of the remaining rows (the analyser addresses /kv and payloads by position).
@@ -30,8 +30,8 @@ from kvtrace.format.validate import validate
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
-EVENTS = "2 events of kinds added after format 1.4 (kind 23)"
-REQUEST = "1 request of outcomes added after format 1.4 (outcome 9)"
+EVENTS = "2 events of kinds added after format 1.5 (kind 23)"
+REQUEST = "1 request of outcomes added after format 1.5 (outcome 9)"
 
 
 def new_codes(f: h5py.File) -> None:
@@ -53,9 +53,9 @@ def _env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_every_consumer_reads_a_newer_minor_and_notes_the_skipped_rows(serving, tmp_path, capsys):
-    trace = H.damaged(serving, tmp_path / "v15.kvt.h5", lambda f: (H.version("1.5")(f), new_codes(f)))
+    trace = H.damaged(serving, tmp_path / "v15.kvt.h5", lambda f: (H.version("1.6")(f), new_codes(f)))
     results = run_every_consumer(trace, serving, tmp_path / "out", capsys)
-    note = f"kvtrace: {trace}: note: {REQUEST} and {EVENTS} were skipped (written by format 1.5); a newer kvtrace reads them"
+    note = f"kvtrace: {trace}: note: {REQUEST} and {EVENTS} were skipped (written by format 1.6); a newer kvtrace reads them"
     for name, (rc, out, err) in results.items():
         assert rc == 0, (name, err)
         assert "Traceback" not in out + err
@@ -72,9 +72,9 @@ def test_every_consumer_reads_a_newer_minor_and_notes_the_skipped_rows(serving, 
     info = json.loads(results["info --json"][1])
     assert info["rows"]["requests"] == 2 and info["rows"]["events"] == events, info["rows"]
     rc, out, err = results["validate"]
-    assert "valid kvtrace trace (format 1.5)" in out
-    assert "/events kind has codes added after format 1.4 [23] in 2 row(s) (written by format 1.5)" in err
-    assert "/requests outcome has codes added after format 1.4 [9] in 1 row(s)" in err
+    assert "valid kvtrace trace (format 1.6)" in out
+    assert "/events kind has codes added after format 1.5 [23] in 2 row(s) (written by format 1.6)" in err
+    assert "/requests outcome has codes added after format 1.5 [9] in 1 row(s)" in err
 
 
 def test_the_same_file_claiming_this_minor_is_refused(serving, tmp_path, capsys):
@@ -85,16 +85,16 @@ def test_the_same_file_claiming_this_minor_is_refused(serving, tmp_path, capsys)
 
 
 def test_validate_json_of_a_newer_minor_lists_warnings_not_problems(serving, tmp_path, capsys):
-    trace = H.damaged(serving, tmp_path / "v15.kvt.h5", lambda f: (H.version("1.5")(f), new_codes(f)))
+    trace = H.damaged(serving, tmp_path / "v15.kvt.h5", lambda f: (H.version("1.6")(f), new_codes(f)))
     rc, out, _ = run_main(["validate", "--json", str(trace)], capsys)
     doc = json.loads(out)
     assert rc == 0 and doc["valid"] and doc["problems"] == [], doc
-    assert sum("codes added after format 1.4" in w for w in doc["warnings"]) == 2, doc["warnings"]
+    assert sum("codes added after format 1.5" in w for w in doc["warnings"]) == 2, doc["warnings"]
 
 
 def test_other_damage_in_a_newer_minor_is_still_refused(serving, tmp_path, capsys):
     """Only codes are forgiven: a 1.5 trace whose serving events break a rule is refused as before."""
-    trace = H.damaged(serving, tmp_path / "v15.kvt.h5", lambda f: (H.version("1.5")(f), new_codes(f), H.event(20, -1)(f)))
+    trace = H.damaged(serving, tmp_path / "v15.kvt.h5", lambda f: (H.version("1.6")(f), new_codes(f), H.event(20, -1)(f)))
     rc, out, err = run_main(["validate", str(trace)], capsys)
     assert rc == exitcodes.INVALID and "/events block_evicted holds value -1" in err
     rc, out, err = run_main(["analyze", str(trace)], capsys)
@@ -108,7 +108,7 @@ def test_kv_rows_of_a_new_dtype_are_left_out_of_counts_and_slices(serving, tmp_p
     with Trace(serving) as t:
         before = t.kv()
     trace = H.damaged(serving, tmp_path / "kv.kvt.h5",
-                      lambda f: (H.version("1.5")(f), H.set_rows("kv", "k_dtype", 40, [3, 4, 10])(f)))
+                      lambda f: (H.version("1.6")(f), H.set_rows("kv", "k_dtype", 40, [3, 4, 10])(f)))
     keep = np.setdiff1d(np.arange(before.size), [3, 4, 10])
     with Trace(trace) as t:
         assert t.nrows("kv") == keep.size and t.nrows("kv", check_codes=False) == before.size
@@ -116,7 +116,7 @@ def test_kv_rows_of_a_new_dtype_are_left_out_of_counts_and_slices(serving, tmp_p
         for a, b in ((0, 3), (2, 6), (3, 4), (5, 21), (20, 40), (7, 7)):
             assert np.array_equal(t.table("kv", slice(a, b)), before[keep][a:b]), (a, b)
         assert t.skipped["kv"].rows == 3 and t.skipped["kv"].codes == {"k_dtype": [40]}
-        assert "3 /kv rows of key dtypes added after format 1.4 (k_dtype 40)" in t.skipped_note()
+        assert "3 /kv rows of key dtypes added after format 1.5 (k_dtype 40)" in t.skipped_note()
 
 
 def test_a_trace_of_this_minor_with_the_same_rows_is_refused_where_read(serving, tmp_path):
@@ -151,7 +151,7 @@ def set_payload_kind(path: Path, row: int, kind: int, version: str | None) -> No
 def test_payloads_of_a_new_kind_are_skipped_and_the_rest_numbered_in_order(tmp_path):
     p = tmp_path / "pay.kvt.h5"
     raws = payload_trace(p)
-    set_payload_kind(p, 1, 9, "1.5")
+    set_payload_kind(p, 1, 9, "1.6")
     with Trace(p) as t:
         index = t.payload_index()
         assert index.size == 2 and list(index["step"]) == [0, 2]
@@ -159,11 +159,11 @@ def test_payloads_of_a_new_kind_are_skipped_and_the_rest_numbered_in_order(tmp_p
         assert np.array_equal(t.payload(-1).data.reshape(raws[2].shape), raws[2])
         with pytest.raises(IndexError):
             t.payload(2)
-        assert "1 payload of kinds added after format 1.4 (kind 9) was skipped" in t.skipped_note()
+        assert "1 payload of kinds added after format 1.5 (kind 9) was skipped" in t.skipped_note()
         assert "3 sampled tensors" in t.stored_contents()["tensor_payloads"]  # the file holds three
     report = validate(p)
     assert report.valid, report.problems
-    assert any("/payloads/index has 1 row(s) of kinds or dtypes added after format 1.4" in w for w in report.warnings)
+    assert any("/payloads/index has 1 row(s) of kinds or dtypes added after format 1.5" in w for w in report.warnings)
 
 
 def test_a_payload_of_an_unknown_kind_in_this_minor_is_refused_at_open(tmp_path):
@@ -176,7 +176,7 @@ def test_a_payload_of_an_unknown_kind_in_this_minor_is_refused_at_open(tmp_path)
 
 
 def test_skipped_notes_name_each_file_once(serving, tmp_path):
-    trace = H.damaged(serving, tmp_path / "v15.kvt.h5", lambda f: (H.version("1.5")(f), new_codes(f)))
+    trace = H.damaged(serving, tmp_path / "v15.kvt.h5", lambda f: (H.version("1.6")(f), new_codes(f)))
     with collect_skipped() as seen:
         for _ in range(2):  # a command that opens the trace twice (report does)
             with Trace(trace) as t:
@@ -184,8 +184,8 @@ def test_skipped_notes_name_each_file_once(serving, tmp_path):
         with Trace(serving) as t:
             t.events()  # nothing skipped: not collected
     assert len(seen) == 2
-    assert skipped_notes(seen) == [f"{trace}: note: {EVENTS} were skipped (written by format 1.5); a newer kvtrace reads them"]
+    assert skipped_notes(seen) == [f"{trace}: note: {EVENTS} were skipped (written by format 1.6); a newer kvtrace reads them"]
     with Trace(trace) as t:  # outside a collector: counted on the trace alone
         t.events()
         assert t.skipped["events"].rows == 2
-    assert schema.FORMAT_VERSION == "1.4"  # the messages above name this reader's version
+    assert schema.FORMAT_VERSION == "1.5"  # the messages above name this reader's version
