@@ -82,11 +82,15 @@ def _check_rerun(model: str, device: str) -> str:
               "the Triton kernels (fp32, within ~1e-5; the first run compiles and autotunes them, about a "
               "minute; no CUDA device: exit 69); auto = cuda where a GPU is, else cpu. JSON 'numerics' says "
               "which ran.")
+@click.option("--sliding", type=click.Choice(["auto", "press", "keep"]), default="auto", show_default=True,
+              help="Whether eviction presses sliding-window layers, offline and in --rerun alike: auto = as kvpress "
+              "0.5.5 does for the model (every layer, except Gemma3ForConditionalGeneration's sliding ones); "
+              "press; keep (their window unpressed). The output says which.")
 @json_options
 @guarded
 def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_text: str, rerun_model: str | None,
-           text_file: str | None, max_tokens: int, rerun_prefill: int, tiny: bool, rerun_device: str, device: str, as_json: bool,
-           json_out: str | None) -> None:
+           text_file: str | None, max_tokens: int, rerun_prefill: int, tiny: bool, rerun_device: str, device: str,
+           sliding: str, as_json: bool, json_out: str | None) -> None:
     """What paging, eviction or KV quantisation would save on TRACE and what it would cost in
     attention: bytes from the recorded sizes, attention mass recall and output error from sampled
     K/V/Q (offline proxies, not model quality). Without sampled tensors only bytes are reported.
@@ -127,7 +131,7 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_t
 
         with Trace(trace) as t:
             refuse_denied_payloads(t)  # tensors the trace's privacy flag denies: exit 1, not read
-            doc.update(run_whatif(t, policies, ratios, device, steps))
+            doc.update(run_whatif(t, policies, ratios, device, steps, sliding))
     else:
         from kvtrace.whatif.run import SCHEMA
 
@@ -158,33 +162,54 @@ def _print(doc: dict[str, Any]) -> None:
 
     c = console_for()
     b = doc["baseline"]
-    c.print(f"kvtrace whatif {visible(doc['trace'])}: baseline (the trace's own layout) peak {format_bytes(b['bytes_peak'])}, "
-            f"mean {format_bytes(b['bytes_mean'])}; {doc['sampled_units']} sampled (request, layer) units")
+    c.print(f"kvtrace whatif {visible(doc['trace'])}: baseline (policy-free: the recorded tokens at their bytes per "
+            f"token) peak {format_bytes(b['bytes_peak'])}, mean {format_bytes(b['bytes_mean'])}; "
+            f"{doc['sampled_units']} sampled (request, layer) units")
+    rec = b.get("recorded")
+    if rec:
+        c.print(f"layout effects (not a policy's): the trace's own layout allocates peak "
+                f"{format_bytes(rec['allocated_peak'])}, {format_bytes(rec['layout_peak'])} above the baseline "
+                "(views pinning larger storages, preallocation); saved = baseline - kept")
+    if doc.get("sliding", {}).get("layers"):
+        sl = doc["sliding"]
+        c.print(f"sliding-window layers {sl['layers']}: {'pressed' if sl['pressed'] else 'not pressed'} "
+                f"({visible(sl['reason'])})")
     c.print(visible(doc["note"]), style="dim")
     if doc.get("numerics", {}).get("note"):
         c.print(visible(doc["numerics"]["note"]), style="dim")
     t = Table(show_edge=False)
     for col, just in (("policy", "left"), ("ratio", "right"), ("kept peak", "right"), ("saved peak", "right"),
                       ("saved mean", "right"), ("mass recall", "right"), ("output err", "right"),
-                      ("K cos", "right"), ("V cos", "right")):
+                      ("K cos", "right"), ("V cos", "right"), ("units", "right")):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     skipped: dict[str, int] = {}
+    unsupported: dict[str, int] = {}
     for p in doc["policies"]:
         for r in p["results"]:
             o, by = r["overall"], r["bytes"]
+            u = r.get("units")
+            units = f"{u['measured']}/{sum(u.values())}" if u and p["family"] == "eviction" else ""
             t.add_row(visible(p["label"]), _f(r["ratio"], "{:.2f}"), format_bytes(by["kept_peak"]),
                       format_bytes(by["saved_peak"]), format_bytes(by["saved_mean"]),
                       _f(o.get("attention_mass_recall", {}).get("mean")),
                       _f(o.get("attention_output_error", {}).get("mean")),
-                      _f(o.get("key_cosine", {}).get("mean"), "{:.4f}"), _f(o.get("value_cosine", {}).get("mean"), "{:.4f}"))
+                      _f(o.get("key_cosine", {}).get("mean"), "{:.4f}"), _f(o.get("value_cosine", {}).get("mean"), "{:.4f}"),
+                      units)
             for s in r["skipped"]:
                 skipped[s["reason"]] = skipped.get(s["reason"], 0) + 1
+            for x in r["layers"]:
+                if x.get("status") in ("unsupported", "not_pressed"):
+                    why = f"{x['status'].replace('_', ' ')}: {x['reason']}"
+                    unsupported[why] = unsupported.get(why, 0) + 1
     c.print(t)
     c.print("mass recall: mean over KV heads of the full attention's mass on kept keys (needs Q and K); "
-            "output err: ||o'-o||/||o|| (needs Q, K and V); cos: K/V reconstruction (needs K, V)")
+            "output err: ||o'-o||/||o|| (needs Q, K and V); cos: K/V reconstruction (needs K, V); units: "
+            "(request, layer) units measured of those replayed (the others: unsupported or not pressed, below)")
     for p in doc["policies"]:
         if p.get("note"):
             c.print(f"note: {visible(p['policy'])}: {visible(p['note'])}")
+    for reason, n in unsupported.items():
+        c.print(f"{n}x {visible(reason)}", style="yellow")
     for reason, n in skipped.items():
         c.print(f"skipped {n}x: {visible(reason)}", style="dim")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
-    "attention_probs", "keep_measures", "visible_mask", "quantize_minmax", "round_fp8",
+    "attention_probs", "column_sums", "keep_measures", "visible_mask", "quantize_minmax", "round_fp8",
     "reconstruction", "FP8_FORMATS",
 ]
 
@@ -52,6 +52,19 @@ def attention_probs(q: np.ndarray, k: np.ndarray, vis: np.ndarray, scale: float,
     e = np.where(mask, np.exp(logits - top), 0.0)
     s = e.sum(axis=-1, keepdims=True)
     return np.divide(e, s, out=np.zeros_like(e), where=s > 0)
+
+
+def column_sums(q: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, window: int | None,
+                scale: float, chunk: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """(softmax weights summed over the queries [B, Hq, T], queries that see each key [T]), over
+    chunks of ``chunk`` queries."""
+    total = np.zeros((k.shape[0], q.shape[1], k.shape[2]))
+    count = np.zeros(k.shape[2])
+    for i in range(0, q.shape[2], chunk):
+        vis = visible_mask(q_pos[i:i + chunk], k_pos, window)
+        total += attention_probs(q[:, :, i:i + chunk], k, vis, scale).sum(axis=2)
+        count += vis.sum(axis=0)
+    return total, count
 
 
 def keep_measures(q: np.ndarray, k: np.ndarray, v: np.ndarray, vis: np.ndarray, scale: float,

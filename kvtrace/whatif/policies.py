@@ -6,22 +6,34 @@ meaning is the same (github.com/NVIDIA/kvpress, kvpress/presses/*_press.py, read
 Families:
 * ``paging`` (sizes only): :class:`Paging` -- internal waste of fixed-size pages.
 * ``eviction``: :class:`ScorerPolicy` subclasses return scores [B, Hk, T]; the top
-  ``int(T * (1 - ratio))`` per head are kept (kvpress ``ScorerPress.compress``; ties go to the
-  older token, numpy's stable sort, where torch's topk order is unspecified).
+  ``max(1, int(T * (1 - ratio)))`` per head are kept (kvpress ``ScorerPress.compress``). Keys a
+  policy always keeps score ``inf`` (an observation window, keys no sampled query sees, sinks);
+  when they outnumber the budget the keep-set would be decided by the tie-break, not by the
+  scores, so :meth:`ScorerPolicy.select` raises :class:`Unsupported` with the reason instead
+  (the replay's row says so). Ties among finite scores go to the older token (numpy's stable
+  sort, where torch's topk order is unspecified).
 * ``quantization``: :class:`Quantizer` subclasses return dequantised K or V and bytes per token.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import numpy as np
 
-from kvtrace.whatif.numerics import FP8_FORMATS, attention_probs, quantize_minmax, round_fp8, visible_mask
+from kvtrace.whatif.numerics import (
+    FP8_FORMATS,
+    attention_probs,
+    column_sums,
+    quantize_minmax,
+    round_fp8,
+    visible_mask,
+)
 
-__all__ = ["Observed", "Policy", "PolicyError", "REGISTRY", "parse_policy", "keep_top", "keep_first", "n_kept"]
+__all__ = ["Observed", "Policy", "PolicyError", "REGISTRY", "Unsupported", "descending", "parse_policy", "keep_top",
+           "keep_first", "n_kept"]
 
 # Always kept: scores of tokens a policy must not drop (the observation window, unscored keys).
 KEEP = np.inf
@@ -37,13 +49,18 @@ SEED_MAX = (1 << 63) - 1
 class Observed:
     """Sampled post-RoPE queries that attend to the cached keys, for query-based scoring:
     ``q`` [B, Hq, Tq, D] at absolute positions ``q_pos``; keys at ``k_pos``; ``window`` of a
-    sliding layer; softmax ``scale``."""
+    sliding layer; softmax ``scale``.
+
+    One softmax per unit, shared by every policy that scores with it: :meth:`column_sums` (the
+    attention each key receives summed over all the queries, H2O) and :meth:`rows` (the
+    attention of a few queries, TOVA and SnapKV) are computed once per key tensor and kept."""
 
     q: np.ndarray
     q_pos: np.ndarray
     k_pos: np.ndarray
     window: int | None
     scale: float
+    _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def probs(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Softmax weights [B, Hq, Tq, T] of the queries over ``keys``, and the visibility [Tq, T]."""
@@ -53,9 +70,35 @@ class Observed:
     def subset(self, idx: np.ndarray) -> Observed:
         return Observed(self.q[:, :, idx], self.q_pos[idx], self.k_pos, self.window, self.scale)
 
+    def last(self) -> int:
+        """Index of the newest query (the first of equals)."""
+        return int(np.argmax(self.q_pos))
+
+    def column_sums(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(attention each key receives summed over the queries [B, Hq, T], how many queries see
+        it [T]), in chunks of queries (a long prefill's queries times a long cache)."""
+        key = ("sums", id(keys))
+        if key not in self._memo:
+            total, count = column_sums(self.q, keys, self.q_pos, self.k_pos, self.window, self.scale)
+            self._memo[key] = (keys, total, count)  # keys held: the id is not reused while memoised
+        return self._memo[key][1], self._memo[key][2]
+
+    def rows(self, idx: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Softmax weights [B, Hq, len(idx), T] of the queries ``idx`` and their visibility."""
+        key = ("rows", id(keys), tuple(int(i) for i in idx))
+        if key not in self._memo:
+            self._memo[key] = (keys, *self.subset(np.asarray(idx, dtype=np.int64)).probs(keys))
+        return self._memo[key][1], self._memo[key][2]
+
 
 class PolicyError(ValueError):
     """A policy name or parameter that cannot be used (the CLI's usage error)."""
+
+
+class Unsupported(PolicyError):
+    """The trace cannot support the policy's definition on this unit (too few sampled queries in a
+    window, more always-kept keys than the budget, ...): the row says why instead of a keep-set
+    chosen by a tie-break."""
 
 
 @dataclass
@@ -133,35 +176,79 @@ def keep_top(scores: np.ndarray, ratio: float) -> np.ndarray:
     return keep_first(scores, n_kept(scores.shape[-1], ratio))
 
 
-def keep_first(scores: np.ndarray, n: int) -> np.ndarray:
-    """Keep mask [B, H, T] of the ``n`` highest scores per (B, H), older token first on ties."""
-    order = np.argsort(-scores, axis=-1, kind="stable")[..., :n]
+def keep_first(scores: np.ndarray, n: int, order: np.ndarray | None = None) -> np.ndarray:
+    """Keep mask [B, H, T] of the ``n`` highest scores per (B, H), older token first on ties
+    (``order``: ``descending(scores)`` when already computed)."""
+    top = (descending(scores) if order is None else order)[..., :n]
     keep = np.zeros(scores.shape, dtype=bool)
-    np.put_along_axis(keep, order, True, axis=-1)
+    np.put_along_axis(keep, top, True, axis=-1)
     return keep
+
+
+def descending(scores: np.ndarray) -> np.ndarray:
+    """Indices of ``scores`` by descending score along the last axis, older first on ties."""
+    return np.argsort(-scores, axis=-1, kind="stable")
 
 
 @dataclass
 class ScorerPolicy(Policy):
     family: ClassVar[str] = "eviction"
     needs: ClassVar[str] = "K"
+    # which keys score inf (always kept), for the reason when they outnumber the budget
+    forced: ClassVar[str] = "always-kept keys"
 
     def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
         raise NotImplementedError
 
+    def budget(self, tokens: int, ratio: float) -> int:
+        """Tokens per head this policy keeps of ``tokens`` at ``ratio`` (kvpress compute_n_kept)."""
+        return n_kept(tokens, ratio)
+
     def plan(self, keys: np.ndarray, ratio: float, obs: Observed | None = None,
-             values: np.ndarray | None = None) -> np.ndarray:
+             values: np.ndarray | None = None, **where: Any) -> np.ndarray:
         """Keep mask [B, Hk, T] at compression ``ratio`` (fraction of tokens dropped)."""
+        return self.plan_info(keys, ratio, obs, values, **where)[0]
+
+    def plan_info(self, keys: np.ndarray, ratio: float, obs: Observed | None = None,
+                  values: np.ndarray | None = None, **where: Any) -> tuple[np.ndarray, dict[str, Any]]:
+        """(keep mask, facts for the row) at ``ratio``; :class:`Unsupported` where the unit cannot
+        support the policy's definition. ``where``: ``k_pos`` (absolute key positions) and
+        ``window`` (a sliding layer's) when known."""
         _check(0 <= ratio < 1, self.name, f"ratio must be in [0, 1), got {ratio}")
         if ratio == 0:
-            return np.ones(keys.shape[:3], dtype=bool)
-        return self.keep_n(keys, n_kept(keys.shape[2], ratio), obs, values)
+            return np.ones(keys.shape[:3], dtype=bool), {}
+        return self.select(keys, self.budget(keys.shape[2], ratio), obs, values, **where)
 
     def keep_n(self, keys: np.ndarray, n: int, obs: Observed | None = None,
-               values: np.ndarray | None = None) -> np.ndarray:
+               values: np.ndarray | None = None, **where: Any) -> np.ndarray:
         """Keep mask [B, Hk, T] of the ``n`` tokens per head this policy keeps (the rerun's
         per-step budget)."""
-        return keep_first(self.score(keys, obs, values), n)
+        return self.select(keys, n, obs, values, **where)[0]
+
+    def select(self, keys: np.ndarray, n: int, obs: Observed | None = None, values: np.ndarray | None = None,
+               **where: Any) -> tuple[np.ndarray, dict[str, Any]]:
+        """(keep mask of the ``n`` best-scored keys per head, facts): ``forced_keep`` = keys scored
+        inf (always kept) on the head with most. More of those than ``n``: :class:`Unsupported`."""
+        return self.choose(self.score(keys, obs, values), n, obs)
+
+    def choose(self, scores: np.ndarray, n: int, obs: Observed | None = None,
+               order: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+        """:meth:`select` on scores already computed (``order``: their stable descending argsort,
+        shared by several budgets)."""
+        forced = int(np.isposinf(scores).sum(axis=-1).max()) if scores.size else 0
+        if forced > n:
+            raise Unsupported(f"{self.name}: {forced} {self.forced_facts(obs)} are always kept, more than the budget "
+                              f"of {n}: the keep-set would be decided by a tie-break, not by the scores")
+        info: dict[str, Any] = {"forced_keep": forced} if forced else {}
+        info.update(self.facts(scores, obs))
+        return keep_first(scores, n, order), info
+
+    def forced_facts(self, obs: Observed | None) -> str:
+        return self.forced
+
+    def facts(self, scores: np.ndarray, obs: Observed | None) -> dict[str, Any]:
+        """What the row should say about how the unit supported the definition."""
+        return {}
 
 
 @dataclass
@@ -206,7 +293,14 @@ class Random(ScorerPolicy):
 @dataclass
 class StreamingLLM(ScorerPolicy):
     """streaming_llm_press.py: keep ``n_sink`` first tokens and the most recent ones; with
-    ``window`` > 0 the cache is sinks + window tokens whatever the ratio (the paper's fixed cache)."""
+    ``window`` > 0 the cache is sinks + window tokens whatever the ratio (the paper's fixed cache).
+
+    The budget is kvpress's ``int(T * (1 - ratio))`` (no floor of 1: kvpress prunes
+    ``[n_sink, n_sink + T - int(T * (1 - ratio)))``). The sinks are the ``n_sink`` oldest positions
+    the layer holds (on a full-attention layer positions 0..n_sink-1; a sample that does not start
+    at position 0 cannot say which they are: :class:`Unsupported`) and are always kept: a budget
+    below ``n_sink`` keeps the sinks alone, more than the budget (``over_budget`` says how many;
+    kvpress would keep ``n`` of its sinks by topk's unspecified tie order)."""
 
     name: ClassVar[str] = "streaming_llm"
     ranges: ClassVar[dict[str, tuple[float, float]]] = {"n_sink": (0, TOKENS_MAX), "window": (0, TOKENS_MAX)}
@@ -218,23 +312,39 @@ class StreamingLLM(ScorerPolicy):
         _check(self.n_sink >= 0 and self.window >= 0, self.name, "n_sink and window must be >= 0")
 
     def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
-        raise AssertionError("plan() is overridden")
+        raise AssertionError("select() is overridden")
 
-    def plan(self, keys: np.ndarray, ratio: float, obs: Observed | None = None,
-             values: np.ndarray | None = None) -> np.ndarray:
-        T = keys.shape[2]
+    def budget(self, tokens: int, ratio: float) -> int:
         if self.window:
-            return self.keep_n(keys, self.n_sink + self.window)
-        _check(0 <= ratio < 1, self.name, f"ratio must be in [0, 1), got {ratio}")
-        return self.keep_n(keys, int(T * (1 - ratio)))  # kvpress: prune [n_sink, n_sink + n_pruned)
+            return min(tokens, self.n_sink + self.window)
+        return int(tokens * (1 - ratio))  # kvpress: prune [n_sink, n_sink + n_pruned)
 
-    def keep_n(self, keys: np.ndarray, n: int, obs: Observed | None = None,
-               values: np.ndarray | None = None) -> np.ndarray:
+    def kept(self, tokens: int, n: int) -> int:
+        """Tokens kept of ``tokens`` at budget ``n``: the budget, or the sinks where they are more."""
+        return min(tokens, max(n, self.n_sink))
+
+    def plan_info(self, keys: np.ndarray, ratio: float, obs: Observed | None = None,
+                  values: np.ndarray | None = None, **where: Any) -> tuple[np.ndarray, dict[str, Any]]:
+        if not self.window:
+            _check(0 <= ratio < 1, self.name, f"ratio must be in [0, 1), got {ratio}")
+        return self.select(keys, self.budget(keys.shape[2], ratio), obs, values, **where)
+
+    def select(self, keys: np.ndarray, n: int, obs: Observed | None = None, values: np.ndarray | None = None,
+               **where: Any) -> tuple[np.ndarray, dict[str, Any]]:
         """The ``n_sink`` oldest tokens and the ``n - n_sink`` most recent ones."""
         T = keys.shape[2]
+        k_pos = where.get("k_pos")
+        if self.n_sink and k_pos is not None and len(k_pos) and where.get("window") is None and int(k_pos[0]) != 0 \
+                and T > n:
+            raise Unsupported(f"{self.name}: the sampled keys start at position {int(k_pos[0])}, not 0: the "
+                              f"sinks (positions 0..{self.n_sink - 1}) are not in the sample")
         pos = np.arange(T)
         keep = (pos < self.n_sink) | (pos >= T - max(n - self.n_sink, 0))
-        return np.broadcast_to(keep, keys.shape[:3]).copy()
+        info: dict[str, Any] = {}
+        if self.kept(T, n) > n:
+            info["over_budget"] = self.kept(T, n) - n
+            info["note"] = f"budget {n} below n_sink={self.n_sink}: the sinks are kept"
+        return np.broadcast_to(keep, keys.shape[:3]).copy(), info
 
 
 @dataclass
@@ -251,44 +361,63 @@ def _group_mean(x: np.ndarray, hk: int) -> np.ndarray:
 @dataclass
 class ObservedAttention(QueryScorer):
     """observed_attention_press.py (H2O): the attention a key receives summed over the observed
-    queries, divided by how many of them see it (kvpress divides by T - i for a causal prefill),
-    averaged over each KV head's query heads. Keys no observed query sees are kept."""
+    queries, divided by how many of them see it (kvpress divides by T - i for a causal prefill,
+    where every position's query is there), averaged over each KV head's query heads. Keys no
+    observed query sees (newer than the newest one) are kept; more of them than the budget:
+    :class:`Unsupported`."""
 
     name: ClassVar[str] = "observed_attention"
 
     def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
         obs = _need(obs, self.name)
-        total = np.zeros((keys.shape[0], obs.q.shape[1], keys.shape[2]))
-        count = np.zeros(keys.shape[2])
-        for i in range(0, obs.q.shape[2], 64):  # chunks of queries bound the memory of long prefills
-            p, vis = obs.subset(np.arange(i, min(i + 64, obs.q.shape[2]))).probs(keys)
-            total += p.sum(axis=2)
-            count += vis.sum(axis=0)
-        s = total / np.maximum(count, 1)
-        s = _group_mean(s, keys.shape[1])
+        total, count = obs.column_sums(keys)
+        s = _group_mean(total / np.maximum(count, 1), keys.shape[1])
         return np.where(count > 0, s, KEEP)
+
+    def forced_facts(self, obs: Observed | None) -> str:
+        return "keys no sampled query sees (newer than the newest sampled query)"
+
+    def facts(self, scores: np.ndarray, obs: Observed | None) -> dict[str, Any]:
+        assert obs is not None
+        return {"scoring_queries": int(obs.q.shape[2])}
 
 
 @dataclass
 class TOVA(QueryScorer):
-    """tova_press.py: the attention of the last observed query averaged over all query heads,
-    the same for every KV head; keys it does not see (itself and newer) are kept."""
+    """tova_press.py: the attention of the last query averaged over all query heads, the same for
+    every KV head; kvpress's last query is the newest position's, here the newest sampled one, and
+    keys it does not see (its own and newer) are kept (kvpress keeps its own key too); more of
+    them than the budget: :class:`Unsupported`."""
 
     name: ClassVar[str] = "tova"
 
     def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
         obs = _need(obs, self.name)
-        last = int(np.argmax(obs.q_pos))
-        p, vis = obs.subset(np.array([last])).probs(keys)
+        last = obs.last()
+        p, vis = obs.rows(np.array([last]), keys)
         s = p[:, :, 0].mean(axis=1, keepdims=True).repeat(keys.shape[1], axis=1)
         return np.where(vis[0] & (obs.k_pos < obs.q_pos[last]), s, KEEP)
+
+    def forced_facts(self, obs: Observed | None) -> str:
+        q = int(obs.q_pos[obs.last()]) if obs is not None and obs.q.shape[2] else None
+        return f"keys at or after the last sampled query's position {q}"
+
+    def facts(self, scores: np.ndarray, obs: Observed | None) -> dict[str, Any]:
+        assert obs is not None
+        return {"query_position": int(obs.q_pos[obs.last()])}
 
 
 @dataclass
 class SnapKV(QueryScorer):
-    """snapkv_press.py: the mean attention of the last ``window_size`` observed queries onto the
-    keys before them, average-pooled over ``kernel_size`` keys (zero padding counted, as
-    F.avg_pool1d), averaged over each KV head's query heads; the window's keys are kept."""
+    """snapkv_press.py: the mean attention of the queries of the observation window -- the last
+    ``window_size`` positions of the cache, as kvpress's last ``window_size`` prefill queries --
+    onto the keys before it, average-pooled over ``kernel_size`` keys (zero padding counted, as
+    F.avg_pool1d), averaged over each KV head's query heads; the window's keys are kept.
+
+    The window is in token positions: of its queries, those the trace sampled score
+    (``window_queries`` of ``window_size`` in the row). No sampled query in the window, or more
+    window keys than the budget (kvpress would then keep window keys by topk's tie order):
+    :class:`Unsupported`."""
 
     name: ClassVar[str] = "snapkv"
     ranges: ClassVar[dict[str, tuple[float, float]]] = {"window_size": (1, TOKENS_MAX), "kernel_size": (1, KERNEL_MAX)}
@@ -300,17 +429,35 @@ class SnapKV(QueryScorer):
         _check(self.window_size >= 1, self.name, "window_size must be >= 1")
         _check(self.kernel_size >= 1 and self.kernel_size % 2 == 1, self.name, "kernel_size must be odd and >= 1")
 
+    def window(self, obs: Observed) -> tuple[int, np.ndarray]:
+        """(first position of the window, indices of the sampled queries in it)."""
+        end = int(obs.k_pos.max()) + 1 if len(obs.k_pos) else 0
+        start = end - self.window_size
+        return start, np.flatnonzero((obs.q_pos >= start) & (obs.q_pos < end))
+
     def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
         obs = _need(obs, self.name)
-        order = np.argsort(obs.q_pos, kind="stable")[-self.window_size:]
-        start = int(obs.q_pos[order].min())
-        p, _ = obs.subset(order).probs(keys)
+        start, idx = self.window(obs)
+        if not len(idx):
+            raise Unsupported(f"{self.name}: no sampled query in the observation window (positions "
+                              f"{max(start, 0)}..{start + self.window_size - 1}); sample queries more often or "
+                              "lower window_size")
         prefix = obs.k_pos < start
-        s = p[..., prefix].mean(axis=2)  # [B, Hq, n_prefix]
-        s = _avg_pool(s, self.kernel_size)
         out = np.full(keys.shape[:3], KEEP)
-        out[..., prefix] = _group_mean(s, keys.shape[1])
+        if prefix.any():
+            p, _ = obs.rows(idx, keys)
+            s = p[..., prefix].mean(axis=2)  # [B, Hq, n_prefix]
+            s = _avg_pool(s, self.kernel_size)
+            out[..., prefix] = _group_mean(s, keys.shape[1])
         return out
+
+    def forced_facts(self, obs: Observed | None) -> str:
+        return f"keys in the observation window (the last {self.window_size} positions)"
+
+    def facts(self, scores: np.ndarray, obs: Observed | None) -> dict[str, Any]:
+        assert obs is not None
+        start, idx = self.window(obs)
+        return {"window_queries": int(len(idx)), "window_positions": [max(start, 0), start + self.window_size - 1]}
 
 
 @dataclass
@@ -328,6 +475,7 @@ class ExpectedAttention(QueryScorer):
 
     name: ClassVar[str] = "expected_attention"
     needs: ClassVar[str] = "Q, K and V"
+    forced: ClassVar[str] = "sink keys (the n_sink first)"
     note: ClassVar[str] = ("stand-in: statistics of the sampled post-RoPE queries replace kvpress's pre-RoPE "
                            "prefill queries rotated by the RoPE averaged over future positions")
     ranges: ClassVar[dict[str, tuple[float, float]]] = {"n_sink": (0, TOKENS_MAX), "epsilon": (0.0, 1e6)}

@@ -20,6 +20,7 @@ from kvtrace.format.reader import Trace
 from kvtrace.jsonable import plain
 from kvtrace.whatif import source
 from kvtrace.whatif.accelerated import Accelerated, Exact, open_numerics
+from kvtrace.whatif.kvpress import presses_sliding
 from kvtrace.whatif.policies import (
     Observed,
     Paging,
@@ -28,11 +29,19 @@ from kvtrace.whatif.policies import (
     Quantizer,
     ScorerPolicy,
     StreamingLLM,
+    Unsupported,
+    descending,
 )
 
-__all__ = ["SCHEMA", "NEEDS", "run_whatif"]
+__all__ = ["SCHEMA", "SCHEMA_MINOR", "NEEDS", "run_whatif"]
 
 SCHEMA = 1
+# 1: per-row "status" (measured | unsupported | not_pressed) and "reason", "units" per result,
+#    "sliding", a policy-free baseline with the recorded layout's effects on their own line
+SCHEMA_MINOR = 1
+BASELINE = "policy-free: the recorded tokens at the recorded bytes per token (bytes_valid)"
+LAYOUT_NOTE = ("the trace's own layout (bytes_allocated) minus the policy-free bytes: views pinning larger "
+               "storages, preallocated or paged caches -- not a policy's effect")
 NEEDS = {
     "bytes": "sizes", "attention_mass_recall": "Q and K", "attention_output_error": "Q, K and V",
     "key_mse": "K", "key_cosine": "K", "value_mse": "V", "value_cosine": "V",
@@ -48,30 +57,39 @@ _Job = tuple[Policy, float | None, dict[str, Any]]
 
 
 def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ratios: list[float],
-               device: str = "cpu", steps: str = "last") -> dict[str, Any]:
+               device: str = "cpu", steps: str = "last", sliding: str = "auto") -> dict[str, Any]:
     """The what-if document (spec/whatif-json.md) for ``policies`` at compression ``ratios``;
     ``device`` cpu (numerics.py, float64) | cuda | auto (the Triton kernels where CUDA is, within
     the tolerances of whatif/accelerated.py; else cpu, said in ``numerics.note``). ``steps``: the
     content measures at each (request, layer)'s last sampled step, or at up to MAX_STEPS of them
-    ("all"; one layer row per step)."""
+    ("all"; one layer row per step). ``sliding``: whether eviction presses sliding-window layers
+    (auto: kvpress's choice for the model, kvtrace.whatif.kvpress.presses_sliding; press; keep)."""
     if not isinstance(trace, Trace):
         with Trace(trace) as t:
-            return run_whatif(t, policies, ratios, device, steps)
+            return run_whatif(t, policies, ratios, device, steps, sliding)
     calc = open_numerics(device)
     for r in ratios:
         if not 0 <= r < 1:
             raise PolicyError(f"ratio must be in [0, 1), got {r}")
-    sz = source.sizes(trace)
     if steps not in STEPS_NOTE:
         raise PolicyError(f"steps must be one of {', '.join(STEPS_NOTE)}, got {steps!r}")
+    cfg = trace.meta.model_config if isinstance(trace.meta.model_config, dict) else {}
+    press_sliding, sliding_reason = presses_sliding(cfg, sliding)
+    sz = source.sizes(trace)
     units = list(source.units(trace, steps))
-    base = _totals(sz, sz.allocated)
+    base, alloc = _totals(sz, sz.valid), _totals(sz, sz.allocated)
     doc: dict[str, Any] = {
-        "kvtrace_whatif": SCHEMA, "kind": "proxy", "note": NOTE.replace(STEPS_NOTE["last"], STEPS_NOTE[steps]),
+        "kvtrace_whatif": SCHEMA, "schema_minor": SCHEMA_MINOR, "kind": "proxy",
+        "note": NOTE.replace(STEPS_NOTE["last"], STEPS_NOTE[steps]),
         "steps": steps, "needs": NEEDS, "ratios": ratios,
         "numerics": {"backend": calc.label, "note": calc.note},
-        "baseline": {"layout": "the trace's own", "bytes_peak": base[0], "bytes_mean": base[1],
-                     "valid_peak": _totals(sz, sz.valid)[0], "kv_rows": len(sz)},
+        "baseline": {"layout": BASELINE, "bytes_peak": base[0], "bytes_mean": base[1], "valid_peak": base[0],
+                     "kv_rows": len(sz),
+                     "recorded": {"allocated_peak": alloc[0], "allocated_mean": alloc[1],
+                                  "layout_peak": alloc[0] - base[0], "layout_mean": alloc[1] - base[1],
+                                  "note": LAYOUT_NOTE}},
+        "sliding": {"pressed": press_sliding, "mode": sliding, "reason": sliding_reason,
+                    "layers": sorted({int(x) for x in sz.layer[sz.sliding]})},
         "sampled_units": len(units), "policies": [],
     }
     no_contents = "" if units else "the trace holds no sampled K/V (record with sampling={'every_n_steps': N})"
@@ -82,14 +100,16 @@ def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ra
         if pol.note:
             entry["note"] = pol.note
         for ratio in (ratios if isinstance(pol, ScorerPolicy) and not _fixed(pol) else [None]):
-            res = _result(pol, ratio, sz, base, no_contents)
+            res = _result(pol, ratio, sz, base, no_contents, press_sliding)
             entry["results"].append(res)
             if pol.family != "paging" and not no_contents:
                 jobs.append((pol, ratio, res))
         doc["policies"].append(entry)
-    _replay(jobs, units, calc)
+    _replay(jobs, units, calc, press_sliding)
     for _, _, res in jobs:
         res["overall"] = _overall(res["layers"])
+        res["units"] = {k: sum(row.get("status") == k for row in res["layers"])
+                        for k in ("measured", "unsupported", "not_pressed")}
     return plain(doc)
 
 
@@ -107,23 +127,34 @@ def _totals(sz: source.Sizes, per_row: np.ndarray) -> tuple[float, float]:
     return float(tot.max()), float(tot.mean())
 
 
-def _kept_bytes(pol: Policy, ratio: float | None, sz: source.Sizes) -> np.ndarray:
-    bpt = sz.per_token
-    if isinstance(pol, Paging):
-        return pol.tokens_allocated(sz.tokens) * bpt
+def _kept_tokens(pol: ScorerPolicy, ratio: float | None, tokens: np.ndarray) -> np.ndarray:
+    """Tokens ``pol`` keeps of each row's ``tokens`` at ``ratio`` (what its keep-set holds)."""
     if isinstance(pol, StreamingLLM):
-        kept = np.minimum(sz.tokens, pol.n_sink + pol.window) if pol.window else _n_kept(sz.tokens, ratio)
-        return kept * bpt
-    if isinstance(pol, ScorerPolicy):
-        return _n_kept(sz.tokens, ratio) * bpt
-    assert isinstance(pol, Quantizer)
-    out = np.zeros(len(sz))
-    for i in range(len(sz)):
-        t = int(sz.tokens[i])
-        per_head = pol.stored_bytes(t, int(sz.k_dim[i]), int(sz.k_bytes[i]), "key") + \
-            pol.stored_bytes(t, int(sz.v_dim[i]), int(sz.v_bytes[i]), "value")
-        out[i] = per_head * sz.kv_heads[i] * sz.batch[i]
-    return out
+        n = np.minimum(tokens, pol.n_sink + pol.window) if pol.window else \
+            (tokens * (1 - (ratio or 0.0))).astype(np.int64)  # kvpress: int(T * (1 - ratio)), no floor
+        return np.minimum(tokens, np.maximum(n, pol.n_sink))  # the sinks are kept (StreamingLLM.kept)
+    return _n_kept(tokens, ratio)
+
+
+def _kept_bytes(pol: Policy, ratio: float | None, sz: source.Sizes, press_sliding: bool = True) -> np.ndarray:
+    """Bytes of each /kv row under ``pol``: kept tokens at the row's own bytes per token (as
+    ``valid * kept / tokens``: exactly ``valid`` where everything is kept)."""
+    if isinstance(pol, Quantizer):
+        out = np.zeros(len(sz))
+        for i in range(len(sz)):
+            t = int(sz.tokens[i])
+            per_head = pol.stored_bytes(t, int(sz.k_dim[i]), int(sz.k_bytes[i]), "key") + \
+                pol.stored_bytes(t, int(sz.v_dim[i]), int(sz.v_bytes[i]), "value")
+            out[i] = per_head * sz.kv_heads[i] * sz.batch[i]
+        return out
+    if isinstance(pol, Paging):
+        kept = pol.tokens_allocated(sz.tokens)
+    else:
+        assert isinstance(pol, ScorerPolicy)
+        kept = _kept_tokens(pol, ratio, sz.tokens)
+        if not press_sliding:
+            kept = np.where(sz.sliding, sz.tokens, kept)
+    return np.divide(sz.valid * kept, sz.tokens, out=np.zeros(len(sz)), where=sz.tokens > 0)
 
 
 def _n_kept(tokens: np.ndarray, ratio: float | None) -> np.ndarray:
@@ -133,10 +164,10 @@ def _n_kept(tokens: np.ndarray, ratio: float | None) -> np.ndarray:
 
 
 def _result(pol: Policy, ratio: float | None, sz: source.Sizes, base: tuple[float, float],
-            no_contents: str) -> dict[str, Any]:
+            no_contents: str, press_sliding: bool = True) -> dict[str, Any]:
     """The result of ``pol`` at ``ratio`` with its bytes; the content measures are filled in by
     :func:`_replay` (none for paging, a skip when the trace has no contents)."""
-    kept = _totals(sz, _kept_bytes(pol, ratio, sz))
+    kept = _totals(sz, _kept_bytes(pol, ratio, sz, press_sliding))
     res: dict[str, Any] = {
         "ratio": ratio,
         "bytes": {"kept_peak": kept[0], "kept_mean": kept[1], "saved_peak": base[0] - kept[0],
@@ -150,13 +181,13 @@ def _result(pol: Policy, ratio: float | None, sz: source.Sizes, base: tuple[floa
     return res
 
 
-def _replay(jobs: list[_Job], units: list[source.Unit], calc: Exact | Accelerated) -> None:
+def _replay(jobs: list[_Job], units: list[source.Unit], calc: Exact | Accelerated, press_sliding: bool = True) -> None:
     """Content measures of every job on every unit, into the jobs' results: per unit, the keep-sets
     of all eviction jobs in one :func:`_measure_keeps`, then each quantiser."""
     scorers = [j for j in jobs if isinstance(j[0], ScorerPolicy)]
     quantizers = [j for j in jobs if not isinstance(j[0], ScorerPolicy)]
     for u in units:
-        _scorer_unit(scorers, u, calc)
+        _scorer_unit(scorers, u, calc, press_sliding)
         for pol, _, res in quantizers:
             try:
                 res["layers"].append(_quantizer_unit(pol, u, res["skipped"], calc))
@@ -168,9 +199,9 @@ def _skip(skipped: list[dict[str, Any]], measure: str, u: source.Unit, reason: s
     skipped.append({"measure": measure, "request": u.request, "layer": u.layer, "reason": reason})
 
 
-def _row(u: source.Unit) -> dict[str, Any]:
+def _row(u: source.Unit, status: str = "measured") -> dict[str, Any]:
     row: dict[str, Any] = {"request": u.request, "layer": u.layer, "step": u.step, "layer_type": u.layer_type,
-                           "tokens": int(u.k.shape[2]), "kv_heads": u.kv_heads}
+                           "tokens": int(u.k.shape[2]), "kv_heads": u.kv_heads, "status": status}
     if u.latent:
         row["tensors"] = ["latent", "rope_key"]  # what key_* / value_* measure on an MLA cache
     if u.notes:
@@ -182,39 +213,74 @@ def _attn(u: source.Unit) -> tuple[Any, ...]:
     return (u.eval_q, u.k, u.v, u.eval_pos, u.k_pos, u.window, u.scale)
 
 
-def _plan(pol: ScorerPolicy, ratio: float | None, u: source.Unit, skipped: list[dict[str, Any]]) -> np.ndarray | None:
-    """``pol``'s keep-set [B, Hk, T] of ``u``, or None with the skip said (no observed queries).
-    Raises PolicyError where the policy cannot plan this unit."""
-    obs = None
-    if pol.needs.startswith("Q"):
-        if u.obs_q is None:
-            reason = u.no_queries or f"no query sampled before step {u.step} to score with"
-            _skip(skipped, "all content measures", u, f"{pol.name} needs observed queries: {reason}")
-            return None
-        obs = Observed(u.obs_q, u.obs_pos, u.k_pos, u.window, u.scale)
-    return pol.plan(u.k, ratio if ratio is not None else 0.0, obs, u.v)
+def _observed(u: source.Unit) -> Observed | None:
+    """The unit's scoring queries: one object for every policy, so their softmax is shared."""
+    return Observed(u.obs_q, u.obs_pos, u.k_pos, u.window, u.scale) if u.obs_q is not None else None
 
 
-def _scorer_unit(jobs: list[_Job], u: source.Unit, calc: Exact | Accelerated) -> None:
-    """Every eviction job on ``u``: plan each keep-set, measure them all at once, one row each."""
-    planned: list[tuple[dict[str, Any], np.ndarray]] = []
+def _no_queries(pol: ScorerPolicy, u: source.Unit) -> str:
+    reason = u.no_queries or f"no query sampled before step {u.step} to score with"
+    return f"{pol.name} needs observed queries: {reason}"
+
+
+def _scorer_unit(jobs: list[_Job], u: source.Unit, calc: Exact | Accelerated, press_sliding: bool = True) -> None:
+    """Every eviction job on ``u``: each policy scores the unit once (its scores serve every
+    ratio), each ratio's keep-set is its top-n; the keep-sets are measured all at once, one row
+    each. A unit the policy cannot support gets a row that says why (status ``unsupported``); a
+    sliding-window layer the replay does not press, a row ``not_pressed``."""
+    obs = _observed(u)
+    T = int(u.k.shape[2])
+    where = {"k_pos": u.k_pos, "window": u.window}
+    planned: list[tuple[dict[str, Any], np.ndarray, dict[str, Any]]] = []
+    scored: dict[int, Any] = {}  # id(policy) -> (scores, order) | exception
     for pol, ratio, res in jobs:
         assert isinstance(pol, ScorerPolicy)
+        if u.window is not None and not press_sliding:
+            row = _row(u, "not_pressed")
+            row["reason"] = "sliding-window layer: left unpressed (see the document's 'sliding')"
+            row["kept_tokens_per_head"] = [T * u.k.shape[0]] * u.k.shape[1]
+            res["layers"].append(row)
+            continue
+        if pol.needs.startswith("Q") and obs is None:
+            _skip(res["skipped"], "all content measures", u, _no_queries(pol, u))
+            continue
         try:
-            keep = _plan(pol, ratio, u, res["skipped"])
+            if ratio == 0 or (ratio is None and not _fixed(pol)):
+                keep, info = np.ones(u.k.shape[:3], dtype=bool), {}
+            elif isinstance(pol, StreamingLLM):
+                keep, info = pol.select(u.k, pol.budget(T, ratio or 0.0), None, u.v, **where)
+            else:
+                if id(pol) not in scored:
+                    try:
+                        sc = pol.score(u.k, obs, u.v)
+                        scored[id(pol)] = (sc, descending(sc))
+                    except PolicyError as exc:
+                        scored[id(pol)] = exc
+                got = scored[id(pol)]
+                if isinstance(got, Exception):
+                    raise got
+                keep, info = pol.choose(got[0], pol.budget(T, ratio or 0.0), obs, got[1])
+        except Unsupported as exc:
+            row = _row(u, "unsupported")
+            row["reason"] = str(exc)
+            res["layers"].append(row)
+            continue
         except PolicyError as exc:
             _skip(res["skipped"], "all content measures", u, str(exc))
             continue
-        if keep is not None:
-            planned.append((res, keep))
+        planned.append((res, keep, info))
     if not planned:
         return
     measurable = u.eval_q is not None and not u.latent
-    measures = _measure_keeps(calc, _attn(u), [keep for _, keep in planned]) if measurable else []
+    measures = _measure_keeps(calc, _attn(u), [keep for _, keep, _ in planned]) if measurable else []
     hk = u.k.shape[1]
-    for i, (res, keep) in enumerate(planned):
+    for i, (res, keep, info) in enumerate(planned):
         row = _row(u)
         row["kept_tokens_per_head"] = keep.sum(axis=(0, 2)).tolist()
+        note = info.pop("note", None)
+        row.update(info)
+        if note:
+            row.setdefault("notes", []).append(note)
         if measurable:
             row["attention_mass_recall"] = _per_kv_head(measures[i][0], hk)
             row["attention_output_error"] = _per_kv_head(measures[i][1], hk)

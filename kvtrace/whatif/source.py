@@ -44,6 +44,7 @@ class Sizes:
     v_bytes: np.ndarray
     valid: np.ndarray  # bytes_valid
     allocated: np.ndarray  # bytes_allocated (the trace's own layout)
+    sliding: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # a sliding-window layer's row
 
     @property
     def per_token(self) -> np.ndarray:
@@ -71,7 +72,8 @@ def sizes(trace: Trace) -> Sizes:
                  ks[:, 0] if len(kv) else np.zeros(0, np.int64), ks[:, 1] if len(kv) else np.zeros(0, np.int64),
                  kv["tokens_kept"].astype(np.int64), ks[:, 3] if len(kv) else np.zeros(0, np.int64),
                  vs[:, 3] if len(kv) else np.zeros(0, np.int64), _itemsize(kv["k_dtype"]), _itemsize(kv["v_dtype"]),
-                 kv["bytes_valid"].astype(np.float64), kv["bytes_allocated"].astype(np.float64))
+                 kv["bytes_valid"].astype(np.float64), kv["bytes_allocated"].astype(np.float64),
+                 np.isin(kv["layer_type"], [int(LT.SLIDING), int(LT.STATIC_SLIDING)]))
 
 
 @dataclass

@@ -17,6 +17,7 @@ from kvtrace.whatif.policies import (
     PolicyError,
     Quanto,
     SnapKV,
+    Unsupported,
     keep_top,
     parse_policy,
 )
@@ -112,11 +113,14 @@ def test_tova_uses_the_last_query_and_keeps_unseen_keys():
     k[0, 1, 2, 0] = 6.0  # KV head 1 key 2 is hot for query head 1 ...
     q = np.zeros((1, 2, 3, D))
     q[0, :, :, 0] = 1.0
-    keep = parse_policy("tova").plan(k, 0.75, _obs(q, k, pos=[3, 4, 5]))  # last query at 5
-    # ... and TOVA averages all heads, so both KV heads keep key 2; keys 5..7 are unseen -> kept
-    assert np.flatnonzero(keep[0, 0]).tolist() == [5, 6] and np.flatnonzero(keep[0, 1]).tolist() == [5, 6]
-    keep = parse_policy("tova").plan(k, 0.5, _obs(q, k, pos=[3, 4, 5]))
+    # keys 5..7 (the last query's own and newer) are always kept: 3 of them do not fit a budget of
+    # 2, so the keep-set would be a tie-break -- unsupported, said, instead of "the first of them"
+    with pytest.raises(Unsupported, match="3 keys at or after the last sampled query's position 5"):
+        parse_policy("tova").plan(k, 0.75, _obs(q, k, pos=[3, 4, 5]))
+    keep, info = parse_policy("tova").plan_info(k, 0.5, _obs(q, k, pos=[3, 4, 5]))
+    # ... and TOVA averages all heads, so both KV heads keep key 2
     assert keep[0, 0, 2] and keep[0, 1, 2] and keep[0, :, 5:].all()
+    assert info == {"forced_keep": 3, "query_position": 5}
 
 
 def test_snapkv_window_mean_and_pooling():

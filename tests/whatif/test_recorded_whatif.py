@@ -38,7 +38,8 @@ def docs(tmp_path_factory):
         model = tiny_model(name)
         ids = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(0))
         path = d / f"{name}.kvt.h5"
-        with kvtrace.record(model, path, sampling=SamplingSettings(every_n_steps=4, queries=True)):
+        # every 2 steps: snapkv's 4-position window holds one sampled query before the last step
+        with kvtrace.record(model, path, sampling=SamplingSettings(every_n_steps=2, queries=True)):
             model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
         out[name] = run_whatif(path, [parse_policy(p) for p in POLICIES], [0.0, 0.5])
     return out
@@ -51,12 +52,22 @@ def test_every_policy_measures_or_says_why(docs, name):
     assert doc["sampled_units"] == layers
     for p in doc["policies"]:
         for r in p["results"]:
-            assert r["bytes"]["kept_peak"] > 0 and r["bytes"]["kept_peak"] <= doc["baseline"]["bytes_peak"] * 2
+            assert r["bytes"]["kept_peak"] > 0
+            if p["family"] != "paging":  # pages of 16 round a 7-token sliding layer up past 2x
+                assert r["bytes"]["kept_peak"] <= doc["baseline"]["bytes_peak"]
             if p["family"] == "paging":
                 assert r["bytes"]["waste_peak"] >= 0
                 continue
-            measured = {x["layer"]: {m for m in NEEDS if m in x} for x in r["layers"]}
             skipped: dict[int, set[str]] = {}
+            for x in r["layers"]:  # a row the policy cannot support says why and has no measures
+                assert x["status"] in ("measured", "unsupported", "not_pressed")
+                assert (x["status"] == "measured") == ("reason" not in x), x
+                if x["status"] != "measured":
+                    assert x["reason"].strip() and not {m for m in NEEDS if m in x}
+            measured = {x["layer"]: {m for m in NEEDS if m in x} for x in r["layers"] if x["status"] == "measured"}
+            for x in r["layers"]:
+                if x["status"] != "measured":
+                    skipped.setdefault(x["layer"], set()).add("all content measures")
             for s in r["skipped"]:
                 assert s["reason"].strip(), s
                 skipped.setdefault(s["layer"], set()).add(s["measure"])
@@ -89,11 +100,20 @@ def test_gqa_measures_per_kv_head(docs):
 
 def test_sliding_layers_are_measured_over_their_window(docs):
     doc = docs["gemma3_text"]
-    r = next(p for p in doc["policies"] if p["policy"] == "snapkv")["results"][1]
+    by = {p["policy"]: p["results"][1] for p in doc["policies"] if p["family"] == "eviction"}
+    r = by["snapkv"]
     types = {x["layer"]: x["layer_type"] for x in r["layers"]}
     assert types == {0: "sliding", 1: "sliding", 2: "full"}
     assert all(x["tokens"] == TINY_WINDOW - 1 for x in r["layers"] if x["layer_type"] == "sliding")
-    assert all("attention_mass_recall" in x for x in r["layers"])
+    # the 4-position window does not fit a budget of int(7 / 2) = 3: said, not a tie-break
+    for x in r["layers"]:
+        if x["layer_type"] == "sliding":
+            assert x["status"] == "unsupported" and "4 keys in the observation window" in x["reason"]
+        else:
+            assert x["status"] == "measured" and x["window_queries"] >= 1 and "attention_mass_recall" in x
+    assert r["units"] == {"measured": 1, "unsupported": 2, "not_pressed": 0}
+    for name in ("knorm", "tova", "observed_attention"):
+        assert all("attention_mass_recall" in x for x in by[name]["layers"]), name
 
 
 def test_mla_plans_on_the_latent_and_skips_attention_with_the_reason(docs):

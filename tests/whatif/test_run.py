@@ -42,6 +42,11 @@ def test_ratio_zero_is_a_clean_control_and_half_keeps_half_the_bytes():
         assert zero["overall"]["attention_output_error"]["worst"] == pytest.approx(0.0, abs=1e-6)
         half = _result(doc, name, 0.5)
         assert half["bytes"]["kept_peak"] == max(per_step.values())
+        if name.startswith("snapkv"):  # the fixture samples every 4 steps: no query in the last 4 positions
+            assert half["units"] == {"measured": 0, "unsupported": 2, "not_pressed": 0}
+            assert all("no sampled query in the observation window (positions 28..31)" in x["reason"]
+                       for x in half["layers"])
+            continue
         assert half["overall"]["attention_mass_recall"]["mean"] < 1.0
         assert half["overall"]["attention_output_error"]["mean"] > 0.0
         assert len(half["layers"]) == 2 and all(len(x["attention_mass_recall"]) == 2 for x in half["layers"])
@@ -67,10 +72,45 @@ def test_paging_waste_from_sizes():
     assert big["kept_peak"] == 2 * 256 * 128 and big["saved_peak"] < 0
 
 
+def test_ratio_zero_saves_exactly_nothing_and_layout_effects_are_their_own_line():
+    # gemma3_text: a sliding layer's first view pins the prefill's whole storage (allocated 3072 B
+    # for 896 B held): the old allocated baseline credited that to every policy, ratio 0 included
+    doc = _run(GEMMA, EVICT + ["kivi:nbits=4", "paging:page_size=16"], (0.0, 0.5))
+    with Trace(GEMMA) as t:
+        kv = t.kv()
+    b = doc["baseline"]
+    assert b["bytes_peak"] == 5888 and b["recorded"]["allocated_peak"] == 9216
+    assert b["recorded"]["layout_peak"] == 9216 - 5888
+    assert doc["sliding"]["pressed"] and doc["sliding"]["layers"] == [0, 1]
+    assert "gemma3_text" in doc["sliding"]["reason"]  # kvpress hooks every layer of Gemma3ForCausalLM
+    for name in EVICT:
+        zero = _result(doc, name, 0.0)
+        assert zero["bytes"]["saved_peak"] == 0 and zero["bytes"]["saved_mean"] == 0
+        assert zero["units"]["measured"] == 3
+    half = _result(doc, "knorm", 0.5)["bytes"]  # 7 -> 3 sliding tokens, 24/28/32 -> 12/14/16 full
+    per_step: dict = {}
+    for r in kv:
+        per_step[r["step"]] = per_step.get(r["step"], 0) + max(1, int(r["tokens_kept"] * 0.5)) * r["bytes_valid"] \
+            / r["tokens_kept"]
+    assert half["kept_peak"] == max(per_step.values()) and half["saved_peak"] == 5888 - half["kept_peak"]
+    keep = run_whatif(GEMMA, [parse_policy("knorm")], [0.5], sliding="keep")
+    assert not keep["sliding"]["pressed"]
+    r = _result(keep, "knorm", 0.5)
+    assert r["units"] == {"measured": 1, "unsupported": 0, "not_pressed": 2}
+    slide = [x for x in r["layers"] if x["layer_type"] == "sliding"]
+    assert all(x["status"] == "not_pressed" and "attention_mass_recall" not in x for x in slide)
+    full_only = max(sum((max(1, int(x["tokens_kept"] * 0.5)) if x["layer_type"] == 1 else x["tokens_kept"])
+                        * x["bytes_valid"] / x["tokens_kept"] for x in kv[kv["step"] == s]) for s in (0, 4, 8))
+    assert r["bytes"]["kept_peak"] == full_only
+    assert _result(doc, "streaming_llm", 0.5)["bytes"]["kept_peak"] > half["kept_peak"]  # 4 sinks of 7 > 3
+
+
 def test_sliding_hybrid_measures_sliding_layers_over_the_window_they_hold():
     # a sliding layer holds window - 1 tokens after a step: its query's oldest window key is gone,
     # so it is measured over the keys held (before: skipped as "outside the sample")
     doc = _run(GEMMA, ["knorm", "snapkv:window_size=4"], (0.0, 0.5))
+    snap = _result(doc, "snapkv", 0.5)
+    assert snap["units"]["unsupported"] == 3 and not snap["overall"]  # no sampled query in the window
     r = _result(doc, "knorm", 0.5)
     sliding = [x for x in r["layers"] if x["layer_type"] == "sliding"]
     assert sliding and all("attention_mass_recall" in x for x in sliding)
