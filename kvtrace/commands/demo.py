@@ -11,6 +11,7 @@ import click
 from kvtrace.commands.common import guarded
 from kvtrace.commands.outputs import check_output, remove_empty_dirs
 from kvtrace.errors import CannotWrite, TraceIncomplete, Unavailable
+from kvtrace.progress import Milestones
 from kvtrace.units import format_bytes, format_ns
 
 # gpt-oss-20b KV geometry (8 KV heads x 64, window 128, sliding/full alternating), depth and
@@ -49,27 +50,31 @@ def demo(out_dir: str, device: str) -> None:
     except ImportError as exc:
         raise Unavailable(f"the demo records a model: it needs torch and transformers ({exc})") from None
     check_writable(trace_path)  # CannotWriteOutput: exit 73 (guarded)
+    steps = Milestones()  # a line before each step that takes seconds (model load, record, analyse, report)
     try:
-        _record(trace_path, device)
+        _record(trace_path, device, steps)
     except CannotWriteOutput as exc:  # as `record`: the trace cannot be created (a full disk), exit 73
         if created:
             remove_empty_dirs(out)
         raise CannotWrite(str(exc)) from None
     show(trace_path)
-    _after_recording(trace_path)
+    _after_recording(trace_path, steps)
 
 
-def _record(trace_path: Path, device: str) -> None:
+def _record(trace_path: Path, device: str, steps: Milestones) -> None:
     """Record the demo requests into ``trace_path``; TraceIncomplete (74) when storage failed midway."""
-    import torch
+    with steps.step("importing torch and transformers"):
+        import torch
 
-    import kvtrace
-    from kvtrace.loading import load_model
+        import kvtrace
+        from kvtrace.loading import load_model
 
     t0 = time.monotonic_ns()
-    loaded = load_model(f"preset:{DEMO_PRESET}", device=device, dtype="auto",
-                        layers=DEMO_SHRINK["layers"], width=DEMO_SHRINK["width_scale"],
-                        vocab=DEMO_SHRINK["vocab"])
+    with steps.step(f"loading preset:{DEMO_PRESET} (random weights, {DEMO_SHRINK['layers']} layers, nothing "
+                    "downloaded)"):
+        loaded = load_model(f"preset:{DEMO_PRESET}", device=device, dtype="auto",
+                            layers=DEMO_SHRINK["layers"], width=DEMO_SHRINK["width_scale"],
+                            vocab=DEMO_SHRINK["vocab"])
     model = loaded.model
     dev = next(model.parameters()).device
     click.echo(f"recording {loaded.model_id} on {dev} ({loaded.note})")
@@ -78,8 +83,8 @@ def _record(trace_path: Path, device: str) -> None:
                         settings_extra={"cli": {"command": "demo"}}) as rec:
         for i, new in enumerate(DEMO_REQUESTS):
             ids = torch.randint(3, DEMO_SHRINK["vocab"], (1, DEMO_PROMPT), generator=gen).to(dev)
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-            click.echo(f"  request {i}: {DEMO_PROMPT} prompt tokens + {new} new tokens")
+            with steps.step(f"  request {i}: {DEMO_PROMPT} prompt tokens + {new} new tokens"):
+                model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
     elapsed = time.monotonic_ns() - t0
     if rec.storage_failure is not None:  # as `record`: generation finished, the trace stopped early
         raise TraceIncomplete(f"{trace_path}: trace incomplete, writing stopped early "
@@ -128,12 +133,14 @@ def show(trace_path: Path) -> None:
     click.echo(f"  explore it: kvtrace info {trace_path}")
 
 
-def _after_recording(trace_path: Path) -> Path | None:
+def _after_recording(trace_path: Path, steps: Milestones | None = None) -> Path | None:
     """Analyse the fresh trace, print the findings, write the HTML report and print its path."""
     from kvtrace.analyzer import analyze
     from kvtrace.analyzer.terminal import console_for, render
 
-    report = analyze(trace_path)
+    steps = steps or Milestones()
+    with steps.step(f"analysing {trace_path.name} (every detector)"):
+        report = analyze(trace_path)
     click.echo("")
     render(report, console_for())
     html_path = trace_path.with_name("report.html")
@@ -143,7 +150,8 @@ def _after_recording(trace_path: Path) -> Path | None:
         click.echo(f"HTML report skipped: {exc} (pip install 'kvtrace[report]')")
         return None
     try:
-        write_report(trace_path, html_path, analysis=report)
+        with steps.step("writing the HTML report (figures)"):
+            write_report(trace_path, html_path, analysis=report)
     except ImportError as exc:
         click.echo(f"HTML report skipped: {exc} (pip install 'kvtrace[report]')")
         return None

@@ -62,7 +62,7 @@ def perfetto(trace: str, output: str, no_analysis: bool, quiet: bool, as_json: b
       kvtrace export perfetto run.kvt.h5 -o run.json --no-analysis --json
     """
     from kvtrace.export.perfetto import write_perfetto
-    from kvtrace.report.progress import progress_bar
+    from kvtrace.progress import progress_bar
 
     check_output(output, option="-o", inputs=(trace,), others=[("--json-out", json_out)])
     check_json_out(json_out, (trace,))
@@ -111,7 +111,7 @@ def zenodo(traces: tuple[str, ...], output: str, creators: tuple[str, ...], titl
           --related isSupplementTo:10.5281/zenodo.19871039 --json
     """
     from kvtrace.export import zenodo as z
-    from kvtrace.report.progress import progress_bar
+    from kvtrace.progress import progress_bar
 
     try:
         parsed_creators = [z.Creator.parse(c) for c in creators]
@@ -236,7 +236,7 @@ def parquet(traces: tuple[str, ...], output: str, jobs: int, workers: int | None
     """
     from kvtrace.commands.fleet import fleet_modules
     from kvtrace.fleet import FleetError
-    from kvtrace.report.progress import progress_bar
+    from kvtrace.progress import progress_bar
 
     if workers is not None and dask_address is not None:
         raise click.UsageError("--workers starts a local dask cluster; --dask uses an existing one: pick one")

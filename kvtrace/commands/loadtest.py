@@ -155,8 +155,17 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
                                  param_hint="--concurrency")
     bounds = Bounds(request_s=request_s, gap_s=timeout_s, line_bytes=max_line_bytes, answer_bytes=max_answer_bytes,
                     in_flight=max_in_flight)
+    from kvtrace.progress import Milestones
+    from kvtrace.serving.report import LiveProgress
+
+    # progress as the run goes, flushed line by line on stdout; with --json on stderr, and there only
+    # for a person at a terminal (a program reading the JSON gets errors alone on stderr)
+    steps = Milestones(err=as_json)
+    steps.enabled = not as_json or steps.terminal
     cfg = DriveConfig(cfg_url, plan, api=api, max_tokens=max_tokens, model=model, bounds=bounds, poll_s=poll_s,
-                      warmup=warmup)
+                      warmup=warmup, on_progress=LiveProgress(steps, max_tokens))
+    steps.say(f"loadtest {cfg_url}: {', '.join(p.name for p in plan)}; checking /health"
+              + (f", then {warmup} warm-up request(s)" if warmup else ""))
     try:
         result = asyncio.run(drive(cfg))
     except (ServerUnreachable, ServerUnhealthy) as exc:
@@ -164,8 +173,9 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
         return
     facts = None
     if trace is not None:
-        time.sleep(1.5)  # the recorder flushes every second: let the last phase reach the file
-        facts = read_facts(trace)
+        with steps.step(f"reading the recording {trace} for the phases' numbers"):
+            time.sleep(1.5)  # the recorder flushes every second: let the last phase reach the file
+            facts = read_facts(trace)
     from kvtrace.serving.latency import write_csv
     from kvtrace.serving.report import document, print_run
     from kvtrace.serving.verdict import judge

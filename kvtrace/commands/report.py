@@ -65,8 +65,8 @@ def report(traces: tuple[str, ...], output: str, figures_dir: str | None, no_ana
         check_output_dir(figures_dir, option="--figures", inputs=(trace,))
     check_json_out(json_out, (trace,))
     whatif = _whatif_options(whatif_policies, whatif_ratio, no_whatif)
+    from kvtrace.progress import progress_bar
     from kvtrace.report import STAGES, build_report
-    from kvtrace.report.progress import progress_bar
 
     created = figures_dir is not None and not Path(figures_dir).exists()
     with progress_bar("report", len(STAGES), enabled=not (quiet or as_json)) as steps:

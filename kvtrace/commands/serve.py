@@ -12,6 +12,7 @@ from kvtrace.commands.common import fail, guarded
 from kvtrace.commands.metrics_options import check_metrics_options, metrics_options
 from kvtrace.commands.record import DTYPES
 from kvtrace.errors import BadOption, CannotWrite, TraceIncomplete, Unavailable
+from kvtrace.progress import Milestones
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -138,10 +139,13 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
 
     check_output(output, option="-o", inputs=[model] if os.path.exists(model) else [], refuse_existing=True,
                  force=force, others=[("--prometheus-textfile", prometheus_textfile)])
+    steps = Milestones(err=True, enabled=not quiet)  # stderr: the server's log, line by line
+    say = steps.say
     try:
-        from transformers.utils.import_utils import is_serve_available
+        with steps.step("importing torch and transformers"):
+            from transformers.utils.import_utils import is_serve_available
 
-        from kvtrace.recorder.session import CannotServeMetrics, CannotWriteOutput, check_writable
+            from kvtrace.recorder.session import CannotServeMetrics, CannotWriteOutput, check_writable
     except ImportError as exc:
         raise Unavailable(f"serving needs torch and transformers ({exc}); install kvtrace[serve]") from None
     if not is_serve_available():
@@ -153,10 +157,6 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
         raise click.BadParameter(f"port {port} is the server's own (--port): give the metrics another",
                                  param_hint="--prometheus")
 
-    def say(msg: str) -> None:
-        if not quiet:
-            click.echo(msg, err=True)
-
     if host not in LOOPBACK:
         say(f"warning: binding {host}: the server (no authentication) is reachable from other hosts")
     from kvtrace.serving.runner import Stopped
@@ -165,10 +165,16 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
     settings = {"cli": {"command": "serve", "model": model, "host": host, "port": port,
                         "serve_args": list(serve_args), "tiny": tiny, "layers": layers, "width": width,
                         "vocab": vocab, "max_request_bytes": max_request_bytes}}
-    preloaded = load_preset(model, serve_args, tiny, layers, width, vocab) if model.startswith("preset:") else None
+    preloaded = None
+    if model.startswith("preset:"):
+        with steps.step(f"loading {model} (random weights, real KV geometry{', shrunk' if tiny else ''}; "
+                        "nothing downloaded)"):
+            preloaded = load_preset(model, serve_args, tiny, layers, width, vocab)
     options = {"telemetry_hz": telemetry_hz, "nvml": not no_nvml, "settings_extra": settings,
                "prometheus": prometheus, "prometheus_textfile": prometheus_textfile,
                "prometheus_linger_s": prometheus_linger}
+    say("starting transformers serve: importing its server"
+        + ("" if preloaded is not None else f" and loading {model}") + f"; the trace goes to {output}")
     try:
         outcome = run_server(model, output, host=host, port=port, serve_args=list(serve_args),
                              record_options=options,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -59,6 +60,10 @@ class DriveConfig:
     bounds: Bounds = Bounds()  # what a server is followed into, at most
     poll_s: float = 0.25
     warmup: int = 1  # short requests before the first phase and its marker (lazy start-up: CB manager, pool)
+    # told as the run goes (the CLI prints a line for each): ("warmup", None, result) per warm-up
+    # request, ("phase_start", run, None), ("request", run, result) per answered request,
+    # ("phase_end", run, None) once the phase's health check is done
+    on_progress: Callable[[str, PhaseRun | None, RequestResult | None], None] | None = None
 
 
 @dataclass
@@ -213,15 +218,18 @@ async def drive(cfg: DriveConfig) -> DriveResult:
         runs: list[PhaseRun] = []
         warm: list[RequestResult] = []
         proven = False  # a request got an OpenAI completion
+        tell = cfg.on_progress or (lambda what, run, result: None)
         for i in range(cfg.warmup):
             warm.append(await stream_request(client, cfg.url, cfg.api,
                                              request_body(cfg.api, prompt(WARMUP_WORDS, 10_000 + i), 2, cfg.model),
                                              phase="warmup", index=i, prompt_words=WARMUP_WORDS, t0=t0,
                                              bounds=bounds))
             proven = proven or refuse_unless_openai(warm[-1:], cfg, warmup=True)
+            tell("warmup", None, warm[-1])
         seq = 0
         for phase in cfg.phases:
             run = PhaseRun(phase, time.perf_counter() - t0)
+            tell("phase_start", run, None)
             if markers:
                 run.marker = await _mark(client, cfg.url, phase.name, bounds)
                 markers = not run.marker.startswith("unsupported")
@@ -234,11 +242,14 @@ async def drive(cfg: DriveConfig) -> DriveResult:
             else:
                 gate = asyncio.Semaphore(min(phase.concurrency, bounds.in_flight))
 
-                async def one(i: int, seed: int, phase: Phase = phase, gate: asyncio.Semaphore = gate) -> RequestResult:
+                async def one(i: int, seed: int, phase: Phase = phase, gate: asyncio.Semaphore = gate,
+                              run: PhaseRun = run) -> RequestResult:
                     async with gate:
                         body = request_body(cfg.api, prompt(phase.prompt_tokens, seed), cfg.max_tokens, cfg.model)
-                        return await stream_request(client, cfg.url, cfg.api, body, phase=phase.name, index=i,
-                                                    prompt_words=phase.prompt_tokens, t0=t0, bounds=bounds)
+                        result = await stream_request(client, cfg.url, cfg.api, body, phase=phase.name, index=i,
+                                                      prompt_words=phase.prompt_tokens, t0=t0, bounds=bounds)
+                    tell("request", run, result)
+                    return result
 
                 run.results = list(await asyncio.gather(*(one(i, seq + i) for i in range(phase.requests))))
                 seq += phase.requests
@@ -262,6 +273,7 @@ async def drive(cfg: DriveConfig) -> DriveResult:
                 run.health, run.health_error = None, str(exc)
             run.end_s = time.perf_counter() - t0
             runs.append(run)
+            tell("phase_end", run, None)
         if markers and runs:
             try:
                 await _mark(client, cfg.url, END_MARKER, bounds)

@@ -41,7 +41,7 @@ def test_server_down_is_one_line_and_exit_69(capsys):
     code, out, err = run_main(["loadtest", f"http://127.0.0.1:{port}", "--phases", "single"], capsys)
     assert code == exitcodes.UNAVAILABLE
     assert err.startswith(f"kvtrace: cannot load-test http://127.0.0.1:{port}: ") and err.count("\n") == 1
-    assert out == ""
+    assert out == f"loadtest http://127.0.0.1:{port}: single; checking /health, then 1 warm-up request(s)\n"
 
 
 def test_serve_refuses_unknown_presets_and_non_model_directories(tmp_path, capsys):
