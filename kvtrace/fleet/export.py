@@ -105,14 +105,16 @@ def export_one(path: str, out_dir: str, identity: dict[str, Any] | None = None) 
     tid = data.identity["trace_id"]
     traces_row = tables.pop("traces")  # the parent merges it into traces.parquet
     rows = {"traces": traces_row.num_rows}
-    written: list[str] = []  # this call's tables: removed when a later table cannot be written
+    written: list[str] = []  # this call's new files: removed when a later table cannot be written
     try:
         for name, table in tables.items():
             if table.num_rows == 0:  # views fall back to the known schema; empty files only slow globs
                 _remove(out_dir, name, tid)
                 continue
+            new = not os.path.lexists(Path(out_dir, name, f"{tid}.parquet"))  # else: this trace's, re-exported
             _write_table(table, out_dir, name, f"{tid}.parquet")
-            written.append(name)
+            if new:
+                written.append(name)
             rows[name] = table.num_rows
     except BaseException:  # a trace is exported whole or not at all: no rows without its traces row
         for name in written:
@@ -155,9 +157,13 @@ class ExportResult:
                 "skipped": self.skipped, "failed": self.failed}
 
 
-def _save_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
-    text = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8")
-    _write_file(out_dir, (MANIFEST,), lambda fh: fh.write(text))
+def _manifest_text(manifest: dict[str, Any]) -> str:
+    return json.dumps(manifest, indent=1, sort_keys=True)
+
+
+def _save_manifest(out_dir: Path, text: str) -> None:
+    data = text.encode("utf-8")
+    _write_file(out_dir, (MANIFEST,), lambda fh: fh.write(data))
 
 
 def load_traces(out_dir: Path) -> pa.Table | None:
@@ -364,17 +370,22 @@ def _export(paths: Iterable[str], out: Path, *, jobs: int, dask_address: str | N
     drop: set[str] = set()
     stale: set[str] = set()  # ids of traces whose file changed: their files go once traces.parquet is written
     committed = exported_ids | listed  # the ids whose files a failure keeps
+    saved = _manifest_text(manifest) if (out / MANIFEST).exists() else ""
     last = time.monotonic()
 
     def checkpoint() -> None:
-        nonlocal traces, new_rows, drop, stale, committed, last
+        nonlocal traces, new_rows, drop, stale, committed, saved, last
+        manifest["fleet_schema_version"] = FLEET_SCHEMA_VERSION
+        text = _manifest_text(manifest)
+        if not new_rows and not drop and text == saved:  # nothing new: nothing rewritten
+            return
         merged = _merge_traces(traces, new_rows, drop)
         if merged.num_rows:
             _write_table(merged, out, TRACES_FILE)
         traces, new_rows, drop, last = merged, [], set(), time.monotonic()
         committed = set(merged.column("trace_id").to_pylist()) if merged.num_rows else set()
-        manifest["fleet_schema_version"] = FLEET_SCHEMA_VERSION
-        _save_manifest(out, manifest)
+        _save_manifest(out, text)
+        saved = text
         committed |= {v["trace_id"] for v in manifest["traces"].values()}
         for tid in stale - committed:
             for name in PER_TRACE_TABLES:

@@ -105,8 +105,9 @@ def connect(directory: str | Path, tables: Iterable[str] = TABLE_NAMES) -> duckd
 
 def _lock_down(con: duckdb.DuckDBPyConnection) -> None:
     """After the views exist: no file system access (COPY, EXPORT, ATTACH, read_csv of any path,
-    glob, extensions), no Python objects by name, and no SET that would undo it."""
-    for setting in ("autoinstall_known_extensions = false", "autoload_known_extensions = false",
+    glob, extensions), no Python objects by name, and no SET that would undo it. Times with a
+    zone are shown in UTC, the same on every machine."""
+    for setting in ("TimeZone = 'UTC'", "autoinstall_known_extensions = false", "autoload_known_extensions = false",
                     "python_enable_replacements = false", "enable_external_access = false",
                     "lock_configuration = true"):
         con.execute(f"SET {setting}")
@@ -205,12 +206,15 @@ def _create_views(con: duckdb.DuckDBPyConnection, d: Path, tables: Iterable[str]
 class QueryResult:
     columns: list[str]
     rows: list[tuple[Any, ...]]
+    types: list[Any] | None = None  # the DuckDB type of each column, when known
 
     def records(self) -> list[dict[str, Any]]:
         """The rows as JSON-ready objects (:func:`json_value` of every cell). A result column name
         repeated (``SELECT 1 AS a, 2 AS a``) gets a suffix rather than lose a value."""
         names = _unique(self.columns)
-        return [dict(zip(names, (json_value(v) for v in r), strict=True)) for r in self.rows]
+        kinds = self.types or [None] * len(names)
+        return [dict(zip(names, (json_value(v, k) for v, k in zip(r, kinds, strict=True)), strict=True))
+                for r in self.rows]
 
 
 def _unique(columns: list[str]) -> list[str]:
@@ -223,19 +227,46 @@ def _unique(columns: list[str]) -> list[str]:
     return out
 
 
-def json_value(v: Any) -> Any:
-    """One DuckDB value as JSON (spec/fleet.md "--json"): numbers stay numbers (DECIMAL as a float,
-    HUGEINT/UBIGINT as integers of any size), NaN and infinity become null (JSON has neither), DATE,
-    TIME, TIMESTAMP[TZ] ISO 8601 text, INTERVAL seconds, UUID text, BLOB base64 text, LIST a list,
-    STRUCT an object, MAP an object when its keys are text, else a list of {key, value}; anything
-    else its text. Nesting deeper than Python's recursion allows is a FleetError."""
+def json_value(v: Any, kind: Any = None) -> Any:
+    """One DuckDB value as JSON (spec/fleet.md "--json"): numbers stay numbers (DECIMAL with a scale
+    as a float, DECIMAL(p, 0), HUGEINT and UBIGINT as exact integers), NaN and infinity become null
+    (JSON has neither), DATE, TIME, TIMESTAMP[TZ] ISO 8601 text, INTERVAL seconds, UUID text, BLOB
+    base64 text, LIST/ARRAY a list, STRUCT an object, MAP an object when its keys are text, else a
+    list of {key, value}; anything else its text. ``kind``: the column's DuckDB type (a cursor's
+    description), which tells a MAP with list or struct keys from a STRUCT. Nesting deeper than
+    Python's recursion allows is a FleetError."""
     try:
-        return _json_value(v)
+        return _json_value(v, kind)
     except RecursionError:
         raise FleetError("query failed: a result value is nested too deeply to convert to JSON") from None
 
 
-def _json_value(v: Any) -> Any:
+_UNHASHABLE = ("list", "array", "struct", "map", "union")
+
+
+def _typed(v: Any, kind: Any) -> Any:
+    """The nested types, converted with their children's types; None when ``kind`` says nothing."""
+    tid = getattr(kind, "id", None)
+    if tid == "map":
+        (_, kt), (_, vt) = kind.children[:2]
+        if getattr(kt, "id", None) in _UNHASHABLE and set(v) == {"key", "value"}:
+            pairs = zip(v["key"], v["value"], strict=True)  # how the Python client gives unhashable keys
+        else:
+            pairs = v.items()
+        items = [(_json_value(k, kt), _json_value(x, vt)) for k, x in pairs]
+        if all(isinstance(k, str) for k, _ in items):
+            return {k: x for k, x in items}
+        return [{"key": k, "value": x} for k, x in items]
+    if tid in ("list", "array") and isinstance(v, (list, tuple)):
+        child = kind.children[0][1]
+        return [_json_value(x, child) for x in v]
+    if tid == "struct" and isinstance(v, dict):
+        fields = dict(kind.children)
+        return {k: _json_value(x, fields.get(k)) for k, x in v.items()}
+    return None
+
+
+def _json_value(v: Any, kind: Any = None) -> Any:
     if v is None or isinstance(v, (bool, int, str)):
         return v
     if isinstance(v, float):
@@ -252,6 +283,10 @@ def _json_value(v: Any) -> Any:
         return str(v)
     if isinstance(v, (bytes, bytearray, memoryview)):
         return base64.b64encode(bytes(v)).decode("ascii")
+    if isinstance(v, (list, tuple, dict)) and kind is not None:
+        typed = _typed(v, kind)
+        if typed is not None:
+            return typed
     if isinstance(v, (list, tuple)):
         return [_json_value(x) for x in v]
     if isinstance(v, dict):
@@ -267,7 +302,8 @@ def run_sql(con: duckdb.DuckDBPyConnection, sql: str) -> QueryResult:
         rows = cur.fetchall()
     except duckdb.Error as exc:
         raise FleetError(f"query failed: {first_line(exc)}") from None
-    return QueryResult([c[0] for c in cur.description or []], [tuple(r) for r in rows])
+    desc = cur.description or []
+    return QueryResult([c[0] for c in desc], [tuple(r) for r in rows], [c[1] for c in desc])
 
 
 def trace_columns(con: duckdb.DuckDBPyConnection) -> list[str]:
