@@ -8,7 +8,6 @@ implement; change both together.
 
 from __future__ import annotations
 
-import enum
 import json
 from typing import Any
 
@@ -16,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrace.fleet.source import TABLES, TraceData
-from kvtrace.format import schema
+from kvtrace.format import frames, schema
 
 # 1.1: per-trace aggregates in `traces` (the summary reads that one table). A directory written
 # under another version is exported again in full (export.plan).
@@ -38,16 +37,6 @@ def newer_major(version: str | None) -> bool:
     return key is not None and key[0] > int(FLEET_SCHEMA_VERSION.split(".")[0])
 
 SEVERITY_RANK = {"info": 0, "low": 1, "medium": 2, "high": 3, "critical": 4}
-
-ENUMS: dict[str, dict[str, type[enum.IntEnum]]] = {
-    "requests": {"outcome": schema.Outcome},
-    "layers": {"layer_type": schema.LayerType},
-    "kv": {"layer_type": schema.LayerType, "k_dtype": schema.CacheDType, "v_dtype": schema.CacheDType},
-    "steps": {"phase": schema.Phase},
-    "events": {"kind": schema.EventKind},
-    "readings": {"label": schema.ReadingLabel},
-    "payloads": {"kind": schema.PayloadKind, "dtype": schema.CacheDType},
-}
 
 # Per-request numbers the analyser derives (spec/analysis-json.md "requests"), joined onto requests.
 REQUEST_ANALYSIS = ("duration_ns", "final_tokens", "peak_kv_bytes", "final_kv_bytes", "baseline_allocated_bytes",
@@ -100,28 +89,11 @@ TABLE_NAMES: tuple[str, ...] = ("traces", "requests", "layers", "steps", "kv", "
                                 "retention", "telemetry", "payloads", "findings")
 
 
-def _enum_names(values: np.ndarray, enum_type: type[enum.IntEnum]) -> pa.Array:
-    names = {int(e): e.name.lower() for e in enum_type}
-    return pa.array([names.get(int(v), str(int(v))) for v in values], pa.string())
-
-
-def _column(values: np.ndarray) -> pa.Array:
-    if values.ndim > 1:  # fixed-size shapes ([B, H, T, D]) as lists
-        return pa.array(values.astype(np.int64).tolist(), pa.list_(pa.int64()))
-    if values.dtype.kind == "S":
-        return pa.array([v.rstrip(b"\0").decode("utf-8", errors="replace") for v in values.tolist()], pa.string())
-    return pa.array(values)
-
-
 def structured(name: str, rows: np.ndarray, trace_id: str, drop: tuple[str, ...] = ()) -> pa.Table:
-    """A format table as Arrow: trace_id first, enums as names, text references dropped."""
-    enums = ENUMS.get(name, {})
+    """A format table as Arrow: trace_id first, enums as names, text references dropped
+    (kvtrace.format.frames: the columns Trace.to_pandas / to_arrow give for one trace)."""
     cols: dict[str, pa.Array] = {"trace_id": pa.array([trace_id] * len(rows), pa.string())}
-    for field in rows.dtype.names or ():
-        if field.endswith(("_off", "_len")) or field in drop:
-            continue
-        col = rows[field]
-        cols[field] = _enum_names(col, enums[field]) if field in enums else _column(col)
+    cols.update(frames.arrow_columns(TABLES.get(name, name), rows, drop))
     return pa.table(cols)
 
 
@@ -137,11 +109,8 @@ def _requests(data: TraceData, trace_id: str) -> pa.Table:
 def _kv(data: TraceData, trace_id: str) -> pa.Table:
     rows = data.tables["kv"]
     table = structured("kv", rows, trace_id)
-    batch = rows["k_shape"][:, 0].astype(np.float64) if rows.size else np.zeros(0)
-    denom = rows["tokens_kept"].astype(np.float64) * np.maximum(batch, 1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        per_token = np.where(denom > 0, rows["bytes_valid"].astype(np.float64) / denom, np.nan)
-    return table.append_column("bytes_per_token", pa.array(per_token, pa.float64(), from_pandas=True))
+    return table.append_column("bytes_per_token", pa.array(frames.kv_bytes_per_token(rows), pa.float64(),
+                                                           from_pandas=True))
 
 
 def _events(data: TraceData, trace_id: str) -> pa.Table:

@@ -511,6 +511,25 @@ class Trace:
         rows = self.optional_table("blocks")
         return rows if request is None else rows[rows["request"] == request]
 
+    def to_pandas(self, table: str, request: int | None = None) -> Any:
+        """One table as a pandas DataFrame, with the Parquet export's column names and values:
+        enumerations as lower-case names (``ok``, ``sliding``), shapes as lists, byte strings as
+        text, text references dropped (events get their ``text``, kv its ``bytes_per_token``).
+
+        ``table``: requests, layers, devices, kv, steps, events, readings, retention, nvml,
+        allocator, process, payloads (the index), sched, sched_groups, blocks. ``request`` keeps
+        one request's rows. Needs pandas. See :mod:`kvtrace.format.frames`."""
+        from kvtrace.format.frames import to_pandas
+
+        return to_pandas(self, table, request)
+
+    def to_arrow(self, table: str, request: int | None = None) -> Any:
+        """One table as a pyarrow Table, typed as the Parquet export types it (see
+        :meth:`to_pandas`). Needs pyarrow (the ``fleet`` extra)."""
+        from kvtrace.format.frames import to_arrow
+
+        return to_arrow(self, table, request)
+
     def text(self, offset: int, length: int) -> str:
         """A string from the text heap ('' for length 0)."""
         if length == 0:
