@@ -41,15 +41,19 @@ def _check_unused(trace: str | None, rerun_model: str | None) -> None:
 
 def _check_rerun(model: str, device: str) -> str:
     """--rerun MODEL as `record --model` checks it (a missing directory: 64; a hub id not in the
-    cache: 69) and --rerun-device resolved (cuda without a GPU: 69), before the replay runs."""
+    cache: 69; a checkpoint whose tokenizer builds empty: 64) and --rerun-device resolved (cuda
+    without a GPU: 69), before the replay runs."""
     from kvtrace.errors import BadOption
     from kvtrace.loading import model_config_dict, resolve_device
+    from kvtrace.whatif.rerun import check_tokenizer
 
     try:
         model_config_dict(model)
     except BadOption as exc:
         raise BadOption(str(exc), option="--rerun") from None
-    return resolve_device(device, option="--rerun-device")
+    device = resolve_device(device, option="--rerun-device")
+    check_tokenizer(model)
+    return device
 
 
 @click.command("whatif")
@@ -142,7 +146,8 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_t
 
         assert text_file is not None
         doc["rerun"] = plain(rerun_quality(rerun_model, text_file, policies, ratios, device=rerun_dev,
-                                           max_tokens=max_tokens, tiny=tiny, prefill=rerun_prefill))
+                                           max_tokens=max_tokens, tiny=tiny, prefill=rerun_prefill,
+                                           sliding=sliding))
     write_json(doc, json_out, as_json=as_json)
     if not as_json:
         if trace is not None:
@@ -237,11 +242,20 @@ def _print_rerun(r: dict[str, Any]) -> None:
                 t.add_row(p["label"], _f(x["ratio"], "{:.2f}"), "-", "-", "-", "-", "-", f"skipped: {x['skipped']}")
                 continue
             kept = (f"{x['full_layer_tokens_final']:.0f} of {x['tokens_seen']}"
-                    if "full_layer_tokens_final" in x else "-")
+                    if "full_layer_tokens_final" in x else
+                    f"{x['sliding_layer_tokens_final']:.0f} (sliding)" if "sliding_layer_tokens_final" in x else "-")
             t.add_row(p["label"], _f(x["ratio"], "{:.2f}"), _f(x["perplexity"], "{:.4g}"),
                       _f(x["perplexity_change_pct"], "{:+.2f}%"), _f(x["kl_mean"], "{:.3g}"),
                       _f(x["kl_max"], "{:.3g}"), _f(x["top1_agreement"], "{:.1%}"), kept)
     c.print(t)
+    sl = r.get("sliding") or {}
     if r.get("sliding_layers"):
-        c.print(f"{r['sliding_layers']} sliding-window layers keep their window unpressed (eviction applies "
-                "to full-attention layers; quantisation to all)", style="dim")
+        how = "are pressed like full ones (budget of their window - 1 tokens)" if sl.get("pressed") else \
+            "keep their window unpressed (eviction applies to full-attention layers)"
+        c.print(f"{r['sliding_layers']} sliding-window layers {how}; quantisation applies to all. "
+                f"{visible(sl.get('reason', ''))}", style="dim")
+    over = [(p["label"], x) for p in r["policies"] for x in p["results"] if x.get("steps_unscored") or x.get("steps_over_budget")]
+    for label, x in over:
+        c.print(f"{visible(label)} at {_f(x['ratio'], '{:.2f}')}: {x.get('steps_over_budget', 0)} steps ended over "
+                f"budget, {x.get('steps_unscored', 0)} of them unscored (the policy could not score yet: all kept)",
+                style="dim")

@@ -295,8 +295,8 @@ class StreamingLLM(ScorerPolicy):
     """streaming_llm_press.py: keep ``n_sink`` first tokens and the most recent ones; with
     ``window`` > 0 the cache is sinks + window tokens whatever the ratio (the paper's fixed cache).
 
-    The budget is kvpress's ``int(T * (1 - ratio))`` (no floor of 1: kvpress prunes
-    ``[n_sink, n_sink + T - int(T * (1 - ratio)))``). The sinks are the ``n_sink`` oldest positions
+    The budget is kvpress's ``compute_n_kept`` (its score prunes ``[n_sink, n_sink + T -
+    int(T * (1 - ratio)))`` and the top ``max(1, int(T * (1 - ratio)))`` are kept). The sinks are the ``n_sink`` oldest positions
     the layer holds (on a full-attention layer positions 0..n_sink-1; a sample that does not start
     at position 0 cannot say which they are: :class:`Unsupported`) and are always kept: a budget
     below ``n_sink`` keeps the sinks alone, more than the budget (``over_budget`` says how many;
@@ -317,7 +317,7 @@ class StreamingLLM(ScorerPolicy):
     def budget(self, tokens: int, ratio: float) -> int:
         if self.window:
             return min(tokens, self.n_sink + self.window)
-        return int(tokens * (1 - ratio))  # kvpress: prune [n_sink, n_sink + n_pruned)
+        return n_kept(tokens, ratio)  # kvpress: topk(compute_n_kept) of the scores below
 
     def kept(self, tokens: int, n: int) -> int:
         """Tokens kept of ``tokens`` at budget ``n``: the budget, or the sinks where they are more."""

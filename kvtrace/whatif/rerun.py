@@ -11,13 +11,15 @@ each dynamic / sliding-window layer of a ``DynamicCache``):
 * the text is fed one token per forward (after an optional prefill of its first tokens in one
   forward, kvpress's setting: the policy acts once the prefill's attention is done);
 * **eviction**: after a step's attention (a forward hook on each attention module), a
-  full-attention layer that holds more than ``n_kept(seen, ratio)`` tokens (kvpress's budget,
-  ``seen`` = tokens the layer has seen) keeps that many per KV head by the policy's scores;
-  evicted tokens are gone for every later step. Query-based policies score with the post-RoPE
-  queries of every step so far, this one included (captured through transformers' attention
-  interface, kvtrace.recorder.qcapture). Sliding-window layers keep their window unpressed
-  (their KV is bounded already; stated in the output); an MLA latent is pressed by key-only
-  policies (query-based ones need per-head keys and are refused);
+  full-attention layer that holds more than the policy's budget of the tokens it has seen
+  (kvpress's ``compute_n_kept``) keeps that many per KV head by the policy's scores; evicted
+  tokens are gone for every later step. Query-based policies score with the post-RoPE queries of
+  every step so far, this one included (captured through transformers' attention interface,
+  kvtrace.recorder.qcapture). Sliding-window layers are pressed or not as kvpress would for the
+  model (kvtrace.whatif.kvpress.presses_sliding, the offline rule too): pressed, keys that left
+  the window go first, then the budget of the window - 1 tokens the layer would hold is kept.
+  streaming_llm's sinks are the first positions from the first token on (never evicted). An MLA
+  latent is pressed by key-only policies (query-based ones need per-head keys and are refused);
 * **quantisation**: K/V are kept at full precision and every step attends to the policy's
   round trip of the whole cache (the last ``residual`` tokens exact). A real quantised cache
   re-quantises values it already dequantised; that compounding is not modelled;
@@ -44,7 +46,7 @@ import numpy as np
 
 from kvtrace.errors import BadOption, Unavailable
 from kvtrace.whatif import policies as P
-from kvtrace.whatif.policies import Observed, Policy, PolicyError, n_kept
+from kvtrace.whatif.policies import Observed, Policy, PolicyError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -129,21 +131,26 @@ class TextSource:
 
 @dataclass
 class _Applied:
-    """A policy at one ratio as the cache layers apply it."""
+    """A policy at one ratio as the cache layers apply it; ``press_sliding``: whether eviction
+    also presses sliding-window layers (kvtrace.whatif.kvpress.presses_sliding)."""
 
     policy: Policy | None
     ratio: float | None
+    press_sliding: bool = True
 
     @property
     def evicts(self) -> bool:
         return isinstance(self.policy, P.ScorerPolicy) and (self.ratio or 0) > 0 or \
             isinstance(self.policy, P.StreamingLLM) and self.policy.window > 0
 
-    def budget(self, seen: int) -> int:
+    def budget(self, held: int) -> int:
+        """Tokens a layer keeps of the ``held`` it would hold without the policy (all it has seen;
+        a sliding layer's window - 1): the policy's own budget (streaming_llm: kvpress's
+        ``int(T * (1 - ratio))``, or n_sink + window)."""
         pol = self.policy
-        if isinstance(pol, P.StreamingLLM) and pol.window:
-            return min(seen, pol.n_sink + pol.window)
-        return n_kept(seen, self.ratio or 0.0)
+        if isinstance(pol, P.ScorerPolicy):
+            return pol.budget(held, self.ratio or 0.0)
+        return held
 
 
 def _layer_class() -> type:
@@ -162,12 +169,14 @@ def _layer_class() -> type:
             self.applied = applied
             self.window = window
             self.is_sliding = window is not None
+            self.pressed = applied.evicts and (window is None or applied.press_sliding)
             self.scale = scale
             self.seen = 0
             self.pos: torch.Tensor | None = None
-            self.queries: list[np.ndarray] = []  # [B, Hq, 1, D] per step, for query-based policies
+            self.queries: torch.Tensor | None = None  # [B, Hq, seen, D] float64, for query-based policies
             self.kept_log: list[int] = []
-            self.unscored = 0  # steps over budget that the policy could not score yet
+            self.unscored: set[int] = set()  # steps (tokens seen) over budget the policy could not score
+            self.over_budget: set[int] = set()  # steps that ended over budget (sinks, or unscored)
             self._done = -1  # seen at the last after_attention: a step's hooks may fire twice
 
         def get_seq_length(self) -> int:
@@ -178,6 +187,10 @@ def _layer_class() -> type:
             n = query if isinstance(query, int) else int(query.shape[0])
             held = 0 if self.keys is None or not self.is_initialized else int(self.keys.shape[-2])
             return held + n, self.seen - held
+
+        def add_queries(self, q: torch.Tensor) -> None:
+            q = q.detach().to(torch.float64)
+            self.queries = q if self.queries is None else torch.cat([self.queries, q], dim=2)
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,19 +212,32 @@ def _layer_class() -> type:
                 keys, values = self._roundtrip(keys, "key"), self._roundtrip(values, "value")
             # What the next step will find: trimmed after this step's attention, as transformers' own
             # sliding layer does, so the mask built before the next forward (get_mask_sizes) matches.
-            if self.window is not None and self.keys.shape[-2] > self.window - 1:
+            # A pressed sliding layer is trimmed by position with its eviction (after_attention).
+            if self.window is not None and not self.pressed and self.keys.shape[-2] > self.window - 1:
                 held = self.keys.shape[-2]
                 self._select(torch.arange(held - self.window + 1, held, device=self.keys.device)
                              .expand(*self.keys.shape[:2], -1))
             return keys, values
 
         def after_attention(self) -> None:
-            """Evict down to the budget once this step's attention (and its query) is done."""
-            if self.is_initialized and self._done != self.seen:
-                self._done = self.seen
-                if self.applied.evicts and self.window is None and self.keys.shape[-2] > self.applied.budget(self.seen):
-                    self._evict(self.applied.budget(self.seen))
-                self.kept_log.append(int(self.keys.shape[-2]))  # what the cache holds between steps
+            """Evict down to the budget once this step's attention (and its query) is done: a
+            full layer's budget is of all it has seen, a pressed sliding layer's of the window - 1
+            tokens it would hold (keys that left the window go first)."""
+            if not self.is_initialized or self._done == self.seen:
+                return
+            self._done = self.seen
+            if self.pressed:
+                held = self.seen if self.window is None else min(self.seen, self.window - 1)
+                n = self.applied.budget(held)
+                cand = None if self.window is None else self.pos > self.seen - self.window
+                if cand is not None and bool(cand.all()):
+                    cand = None
+                counts = self.keys.shape[-2] if cand is None else int(cand.sum(dim=-1).min())
+                if cand is not None or self.keys.shape[-2] > n:
+                    self._evict(min(n, counts), cand)
+                if self.keys.shape[-2] > n:
+                    self.over_budget.add(self.seen)
+            self.kept_log.append(int(self.keys.shape[-2]))  # what the cache holds between steps
 
         def _roundtrip(self, x: torch.Tensor, which: str) -> torch.Tensor:
             pol = self.applied.policy
@@ -226,38 +252,64 @@ def _layer_class() -> type:
             self.values = self.values.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, self.values.shape[-1]))
             self.pos = self.pos.gather(2, idx)
 
-        def _evict(self, n: int) -> None:
+        def _select_where(self, keep: torch.Tensor) -> None:
+            """Keep the tokens where ``keep`` [B, Hk, T] (the same count on every head)."""
+            if bool(keep.all()):
+                return
+            counts = keep.sum(dim=-1)
+            if bool((counts != counts.flatten()[0]).any()):
+                raise RuntimeError(f"what-if rerun: heads would keep different counts {counts.tolist()}")
+            idx = torch.sort(torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :int(counts.flatten()[0])],
+                             dim=-1).values
+            self._select(idx)
+
+        def _evict(self, n: int, cand: torch.Tensor | None = None) -> None:
+            """Keep ``n`` tokens per head by the policy's scores, among the candidates ``cand``
+            [B, Hk, T] (None: all; a sliding layer's: those still in its window). A step the policy
+            cannot score keeps every candidate, or -- where heads hold different counts of them --
+            the newest ``n`` of each (the window's own order), and counts as unscored."""
             pol = self.applied.policy
             assert isinstance(pol, P.ScorerPolicy)
-            k = self.keys.detach().double().cpu().numpy()
-            v = self.values.detach().double().cpu().numpy()
+            held = self.keys.shape[-2]
             pos = self.pos.cpu().numpy()
-            if pol.needs.startswith("Q") and not self.queries:
-                return  # nothing observed yet to score with: keep all until the next step
-            keep = np.zeros(k.shape[:3], dtype=bool)
+            c = np.ones(pos.shape, dtype=bool) if cand is None else cand.cpu().numpy()
             try:
-                if not pol.needs.startswith("Q") or (pos == pos[:1, :1]).all():  # positions shared by all heads
-                    keep = pol.keep_n(k, n, self._observed(pos[0, 0]), v)
-                else:  # heads kept different tokens: score each KV head with its own positions
+                if pol.needs.startswith("Q") and self.queries is None or \
+                        isinstance(pol, P.StreamingLLM) and held <= pol.n_sink:  # kvpress: needs more than n_sink keys
+                    raise PolicyError("nothing to score with yet")
+                k = self.keys.detach().double().cpu().numpy()
+                v = self.values.detach().double().cpu().numpy()
+                if c.all() and (pos == pos[:1, :1]).all():  # positions shared by all heads
+                    keep = pol.keep_n(k, n, self._observed(pos[0, 0]), v, k_pos=pos[0, 0], window=self.window)
+                else:  # heads hold different tokens: score each KV head with its own candidates
+                    keep = np.zeros(k.shape[:3], dtype=bool)
                     hk = k.shape[1]
-                    q = np.concatenate(self.queries, axis=2)
-                    g = q.shape[1] // hk
+                    q = self._q()
+                    g = q.shape[1] // hk if q is not None else 1
                     for b in range(k.shape[0]):
                         for h in range(hk):
-                            obs = Observed(q[b:b + 1, h * g:(h + 1) * g],
-                                           np.arange(self.seen - q.shape[2], self.seen), pos[b, h], None, self.scale)
-                            keep[b, h] = pol.keep_n(k[b:b + 1, h:h + 1], n, obs, v[b:b + 1, h:h + 1])[0, 0]
-            except PolicyError:  # too few keys or queries to score yet (e.g. T <= n_sink): keep all
-                self.unscored += 1
-                return
-            idx = np.sort(np.argsort(~keep, axis=-1, kind="stable")[..., :n], axis=-1)
-            self._select(torch.from_numpy(idx).to(self.keys.device))
+                            i = np.flatnonzero(c[b, h])
+                            obs = None if q is None else Observed(q[b:b + 1, h * g:(h + 1) * g], np.arange(q.shape[2]),
+                                                                  pos[b, h, i], self.window, self.scale)
+                            keep[b, h, i] = pol.keep_n(k[b:b + 1, h:h + 1, i], n, obs, v[b:b + 1, h:h + 1, i],
+                                                       k_pos=pos[b, h, i], window=self.window)[0, 0]
+            except PolicyError:  # too few keys or queries to score yet (e.g. T <= n_sink)
+                if cand is None:
+                    self.unscored.add(self.seen)
+                    return
+                newest = np.cumsum(c[..., ::-1], axis=-1)[..., ::-1]  # candidates at or after each key
+                keep = c & (newest <= (n if (c.sum(-1) != c.sum(-1).flat[0]).any() else held))
+                self.unscored.add(self.seen)
+            self._select_where(torch.from_numpy(np.ascontiguousarray(keep)).to(self.keys.device))
+
+        def _q(self) -> np.ndarray | None:
+            return None if self.queries is None else self.queries.cpu().numpy()
 
         def _observed(self, k_pos: np.ndarray) -> Observed | None:
-            if not self.queries:
+            q = self._q()
+            if q is None:
                 return None
-            q = np.concatenate(self.queries, axis=2)
-            return Observed(q, np.arange(self.seen - q.shape[2], self.seen), k_pos, None, self.scale)
+            return Observed(q, np.arange(q.shape[2]), k_pos, self.window, self.scale)
 
     return PolicyLayer
 
@@ -297,15 +349,20 @@ def _policy_cache(model: Any, applied: _Applied) -> tuple[Any, list[Any]]:
 
 
 def teacher_forced_logprobs(model: Any, ids: torch.Tensor, policy: Policy | None = None,
-                            ratio: float | None = None, prefill: int = 0) -> tuple[np.ndarray, list[Any]]:
+                            ratio: float | None = None, prefill: int = 0,
+                            press_sliding: bool | None = None) -> tuple[np.ndarray, list[Any]]:
     """Next-token log-probabilities [N, V] (float64) of a pass over ``ids`` [1, N] with ``policy``
     applied to the cache: the first ``prefill`` tokens in one forward (the policy acts after it,
-    as kvpress presses a prefill), then one token per step; and the wrapped cache layers."""
+    as kvpress presses a prefill), then one token per step; and the wrapped cache layers.
+    ``press_sliding``: whether eviction presses sliding-window layers (None: kvpress's choice
+    for the model, kvtrace.whatif.kvpress.presses_sliding)."""
     import torch
 
     if getattr(model.config, "is_encoder_decoder", False):
         raise Unavailable("what-if rerun: encoder-decoder models are not supported (decoder-only causal LMs)")
-    applied = _Applied(policy, ratio)
+    if press_sliding is None:
+        press_sliding = sliding_rule(model)[0]
+    applied = _Applied(policy, ratio, press_sliding)
     queries = isinstance(policy, P.ScorerPolicy) and policy.needs.startswith("Q") and applied.evicts
     if queries and getattr(model.config.get_text_config(), "kv_lora_rank", None):
         raise PolicyError(f"{policy.name}: the cache holds an MLA latent shared by all heads; scoring with "
@@ -323,7 +380,7 @@ def teacher_forced_logprobs(model: Any, ids: torch.Tensor, policy: Policy | None
             from kvtrace.recorder.qcapture import QueryCapture
 
             def keep_query(layer: int, q: torch.Tensor) -> None:
-                layers[layer].queries.append(q.detach().double().cpu().numpy())
+                layers[layer].add_queries(q)
 
             capture = QueryCapture(model, keep_query)
             capture.install()
@@ -372,21 +429,74 @@ def _measures(ref: np.ndarray, got: np.ndarray, ids: np.ndarray, start: int = 0)
 
 
 def _kept(layers: list[Any]) -> dict[str, Any]:
-    full = [x for x in layers if x.window is None]
-    if not full:
+    """Tokens the pressed layers hold between steps, and the steps some of them ended over budget
+    (counted once per step, however many layers)."""
+    pressed = [x for x in layers if x.pressed]
+    if not pressed:
         return {}
-    final = [x.kept_log[-1] for x in full]
-    return {"full_layer_tokens_final": float(np.mean(final)), "tokens_seen": full[0].seen,
-            "full_layer_tokens_mean": float(np.mean([np.mean(x.kept_log) for x in full])),
-            "steps_unscored": int(sum(x.unscored for x in full))}
+    out: dict[str, Any] = {"tokens_seen": pressed[0].seen,
+                           "steps_unscored": len(set().union(*(x.unscored for x in pressed))),
+                           "steps_over_budget": len(set().union(*(x.over_budget for x in pressed)))}
+    for kind, group in (("full", [x for x in pressed if x.window is None]),
+                        ("sliding", [x for x in pressed if x.window is not None])):
+        if group:
+            out[f"{kind}_layer_tokens_final"] = float(np.mean([x.kept_log[-1] for x in group]))
+            out[f"{kind}_layer_tokens_mean"] = float(np.mean([np.mean(x.kept_log) for x in group]))
+    return out
+
+
+PROBE = "The quick brown fox jumps over the lazy dog. 0123456789"
+
+
+def tokenizer_problem(tok: Any) -> str:
+    """Why ``tok`` cannot tokenize a text ("" when it can): a tokenizer transformers builds empty
+    (no vocabulary) encodes every text to no ids."""
+    from kvtrace.loading import ByteTokenizer
+
+    if isinstance(tok, ByteTokenizer):
+        return ""
+    try:
+        size: int | None = len(tok)
+    except TypeError:
+        size = None
+    ids = tok(PROBE, return_tensors=None)["input_ids"]
+    if size == 0 or not ids:
+        return f"its tokenizer has {size} tokens and encodes {PROBE!r} to {len(ids)} ids"
+    return ""
+
+
+def check_tokenizer(model_spec: str) -> None:
+    """A local checkpoint whose tokenizer builds empty: BadOption (exit 64) naming --rerun, before
+    any model loads (a checkpoint without a tokenizer is fine: UTF-8 bytes stand in)."""
+    if model_spec.startswith("preset:") or not Path(model_spec).is_dir():
+        return
+    import transformers
+
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(model_spec, local_files_only=True)
+    except Exception:  # noqa: BLE001 - load_model falls back to UTF-8 bytes without a tokenizer
+        return
+    why = tokenizer_problem(tok)
+    if why:
+        raise BadOption(f"--rerun {model_spec}: {why}: nothing could be scored; fix the checkpoint's tokenizer files "
+                        "(or remove them: kvtrace then tokenizes as UTF-8 bytes)", option="--rerun")
+
+
+def sliding_rule(model: Any, mode: str = "auto") -> tuple[bool, str]:
+    """Whether eviction presses the model's sliding-window layers, and why (kvpress's choice for
+    the model with ``mode`` auto)."""
+    from kvtrace.whatif.kvpress import presses_sliding
+
+    cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
+    return presses_sliding(cfg, mode)
 
 
 def rerun_quality(model_spec: str, text_path: str | Path, policies: list[Policy], ratios: list[float], *,
                   device: str = "cpu", max_tokens: int = 256, tiny: bool = False,
-                  prefill: int = 0) -> dict[str, Any]:
+                  prefill: int = 0, sliding: str = "auto") -> dict[str, Any]:
     """The ``rerun`` section of the what-if document (spec/whatif-json.md). ``prefill``: the first
     tokens go in one forward and the policy acts after it (kvpress's setting); the measures then
-    cover the positions after the prefill."""
+    cover the positions after the prefill. ``sliding``: auto | press | keep, as run_whatif's."""
     from kvtrace.loading import encode, load_model
 
     source = TextSource(text_path, max_tokens)  # refused before the model loads when it is not text
@@ -401,20 +511,27 @@ def rerun_quality(model_spec: str, text_path: str | Path, policies: list[Policy]
         except KeyError as exc:
             raise BadOption(str(exc).strip("'\""), option="--rerun") from None
         shrink = {"layers": s["layers"], "width": s["width_scale"], "vocab": s["vocab"]}
+    check_tokenizer(model_spec)
     loaded = load_model(model_spec, device=device, dtype="auto", **shrink)
+    why = tokenizer_problem(loaded.tokenizer)
+    if why:
+        raise BadOption(f"--rerun {model_spec}: {why}: nothing could be scored", option="--rerun")
     with source:
         ids = source.tokens(lambda text: encode(loaded.tokenizer, text, str(loaded.model.device)))
     if ids.shape[1] < prefill + 2:  # at least one position predicted from the pressed cache
         what = f"after a prefill of {prefill}" if prefill else "(needs at least 2)"
         raise BadOption(f"--text {text_path}: {ids.shape[1]} tokens leave none to score {what}",
                         option="--rerun-prefill" if prefill else "--text")
-    ref, ref_layers = teacher_forced_logprobs(loaded.model, ids, prefill=prefill)
+    press_sliding, sliding_reason = sliding_rule(loaded.model, sliding)
+    ref, ref_layers = teacher_forced_logprobs(loaded.model, ids, prefill=prefill, press_sliding=press_sliding)
     flat = ids[0].cpu().numpy()
+    n_sliding = sum(x.window is not None for x in ref_layers)
     doc: dict[str, Any] = {
         "kind": "quality", "note": NOTE, "model": loaded.model_id, "model_note": loaded.note,
         "text": str(text_path), "tokens": int(ids.shape[1]), "prefill_tokens": prefill,
         "scored_positions": int(ids.shape[1]) - 1 - prefill,
-        "sliding_layers": sum(x.window is not None for x in ref_layers),
+        "sliding_layers": n_sliding,
+        "sliding": {"pressed": press_sliding, "mode": sliding, "reason": sliding_reason, "layers": n_sliding},
         "reference": {"perplexity": _measures(ref, ref, flat, prefill)["perplexity"]},
         "policies": [],
     }
@@ -424,14 +541,14 @@ def rerun_quality(model_spec: str, text_path: str | Path, policies: list[Policy]
         entry: dict[str, Any] = {"policy": pol.name, "label": pol.label(), "family": pol.family, "results": []}
         if isinstance(pol, P.Paging):
             entry["skipped"] = "paging changes where K/V live, not their values: quality is unchanged by construction"
-        elif isinstance(pol, P.ScorerPolicy) and not any(x.window is None for x in ref_layers):
-            entry["skipped"] = ("every cache layer is sliding-window, and the rerun leaves windows unpressed: "
-                                "eviction has no layer to press")
+        elif isinstance(pol, P.ScorerPolicy) and not press_sliding and not any(x.window is None for x in ref_layers):
+            entry["skipped"] = ("every cache layer is sliding-window, and their windows are left unpressed (see "
+                                "'sliding'): eviction has no layer to press")
         else:
             fixed = not isinstance(pol, P.ScorerPolicy) or isinstance(pol, P.StreamingLLM) and pol.window > 0
             for ratio in ([None] if fixed else ratios):
                 try:
-                    got, layers = teacher_forced_logprobs(loaded.model, ids, pol, ratio, prefill)
+                    got, layers = teacher_forced_logprobs(loaded.model, ids, pol, ratio, prefill, press_sliding)
                 except PolicyError as exc:
                     entry["results"].append({"ratio": ratio, "skipped": str(exc)})
                     continue

@@ -130,8 +130,7 @@ def _totals(sz: source.Sizes, per_row: np.ndarray) -> tuple[float, float]:
 def _kept_tokens(pol: ScorerPolicy, ratio: float | None, tokens: np.ndarray) -> np.ndarray:
     """Tokens ``pol`` keeps of each row's ``tokens`` at ``ratio`` (what its keep-set holds)."""
     if isinstance(pol, StreamingLLM):
-        n = np.minimum(tokens, pol.n_sink + pol.window) if pol.window else \
-            (tokens * (1 - (ratio or 0.0))).astype(np.int64)  # kvpress: int(T * (1 - ratio)), no floor
+        n = np.minimum(tokens, pol.n_sink + pol.window) if pol.window else _n_kept(tokens, ratio)
         return np.minimum(tokens, np.maximum(n, pol.n_sink))  # the sinks are kept (StreamingLLM.kept)
     return _n_kept(tokens, ratio)
 

@@ -78,7 +78,7 @@ def test_query_policies_use_captured_queries(llama):
         got, layers = teacher_forced_logprobs(model, ids, parse_policy(name), 0.5)
         assert _measures(ref, got, ids[0].numpy())["kl_mean"] > 0
         assert [x.kept_log[-1] for x in layers] == [n_kept(N, 0.5)] * 2
-        assert all(len(x.queries) == N for x in layers)  # one post-RoPE query per step and layer
+        assert all(x.queries.shape[2] == N for x in layers)  # one post-RoPE query per step and layer
         keeps[name] = tuple(layers[0].pos[0, 0].tolist())
     assert len(set(keeps.values())) > 1  # the policies disagree on what to keep
     from transformers.modeling_utils import AttentionInterface
@@ -86,13 +86,59 @@ def test_query_policies_use_captured_queries(llama):
     assert not any(k.startswith("kvtrace_q") for k in AttentionInterface._global_mapping)  # capture removed
 
 
-def test_sliding_hybrid_keeps_windows_and_presses_full_layers():
+def test_sliding_hybrid_presses_windows_as_kvpress_would():
+    # gemma3_text (Gemma3ForCausalLM): kvpress hooks every layer, so its sliding layers are pressed to
+    # n_kept of the window - 1 tokens they hold, keys that left the window gone first
     model, ids = tiny_model("gemma3_text", attn_implementation="eager"), tiny_prompt(20)
     ref, layers = teacher_forced_logprobs(model, ids)
     np.testing.assert_array_equal(ref, _plain(model, ids))
     got, layers = teacher_forced_logprobs(model, ids, parse_policy("knorm"), 0.5)
-    assert [x.kept_log[-1] for x in layers] == [TINY_WINDOW - 1, TINY_WINDOW - 1, n_kept(20, 0.5)]
+    assert [x.kept_log[-1] for x in layers] == [n_kept(TINY_WINDOW - 1, 0.5)] * 2 + [n_kept(20, 0.5)]
+    for x in layers[:2]:
+        assert x.pressed and (x.pos > 20 - TINY_WINDOW).all()  # inside the window
+        assert all(b <= n_kept(min(t + 1, TINY_WINDOW - 1), 0.5) for t, b in enumerate(x.kept_log))
     assert _measures(ref, got, ids[0].numpy())["kl_mean"] > 0
+    kept, layers = teacher_forced_logprobs(model, ids, parse_policy("knorm"), 0.5, press_sliding=False)
+    assert [x.kept_log[-1] for x in layers] == [TINY_WINDOW - 1, TINY_WINDOW - 1, n_kept(20, 0.5)]
+    assert not layers[0].pressed and (kept != got).any()
+    for name in ("snapkv:window_size=2", "tova", "streaming_llm:n_sink=2"):  # query and position policies too
+        _, layers = teacher_forced_logprobs(model, ids, parse_policy(name), 0.25)
+        assert [x.kept_log[-1] for x in layers[:2]] == [n_kept(TINY_WINDOW - 1, 0.25)] * 2, name
+        assert all((x.pos > 20 - TINY_WINDOW).all() for x in layers[:2])
+
+
+@pytest.mark.parametrize("ratio,unscored,over,final", [
+    (0.75, 3, 14, [0, 1, 2, 3, 22, 23]),  # budget max(1, seen // 4): below the 4 sinks until seen = 16
+    (0.25, 3, 4, [0, 1, 2, 3] + list(range(10, 24))),
+])
+def test_streaming_llm_keeps_its_sinks_from_the_first_token(llama, ratio, unscored, over, final):
+    model, ids = llama
+    _, layers = teacher_forced_logprobs(model, ids, parse_policy("streaming_llm"), ratio)
+    for x in layers:
+        assert (x.pos == torch.tensor(final)).all()  # every head, every layer: the true sinks 0..3
+        # seen 2..4: over budget and at most n_sink keys (kvpress needs more): kept whole, unscored
+        assert sorted(x.unscored) == [2, 3, 4][:unscored] and len(x.over_budget) == over
+        assert all(b >= min(t + 1, 4) for t, b in enumerate(x.kept_log))  # the sinks never leave
+    from kvtrace.whatif.rerun import _kept
+
+    k = _kept(layers)
+    assert (k["steps_unscored"], k["steps_over_budget"]) == (unscored, over)  # steps, not layer-steps
+
+
+def test_a_checkpoint_whose_tokenizer_builds_empty_is_refused_up_front(capsys, tmp_path, llama):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model, _ = llama
+    model.save_pretrained(tmp_path / "m")
+    empty = Tokenizer(models.BPE(vocab={}, merges=[]))
+    empty.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=empty).save_pretrained(tmp_path / "m")
+    (tmp_path / "t.txt").write_text("a text the empty tokenizer turns into nothing")
+    capsys.readouterr()  # save_pretrained's progress
+    code, _, err = run_main(["whatif", "--rerun", str(tmp_path / "m"), "--text", str(tmp_path / "t.txt"),
+                             "--policy", "knorm"], capsys)
+    assert code == 64 and "tokenizer has 0 tokens" in err and "--rerun" in err and err.count("\n") == 1
 
 
 def test_cli_rerun_json(capsys, tmp_path, llama):
@@ -143,9 +189,15 @@ def test_all_sliding_model_says_eviction_has_nothing_to_press(tmp_path):
 
     tiny_model("mistral").save_pretrained(tmp_path / "m")  # every layer slides (window 8)
     (tmp_path / "t.txt").write_text("twelve bytes")
-    doc = rerun_quality(str(tmp_path / "m"), tmp_path / "t.txt", [parse_policy("knorm"), parse_policy("fp8")], [0.5])
+    pols = [parse_policy("knorm"), parse_policy("fp8")]
+    doc = rerun_quality(str(tmp_path / "m"), tmp_path / "t.txt", pols, [0.5], sliding="keep")
     assert doc["sliding_layers"] == 2 and "no layer to press" in doc["policies"][0]["skipped"]
+    assert doc["sliding"]["pressed"] is False and "--sliding keep" in doc["sliding"]["reason"]
     assert doc["policies"][1]["results"][0]["kl_mean"] > 0  # quantisation still applies to sliding layers
+    doc = rerun_quality(str(tmp_path / "m"), tmp_path / "t.txt", pols, [0.5])  # auto: kvpress presses mistral's
+    assert doc["sliding"]["pressed"] and "mistral" in doc["sliding"]["reason"]
+    r = doc["policies"][0]["results"][0]
+    assert r["kl_mean"] > 0 and r["sliding_layer_tokens_final"] == n_kept(TINY_WINDOW - 1, 0.5)
 
 
 @pytest.mark.gpu
@@ -176,7 +228,7 @@ def test_prefill_is_pressed_once_after_its_attention(llama):
         assert layers[0].kept_log[0] == n_kept(16, 0.5)  # pressed right after the prefill
         assert [x.kept_log[-1] for x in layers] == [n_kept(N, 0.5)] * 2
         if name.startswith("snapkv"):
-            assert layers[0].queries[0].shape[2] == 16  # scored with the prefill's own queries
+            assert layers[0].queries.shape[2] == N  # the prefill's own queries, then one per step
     m = _measures(ref, got, ids[0].numpy(), 16)
     assert m["kl_mean"] > 0 and m["perplexity"] > 0
 

@@ -84,8 +84,10 @@ def test_observed_attention_and_tova_keep_unseen_keys_only_within_the_budget():
 
 def test_streaming_llm_keeps_its_sinks_and_counts_them():
     k = np.zeros((1, 2, 4, 2))
-    keep, info = parse_policy("streaming_llm").plan_info(k, 0.99)  # budget int(4 * 0.01) = 0
-    assert keep.all() and info["over_budget"] == 4
+    keep, info = parse_policy("streaming_llm").plan_info(k, 0.99)  # budget max(1, int(4 * 0.01)) = 1
+    assert keep.all() and info["over_budget"] == 3
+    keep = parse_policy("streaming_llm:n_sink=0").plan(np.zeros((1, 1, 10, 2)), 0.99)
+    assert np.flatnonzero(keep[0, 0]).tolist() == [9]  # no sinks: kvpress's floor of one, the newest
     tokens = np.array([4, 100, 7])
     assert _kept_tokens(parse_policy("streaming_llm"), 0.99, tokens).tolist() == [4, 4, 4]  # bytes of what is kept
     assert _kept_tokens(parse_policy("streaming_llm"), 0.5, tokens).tolist() == [4, 50, 4]
