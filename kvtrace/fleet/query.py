@@ -148,12 +148,17 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _read_traces(d: Path) -> pa.Table:
-    """DIR/traces.parquet, opened without following a link or waiting on a FIFO."""
+def _read_traces(d: Path, columns: list[str] | None) -> pa.Table:
+    """DIR/traces.parquet (only ``columns`` of it, when given, and of those only the ones it has),
+    opened without following a link or waiting on a FIFO."""
     path = d / TRACES_FILE
     try:
         with open_regular(path, TRACES_FILE) as fh:
-            return pq.read_table(fh)
+            if columns is None:
+                return pq.read_table(fh)
+            have = set(pq.read_schema(fh).names)
+            fh.seek(0)
+            return pq.read_table(fh, columns=[c for c in columns if c in have])
     except FileNotFoundError:
         raise FleetError(f"{d}: no exported traces (no {TRACES_FILE}); run 'kvtrace export parquet' first") from None
     except (OSError, pa.ArrowException) as exc:
@@ -183,10 +188,14 @@ def _table_dataset(d: Path, name: str, trace_ids: set[str]) -> pa_dataset.Datase
 
 
 def _create_views(con: duckdb.DuckDBPyConnection, d: Path, tables: Iterable[str]) -> None:
-    traces = _read_traces(d)
+    tables = tuple(tables)
+    per_trace = any(n != "traces" for n in tables)
+    # the whole table for the traces view; its ids alone to check the other tables' files; else
+    # only that it is a Parquet file (a query that names no table still runs on a damaged fleet: 2)
+    traces = _read_traces(d, None if "traces" in tables else ["trace_id"] if per_trace else [])
     if "trace_id" in traces.column_names:
         trace_ids = check_trace_ids(traces.column("trace_id").to_pylist(), d / TRACES_FILE)
-    elif any(n != "traces" for n in tables):
+    elif per_trace:
         raise FleetError(f"{d}: {TRACES_FILE} is not a table kvtrace exported (it has no trace_id column)")
     else:
         trace_ids = set()
