@@ -11,6 +11,11 @@ What is compared: for each press and compression ratio, kvpress's scores [B, Hk,
 ``topk(compute_n_kept(T, ratio))`` equals ours. kvpress scores keys in a prefill: queries at every
 position, attention given as the eager attention matrix (the path kvpress takes with
 ``attn_implementation="eager"``).
+
+The last tests read real captures back from a trace (kvtrace.record, every step sampled, the
+replay's own source.units): a decode-heavy one (12 prompt tokens, 36 generated, llama GQA) and a
+sliding-window one (mistral, window 8, the 7 held keys), against kvpress given the model's own
+hidden states, RoPE and eager attention for the same tokens.
 """
 
 from __future__ import annotations
@@ -211,3 +216,120 @@ def test_kvpress_on_a_real_model_equals_ours_on_captured_post_rope_queries(llama
     keep_theirs = np.zeros(theirs.shape, bool)
     np.put_along_axis(keep_theirs, theirs.topk(n_kept(T, 0.5), dim=-1).indices.numpy(), True, axis=-1)
     assert (keep_top(ours, 0.5) == keep_theirs).all()
+
+
+# ---- decode-heavy and sliding-window captures, read back from a recorded trace ----------------
+
+
+def _recorded(tmp_path_factory, name: str, prompt: int, gen: int, layer: int):
+    """A capture through kvtrace.record (K/V and post-RoPE queries at every step) read back as the
+    replay reads it (source.units, the last step), and kvpress's own inputs for the same tokens:
+    the model's hidden states, RoPE and eager attention of ``layer`` over the whole sequence."""
+    pytest.importorskip("transformers")
+    import kvtrace
+    from kvtrace.recorder.sampling import SamplingSettings
+    from kvtrace.testing_models import tiny_model, tiny_prompt
+    from kvtrace.whatif import source
+
+    model = tiny_model(name, attn_implementation="eager")
+    path = tmp_path_factory.mktemp("parity") / f"{name}.kvt.h5"
+    with kvtrace.record(model, path, sampling=SamplingSettings(every_n_steps=1, queries=True)):
+        out = model.generate(tiny_prompt(prompt), max_new_tokens=gen, min_new_tokens=gen, do_sample=False)
+    from kvtrace.format.reader import Trace
+
+    with Trace(path) as t:
+        u = next(x for x in source.units(t, "last") if x.layer == layer)
+    attn = model.model.layers[layer].self_attn
+    got: dict[str, object] = {}
+
+    def pre(module, args, kwargs):
+        got["h"], got["pe"] = kwargs["hidden_states"], kwargs["position_embeddings"]
+
+    handle = attn.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            full = model(out[:, :-1], output_attentions=True)  # the tokens the cache saw
+    finally:
+        handle.remove()
+    q = np.concatenate([u.obs_q, u.eval_q], axis=2)  # every query: kvpress scores with all of them
+    pos = np.concatenate([u.obs_pos, u.eval_pos])
+    return {"module": attn, "h": got["h"], "pe": got["pe"], "attn": full.attentions[layer], "unit": u,
+            "obs": Observed(q, pos, u.k_pos, u.window, u.scale), "T": int(out.shape[1]) - 1}
+
+
+@pytest.fixture(scope="module")
+def decode_heavy(tmp_path_factory):
+    # 12 prompt tokens, 36 generated: three quarters of the cache written one token at a time
+    return _recorded(tmp_path_factory, "llama", 12, 37, 1)
+
+
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory):
+    # mistral, every layer sliding (window 8): the cache holds the last 7 positions
+    return _recorded(tmp_path_factory, "mistral", 16, 9, 0)
+
+
+def _theirs(x, module, cls, kw, ratio, attn):
+    u = x["unit"]
+    press = _press(module, cls)(compression_ratio=ratio, **kw)
+    with torch.no_grad():
+        s = press.score(x["module"], x["h"], torch.from_numpy(u.k), torch.from_numpy(u.v),  # fp32, as the model
+                        x["attn"] if attn else None, {"position_embeddings": x["pe"]}).double()
+    keep = np.zeros(s.shape, bool)
+    np.put_along_axis(keep, s.topk(n_kept(u.k.shape[2], ratio), dim=-1).indices.numpy(), True, axis=-1)
+    return s.numpy(), keep
+
+
+DECODE_CASES = [
+    ("knorm", "knorm_press", "KnormPress", {}, False),
+    ("keydiff", "keydiff_press", "KeyDiffPress", {}, False),
+    ("snapkv:window_size=8,kernel_size=5", "snapkv_press", "SnapKVPress", {"window_size": 8, "kernel_size": 5}, False),
+    ("tova", "tova_press", "TOVAPress", {}, False),
+    ("observed_attention", "observed_attention_press", "ObservedAttentionPress", {}, True),
+]
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("policy,module,cls,kw,attn", DECODE_CASES, ids=[c[0].split(":")[0] for c in DECODE_CASES])
+def test_decode_heavy_capture_keeps_what_kvpress_keeps(decode_heavy, policy, module, cls, kw, attn, ratio):
+    """kvpress on the whole 48-token sequence (its inputs from the model) against ours on the
+    trace's decode-time K/V and queries: the same scores where both score, the same keep-set."""
+    x = decode_heavy
+    u = x["unit"]
+    assert u.k.shape[2] == x["T"] == 48 and len(x["obs"].q_pos) == 48  # every position's query sampled
+    theirs, keep_theirs = _theirs(x, module, cls, kw, ratio, attn)
+    pol = parse_policy(policy)
+    ours = pol.score(u.k.astype(np.float64), x["obs"], u.v.astype(np.float64))
+    scored = np.isfinite(ours[0, 0])
+    np.testing.assert_allclose(ours[..., scored], theirs[..., scored], rtol=1e-4, atol=1e-7)
+    keep, _ = pol.plan_info(u.k.astype(np.float64), ratio, x["obs"], u.v.astype(np.float64), k_pos=u.k_pos)
+    assert (keep == keep_theirs).all()
+
+
+@pytest.mark.parametrize("ratio", (0.25, 0.5))
+@pytest.mark.parametrize("policy,module,cls,kw", [
+    ("knorm", "knorm_press", "KnormPress", {}),
+    ("snapkv:window_size=2,kernel_size=3", "snapkv_press", "SnapKVPress", {"window_size": 2, "kernel_size": 3}),
+    ("tova", "tova_press", "TOVAPress", {}),
+    ("streaming_llm:n_sink=2", "streaming_llm_press", "StreamingLLMPress", {"n_sink": 2}),
+], ids=["knorm", "snapkv", "tova", "streaming_llm"])
+def test_sliding_window_capture_keeps_what_kvpress_keeps(sliding, policy, module, cls, kw, ratio):
+    """A sliding layer holds window - 1 = 7 keys; kvpress (which presses mistral's sliding layers)
+    scores those held keys with the window queries computed from the hidden states; ours scores
+    the trace's keys with its sampled queries, each seeing its own window. Same keep-set.
+    (observed_attention is left out: kvpress hands its scorer the eager attention over the whole
+    sequence, whose key axis does not match the 7 held keys.)"""
+    x = sliding
+    u = x["unit"]
+    assert u.window == 8 and u.k.shape[2] == 7 and u.k_pos.tolist() == list(range(x["T"] - 7, x["T"]))
+    theirs, keep_theirs = _theirs(x, module, cls, kw, ratio, False)
+    pol = parse_policy(policy)
+    keep, _ = pol.plan_info(u.k.astype(np.float64), ratio, x["obs"], u.v.astype(np.float64), k_pos=u.k_pos,
+                            window=u.window)
+    if policy == "knorm":  # a repeated token has the same key norm at both positions (RoPE keeps norms):
+        s = theirs  # equal scores, ours keeps the older, torch's topk either -- the same kept scores
+        assert (keep.sum(-1) == keep_theirs.sum(-1)).all()
+        for h in range(keep.shape[1]):
+            np.testing.assert_allclose(np.sort(s[0, h][keep[0, h]]), np.sort(s[0, h][keep_theirs[0, h]]), rtol=1e-6)
+        return
+    assert (keep == keep_theirs).all()
