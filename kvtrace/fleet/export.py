@@ -306,8 +306,11 @@ def _locked(out: Path) -> Iterator[None]:
     """An advisory lock on the directory itself (no file made for it) for the export's duration: a
     second export into the same directory would overwrite traces.parquet with its own rows and
     remove the first one's files as leftovers. Where the file system has no flock, no lock."""
-    import fcntl
-
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: no flock
+        yield
+        return
     fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         try:
