@@ -168,6 +168,12 @@ def layer_heatmap(doc: dict[str, Any], ratio: float) -> Figure | None:
     return fig
 
 
+def _units(r: dict[str, Any], family: str) -> str:
+    """"measured/replayed" (request, layer) units of an eviction result ("" otherwise)."""
+    u = r.get("units")
+    return f"{u['measured']}/{sum(u.values())}" if u and family == "eviction" else ""
+
+
 def table_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
     base = doc["baseline"]["bytes_peak"] or 1.0
 
@@ -182,17 +188,28 @@ def table_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
             out.append((p["label"], "-" if r["ratio"] is None else f"{r['ratio']:g}", format_bytes(by["kept_peak"]),
                         format_bytes(by["saved_peak"]), f"{100 * by['saved_peak'] / base:.1f}%",
                         f(r, "attention_mass_recall", "{:.3f}"), f(r, ERR, "{:.4f}"),
-                        f(r, "key_cosine", "{:.4f}"), f(r, "value_cosine", "{:.4f}"), str(len(r["skipped"]))))
+                        f(r, "key_cosine", "{:.4f}"), f(r, "value_cosine", "{:.4f}"), str(len(r["skipped"])),
+                        _units(r, p["family"])))
     return out
+
+
+def _layout(doc: dict[str, Any]) -> str:
+    rec = doc["baseline"].get("recorded")
+    if not rec or not rec.get("layout_peak"):
+        return ""
+    return (f" (the trace's own layout allocates {format_bytes(rec['allocated_peak'])} at peak: "
+            f"{format_bytes(rec['layout_peak'])} of layout effects such as views pinning larger storages, "
+            "credited to no policy)")
 
 
 def render_into(b: Any, doc: dict[str, Any], ratio: float) -> None:
     """Fill the report builder's ``whatif`` section from ``doc`` (``b``: report.build._Builder)."""
     s = b.section("whatif", "What-if: memory saved vs attention error per KV policy")
     s.lead.append(html.para(
-        f"Offline proxies, not model quality: {doc['note']}. Baseline (the trace's own layout): peak "
-        f"{format_bytes(doc['baseline']['bytes_peak'])}; {doc['sampled_units']} sampled (request, layer) units. "
-        "Quality by rerun: kvtrace whatif --rerun MODEL --text FILE."))
+        f"Offline proxies, not model quality: {doc['note']}. Baseline (policy-free: the recorded tokens at their "
+        f"bytes per token): peak {format_bytes(doc['baseline']['bytes_peak'])}{_layout(doc)}; "
+        f"{doc['sampled_units']} sampled (request, layer) units. Quality by rerun: kvtrace whatif --rerun MODEL "
+        "--text FILE."))
     fig = pareto(doc)
     if fig is None:
         s.body.append(html.absent("no policy has an attention output error here (it needs sampled Q, K and V); "
@@ -206,7 +223,8 @@ def render_into(b: Any, doc: dict[str, Any], ratio: float) -> None:
         b.add_figure(s, "whatif_layer_error", hm, f"Attention output error per layer at ratio {ratio:g} (eviction) "
                      "and for each quantiser, mean over KV heads and sampled requests; blank: not measured.")
     s.body.append(html.table(["policy", "ratio", "kept peak", "saved peak", "saved", "mass recall", "output error",
-                              "K cosine", "V cosine", "skipped"], table_rows(doc), (2, 3, 4, 5, 6, 7, 8, 9)))
+                              "K cosine", "V cosine", "skipped", "units measured"], table_rows(doc),
+                             (2, 3, 4, 5, 6, 7, 8, 9, 10)))
     reasons: dict[str, int] = {}
     for p in doc["policies"]:
         if p.get("note"):
@@ -214,6 +232,10 @@ def render_into(b: Any, doc: dict[str, Any], ratio: float) -> None:
         for r in p["results"]:
             for x in r["skipped"]:
                 reasons[x["reason"]] = reasons.get(x["reason"], 0) + 1
+            for x in r["layers"]:
+                if x.get("status") in ("unsupported", "not_pressed"):
+                    why = f"{x['status'].replace('_', ' ')}: {x['reason']}"
+                    reasons[why] = reasons.get(why, 0) + 1
     if reasons:
         s.body.append(html.table(["note, or why a measure was skipped", "times skipped"],
                                  [(reason, n or "-") for reason, n in reasons.items()], (1,)))

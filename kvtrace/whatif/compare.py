@@ -82,6 +82,10 @@ def diff_whatif(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         "baseline": {k: _d(a["baseline"][k], b["baseline"][k]) for k in ("bytes_peak", "bytes_mean")},
         "results": [], "only_a": [], "only_b": [], "notes": [],
     }
+    if a.get("schema_minor", 0) != b.get("schema_minor", 0):
+        out["notes"].append(f"schema minors differ ({a.get('schema_minor', 0)} vs {b.get('schema_minor', 0)}): "
+                            "from minor 1 saved_* is against the policy-free layout (bytes_valid), before against "
+                            "the trace's own allocated bytes; and rows a policy cannot support are no longer measured")
     if a.get("ratios") != b.get("ratios"):
         out["notes"].append(f"different ratios: {a.get('ratios')} vs {b.get('ratios')} (matched where equal)")
     out["only_a"] = [{"label": k[0], "ratio": k[1]} for k in ra if k not in rb]
