@@ -26,3 +26,21 @@ def call_cache(args: tuple, kwargs: dict) -> Any:
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     """``{name: cache}`` for ``model(...)`` and ``model.generate(...)`` (renamed together)."""
     return {cache_keyword(model.forward): cache}
+
+
+def cb_config(**options: Any) -> Any:
+    """A ContinuousBatchingConfig from today's option names; ``page_size`` is passed as
+    ``block_size`` to releases whose config has that field instead (5.17)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    fields = set(getattr(ContinuousBatchingConfig, "__dataclass_fields__", {}))
+    if "page_size" in options and fields and "page_size" not in fields and "block_size" in fields:
+        options["block_size"] = options.pop("page_size")
+    return ContinuousBatchingConfig(**options)
+
+
+def padded_layers(measured: list[tuple[int, int]], layers: int) -> list[tuple[int, int]]:
+    """Per-layer (allocated, valid) bytes of a cache padded with (0, 0) to the model's layer count:
+    the KV-sharing consumers hold no tensors in every release, but 5.17 leaves them out of
+    ``cache.layers`` while 5.23+ keeps a DummyLayer for each."""
+    return list(measured) + [(0, 0)] * max(0, layers - len(measured))

@@ -27,11 +27,17 @@ from tests.serving.serve_helpers import (  # noqa: E402
     wait_healthy,
 )
 
-STRICT = "error::FutureWarning,error::DeprecationWarning"
+# FutureWarning / DeprecationWarning raised from kvtrace's or transformers' own modules become errors
+# (torch's own deprecations, such as torch.jit's inside torch.compile, are not kvtrace's making and
+# keep Python's default filters, as the user's process does).
+STRICT = ("import warnings\n"
+          "for _cat in (FutureWarning, DeprecationWarning):\n"
+          "    warnings.filterwarnings('error', category=_cat, module=r'(kvtrace|transformers)(\\.|$)')\n")
+CLI = STRICT + "import runpy, sys\nsys.argv[0] = 'kvtrace'\nrunpy.run_module('kvtrace.cli', run_name='__main__')\n"
 
 
 def _env() -> dict[str, str]:
-    return {**server_env(), "PYTHONWARNINGS": STRICT, "TRANSFORMERS_VERBOSITY": "warning", "COLUMNS": "200"}
+    return {**server_env(), "TRANSFORMERS_VERBOSITY": "warning", "COLUMNS": "200"}
 
 
 def _notices(text: str) -> list[str]:
@@ -47,7 +53,11 @@ def _run(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.Completed
 
 
 def _kvtrace(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvtrace.cli", *args]
+    return [sys.executable, "-c", CLI, *args]
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", STRICT + code]
 
 
 def test_the_harness_sees_a_rename_notice(tmp_path):
@@ -82,7 +92,7 @@ def test_record_api_on_static_and_dynamic_caches_causes_no_warning(tmp_path):
             "    m.generate(tiny_prompt(6), max_new_tokens=4, min_new_tokens=4, do_sample=False)\n"
             "    m.generate(tiny_prompt(6), max_new_tokens=4, min_new_tokens=4, do_sample=False,\n"
             "               cache_implementation='static', disable_compile=True)\n")
-    _run([sys.executable, "-c", code], tmp_path)
+    _run(_python(code), tmp_path)
 
 
 @pytest.mark.slow
@@ -111,3 +121,20 @@ def test_serve_causes_no_warning(tmp_path):
     assert rc == 0, out[-3000:]
     assert not _notices(out), _notices(out)
     assert os.path.getsize(tmp_path / "s.kvt.h5") > 0
+
+
+@pytest.mark.gpu
+def test_compiled_static_cache_on_cuda_causes_no_warning(tmp_path):
+    """transformers compiles the forward of a static cache on a GPU: the hooks must not add a
+    warning there either (a graph break or recompilation reported by dynamo included)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    code = ("import torch, kvtrace\nfrom kvtrace.testing_models import tiny_model, tiny_prompt\n"
+            "m = tiny_model('llama').to('cuda')\n"
+            "with kvtrace.record(m, 'c.kvt.h5'):\n"
+            "    for _ in range(2):\n"
+            "        m.generate(tiny_prompt(6).to('cuda'), max_new_tokens=8, min_new_tokens=8, do_sample=False,\n"
+            "                   cache_implementation='static')\n")
+    _run(_python(code), tmp_path)

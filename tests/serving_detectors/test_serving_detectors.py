@@ -79,11 +79,18 @@ def test_pool_too_small_is_named_by_capacity_concurrency_and_queueing(recorded):
     path, report = recorded("plant_pool_too_small")
     cap, conc, queue = (_one(report, d) for d in ("serving_capacity", "concurrency_headroom", "queueing"))
     with open_trace(path) as t:
-        sched = t.sched()
+        sched, groups = t.sched(), t.sched_groups()
     usage = (sched["pool_bytes"] - sched["free_bytes"]) / sched["pool_bytes"]
-    assert cap.kind == "pool_usage" and cap.severity == Severity.CRITICAL
-    assert cap.evidence["peak_block_usage"].value == pytest.approx(usage.max(), abs=1e-4) == 1.0
-    assert cap.evidence["steps_at_or_above_80pct"].value == int(np.sum(usage >= 0.8)) >= 2
+    # held: without the cached blocks the release keeps for prefix reuse (5.17 does; they are free
+    # on demand)
+    block = int(groups["bytes_per_block"][0])
+    held = usage - np.maximum(sched["blocks_cached"], 0) * block / sched["pool_bytes"]
+    # how full the pool gets before requests queue is the release's admission policy (5.23 fills it,
+    # 5.17 stops at 14 of 16 blocks): the verdict must follow the recorded usage, at least high
+    assert cap.kind == "pool_usage" and cap.severity >= Severity.HIGH
+    assert cap.evidence["peak_block_usage"].value == pytest.approx(usage.max(), abs=1e-4)
+    assert usage.max() >= 0.8
+    assert cap.evidence["steps_at_or_above_80pct"].value == int(np.sum(held >= 0.8)) >= 2
     # 2-block requests (16.0 KiB) in a 16-block pool: 8 fit; 10 offered at step 0
     assert conc.evidence["requests_that_fit"].value == 8 and conc.evidence["offered_at_once"].value == 10
     assert conc.severity == Severity.CRITICAL
@@ -233,7 +240,8 @@ def test_cached_prefix_blocks_count_as_free(recorded):
     with open_trace(path) as t:
         sched = t.sched()
     raw = (sched["pool_bytes"] - sched["free_bytes"]) / sched["pool_bytes"]
-    assert raw.max() == 7 / 8 and int(sched["blocks_cached"].max()) == 3
+    # the cached blocks raise raw usage (to 7/8 on 5.23, to 8/8 on 5.17) but not the held usage
+    assert raw.max() >= 7 / 8 and int(sched["blocks_cached"].max()) >= 3
     assert f.evidence["held_block_usage"].value == 0.5 and f.score <= 0.1
 
 
