@@ -5,6 +5,7 @@ changed severity. For a transformers upgrade, a config change or a patch.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 
 from kvtrace.analyzer.base import severity_for
 from kvtrace.analyzer.report import SCHEMA_NAME, SCHEMA_VERSION
-from kvtrace.format.errors import NotATrace
+from kvtrace.format.errors import InvalidTrace, NotATrace
 from kvtrace.jsonable import read_json_document, refuse_schema
 
 DIFF_SCHEMA_NAME = "kvtrace-analysis-diff"
@@ -39,10 +40,59 @@ def load_report(path: str | os.PathLike[str]) -> dict[str, Any]:
             major = str(doc.get("schema_version", "0")).split(".")[0]
             if major != SCHEMA_VERSION.split(".")[0]:
                 refuse_schema(p, "analysis", doc.get("schema_version"), SCHEMA_VERSION)  # newer: exit 4
+            _check_report(doc["reports"][0], p)
             return doc["reports"][0]
     from kvtrace.analyzer import analyze
 
     return analyze(p).to_dict()
+
+
+def _number(v: Any) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return abs(v) < 2**63 and (isinstance(v, int) or math.isfinite(v))  # NaN fails the comparison
+
+
+def _report_problem(r: Any) -> str | None:
+    """What a saved report lacks of what diff reads and prints (None when it has all of it): a file
+    someone else wrote is checked like a trace, not trusted."""
+    if not isinstance(r, dict):
+        return "is not an object"
+    for key, kind in (("trace", dict), ("model", dict), ("software", dict), ("devices", list), ("requests", list),
+                      ("findings", list), ("detectors", list)):
+        if not isinstance(r.get(key), kind):
+            return f"{key} is not {'an object' if kind is dict else 'a list'}"
+    if not isinstance(r["trace"].get("path"), str) or not all(isinstance(r["model"].get(k), str) for k in ("id", "type")):
+        return "trace.path, model.id or model.type is not a string"
+    for req in r["requests"]:
+        if not isinstance(req, dict) or not isinstance(req.get("request"), int) or not all(
+                _number(req.get(f)) for f in ("prompt_tokens", "new_tokens")) or not all(
+                req.get(f) is None or _number(req.get(f)) for f in _REQ_FIELDS) or not isinstance(req.get("layers", []), list):
+            return "a request's id, token counts or sizes are not numbers"
+        for lay in req.get("layers", []):
+            if not isinstance(lay, dict) or not isinstance(lay.get("layer"), int) or not all(
+                    lay.get(f) is None or _number(lay.get(f)) for f in ("bytes_valid", "bytes_allocated", "tokens_kept")):
+                return "a layer's number or sizes are not numbers"
+    mem = r.get("memory", {})
+    if not isinstance(mem, dict) or not all(str(k).lstrip("-").isdigit() and len(str(k)) < 12 and isinstance(v, dict)
+                                            and all(v.get(f) is None or _number(v.get(f)) for f in _MEM_FIELDS)
+                                            for k, v in mem.items()):
+        return "memory is not sizes per device number"
+    for f in r["findings"]:
+        if not isinstance(f, dict) or not all(isinstance(f.get(k), str) for k in ("detector", "kind", "severity", "message")) \
+                or not _number(f.get("score")) or not 0 <= f["score"] <= 1:
+            return "a finding's detector, kind, severity, message or score (0-1) is not what the analyser writes"
+    if not all(isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("status"), str)
+               for d in r["detectors"]):
+        return "a detector's name or status is not a string"
+    return None
+
+
+def _check_report(r: Any, path: Path) -> None:
+    problem = _report_problem(r)
+    if problem is not None:
+        raise InvalidTrace(f"{path}: a kvtrace analysis report whose first report {problem} "
+                           "(spec/analysis-json.md)")
 
 
 def _delta(a: Any, b: Any) -> dict[str, Any]:

@@ -97,7 +97,12 @@ def _replay_settings(texts: tuple[str, ...], ratio_text: str | None,
 
 
 def _num(x: Any, none: bool = False) -> bool:
-    return (x is None and none) or (isinstance(x, (int, float)) and not isinstance(x, bool))
+    """A number the diff can subtract and print (NaN and inf are JSON's too; 10**400 is not a float)."""
+    if x is None:
+        return none
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return -2**63 < x < 2**63 if isinstance(x, int) else x == x
 
 
 def _problem(doc: dict[str, Any]) -> str | None:
@@ -122,9 +127,9 @@ def _problem(doc: dict[str, Any]) -> str | None:
             if not isinstance(by, dict) or not all(_num(by.get(k)) for k in ("kept_peak", "kept_mean", "saved_peak",
                                                                               "saved_mean")):
                 return f"{where}.bytes: kept_peak, kept_mean, saved_peak, saved_mean are not all numbers"
-            if not isinstance(overall, dict) or not all(isinstance(v, dict) and _num(v.get("mean"), none=True)
-                                                        for v in overall.values()):
-                return f"{where}.overall: each measure needs a mean (a number or null)"
+            if not isinstance(overall, dict) or not all(k in NEEDS and isinstance(v, dict) and _num(v.get("mean"), none=True)
+                                                        for k, v in overall.items()):
+                return f"{where}.overall: each measure ({', '.join(NEEDS)}) needs a mean (a number or null)"
             if not isinstance(layers, list) or not all(
                     isinstance(row, dict) and _num(row.get("layer")) and float(row["layer"]).is_integer()
                     and all(isinstance(row.get(m, []), list) for m in NEEDS) for row in layers):
