@@ -39,6 +39,7 @@ COUNTER_NAMES = {
     "allocator_allocated": "allocator allocated",
     "allocator_inactive_split": "allocator inactive split",
     "kv_bytes": "kv cache",
+    "kv_retained": "kv alive after its request",
 }
 INSTANT_KINDS = (
     schema.EventKind.REQUEST_START, schema.EventKind.PREFILL_START, schema.EventKind.PREFILL_END,

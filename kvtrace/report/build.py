@@ -51,8 +51,10 @@ def _span(name: str, values: list[int], limit: int = 6) -> str:
 
 
 def _code(fix: str | None) -> str:
-    """A fix as copy-paste code, or a dash when none is known."""
-    return "-" if fix is None else f"<code>{escape(fix)}</code>"
+    """A fix as a copy-paste code block, or a dash when none is known. A block, not inline code:
+    an inline background wrapped over two lines in a narrow cell painted over the line above
+    (underscores and descenders hidden: issue 33)."""
+    return "-" if fix is None else f'<pre class="fix"><code>{escape(fix)}</code></pre>'
 
 
 def _fmt(n: int | None) -> str:
@@ -222,22 +224,28 @@ class _Builder:
             return
         drawn, missing = figures.post_eos_bars(mems)
         self.add_figure(s, "post_eos", fig,
-                        f"Drawn: {', '.join(drawn)}. Residual = what stays above the request's own baseline "
+                        f"Drawn: {', '.join(drawn)}. KV alive after the request = its KV storages the recorder "
+                        "still found alive (weak references, after gc.collect()) once the caller could drop the "
+                        "output: proof of retention. Residual = what stays above the request's own baseline "
                         "after gc.collect() then torch.cuda.empty_cache(); process RSS also counts memory the C "
                         "allocator keeps after frees, so an RSS residual is a hint, not proof of retention.")
         if missing:
             self.absent_bars(s, missing)
         cols = [("baseline", lambda m: m.baseline_allocated), ("peak allocated", lambda m: m.peak_allocated),
-                ("peak KV", lambda m: m.peak_kv), ("after return", lambda m: m.after_return_allocated),
+                ("peak KV", lambda m: m.peak_kv), ("KV alive after", lambda m: m.kv_alive_after),
+                ("after return", lambda m: m.after_return_allocated),
                 ("after gc", lambda m: m.after_gc_allocated),
                 ("after empty_cache", lambda m: m.after_empty_cache_allocated),
                 ("residual (allocator)", lambda m: m.residual_allocated),
                 ("residual (NVML)", lambda m: m.residual_nvml), ("baseline RSS", lambda m: m.baseline_rss),
                 ("RSS after", lambda m: m.after_rss), ("residual (RSS)", lambda m: m.residual_rss)]
         cols = [(name, get) for name, get in cols if any(get(m) is not None for m in mems)]  # no all-n/a column
+        holders = any(m.holders for m in mems)  # who keeps the retained KV, where the trace names it
         rows = [(m.request, data.device_text(m.device) if m.device >= -1 else "-",  # -2: no readings
-                 *(_fmt(get(m)) for _, get in cols)) for m in mems]
-        s.body.append(html.table(["request", "device", *(name for name, _ in cols)], rows,
+                 *(_fmt(get(m)) for _, get in cols), *((", ".join(m.holders) or "-",) if holders else ()))
+                for m in mems]
+        s.body.append(html.table(["request", "device", *(name for name, _ in cols),
+                                  *(("KV held by (types referring to it)",) if holders else ())], rows,
                                  tuple(range(2, 2 + len(cols)))))
 
     def absent_bars(self, s: html.Section, missing: list[str]) -> None:

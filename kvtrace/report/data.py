@@ -122,17 +122,88 @@ def memory_timelines(src: Source) -> list[DeviceTimeline]:
     # it is the only device-level memory signal there is.
     proc = trace.process()
     add(-1, "process_rss", proc["t_ns"], proc["rss_bytes"], "telemetry/process")
-    for dev, (t, v) in kv_totals_by_device(src).items():
+    totals = kv_totals_by_device(src)
+    for dev, (t, v) in totals.items():
         add(dev, "kv_bytes", t, v, "kv")
+    events = trace.events()
+    last_event = int(events["t_ns"].max()) if events.size else 0
+    for dev, (t, v) in retained_by_device(trace).items():
+        if dev in totals:  # drawn to the trace's last event (the check at close): alive as far as it knows
+            last = max(int(totals[dev][0][-1]), int(t[-1]), last_event)
+            add(dev, "kv_retained", np.append(t, last), np.append(v, v[-1]), "retention")
     return [by_device[d] for d in sorted(by_device)]
 
 
-def kv_totals_by_device(src: Source) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Total unique KV bytes per (request, step), split by the device holding each layer.
+@dataclass
+class Retained:
+    """KV storages of one request still alive after it, on one device (the /retention proof)."""
 
-    One point per step, stamped with the last layer's time of that step, and a 0 at each finished
-    request's end: the series is the KV of the request in flight, so it must not read like a leak
-    after the request (what outlives it is post_eos's finding, from the retention proof)."""
+    request: int
+    device: int
+    nbytes: int  # unique storage bytes
+    layers: list[int]
+    holders: list[str]  # type names of the objects still referring to them, first seen first
+
+
+def retained_kv(trace: Trace) -> list[Retained]:
+    """Every (request, device) with KV storage alive after the request, storages counted once."""
+    rows = trace.retention()
+    out: dict[tuple[int, int], Retained] = {}
+    seen: set[tuple[int, int, int]] = set()
+    for r in rows:
+        key = (int(r["request"]), int(r["device"]))
+        item = out.setdefault(key, Retained(key[0], key[1], 0, [], []))
+        if (key[0], key[1], int(r["storage"])) not in seen:
+            seen.add((key[0], key[1], int(r["storage"])))
+            item.nbytes += int(r["nbytes"])
+        if int(r["layer"]) >= 0 and int(r["layer"]) not in item.layers:
+            item.layers.append(int(r["layer"]))
+        for name in trace.text(int(r["referrers_off"]), int(r["referrers_len"])).split(","):
+            if name.strip() and name.strip() not in item.holders:
+                item.holders.append(name.strip())
+    return [out[k] for k in sorted(out)]
+
+
+def retention_checked(trace: Trace) -> set[int]:
+    """Requests the recorder ran its retention check for (its NOTE "retention checked at ...")."""
+    notes = trace.events(schema.EventKind.NOTE)
+    return {int(e["request"]) for e in notes
+            if trace.text(int(e["text_off"]), int(e["text_len"])).startswith("retention checked")}
+
+
+def retained_by_device(trace: Trace) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per device, the KV proved alive after finished requests, summed: a step up at each such
+    request's end by what it left alive. The recorder proves the storages alive at its retention
+    check and records no release after it, so what a request left stays drawn to the trace's end."""
+    ends = {int(r["request"]): int(r["end_ns"]) for r in trace.requests() if int(r["end_ns"]) > 0}
+    steps: dict[int, list[tuple[int, int]]] = {}
+    for item in retained_kv(trace):
+        if item.request in ends and item.nbytes > 0:
+            steps.setdefault(item.device, []).append((ends[item.request], item.nbytes))
+    out = {}
+    for dev, items in steps.items():
+        items.sort()
+        out[dev] = (np.array([t for t, _ in items], dtype=np.int64),
+                    np.cumsum([b for _, b in items]).astype(np.int64))
+    return out
+
+
+def _retained_at(retained: tuple[np.ndarray, np.ndarray] | None, t: np.ndarray) -> np.ndarray:
+    """The retained total (:func:`retained_by_device`) in effect at each time of ``t``."""
+    if retained is None:
+        return np.zeros(t.size, dtype=np.int64)
+    at = np.searchsorted(retained[0], t, side="right")
+    return np.where(at > 0, retained[1][np.maximum(at - 1, 0)], 0).astype(np.int64)
+
+
+def kv_totals_by_device(src: Source) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Total unique KV bytes alive per (request, step), split by the device holding each layer.
+
+    One point per step, stamped with the last layer's time of that step, plus one at each finished
+    request's end. At a request's end the series falls to what is still alive: 0 when the request's
+    cache was freed, or the KV the retention check found alive after it (/retention), which stays
+    counted in every later point (:func:`retained_by_device`): a retention bug reads as the steps
+    it is, never as a cache that was released."""
     sums: dict[tuple[int, int, int], list[int]] = {}
     for rows in iter_rows(src, "kv"):
         if not rows.size:
@@ -149,15 +220,18 @@ def kv_totals_by_device(src: Source) -> dict[int, tuple[np.ndarray, np.ndarray]]
             acc = sums.setdefault(key, [0, 0])
             acc[0] += int(round(total))
             acc[1] = max(acc[1], int(tmax))
-    ends = {int(r["request"]): int(r["end_ns"]) for r in _trace(src).requests() if int(r["end_ns"]) > 0}
+    trace = _trace(src)
+    ends = {int(r["request"]): int(r["end_ns"]) for r in trace.requests() if int(r["end_ns"]) > 0}
+    retained = retained_by_device(trace) if sums else {}
     out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for dev in sorted({k[0] for k in sums}):
         items = sorted((v[1], v[0]) for k, v in sums.items() if k[0] == dev)
         for rid in sorted({k[1] for k in sums if k[0] == dev and k[1] in ends}):
             items.append((ends[rid], 0))
         items.sort()
-        out[dev] = (np.array([i[0] for i in items], dtype=np.int64),
-                    np.array([i[1] for i in items], dtype=np.int64))
+        t = np.array([i[0] for i in items], dtype=np.int64)
+        v = np.array([i[1] for i in items], dtype=np.int64)
+        out[dev] = (t, v + _retained_at(retained.get(dev), t))
     return out
 
 
@@ -332,6 +406,8 @@ class RequestMemory:
     end_inactive_split: int | None
     baseline_rss: int | None = None  # process RSS (host memory) before the request
     after_rss: int | None = None  # the latest of after empty_cache / after gc / after return
+    kv_alive_after: int | None = None  # KV storage proved alive after the request (/retention)
+    holders: list[str] = field(default_factory=list)  # what refers to that storage (type names)
 
     @property
     def residual_rss(self) -> int | None:
@@ -377,6 +453,10 @@ def request_memory(trace: Trace) -> list[RequestMemory]:
     out: list[RequestMemory] = []
     requests = sorted({int(r) for r in trace.requests()["request"]} |
                       {int(r) for r in readings["request"] if r >= 0})
+    # None where no retention check ran for the request (nothing can be said), 0 where one ran and
+    # nothing survived
+    checked = retention_checked(trace)
+    retained: dict[tuple[int, int], Retained] = {(x.request, x.device): x for x in retained_kv(trace)}
     for r in requests:
         mine = readings[readings["request"] == r]
         s = steps[steps["request"] == r]
@@ -403,8 +483,19 @@ def request_memory(trace: Trace) -> list[RequestMemory]:
                 get(schema.ReadingLabel.BASELINE, "nvml_used_bytes"),
                 get(schema.ReadingLabel.AFTER_EMPTY_CACHE, "nvml_used_bytes"),
                 peak_kv, *end, get(schema.ReadingLabel.BASELINE, "rss_bytes"), after_rss,
+                *_alive(retained, r, dev, r in checked),
             ))
     return [m for m in out if m.device != -2 or m.peak_kv is not None]
+
+
+def _alive(retained: dict[tuple[int, int], Retained], request: int, device: int, tracked: bool
+           ) -> tuple[int | None, list[str]]:
+    """(KV bytes alive after ``request`` on ``device``, their holders); every device's for -2 (no
+    readings); (None, []) when the recording did not track retention."""
+    mine = [x for (r, d), x in retained.items() if r == request and device in (d, -2)]
+    if not mine:
+        return (0 if tracked else None), []
+    return sum(x.nbytes for x in mine), list(dict.fromkeys(h for x in mine for h in x.holders))
 
 
 def _end_state(rd: np.ndarray, alloc: np.ndarray, device: int, end_ns: int

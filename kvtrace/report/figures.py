@@ -36,7 +36,8 @@ SERIES_STYLE = {
     "allocator_reserved": ("allocator reserved", "#1f77b4", "-"),
     "allocator_allocated": ("allocator allocated", "#2ca02c", "-"),
     "allocator_inactive_split": ("allocator inactive split", "#9467bd", ":"),
-    "kv_bytes": ("KV cache (unique bytes)", "#d62728", "-"),
+    "kv_bytes": ("KV cache alive (unique bytes)", "#d62728", "-"),
+    "kv_retained": ("KV still alive after its request (retention proof)", "#7a0019", "--"),
     "process_rss": ("process RSS (host memory)", "#8c564b", "-"),
 }
 MARKER_STYLE = {
@@ -94,7 +95,7 @@ def close(fig: Figure) -> None:
 
 
 # Series drawn in the lower panel: small next to device totals, so they get their own scale.
-DETAIL_SERIES = ("kv_bytes", "allocator_inactive_split")
+DETAIL_SERIES = ("kv_bytes", "kv_retained", "allocator_inactive_split")
 
 
 def memory_timeline(tl: DeviceTimeline, markers: Sequence[Marker], t0_ns: int) -> Figure | None:
@@ -113,7 +114,7 @@ def memory_timeline(tl: DeviceTimeline, markers: Sequence[Marker], t0_ns: int) -
         for s in series:
             t, v = decimate(s.t_ns, s.values)
             label, colour, style = SERIES_STYLE.get(s.name, (s.name, None, "-"))
-            drawstyle = "steps-post" if s.source == "kv" else "default"
+            drawstyle = "steps-post" if s.source in ("kv", "retention") else "default"
             ax.plot((t - t0_ns) / 1e9, v / scale, style, color=colour, label=label, lw=1.2,
                     drawstyle=drawstyle)
         seen: set[str] = set()
@@ -206,6 +207,7 @@ def _grouped_bars(ax, labels: list[str], groups: dict[str, list[float | None]], 
 POST_EOS_BARS: tuple[tuple[str, Callable[[RequestMemory], int | None]], ...] = (
     ("baseline (allocated)", lambda m: m.baseline_allocated),
     ("peak KV", lambda m: m.peak_kv),
+    ("KV alive after the request (retention proof)", lambda m: m.kv_alive_after),
     ("residual after gc + empty_cache (allocated)", lambda m: m.residual_allocated),
     ("residual after gc + empty_cache (NVML)", lambda m: m.residual_nvml),
     ("residual process RSS (host)", lambda m: m.residual_rss),

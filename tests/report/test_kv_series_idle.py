@@ -1,6 +1,7 @@
-"""The report's (and Perfetto's) KV series is the KV of the request in flight: it returns to 0 at
-each finished request's end instead of holding its last value, which read like a leak (issue 19).
-What outlives a request is post_eos's finding, not this series."""
+"""The report's (and Perfetto's) KV series is the KV alive: it returns to 0 at each finished
+request's end instead of holding its last value, which read like a leak (issue 19), unless the
+retention check proved KV alive after the request (then it falls to that: issue 33,
+tests/report/test_report_retention.py)."""
 
 from __future__ import annotations
 
