@@ -163,10 +163,20 @@ class CapacityPlan:
     memory_utilization: float
     notes: tuple[str, ...] = field(default_factory=tuple)
     weight_dtype: str = ""  # e.g. "mxfp4 MLP/experts, bf16 rest"
+    # Hybrid models (kvtrace.geometry.hybrid): the conv / recurrent state every sequence holds,
+    # constant in tokens; counted in kv_bytes_needed and max_concurrent_requests beside the KV.
+    state_layers: int = 0
+    state_bytes_per_sequence_total: int = 0
+    state_bytes_per_sequence: int = 0  # per GPU
+    state_bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    state_dtype_bytes: int = 0  # element size of conv / other states (recurrent states are float32)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["notes"] = list(self.notes)
+        if not self.state_layers:  # documents of attention-only models keep their keys
+            for key in [k for k in d if k.startswith("state_")]:
+                del d[key]
         return d
 
 
@@ -196,6 +206,7 @@ def plan_capacity(
     cache_kind: str = "dynamic",
     encoder_len: int | None = None,
     mla_cache: G.MlaCacheMode = "latent",
+    state_dtype_bytes: int | None = None,
 ) -> CapacityPlan:
     """Plan KV/weight memory for ``context_len`` tokens per request on GPUs of ``gpu_memory_bytes``.
 
@@ -206,7 +217,9 @@ def plan_capacity(
     (:func:`checkpoint_weight_dtypes`; a preset's when ``config_dict`` names one). ``batch``: concurrent requests to check
     (None: one; ``max_concurrent_requests`` is computed either way). ``cache_kind``: ``"dynamic"`` or
     ``"static"`` (preallocated to ``context_len``). ``encoder_len``: encoder tokens held by
-    cross-attention layers of encoder-decoder models (None: ``context_len``).
+    cross-attention layers of encoder-decoder models (None: ``context_len``). ``state_dtype_bytes``:
+    element size of a hybrid model's conv states (None: the KV's, or 2 when the KV is 1-byte fp8,
+    a quantised cache beside bf16 activations); recurrent states are float32.
     """
     cfg, label = load_config(config_dict)
     if context_len < 1:
@@ -274,6 +287,9 @@ def plan_capacity(
         notes.append(f"cross-attention layers hold {enc} encoder tokens.")
 
     pc = G.param_count(cfg)
+    counted = None if pc.exact else _preset_params(cfg, label)
+    if counted is not None:  # a hybrid preset: transformers' own count (kvtrace.presets.Preset.params)
+        pc = G.ParamCount(0, 0, 0, 0, 0, counted, True)
     if not pc.exact:
         notes.append("parameter count is a llama-like estimate for this model type.")
     if weight_dtype_bytes is not None:
@@ -286,11 +302,14 @@ def plan_capacity(
     w_total = int(math.ceil(w_exact))
     w_rank = int(math.ceil(w_total / tp))
 
+    state = _state(cfg, kv_b if state_dtype_bytes is None else int(state_dtype_bytes), tp, notes)
+    per_seq = req_rank + state["per_rank"]
+
     reserve = int(gpu_memory_bytes * reserve_fraction)
     available = gpu_memory_bytes - reserve - w_rank
-    needed = n_req * req_rank
+    needed = n_req * per_seq
     fits = available >= needed
-    max_conc = available // req_rank if (available > 0 and req_rank > 0) else 0
+    max_conc = available // per_seq if (available > 0 and per_seq > 0) else 0
     if available <= 0:
         notes.append("weights and reserve alone exceed GPU memory.")
     util = (w_rank + reserve + needed) / gpu_memory_bytes
@@ -334,7 +353,52 @@ def plan_capacity(
         memory_utilization=util,
         notes=tuple(notes),
         weight_dtype=w_label,
+        state_layers=state["layers"],
+        state_bytes_per_sequence_total=state["total"],
+        state_bytes_per_sequence=state["per_rank"],
+        state_bytes_by_kind=state["by_kind"],
+        state_dtype_bytes=state["dtype_bytes"],
     )
+
+
+def _preset_params(cfg: Mapping[str, Any], label: str) -> int | None:
+    """The parameter count a preset states for itself (hybrid models, counted by transformers), when
+    ``cfg`` is that preset's config (same model type, width and depth), else None."""
+    from kvtrace import presets
+
+    try:
+        p = presets.get_preset(label)
+    except KeyError:
+        return None
+    mine = p.config_dict()
+    same = all(G.text_config(cfg).get(k) == mine.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers"))
+    return p.params if same else None
+
+
+def _state(cfg: Mapping[str, Any], dtype_bytes: int, tp: int, notes: list[str]) -> dict[str, Any]:
+    """The per-sequence state of a hybrid model (kvtrace.geometry.hybrid): layers, bytes for the
+    whole model and per rank, bytes by kind; zeros for attention-only models. A state layout the
+    geometry does not model is a note, not a guess."""
+    from kvtrace.geometry.hybrid import state_geometry
+
+    none = {"layers": 0, "total": 0, "per_rank": 0, "by_kind": {}, "dtype_bytes": 0}
+    try:
+        sg = state_geometry(cfg)
+    except ValueError as exc:
+        notes.append(f"recurrent/conv state not counted: {exc}.")
+        return none
+    if sg is None:
+        return none
+    size = dtype_bytes if dtype_bytes >= 2 else 2  # an fp8 KV cache does not make activations fp8
+    total = sg.bytes_per_sequence(size)
+    kinds = sg.by_kind(size)
+    f32 = " (recurrent states in float32)" if "recurrent" in kinds else ""
+    notes.append(f"{len(sg.layers)} {sg.mixer.replace('_', ' ')} layers hold {format_bytes(total)} of state per "
+                 f"sequence, whatever its length{f32}; counted per concurrent sequence beside the KV.")
+    if tp > 1:
+        notes.append(f"state split evenly across the tp={tp} ranks (its heads shard like attention heads).")
+    return {"layers": len(sg.layers), "total": total, "per_rank": int(math.ceil(total / tp)),
+            "by_kind": kinds, "dtype_bytes": size}
 
 
 def format_plan(plan: CapacityPlan) -> str:
@@ -363,13 +427,21 @@ def format_plan(plan: CapacityPlan) -> str:
         f"  KV per request    {fb(plan.kv_bytes_per_request_total)} at {plan.context_len:,} tokens"
         + (f"; {fb(plan.kv_bytes_per_request)}{per_gpu}" if plan.tp > 1 else "")
         + " (" + ", ".join(f"{k} {fb(v)}" for k, v in plan.kv_bytes_per_request_by_kind.items()) + ")",
+    ]
+    if plan.state_layers:
+        lines.append(
+            f"  state per request {fb(plan.state_bytes_per_sequence_total)} in {plan.state_layers} layers, constant in tokens"
+            + (f"; {fb(plan.state_bytes_per_sequence)}{per_gpu}" if plan.tp > 1 else "")
+            + " (" + ", ".join(f"{k} {fb(v)}" for k, v in plan.state_bytes_by_kind.items()) + ")")
+    per_request = "KV + state each; " if plan.state_layers else ""
+    lines += [
         f"  GPU memory        {fb(plan.gpu_memory_bytes)}{per_gpu}, reserve {plan.reserve_fraction:.0%} = "
         f"{fb(plan.reserve_bytes)}",
         f"  available for KV  {fb(plan.available_kv_bytes)}{per_gpu}",
         f"  {plan.batch:>3} request(s)    need {fb(plan.kv_bytes_needed)}{per_gpu}: "
         f"{'FITS' if plan.fits else 'DOES NOT FIT'}, headroom {fb(plan.headroom_bytes)}",
         f"  max concurrent    {plan.max_concurrent_requests:,} requests at {plan.context_len:,} tokens "
-        f"(warn at {plan.concurrency_warning_at:,}); utilisation {plan.memory_utilization:.0%}",
+        f"({per_request}warn at {plan.concurrency_warning_at:,}); utilisation {plan.memory_utilization:.0%}",
     ]
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)

@@ -52,6 +52,10 @@ class Preset:
     # how the released checkpoint stores its weights, by part ("default", "attention", "mlp"):
     # what `kvtrace calc` counts unless told otherwise (kvtrace.calc.WEIGHT_DTYPE_BYTES names)
     weight_dtypes: Mapping[str, str] = field(default_factory=lambda: {"default": "bf16"})
+    # parameters of the transformers model these overrides build (meta device), where
+    # kvtrace.geometry.param_count has no exact formula for the family (hybrid models' state mixers):
+    # what `kvtrace calc --preset` counts (tests/geometry/test_presets.py checks it against transformers)
+    params: int | None = None
 
     def config_dict(self) -> dict[str, Any]:
         """``{"model_type": ..., **overrides}`` (a deep copy): what the geometry functions accept."""
@@ -199,6 +203,82 @@ _add(Preset(
     "deepseek-ai/DeepSeek-V2-Lite config.json",
 ))
 
+# ---- hybrid models: attention beside layers holding a constant-size conv / recurrent state -------
+# (kvtrace.geometry.hybrid; format 1.5 /state). kvtrace.geometry.param_count has no exact formula for
+# their state mixers: `params` is transformers' own count of the model these overrides build.
+LIN = "linear_attention"
+_add(Preset(
+    "qwen3-next-80b-a3b", "Qwen3-Next 80B-A3B: 36 gated delta-net layers (16 key / 32 value heads x 128, conv 4) "
+    "and 12 full-attention layers (16 query / 2 KV heads x 256), 512 experts (top-10)", "qwen3_next",
+    dict(hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16,
+         num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+         linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, num_experts=512,
+         num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+         decoder_sparse_step=1, norm_topk_prob=True, vocab_size=151936, max_position_embeddings=262144,
+         rms_norm_eps=1e-6, tie_word_embeddings=False, layer_types=[LIN, LIN, LIN, FULL] * 12,
+         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+         bos_token_id=151643, eos_token_id=151645),
+    "transformers Qwen3NextConfig defaults (its docstring: 'the Qwen3-Next-80B-A3B style configuration', checkpoint "
+    "Qwen/Qwen3-Next-80B-A3B-Instruct) for every attention, linear-attention and expert field; intermediate_size "
+    "5120, max_position_embeddings 262144 and rope_theta 1e7 as published in its config.json (recalled, not "
+    "downloaded here; intermediate_size is unused: every layer is MoE)", aliases=("qwen3-next",), tiny_layers=4, params=79_674_391_296
+))
+_add(Preset(
+    "falcon-h1-7b", "Falcon-H1 7B: 44 parallel hybrid layers, each attention (12 query / 2 KV heads x 128) beside "
+    "Mamba-2 (24 heads x 128, state 256, conv 4)", "falcon_h1",
+    dict(hidden_size=3072, intermediate_size=12288, num_hidden_layers=44, num_attention_heads=12,
+         num_key_value_heads=2, head_dim=128, mamba_d_ssm=3072, mamba_n_heads=24, mamba_d_head=128,
+         mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+         vocab_size=130048, max_position_embeddings=262144, rms_norm_eps=1e-5, tie_word_embeddings=False,
+         pad_token_id=0, bos_token_id=1, eos_token_id=11),
+    "depth, width, heads, KV heads, Mamba heads, head dims and state size: the Falcon-H1 table of transformers' "
+    "model_doc/falcon_h1.md (H1 7B: 44 / 3072 / 12 / 2 / 24 / 128,128 / 256); mamba_d_ssm = 24 x 128; groups, "
+    "conv and expand: FalconH1Config defaults (1, 4, 2); vocab 130048, intermediate 12288 and eos 11 as published "
+    "in tiiuae/Falcon-H1-7B-Instruct config.json (recalled, not downloaded here)", tiny_layers=2, params=7_585_513_568
+))
+_add(Preset(
+    "jamba-v0.1", "AI21 Jamba v0.1 (52B, 12B active): 32 layers, attention (32 query / 8 KV heads x 128) every "
+    "8th from layer 4, Mamba-1 elsewhere (inner 8192, state 16, conv 4), 16 experts (top-2) every 2nd layer",
+    "jamba",
+    dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+         num_key_value_heads=8, attn_layer_period=8, attn_layer_offset=4, expert_layer_period=2,
+         expert_layer_offset=1, num_experts=16, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,
+         mamba_expand=2, mamba_dt_rank=256, mamba_conv_bias=True, mamba_proj_bias=False, vocab_size=65536,
+         max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False,
+         pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "transformers JambaConfig defaults (checkpoint ai21labs/Jamba-v0.1); Jamba-1.5-Mini keeps this layout "
+    "(32 layers, 1 attention : 7 Mamba, 16 experts)", aliases=("jamba", "jamba-1.5-mini"), tiny_layers=5, params=51_570_323_328
+))
+_add(Preset(
+    "lfm2-1.2b", "Liquid LFM2 1.2B: 16 layers, 10 short-convolution (kernel 3) and 6 attention "
+    "(32 query / 8 KV heads x 64) at layers 2, 5, 8, 10, 12, 14", "lfm2",
+    dict(hidden_size=2048, intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32,
+         num_key_value_heads=8, conv_L_cache=3, conv_bias=False, block_multiple_of=256,
+         block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True, vocab_size=65536,
+         max_position_embeddings=128000, norm_eps=1e-5, tie_word_embeddings=True,
+         layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+         pad_token_id=0, bos_token_id=1, eos_token_id=7),
+    "LiquidAI/LFM2-1.2B config.json (hidden 2048, 16 layers, 32/8 heads, conv_L_cache 3, full_attn_idxs "
+    "[2, 5, 8, 10, 12, 14], vocab 65536; recalled, not downloaded here); transformers' model_doc/lfm2.md: "
+    "'16 blocks: 10 double-gated short-range convolution blocks and 6 blocks of grouped query attention'; "
+    "Lfm2Config's docstring names the checkpoint", aliases=("lfm2",), tiny_layers=3, params=1_170_340_608
+))
+_add(Preset(
+    "nemotron-h-8b", "NVIDIA Nemotron-H 8B: 52 layers, 24 Mamba-2 (128 heads x 64, 8 groups, state 128, conv 4), "
+    "4 attention (32 query / 8 KV heads x 128), 24 MLP", "nemotron_h",
+    dict(hidden_size=4096, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+         ssm_state_size=128, mamba_num_heads=128, mamba_head_dim=64, n_groups=8, conv_kernel=4, expand=2,
+         mamba_ssm_cache_dtype="float32", vocab_size=131072, max_position_embeddings=8192,
+         layers_block_type=[{"M": "mamba", "*": "attention", "-": "mlp"}[c]
+                            for c in "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"],
+         num_hidden_layers=52, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "transformers NemotronHConfig defaults for every attention and Mamba field (hidden 4096, 32/8 heads x 128, "
+    "128 Mamba heads x 64, 8 groups, state 128, conv 4; their in_proj width 2*8192 + 2*8*128 + 128 = 18560 is "
+    "the published Nemotron-H-8B-Base-8K's); the 52-layer pattern M-M-M-M*-... of nvidia/Nemotron-H-8B-Base-8K "
+    "(hybrid_override_pattern, as published in NeMo / Megatron-Bridge docs)", aliases=("nemotron-h",),
+    tiny_layers=8, params=8_100_852_736
+))
+
 
 def list_presets() -> list[str]:
     """Names of the built-in presets."""
@@ -242,6 +322,8 @@ def _shrink_depth(d: dict[str, Any], layers: int) -> None:
     d["num_hidden_layers"] = layers
     if "layer_types" in d:
         d["layer_types"] = types
+    if isinstance(d.get("layers_block_type"), list):  # nemotron_h / zamba2 spell their layout here
+        d["layers_block_type"] = d["layers_block_type"][:layers]
     shared = int(d.get("num_kv_shared_layers") or 0)
     if shared:
         # keep the consumer share; drop consumers until every consumer type has a producer
@@ -420,6 +502,8 @@ def _describe_kinds(geom: _geometry.ModelGeometry) -> str:
         g = next(x for x in geom.layers if x.kind == kind)
         if kind == "shared_consumer":
             parts.append(f"{count} shared (reuse KV)")
+        elif kind == "no_kv":
+            parts.append(f"{count} without KV (state, MLP)")
         elif kind == "latent":
             parts.append(f"{count} MLA latent {g.k_head_dim}+{g.v_head_dim}")
         else:
@@ -431,27 +515,32 @@ def _describe_kinds(geom: _geometry.ModelGeometry) -> str:
 
 
 def presets_markdown(dtype_bytes: int = 2, contexts: tuple[int, ...] = (8192, 131072)) -> str:
-    """The preset table of ``docs/presets.md`` (KV bytes in binary units, ``dtype_bytes`` per element)."""
+    """The preset table of ``docs/presets.md`` (KV bytes in binary units, ``dtype_bytes`` per element;
+    hybrid models' conv/recurrent state per sequence, recurrent states in float32)."""
     from kvtrace.units import format_bytes
 
     def fb(n: int) -> str:
         return format_bytes(n, precision=2)
 
+    from kvtrace.geometry.hybrid import state_geometry
+
     ctx_heads = " | ".join(f"KV @ {c // 1024}Ki tokens" for c in contexts)
     lines = [
         f"| preset | model_type | params | layers: KV heads x head dim | query heads | KV/token | "
-        f"vs MHA | {ctx_heads} |",
-        "|" + "---|" * (7 + len(contexts)),
+        f"vs MHA | {ctx_heads} | state/sequence |",
+        "|" + "---|" * (8 + len(contexts)),
     ]
     for name in list_presets():
         p = get_preset(name)
         geom = preset_geometry(name)
         bpt = _geometry.bytes_per_token(geom, dtype_bytes)["total"]
         mha = _geometry.mha_equivalent_bytes_per_token(geom, dtype_bytes)
-        params = _geometry.param_count(p.config_dict()).total
+        params = p.params if p.params is not None else _geometry.param_count(p.config_dict()).total
         at = " | ".join(fb(_geometry.kv_bytes(geom, c, dtype_bytes).allocated) for c in contexts)
+        sg = state_geometry(p.config_dict())
+        state = f"{fb(sg.bytes_per_sequence(dtype_bytes))} ({len(sg.layers)} layers)" if sg is not None else "none"
         lines.append(
             f"| `{name}` | {p.model_type} | {params / 1e9:.2f} bn | {_describe_kinds(geom)} | "
-            f"{geom.num_attention_heads} | {fb(bpt)} | {bpt / mha:.1%} | {at} |"
+            f"{geom.num_attention_heads} | {fb(bpt)} | {bpt / mha:.1%} | {at} | {state} |"
         )
     return "\n".join(lines)

@@ -34,7 +34,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # ids carry the release they ran under, so a failure says which one.
 VERSION_SENSITIVE = (
     "tests/recorder/", "tests/serving_detectors/", "tests/geometry/test_geometry_sweep.py",
-    "tests/geometry/test_geometry_measured.py", "tests/accuracy/test_accuracy.py", "tests/whatif/test_rerun.py",
+    "tests/geometry/test_geometry_measured.py", "tests/geometry/test_hybrid_geometry.py", "tests/accuracy/test_accuracy.py",
+    "tests/whatif/test_rerun.py",
 )
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

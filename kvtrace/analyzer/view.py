@@ -136,6 +136,47 @@ class TraceView:
         return rows if step is None else rows[rows["step"] == step]
 
 
+    # ---- hybrid caches (format 1.5 /state; empty for older traces and attention-only models) ---------
+
+    @cached_property
+    def state(self) -> np.ndarray:
+        """/state rows, refused (exit 1) when a row breaks the spec's §7 rules."""
+        from kvtrace.format.state_rules import checked_state
+
+        return checked_state(self.trace)
+
+    @cached_property
+    def state_steps(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(request, step) -> (unique, valid) state bytes of that step: what the cache held beside its
+        KV, each storage once (Σ /state bytes_unique; valid: the states' own bytes)."""
+        rows = self.state
+        if not rows.size:
+            return {}
+        key = rows["request"].astype(np.int64) << 32 | rows["step"].astype(np.int64)
+        keys, inverse = np.unique(key, return_inverse=True)
+        unique = np.bincount(inverse, weights=rows["bytes_unique"].astype(np.float64))
+        valid = np.bincount(inverse, weights=rows["bytes_valid"].astype(np.float64))
+        return {(int(k >> 32), int(k & 0xFFFFFFFF)): (int(u), int(v))
+                for k, u, v in zip(keys.tolist(), unique.tolist(), valid.tolist(), strict=True)}
+
+    def state_bytes(self, request: int, step: int) -> int:
+        """State bytes the cache held at (request, step) beside its KV; 0 when none was recorded."""
+        return self.state_steps.get((int(request), int(step)), (0, 0))[0]
+
+    def state_layers(self) -> dict[int, int]:
+        """layer -> its largest per-step state bytes over the trace (layers with state only)."""
+        rows = self.state
+        out: dict[int, int] = {}
+        if not rows.size:
+            return out
+        key = rows["request"].astype(np.int64) << 32 | rows["step"].astype(np.int64)
+        for layer in np.unique(rows["layer"]).tolist():
+            mine = rows["layer"] == layer
+            keys, inverse = np.unique(key[mine], return_inverse=True)
+            sums = np.bincount(inverse, weights=rows["bytes_unique"][mine].astype(np.float64))
+            out[int(layer)] = int(sums.max()) if sums.size else 0
+        return out
+
     # ---- continuous batching (format 1.4; empty arrays for older traces) ------------------------
 
     @cached_property

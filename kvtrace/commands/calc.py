@@ -214,10 +214,71 @@ def render(view: TraceView, report: AnalysisReport | None) -> tuple[dict[str, An
         "mismatched_layers": [] if last is None else [
             {"layer": a, "measured_bytes": b, "predicted_bytes": c} for a, b, c in last.mismatches[:32]],
     }
+    state = _state_check(view, config, check["request"], check["step"], itemsize)
+    if state is not None:  # hybrid models only: attention-only documents keep their keys
+        check["state"] = state
     return dict(config), view.meta.model_id, itemsize, check
 
 
+def _state_check(view: TraceView, config: dict[str, Any], request: int | None, step: int | None,
+                 itemsize: int) -> dict[str, Any] | None:
+    """A hybrid trace's recorded state (format 1.5 /state) at the checked step against
+    kvtrace.geometry.hybrid's prediction (batch x per-sequence bytes, layer by layer); None when the
+    trace holds no state."""
+    from kvtrace.format import schema
+    from kvtrace.geometry.hybrid import state_geometry
+
+    rows = view.state
+    if not rows.size:
+        return None
+    if request is None or step is None:  # no KV step checked (a pure-SSM model): the last state step
+        request, step = max(view.state_steps)
+    at = rows[(rows["request"] == request) & (rows["step"] == step)]
+    measured: dict[int, int] = {}
+    for layer, nbytes in zip(at["layer"].tolist(), at["bytes_valid"].tolist(), strict=True):
+        measured[int(layer)] = measured.get(int(layer), 0) + int(nbytes)
+    model_dtype = at[at["kind"] != int(schema.StateKind.RECURRENT)]["dtype"]
+    size = schema.DTYPE_ITEMSIZE.get(schema.CacheDType(int(model_dtype[0])), itemsize) if model_dtype.size else itemsize
+    req = view.requests[view.requests["request"] == request]
+    batch = int(req["batch_size"][0]) if req.size and int(req["batch_size"][0]) > 0 else 1
+    out: dict[str, Any] = {"request": int(request), "step": int(step), "batch_size": batch,
+                           "measured_bytes": sum(measured.values()), "predicted_bytes": None, "equal": None,
+                           "mismatched_layers": [], "note": ""}
+    try:
+        sg = state_geometry(config)
+    except ValueError as exc:
+        out["note"] = str(exc)
+        return out
+    predicted = {k: v * batch for k, v in (sg.per_layer(size) if sg is not None else {}).items()}
+    out["predicted_bytes"] = sum(predicted.values())
+    out["equal"] = measured == predicted
+    out["mismatched_layers"] = [{"layer": k, "measured_bytes": measured.get(k, 0), "predicted_bytes": predicted.get(k, 0)}
+                                for k in sorted(set(measured) | set(predicted))
+                                if measured.get(k, 0) != predicted.get(k, 0)][:32]
+    return out
+
+
 def _format_check(check: dict[str, Any]) -> str:
+    state = _format_state_check(check["state"]) if "state" in check else ""
+    return _format_kv_check(check) + state
+
+
+def _format_state_check(st: dict[str, Any]) -> str:
+    from kvtrace.units import format_bytes
+
+    head = (f"\n  state check: request {st['request']} step {st['step']} (batch {st['batch_size']}): recorded "
+            f"{format_bytes(st['measured_bytes'])} ({st['measured_bytes']} B)")
+    if st["equal"] is None:
+        return head + f", not predicted ({st['note']})"
+    head += f", predicted {format_bytes(st['predicted_bytes'])} ({st['predicted_bytes']} B): "
+    if st["equal"]:
+        return head + "equal"
+    layers = ", ".join(f"layer {m['layer']} {m['measured_bytes']} vs {m['predicted_bytes']} B"
+                       for m in st["mismatched_layers"][:6])
+    return head + f"DIFFERENT ({layers})"
+
+
+def _format_kv_check(check: dict[str, Any]) -> str:
     from kvtrace.units import format_bytes
 
     if check["equal"] is None:

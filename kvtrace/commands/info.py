@@ -156,7 +156,9 @@ def _print(s: dict) -> None:
     echo(f"rows       kv {rows['kv']}, steps {rows['steps']}, events {rows['events']}, "
                f"nvml {rows['telemetry/nvml']}, allocator {rows['telemetry/allocator']}, "
                f"process {rows['telemetry/process']}"
-               + "".join(f", {name} {rows[name]}" for name in ("sched", "sched_groups", "blocks") if name in rows))
+               + "".join(f", {name} {rows[name]}" for name in ("sched", "sched_groups", "blocks") if name in rows)
+               + (f", state {rows['state']}" if rows.get("state") else ""))
+    _print_state(s.get("state"), echo)
     _print_serving(s.get("serving"), echo)
     kind = "incremental: new tokens per sample" if s["payloads"]["tokens"] == "new" else "whole samples"
     echo(f"payloads   {s['payloads']['count']} sampled tensors ({kind}), "
@@ -171,6 +173,18 @@ def _print(s: dict) -> None:
         for i, line in enumerate(note_lines(s["notes"], s.get("notes_unlisted", 0))):
             echo(f"{'notes:' if i == 0 else '':<11}{line}")
     echo("(sizes in binary units: KiB = 1024 B)")
+
+
+def _print_state(st: dict | None, echo: Any) -> None:
+    """Hybrid caches (format 1.5 /state): one line, or none for a trace without state."""
+    if not st:
+        return
+    kinds = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(st["by_kind"].items()))
+    per_seq = (f", {format_bytes(st['bytes_per_sequence'])} per sequence (batch {st['batch_size']})"
+               if st["batch_size"] > 1 else "")
+    kv = f" beside {format_bytes(st['kv_bytes'])} of KV" if st["kv_bytes"] >= 0 else ""
+    echo(f"state      {st['layers']} layers hold {format_bytes(st['bytes'])} of state ({kinds}){per_seq}"
+         f"{kv} (request {st['request']} step {st['step']}); constant in tokens")
 
 
 def _print_serving(sv: dict | None, echo: Any) -> None:

@@ -58,5 +58,5 @@ def checked_state(trace: object) -> np.ndarray:
     rows = trace.optional_table("state")  # type: ignore[attr-defined]
     problems = state_block_problems(rows)
     if problems:
-        raise InvalidTrace(f"{trace.path}: {sorted(problems)[0]}")  # type: ignore[attr-defined]
+        raise InvalidTrace(f"{trace.path}: {'; '.join(sorted(problems))}")  # type: ignore[attr-defined]
     return rows

@@ -33,7 +33,41 @@ def summarize(trace: Trace) -> dict[str, Any]:
     sv = serving(trace)
     if sv is not None:
         out["serving"] = sv
+    st = state(trace)
+    if st is not None:
+        out["state"] = st
     return out
+
+
+def state(trace: Trace) -> dict[str, Any] | None:
+    """Hybrid caches at a glance (1.5 /state, spec §4.18), or None when the trace holds no state:
+    the (request, step) holding the most state, its bytes by kind, per sequence, and the KV beside it."""
+    from kvtrace.format.state_rules import checked_state
+
+    rows = checked_state(trace)
+    if not rows.size:
+        return None
+    key = rows["request"].astype(np.int64) << 32 | rows["step"].astype(np.int64)
+    keys, inverse = np.unique(key, return_inverse=True)
+    totals = np.bincount(inverse, weights=rows["bytes_unique"].astype(np.float64))
+    top = int(totals.size - 1 - np.argmax(totals[::-1]))  # the latest (request, step) holding the most
+    at = rows[inverse == top]
+    request, step = int(keys[top] >> 32), int(keys[top] & 0xFFFFFFFF)
+    by_kind = {schema.StateKind(int(k)).name.lower(): int(at["bytes_unique"][at["kind"] == k].sum(dtype=np.uint64))
+               for k in np.unique(at["kind"])}
+    req = trace.requests()
+    batch = req["batch_size"][req["request"] == request]
+    batch_size = int(batch[0]) if batch.size and int(batch[0]) > 0 else 1
+    steps = trace.steps(request)
+    kv = steps["kv_bytes_unique"][steps["step"] == step]
+    total = int(at["bytes_unique"].sum(dtype=np.uint64))
+    return {
+        "rows": int(rows.size),
+        "layers": int(np.unique(at["layer"][at["layer"] >= 0]).size),
+        "request": request, "step": step, "bytes": total, "by_kind": by_kind,
+        "batch_size": batch_size, "bytes_per_sequence": total // batch_size,
+        "kv_bytes": int(kv[0]) if kv.size else -1,
+    }
 
 
 def _summary(trace: Trace) -> dict[str, Any]:

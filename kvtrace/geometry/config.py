@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtrace.geometry.hybrid import hybrid_layer_types, remap_layer_types
 from kvtrace.geometry.model import MLA_CACHE_MODES, LayerGeometry, MlaCacheMode, MLADims, ModelGeometry
 from kvtrace.geometry.sharing import kv_sharing_map
 
@@ -89,12 +90,12 @@ def _per_layer_overrides(cfg: Mapping[str, Any], n_layers: int) -> dict[int, dic
 
 def _layer_types(cfg: Mapping[str, Any], n_layers: int) -> list[str]:
     """transformers-style layer types, inferred like ``cache_utils.get_layer_types_and_kwargs``."""
-    types = cfg.get("layer_types")
+    types = cfg.get("layer_types") or hybrid_layer_types(cfg)  # SSM hybrids spell it otherwise (geometry.hybrid)
     if types:
         types = list(types)
         if len(types) != n_layers:
             raise ValueError(f"layer_types has {len(types)} entries for {n_layers} layers")
-        return [str(t) for t in types]
+        return remap_layer_types(types)  # legacy names ("mamba", "attention") as transformers maps them
     if _get(cfg, "sliding_window", "sliding_window_size") is not None and cfg.get("use_sliding_window", True) is not False:
         if cfg.get("use_sliding_window") and cfg.get("max_window_layers") is not None:
             # qwen2/qwen3 hub configs: layers from max_window_layers on use the window
@@ -131,7 +132,7 @@ def _check_supported(cfg: Mapping[str, Any]) -> None:
     if looped is not None:
         raise ValueError(f"model_type {mt!r} is a recurrent-depth model ({looped!r}): its looped layers write "
                          "more cache layers than the config lists; not supported by kvtrace.geometry")
-    if not cfg.get("layer_types") and mt not in _PARALLEL_HYBRID:
+    if not cfg.get("layer_types") and mt not in _PARALLEL_HYBRID and hybrid_layer_types(cfg) is None:
         marker = next((k for k in _HYBRID_MARKERS if cfg.get(k) is not None), None)
         if marker is not None:
             raise ValueError(f"model_type {mt!r} looks like an SSM/hybrid model ({marker!r}) without "
@@ -170,7 +171,7 @@ def _num_kv_heads(cfg: Mapping[str, Any], num_heads: int) -> int:
 
 
 def _head_dim(cfg: Mapping[str, Any], num_heads: int) -> int:
-    hd = _get(cfg, "head_dim", "d_kv", "attention_head_size")
+    hd = _get(cfg, "head_dim", "d_kv", "attention_head_size", "attention_head_dim")  # the last: zamba, zamba2
     if hd is not None:
         return int(hd)
     hidden = _hidden_size(cfg)
@@ -199,6 +200,9 @@ def _decoder_layer_count(cfg: Mapping[str, Any]) -> int:
     else:
         n = _get(cfg, "num_hidden_layers", "num_layers", "n_layer")
     if n is None:
+        listed = hybrid_layer_types(cfg)  # nemotron_h: the count is its layers_block_type's length
+        if listed:
+            return len(listed)
         raise ValueError("config has no layer count (num_hidden_layers / num_layers)")
     return int(n)
 
