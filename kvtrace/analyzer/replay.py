@@ -96,6 +96,14 @@ class RequestTimeline:
     retention: np.ndarray
     # (label, device) -> last reading row: a model spread over devices has one row per device
     readings_on: dict[tuple[int, int], np.void] = field(default_factory=dict)
+    # hybrid models (format 1.5 /state): conv/recurrent state bytes beside the KV, constant in tokens
+    state_by_step: dict[int, int] = field(default_factory=dict)  # step -> unique state bytes
+    state_layers: dict[int, int] = field(default_factory=dict)  # layer -> state bytes at its largest step
+
+    @property
+    def state_bytes(self) -> int:
+        """Largest state bytes the request's cache held at one step (0: an attention-only model)."""
+        return max(self.state_by_step.values(), default=0)
 
     def reading(self, label: schema.ReadingLabel) -> np.void | None:
         return self.readings.get(int(label))
@@ -180,6 +188,7 @@ class ReplayContext:
         ev_by = _by_request(self.events[self.events["request"] >= 0]) if events.size else {}
         rd_by = _by_request(readings[readings["request"] >= 0]) if readings.size else {}
         ret_by = _by_request(retention)
+        state = _state_by_request(view)  # hybrid models' /state (format 1.5)
         self.requests: list[RequestTimeline] = []
         for r in view.requests:
             rid = int(r["request"])
@@ -201,6 +210,7 @@ class ReplayContext:
                 int(r["eos_step"]), int(r["start_ns"]), int(r["end_ns"]), srows,
                 _grid(krows),
                 ev_by.get(rid, events[:0]), rd, ret_by.get(rid, retention[:0]), rd_on,
+                *state.get(rid, ({}, {})),
             ))
         self.requests.sort(key=lambda t: (t.start_ns, t.request))
         self.unattributed_readings = readings[readings["request"] < 0] if readings.size else readings
@@ -316,6 +326,24 @@ class ReplayContext:
         if not self.devices:
             return "unknown device"
         return ", ".join(device_text(d["index"], d["name"]) for d in self.devices)
+
+
+def _state_by_request(view: TraceView) -> dict[int, tuple[dict[int, int], dict[int, int]]]:
+    """request -> (step -> state bytes, layer -> state bytes at the request's largest step), from
+    the /state rows read once (empty for attention-only traces)."""
+    by_step: dict[int, dict[int, int]] = {}
+    for (rid, step), (unique, _) in view.state_steps.items():
+        by_step.setdefault(rid, {})[step] = unique
+    out: dict[int, tuple[dict[int, int], dict[int, int]]] = {}
+    rows = view.state
+    for rid, steps in by_step.items():
+        top = max(steps, key=lambda k: (steps[k], k))
+        at = rows[(rows["request"] == rid) & (rows["step"] == top)]
+        layers: dict[int, int] = {}
+        for layer, nbytes in zip(at["layer"].tolist(), at["bytes_unique"].tolist(), strict=True):
+            layers[int(layer)] = layers.get(int(layer), 0) + int(nbytes)
+        out[rid] = (steps, layers)
+    return out
 
 
 def _sorted(rows: np.ndarray) -> np.ndarray:

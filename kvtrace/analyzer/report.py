@@ -135,7 +135,7 @@ def request_summary(ctx: ReplayContext, req: RequestTimeline) -> dict[str, Any]:
                 "bytes_allocated": int(g["bytes_allocated"][row, li]),
             })
     s = req.steps
-    return {
+    out = {
         "request": req.request,
         "outcome": req.outcome.name.lower(),
         "batch_size": req.batch_size,
@@ -155,6 +155,10 @@ def request_summary(ctx: ReplayContext, req: RequestTimeline) -> dict[str, Any]:
         "kv_alive_after_request_bytes": int(_unique_retained(req)),
         "layers": layers,
     }
+    if req.state_bytes:  # hybrid models only (format 1.5 /state): other documents keep their keys
+        out["state_bytes"] = req.state_bytes
+        out["state_layers"] = len(req.state_layers)
+    return out
 
 
 def _unique_retained(req: RequestTimeline) -> int:

@@ -107,6 +107,7 @@ _REQUEST_COLUMNS = (
     ("tokens", lambda r: f"{r['final_tokens']:,}", 0),
     ("time", lambda r: format_ns(r["duration_ns"]) if r["duration_ns"] is not None else "-", 0),
     ("peak KV", lambda r: _b(r["peak_kv_bytes"]), 1),
+    ("state", lambda r: _b(r.get("state_bytes")), 1),  # hybrid models only (drawn when a request has it)
     ("baseline", lambda r: _b(r["baseline_allocated_bytes"]), 1),
     ("peak alloc", lambda r: _b(r["peak_allocated_bytes"]), 1),
     ("retained", lambda r: _b(r["retained_allocated_bytes"]), 1),
@@ -118,9 +119,10 @@ def _requests_tables(report: AnalysisReport, console: Console) -> None:
     """The Requests table, folded to the console's width: columns no request has a value for
     are named below instead of drawn as dashes, and when one table would not fit the tokens
     and the memory columns print as two tables (cells never wrap or get cut)."""
-    cells = {h: [get(r) for r in report.requests] for h, get, _ in _REQUEST_COLUMNS}
-    empty = [h for h, _, part in _REQUEST_COLUMNS if part and report.requests and all(v == "-" for v in cells[h])]
-    cols = [(h, part) for h, _, part in _REQUEST_COLUMNS if h not in empty]
+    columns = [c for c in _REQUEST_COLUMNS if c[0] != "state" or any("state_bytes" in r for r in report.requests)]
+    cells = {h: [get(r) for r in report.requests] for h, get, _ in columns}
+    empty = [h for h, _, part in columns if part and report.requests and all(v == "-" for v in cells[h])]
+    cols = [(h, part) for h, _, part in columns if h not in empty]
     # rich's default box: 1 border + 2 padding per column, plus the closing border
     need = 1 + sum(3 + max(len(h), *(len(v) for v in cells[h]), 0) for h, _ in cols)
     parts = [[h for h, _ in cols]] if need <= console.width else [

@@ -175,6 +175,11 @@ def _print(doc: dict[str, Any]) -> None:
         c.print(f"layout effects (not a policy's): the trace's own layout allocates peak "
                 f"{format_bytes(rec['allocated_peak'])}, {format_bytes(rec['layout_peak'])} above the baseline "
                 "(views pinning larger storages, preallocation); saved = baseline - kept")
+    st = b.get("state")
+    if st:  # hybrid models (format 1.5 /state)
+        c.print(f"state: {format_bytes(st['bytes_peak'])} of conv/recurrent state per step beside the KV, which no "
+                f"token policy can evict: with it the baseline peaks at {format_bytes(st['with_state_peak'])}; "
+                "every saving below is of the KV alone")
     if doc.get("sliding", {}).get("layers"):
         sl = doc["sliding"]
         c.print(f"sliding-window layers {sl['layers']}: {'pressed' if sl['pressed'] else 'not pressed'} "

@@ -34,6 +34,7 @@ TABLES: dict[str, str] = {
     "allocator": "telemetry/allocator",
     "process": "telemetry/process",
     "payloads": "payloads/index",
+    "state": "state",  # format 1.5: hybrid models' conv/recurrent state (absent from older traces)
 }
 
 # How many bytes of each end of the file the identity hash reads (see file_identity).

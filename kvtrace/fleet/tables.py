@@ -40,7 +40,8 @@ SEVERITY_RANK = {"info": 0, "low": 1, "medium": 2, "high": 3, "critical": 4}
 
 # Per-request numbers the analyser derives (spec/analysis-json.md "requests"), joined onto requests.
 REQUEST_ANALYSIS = ("duration_ns", "final_tokens", "peak_kv_bytes", "final_kv_bytes", "baseline_allocated_bytes",
-                    "peak_allocated_bytes", "retained_allocated_bytes", "kv_alive_after_request_bytes")
+                    "peak_allocated_bytes", "retained_allocated_bytes", "kv_alive_after_request_bytes",
+                    "state_bytes")  # the last: hybrid models' conv/recurrent state (null otherwise)
 
 TELEMETRY_SCHEMA = pa.schema([
     ("trace_id", pa.string()), ("source", pa.string()), ("t_ns", pa.uint64()), ("device", pa.int16()),
@@ -85,7 +86,7 @@ TRACES_FILE = "traces.parquet"
 MANIFEST = "_manifest.json"  # which input became which trace id; its fleet_schema_version
 
 # Every table of the fleet directory, in the order views are created.
-TABLE_NAMES: tuple[str, ...] = ("traces", "requests", "layers", "steps", "kv", "events", "readings",
+TABLE_NAMES: tuple[str, ...] = ("traces", "requests", "layers", "steps", "kv", "state", "events", "readings",
                                 "retention", "telemetry", "payloads", "findings")
 
 
@@ -201,7 +202,7 @@ def trace_tables(data: TraceData) -> dict[str, pa.Table]:
     tid = data.identity["trace_id"]
     out = {"requests": _requests(data, tid), "kv": _kv(data, tid),
            "events": _events(data, tid), "telemetry": _telemetry(data, tid), "findings": _findings(data, tid)}
-    for name in ("layers", "steps", "readings", "retention", "payloads"):
+    for name in ("layers", "steps", "readings", "retention", "payloads", "state"):
         out[name] = structured(name, data.tables[name], tid)
     # last: export_one writes in this order, and a trace counts as exported once its traces file exists
     out["traces"] = _traces(data, tid, _aggregates(out["requests"], out["kv"], out["findings"]))

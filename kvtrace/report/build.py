@@ -182,9 +182,11 @@ class _Builder:
         if fp is None:
             self.none(s, "the trace has no KV rows")
             return
+        state = (" Green hatched: the conv/recurrent state of hybrid layers at that step (constant in tokens; "
+                 "stacked on the KV where a layer holds both)." if fp.state_layers.size else "")
         self.add_figure(s, "layer_footprint", figures.layer_footprint(fp),
                         "Bytes of each layer's K and V storage at the step where the KV total peaked, "
-                        "coloured by layer type; black ticks: bytes of the tokens actually held.")
+                        "coloured by layer type; black ticks: bytes of the tokens actually held." + state)
         by_type: dict[str, list[int]] = {}
         for code, a, v, u in zip(fp.layer_types, fp.bytes_allocated, fp.bytes_valid, fp.bytes_unique, strict=True):
             acc = by_type.setdefault(data.layer_type_name(code), [0, 0, 0, 0])
@@ -193,6 +195,9 @@ class _Builder:
             acc[2] += int(v)
             acc[3] += int(u)
         rows = [(k, n, format_bytes(a), format_bytes(v), format_bytes(u)) for k, (n, a, v, u) in sorted(by_type.items())]
+        if fp.state_layers.size:  # hybrid models (format 1.5 /state)
+            total = int(fp.state_bytes.sum())
+            rows.append(("conv/recurrent state", fp.state_layers.size, format_bytes(total), format_bytes(total), "-"))
         s.body.append(html.table(["layer type", "layers", "allocated", "valid", "unique"], rows, (1, 2, 3, 4)))
 
     def growth(self) -> None:

@@ -279,6 +279,9 @@ class LayerFootprint:
     bytes_allocated: np.ndarray
     bytes_valid: np.ndarray
     bytes_unique: np.ndarray
+    # hybrid models (format 1.5 /state): conv/recurrent state per layer at the same step
+    state_layers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    state_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 def peak_step(trace: Trace) -> tuple[int, int] | None:
@@ -309,10 +312,15 @@ def layer_footprint(src: Source) -> LayerFootprint | None:
     if not rows.size:
         return None
     rows = rows[np.argsort(rows["layer"], kind="stable")]
+    state = TraceView.of(src).state
+    state = state[(state["request"] == where[0]) & (state["step"] == where[1]) & (state["layer"] >= 0)]
+    state_layers, inverse = np.unique(state["layer"].astype(np.int64), return_inverse=True)
+    state_bytes = np.bincount(inverse, weights=state["bytes_allocated"].astype(np.float64)).astype(np.int64) \
+        if state.size else np.zeros(0, np.int64)
     return LayerFootprint(
         where[0], where[1], int(rows["tokens_seen"].max()), rows["layer"].astype(np.int64),
         rows["layer_type"].astype(np.int64), rows["bytes_allocated"].astype(np.int64),
-        rows["bytes_valid"].astype(np.int64), rows["bytes_unique"].astype(np.int64),
+        rows["bytes_valid"].astype(np.int64), rows["bytes_unique"].astype(np.int64), state_layers, state_bytes,
     )
 
 

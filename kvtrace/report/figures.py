@@ -134,9 +134,14 @@ def memory_timeline(tl: DeviceTimeline, markers: Sequence[Marker], t0_ns: int) -
     return fig
 
 
+STATE_COLOUR = "#2b8a3e"  # hybrid models' conv/recurrent state (format 1.5 /state)
+
+
 def layer_footprint(fp: LayerFootprint) -> Figure:
     plt = _plt()
-    unit, scale = byte_unit(max(int(fp.bytes_allocated.max(initial=0)), 1))
+    kv_of = dict(zip(fp.layers.tolist(), fp.bytes_allocated.tolist(), strict=True))
+    stacked = [kv_of.get(layer, 0) + b for layer, b in zip(fp.state_layers.tolist(), fp.state_bytes.tolist(), strict=True)]
+    unit, scale = byte_unit(max(int(fp.bytes_allocated.max(initial=0)), *stacked, 1))
     fig, ax = plt.subplots(figsize=(11, 3.6))
     names = [layer_type_name(c) for c in fp.layer_types]
     colours = [LAYER_COLOURS.get(n, "#444444") for n in names]
@@ -147,11 +152,17 @@ def layer_footprint(fp: LayerFootprint) -> Figure:
     ax.scatter(fp.layers, fp.bytes_valid / scale, marker="_", color="black", s=60, zorder=3)
     handles = [Patch(color=LAYER_COLOURS.get(n, "#444444"), label=f"{n} (allocated)") for n in dict.fromkeys(names)]
     handles.append(Line2D([], [], color="black", marker="_", ls="", label="valid bytes (tokens held)"))
-    if len(fp.layers) <= 64:
-        ax.set_xticks(fp.layers, [str(v) for v in fp.layers], fontsize=6 if len(fp.layers) > 24 else 8)
+    if fp.state_layers.size:  # stacked on a layer's KV where it has both (parallel hybrids)
+        bottoms = [kv_of.get(layer, 0) / scale for layer in fp.state_layers.tolist()]
+        ax.bar(fp.state_layers, fp.state_bytes / scale, bottom=bottoms, color=STATE_COLOUR, width=0.8, hatch="//")
+        handles.append(Patch(color=STATE_COLOUR, hatch="//", label="conv/recurrent state (constant in tokens)"))
+    ticks = sorted(set(fp.layers.tolist()) | set(fp.state_layers.tolist()))
+    if len(ticks) <= 64:
+        ax.set_xticks(ticks, [str(v) for v in ticks], fontsize=6 if len(ticks) > 24 else 8)
     ax.set_xlabel("layer")
-    ax.set_ylabel(f"KV bytes ({unit})")
-    ax.set_title(f"Per-layer KV footprint, request {fp.request} step {fp.step} "
+    what = "KV and state" if fp.state_layers.size else "KV"
+    ax.set_ylabel(f"{what} bytes ({unit})")
+    ax.set_title(f"Per-layer {what} footprint, request {fp.request} step {fp.step} "
                  f"({fp.tokens_seen} tokens seen)")
     ax.legend(handles=handles, fontsize=7)
     ax.grid(axis="y", alpha=0.3)

@@ -92,6 +92,9 @@ def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ra
                     "layers": sorted({int(x) for x in sz.layer[sz.sliding]})},
         "sampled_units": len(units), "policies": [],
     }
+    state = _state_steps(trace)  # hybrid models: conv/recurrent state no token policy can evict
+    if state:
+        doc["baseline"]["state"] = _state_baseline(sz, state)
     no_contents = "" if units else "the trace holds no sampled K/V (record with sampling={'every_n_steps': N})"
     jobs: list[_Job] = []
     for pol in policies:
@@ -101,6 +104,9 @@ def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ra
             entry["note"] = pol.note
         for ratio in (ratios if isinstance(pol, ScorerPolicy) and not _fixed(pol) else [None]):
             res = _result(pol, ratio, sz, base, no_contents, press_sliding)
+            if state:
+                peak, mean = _with_state(sz, _kept_bytes(pol, ratio, sz, press_sliding), state)
+                res["bytes"]["kept_with_state_peak"], res["bytes"]["kept_with_state_mean"] = peak, mean
             entry["results"].append(res)
             if pol.family != "paging" and not no_contents:
                 jobs.append((pol, ratio, res))
@@ -125,6 +131,37 @@ def _totals(sz: source.Sizes, per_row: np.ndarray) -> tuple[float, float]:
     _, inv = np.unique(keys, return_inverse=True)
     tot = np.bincount(inv, weights=per_row)
     return float(tot.max()), float(tot.mean())
+
+
+STATE_NOTE = ("conv/recurrent state of a hybrid model's linear-attention / Mamba / conv layers (format 1.5 /state): "
+              "constant per sequence and holding no token positions, so no token policy (eviction, paging, KV "
+              "quantisation) removes any of it; kept_with_state_* = kept + this state")
+
+
+def _state_steps(trace: Trace) -> dict[tuple[int, int], int]:
+    """(request, step) -> state bytes the cache held beside its KV (empty: attention-only trace)."""
+    from kvtrace.analyzer.view import TraceView
+
+    return {k: u for k, (u, _) in TraceView(trace).state_steps.items()}
+
+
+def _with_state(sz: source.Sizes, per_row: np.ndarray, state: dict[tuple[int, int], int]) -> tuple[float, float]:
+    """(peak, mean) as :func:`_totals`, each recorded (request, step)'s state added to its KV bytes."""
+    if not len(sz):
+        return 0.0, 0.0
+    keys = sz.request.astype(np.int64) << 32 | sz.step.astype(np.int64)
+    uniq, inv = np.unique(keys, return_inverse=True)
+    tot = np.bincount(inv, weights=per_row) + np.array(
+        [state.get((int(k) >> 32, int(k) & 0xFFFFFFFF), 0) for k in uniq], dtype=np.float64)
+    return float(tot.max()), float(tot.mean())
+
+
+def _state_baseline(sz: source.Sizes, state: dict[tuple[int, int], int]) -> dict[str, Any]:
+    """The baseline's state block: the state alone and the policy-free bytes with it."""
+    with_peak, with_mean = _with_state(sz, sz.valid, state)
+    values = list(state.values())
+    return {"bytes_peak": float(max(values)), "bytes_mean": float(np.mean(values)),
+            "with_state_peak": with_peak, "with_state_mean": with_mean, "evictable": False, "note": STATE_NOTE}
 
 
 def _kept_tokens(pol: ScorerPolicy, ratio: float | None, tokens: np.ndarray) -> np.ndarray:

@@ -48,9 +48,18 @@ def test_report_fields(doc):
 def test_request_detector_finding_fields(doc):
     report = doc["reports"][0]
     assert report["requests"] and report["findings"], "the fixture must give requests and findings"
-    assert spec_fields("REQUEST") == set(report["requests"][0])
+    # state_*: hybrid models only (format 1.5 /state), emitted for them (test below)
+    assert spec_fields("REQUEST") - HYBRID_ONLY == set(report["requests"][0])
     assert spec_fields("DETECTOR") == set(report["detectors"][0])
     assert spec_fields("FINDING") == set(report["findings"][0])
+
+
+HYBRID_ONLY = {"state_bytes", "state_layers"}
+
+
+def test_hybrid_requests_carry_every_request_field():
+    report = document([analyze(ROOT / "tests" / "data" / "hybrid_cpu" / "qwen3_next.kvt.h5")])["reports"][0]
+    assert spec_fields("REQUEST") == set(report["requests"][0])
 
 
 def test_the_parser_sees_a_missing_field():

@@ -124,7 +124,7 @@ class CacheDensity(Detector):
         split = ", ".join(f"{name} {format_bytes(val)}" for name, val in parts) or "nothing"
         msg = (f"At {tokens:,} tokens (request {req.request}) the cache holds {format_bytes(measured)} where a "
                f"multi-head-attention equivalent would hold {format_bytes(mha)} ({saving:.0%} saved: {split}); "
-               f"{kinds}.")
+               f"{kinds}.") + _state_phrase(req, measured)
         evidence = {
             "tokens": ev(tokens, "tokens"),
             "measured_bytes": ev(measured, "bytes"),
@@ -137,4 +137,18 @@ class CacheDensity(Detector):
         }
         for k, v in sorted(per_kind.items()):
             evidence[f"{k}_bytes_per_token_per_layer"] = ev(round(float(np.median(v)), 2), "bytes/token")
+        if req.state_bytes:
+            evidence["state_bytes"] = ev(req.state_bytes, "bytes")
+            evidence["state_layers"] = ev(len(req.state_layers), "count")
         return self.finding("density", 0.0, msg, evidence=evidence, requests=[req.request])
+
+
+def _state_phrase(req: RequestTimeline, kv: int) -> str:
+    """A hybrid model's conv/recurrent state beside its KV (format 1.5): cache memory too, but not
+    per token; nothing for attention-only models."""
+    if not req.state_bytes:
+        return ""
+    return (f" Beside the KV, {len(req.state_layers):,} layers hold {format_bytes(req.state_bytes)} of "
+            f"conv/recurrent state, constant in tokens ({req.state_bytes / max(kv + req.state_bytes, 1):.0%} of "
+            f"the {format_bytes(kv + req.state_bytes)} the cache holds); it is not per-token data and not "
+            "counted above.")

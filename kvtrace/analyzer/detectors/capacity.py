@@ -49,7 +49,7 @@ class Capacity(Detector):
     summary = "GPU headroom and how many concurrent requests of this length fit"
 
     def run(self, ctx: ReplayContext) -> list[Finding]:
-        reqs = [r for r in ctx.requests if r.steps.size and r.peak_kv_unique > 0]
+        reqs = [r for r in ctx.requests if r.steps.size and (r.peak_kv_unique > 0 or r.state_bytes > 0)]
         if not reqs:
             return []
         req = max(reqs, key=lambda r: (r.final_tokens, r.request))
@@ -143,28 +143,34 @@ class Capacity(Detector):
         batch = max(req.batch_size, 1)
         kv_request = req.peak_kv_unique
         kv_per_seq = kv_request / batch
+        state = req.state_bytes  # hybrid models: constant per sequence, cache memory like the KV
+        state_per_seq = state / batch
         s = req.steps[req.steps["step"] >= 1]
         per_token = 0.0
         if s.size >= 2:
             per_token, _, _ = linear_fit(s["tokens_seen"], s["kv_bytes_unique"] / batch)
         transient = 0
         if peak_row is not None and base is not None and int(peak_row["allocated_bytes"]) >= 0:
-            transient = max(int(peak_row["allocated_bytes"]) - int(base["allocated_bytes"]) - kv_request, 0)
+            transient = max(int(peak_row["allocated_bytes"]) - int(base["allocated_bytes"]) - kv_request - state, 0)
         free = total - resident - transient
-        fit = int(free // kv_per_seq) if kv_per_seq > 0 and free > 0 else 0
-        used = resident + kv_request + transient
+        per_seq = kv_per_seq + state_per_seq
+        fit = int(free // per_seq) if per_seq > 0 and free > 0 else 0
+        used = resident + kv_request + state + transient
         util = used / total
         score = max(ramp(util, *UTIL_RAMP), 1.0 if fit < 1 else 0.0)
         tokens = req.final_tokens
         name = next((d["name"] for d in ctx.devices if d["index"] == device), device_where(device))
+        with_state = (f" and {format_bytes(state_per_seq)} of conv/recurrent state (constant in tokens)"
+                      if state else "")
         msg = (f"On {name} ({format_bytes(total)}), with {format_bytes(resident)} resident, a {tokens:,}-token "
                f"sequence costs {format_bytes(kv_per_seq)} of KV ({format_bytes(per_token)}/token while "
-               f"decoding) plus a {format_bytes(transient)} transient peak: {fit:,} such sequences fit at once; "
-               f"request {req.request} brought the device to {util:.0%}.")
+               f"decoding){with_state} plus a {format_bytes(transient)} transient peak: {fit:,} such sequences fit "
+               f"at once; request {req.request} brought the device to {util:.0%}.")
+        evidence = _evidence(total, resident, kv_per_seq, per_token, transient, free, fit, tokens, util)
+        if state:
+            evidence["state_per_sequence_bytes"] = ev(int(state_per_seq), "bytes")
         return self.finding(
-            "capacity", score, msg, device=device,
-            evidence=_evidence(total, resident, kv_per_seq, per_token, transient, free, fit, tokens, util),
-            requests=[req.request],
+            "capacity", score, msg, device=device, evidence=evidence, requests=[req.request],
         ) if source else None
 
 

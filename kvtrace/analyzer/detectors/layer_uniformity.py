@@ -58,6 +58,10 @@ class LayerUniformity(Detector):
             parts.append(f"{len(cs):,} {noun} {tokens:,} tokens ({format_bytes(size)}{each})")
         split = ", ".join(parts)
         shared = f"; {consumers:,} KV-sharing layers hold none" if consumers else ""
+        if req.state_layers:  # hybrid models: a constant state per layer is by design, not variation
+            sizes = list(req.state_layers.values())
+            shared += (f"; {len(sizes):,} layers hold conv/recurrent state instead of (or beside) KV "
+                       f"({format_bytes(float(np.median(sizes)))} each, constant in tokens: by design, not in the CV)")
         if total_cv < UNIFORM_CV:
             cls, score = "uniform", 0.0
             msg = f"{split}; CV {total_cv:.2f}: uniform{shared}."
@@ -78,6 +82,9 @@ class LayerUniformity(Detector):
             "sharing_consumers": ev(consumers, "count"),
             "tokens_seen": ev(req.final_tokens, "tokens"),
         }
+        if req.state_layers:
+            evidence["state_layers"] = ev(len(req.state_layers), "count")
+            evidence["state_median_bytes"] = ev(float(np.median(list(req.state_layers.values()))), "bytes")
         for k, cs in groups.items():
             evidence[f"{k}_layers"] = ev(len(cs), "count")
             evidence[f"{k}_median_bytes"] = ev(float(np.median(g["bytes_valid"][row, cs])), "bytes")

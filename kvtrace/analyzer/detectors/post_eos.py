@@ -113,7 +113,9 @@ class PostEos(Detector):
         return out
 
     def _request(self, ctx: ReplayContext, req: RequestTimeline) -> Finding | None:
-        peak = req.peak_kv_unique
+        # A hybrid model's conv/recurrent state is cache memory too (its storages are in /retention
+        # beside the KV's): the peak it is judged against holds both.
+        peak = req.peak_kv_unique + req.state_bytes
         if peak <= 0:
             return None
         base = req.reading(R.BASELINE)
@@ -182,7 +184,8 @@ class PostEos(Detector):
                       R.AFTER_RETURN: "after generate returned"}.get(after_label, "after the request")
         if kv_alive:
             who = ", ".join(referrers[:4]) or "unknown objects"
-            attribution = (f"KV tensors of {layers_phrase(kv_layers)} ({format_bytes(kv_alive)}) are still "
+            what = "KV and state tensors" if req.state_bytes else "KV tensors"
+            attribution = (f"{what} of {layers_phrase(kv_layers)} ({format_bytes(kv_alive)}) are still "
                            f"alive, referred to by {who}")
             if any(r.startswith("Generate") and r.endswith("Output") for r in referrers):
                 attribution += (" (the generate output keeps the cache: keep only out.sequences, or do not "
@@ -197,7 +200,8 @@ class PostEos(Detector):
         else:
             share = f"{ratio:.1f}x" if ratio >= 2 else f"{ratio:.0%} of"
             msg = (f"Request {req.request} kept {format_bytes(retained)} ({share} its "
-                   f"{format_bytes(peak)} peak KV) {after_what}, by {source}; {attribution}{one_time}.")
+                   f"{format_bytes(peak)} peak {'KV + state' if req.state_bytes else 'KV'}) {after_what}, by {source}; "
+                   f"{attribution}{one_time}.")
         device = int(base["device"]) if base is not None else None
         if split is not None:
             device = max(split, key=lambda d: (split[d], -d))  # the device that kept the most
@@ -205,11 +209,13 @@ class PostEos(Detector):
                                              for d, b in sorted(split.items())) + ")."
         evidence = {
             "retained_bytes": ev(retained, "bytes"),
-            "peak_kv_bytes": ev(peak, "bytes"),
+            "peak_kv_bytes": ev(req.peak_kv_unique, "bytes"),
             "ratio": ev(round(ratio, 4), "ratio"),
             "kv_alive_bytes": ev(kv_alive, "bytes"),
             "recorder_own_bytes": ev(own_bytes, "bytes"),
         }
+        if req.state_bytes:
+            evidence["state_bytes"] = ev(req.state_bytes, "bytes")
         if base is not None:
             evidence["baseline_allocated_bytes"] = ev(int(base["allocated_bytes"]), "bytes")
         return self.finding(
