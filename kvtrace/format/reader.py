@@ -76,6 +76,7 @@ COUNTER_CEILINGS: dict[str, tuple[tuple[str, int], ...]] = {
               ("kv_bytes_valid", MAX_BYTES)),
     "retention": (("nbytes", MAX_BYTES),),
     "state": (("bytes_allocated", MAX_BYTES), ("bytes_valid", MAX_BYTES), ("bytes_unique", MAX_BYTES)),
+    "owners": (("bytes", MAX_BYTES), ("largest_bytes", MAX_BYTES), ("blocks", MAX_BYTES)),
 }
 
 

@@ -176,6 +176,28 @@ class StateKind(enum.IntEnum):
     OTHER = 3  # any other tensor the cache object holds outside its layers' K/V (MiniMax's linear_cache)
 
 
+class Owner(enum.IntEnum):
+    """Who holds a byte of an /owners reading (1.5)."""
+
+    KV_REQUEST = 1  # a storage of this request's cache (KV and state)
+    KV_EARLIER = 2  # a KV storage of an earlier request, still alive
+    WEIGHTS = 3  # model parameters and buffers
+    GENERATE_OUTPUT = 4  # the generate output's tensors (sequences, scores, logits, hidden states, attentions)
+    WORKSPACE = 5  # a library workspace of known size (cuBLAS, cuBLASLt), counted once per device
+    KV_COPIES = 6  # tensors or blocks sized like the cache's own K/V tensors, not the cache's
+    UNKNOWN = 7
+    INACTIVE = 8  # allocator blocks reserved but free
+
+
+class OwnerMoment(enum.IntEnum):
+    """When an /owners reading was taken (1.5)."""
+
+    REQUEST_END = 1  # the request's retention verdict, after its collection
+    OOM = 2  # as generate raised an out-of-memory error
+    GROWTH_PEAK = 3  # during decode: memory grown past the live KV
+    TICK = 4  # a periodic reading
+
+
 # ---- tables, declared ---------------------------------------------------------------------
 # Strings live in the /text heap (uint8, append-only); rows hold (offset, length) pairs, so
 # no table needs variable-length types (which SWMR does not support).
@@ -592,6 +614,24 @@ STATE_TABLE = Table(
     ),
     required=False,
 )
+OWNERS_TABLE = Table(
+    'owners',
+    'who owns the memory at a moment: bytes and blocks per owner class (1.5)',
+    (
+        Column('request', '<i4', na=-1, units='id', doc='request the reading belongs to; -1 if none (a tick between requests)'),
+        Column('step', '<i4', na=-1, units='step', doc='decode step of a growth_peak or oom reading; -1 otherwise'),
+        Column('moment', 'u1', enum=OwnerMoment, doc=''),
+        Column('device', '<i2', na=-1, units='ordinal', doc='CUDA ordinal whose allocator was read; -1 for the CPU census'),
+        Column('owner', 'u1', enum=Owner, doc=''),
+        Column('bytes', '<u8', units='bytes', doc='bytes of this class: allocator block sizes on a GPU, storage sizes on the CPU'),
+        Column('blocks', '<u8', units='count', doc='allocator blocks (GPU) or storages (CPU) of this class'),
+        Column('largest_bytes', '<u8', units='bytes', doc='size of its largest block or storage'),
+        Column('detail_off', '<u8', text='detail_len', units='text ref', doc='JSON object saying what the class holds (below); length 0 if nothing more'),
+        Column('detail_len', '<u4', units='bytes', doc=''),
+        Column('t_ns', '<u8', units='ns', doc='when read'),
+    ),
+    required=False,
+)
 # Shape entries a /state row holds (a tensor of more dimensions folds its leading ones into the first).
 STATE_MAX_NDIM = 6
 
@@ -618,6 +658,7 @@ SCHED_GROUPS = SCHED_GROUPS_TABLE.dtype
 BLOCKS = BLOCKS_TABLE.dtype
 # hybrid caches (1.5): optional, absent from older traces
 STATE = STATE_TABLE.dtype
+OWNERS = OWNERS_TABLE.dtype  # memory owners (1.5): optional
 
 RequestRow = REQUESTS_TABLE.row
 LayerRow = LAYERS_TABLE.row
@@ -637,6 +678,7 @@ SchedRow = SCHED_TABLE.row
 SchedGroupRow = SCHED_GROUPS_TABLE.row
 BlockRow = BLOCKS_TABLE.row
 StateRow = STATE_TABLE.row
+OwnerRow = OWNERS_TABLE.row
 
 # A payload's description: the /payloads/index columns that say what a sampled tensor is (the
 # rest say where its chunks are). reader.Payload and writer.EncodedPayload carry these fields.
@@ -668,7 +710,7 @@ def payload_description(row: Any) -> dict[str, Any]:
 TABLE_DECLS: dict[str, Table] = {t.name: t for t in (
     REQUESTS_TABLE, LAYERS_TABLE, KV_TABLE, STEPS_TABLE, EVENTS_TABLE, READINGS_TABLE, RETENTION_TABLE,
     NVML_TABLE, ALLOCATOR_TABLE, PROCESS_TABLE, PAYLOAD_INDEX_TABLE, DEVICES_TABLE,
-    SCHED_TABLE, SCHED_GROUPS_TABLE, BLOCKS_TABLE, STATE_TABLE,
+    SCHED_TABLE, SCHED_GROUPS_TABLE, BLOCKS_TABLE, STATE_TABLE, OWNERS_TABLE,
 )}
 # name -> (dtype, required), the form readers and the writer iterate.
 TABLES: dict[str, tuple[np.dtype, bool]] = {name: (t.dtype, t.required) for name, t in TABLE_DECLS.items()}

@@ -17,6 +17,7 @@ import numpy as np
 from kvtrace.format import schema
 from kvtrace.format.codec import check_chunk
 from kvtrace.format.errors import H5_READ_ERRORS, CorruptChunk, TraceError
+from kvtrace.format.owner_rules import owner_block_problems
 from kvtrace.format.reader import (
     ENUM_COLUMNS,
     INDEX_BLOCK,
@@ -140,6 +141,9 @@ def _check_rows(trace: Trace, report: ValidationReport, present: set[str]) -> No
                     running += int(np.sum(rows["outcome"] == schema.Outcome.RUNNING))
                 if name in ("kv", "steps", "payloads/index", "state") and rows.size:  # /blocks: serving_rules
                     referenced[name] = np.union1d(referenced.get(name, request_ids[:0]), rows["request"])
+                if name == "owners" and rows.size:  # -1: a reading tied to no request
+                    named = rows["request"][rows["request"] >= 0].astype(np.uint32)
+                    referenced[name] = np.union1d(referenced.get(name, request_ids[:0]), named)
         except TraceError as exc:
             seen.add(_short(exc))
         except H5_READ_ERRORS as exc:
@@ -228,6 +232,8 @@ def _check_block(name: str, rows: np.ndarray, text_len: int, seen: set[str],
             seen.add("/kv has rows with more valid than allocated bytes")
     if name == "state":
         seen.update(state_block_problems(rows))  # spec §7 (1.5)
+    if name == "owners":
+        seen.update(owner_block_problems(rows))  # spec §7 (1.5)
 
 
 def _check_serving(trace: Trace, report: ValidationReport, present: set[str]) -> None:

@@ -54,7 +54,8 @@ def test_enums_documented():
     for enum_type, title in [(schema.LayerType, "LayerType"), (schema.CacheDType, "CacheDType"),
                              (schema.Outcome, "Outcome"), (schema.EventKind, "EventKind"),
                              (schema.ReadingLabel, "ReadingLabel"), (schema.PayloadKind, "PayloadKind"),
-                             (schema.Phase, "Phase"), (schema.StateKind, "StateKind")]:
+                             (schema.Phase, "Phase"), (schema.StateKind, "StateKind"),
+                             (schema.Owner, "Owner"), (schema.OwnerMoment, "OwnerMoment")]:
         para = re.search(rf"`{title}` \(u8\):(.*?)\n\n", SPEC, re.S).group(1)
         codes = {int(c) for c in re.findall(r"(\d+) [a-z]", para)}
         assert codes == {int(v) for v in enum_type}, title
