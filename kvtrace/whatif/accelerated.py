@@ -35,10 +35,21 @@ __all__ = ["Accelerated", "Exact", "open_numerics", "quant_spec"]
 
 
 class Exact:
-    """numerics.py in float64 on the CPU (the reference)."""
+    """numerics.py in float64 on the CPU (the reference). With torch installed the attention
+    passes run through whatif/cpu_fast.py (torch's CPU kernels, the same float64 arithmetic up to
+    summation order; ``fast=False`` or KVTRACE_WHATIF_NUMPY=1: numerics.py alone)."""
 
     label = "numpy-float64/cpu"
     note = ""
+
+    def __init__(self, fast: bool | None = None) -> None:
+        import os
+
+        from kvtrace.whatif import cpu_fast
+
+        if fast is None:
+            fast = os.environ.get("KVTRACE_WHATIF_NUMPY", "") in ("", "0")
+        self.fast = bool(fast) and cpu_fast.available()
 
     def keep_measures(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
                       window: int | None, scale: float, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -48,6 +59,10 @@ class Exact:
     def keep_measures_many(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
                            window: int | None, scale: float, keeps: Sequence[np.ndarray]
                            ) -> list[tuple[np.ndarray, np.ndarray]]:
+        if self.fast:
+            from kvtrace.whatif import cpu_fast
+
+            return cpu_fast.keep_measures_many(q, k, v, q_pos, k_pos, window, scale, keeps)
         return [self.keep_measures(q, k, v, q_pos, k_pos, window, scale, kp) for kp in keeps]
 
     def reconstruction(self, pol: Quantizer, x: np.ndarray, which: str) -> tuple[list[float], list[float]]:
@@ -59,6 +74,11 @@ class Exact:
     def output_error(self, pol: Quantizer, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
                      k_pos: np.ndarray, window: int | None, scale: float) -> np.ndarray:
         """||o' - o|| / ||o|| [B, Hq, Tq] with ``pol``'s dequantised K and V."""
+        if self.fast:
+            from kvtrace.whatif import cpu_fast
+
+            return cpu_fast.output_error(q, k, v, pol.roundtrip(k, "key"), pol.roundtrip(v, "value"), q_pos, k_pos,
+                                         window, scale)
         vis = N.visible_mask(q_pos, k_pos, window)
         return N.output_error(q, k, v, pol.roundtrip(k, "key"), pol.roundtrip(v, "value"), vis, scale)
 

@@ -18,11 +18,13 @@ Families:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import numpy as np
 
+from kvtrace.whatif import cpu_fast
 from kvtrace.whatif.numerics import (
     FP8_FORMATS,
     attention_probs,
@@ -79,16 +81,33 @@ class Observed:
         it [T]), in chunks of queries (a long prefill's queries times a long cache)."""
         key = ("sums", id(keys))
         if key not in self._memo:
-            total, count = column_sums(self.q, keys, self.q_pos, self.k_pos, self.window, self.scale)
-            self._memo[key] = (keys, total, count)  # keys held: the id is not reused while memoised
+            self.set_column_sums(keys, *sums_fn()(self.q, keys, self.q_pos, self.k_pos, self.window, self.scale))
         return self._memo[key][1], self._memo[key][2]
+
+    def set_column_sums(self, keys: np.ndarray, total: np.ndarray, count: np.ndarray) -> None:
+        """:meth:`column_sums` over ``keys`` computed elsewhere (the replay's per-layer prefix)."""
+        self._memo[("sums", id(keys))] = (keys, total, count)  # keys held: the id is not reused meanwhile
 
     def rows(self, idx: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Softmax weights [B, Hq, len(idx), T] of the queries ``idx`` and their visibility."""
         key = ("rows", id(keys), tuple(int(i) for i in idx))
         if key not in self._memo:
-            self._memo[key] = (keys, *self.subset(np.asarray(idx, dtype=np.int64)).probs(keys))
+            sub = self.subset(np.asarray(idx, dtype=np.int64))
+            got = cpu_fast.probs(sub.q, keys, sub.q_pos, self.k_pos, self.window, self.scale) if _fast() \
+                else sub.probs(keys)
+            self._memo[key] = (keys, *got)
         return self._memo[key][1], self._memo[key][2]
+
+
+def sums_fn() -> Any:
+    """The column-sums function in use: cpu_fast's (torch) or numerics' (numpy)."""
+    return cpu_fast.column_sums if _fast() else column_sums
+
+
+def _fast() -> bool:
+    """The attention passes through whatif/cpu_fast.py (torch's CPU kernels, float64) unless torch
+    is missing or KVTRACE_WHATIF_NUMPY=1."""
+    return os.environ.get("KVTRACE_WHATIF_NUMPY", "") in ("", "0") and cpu_fast.available()
 
 
 class PolicyError(ValueError):

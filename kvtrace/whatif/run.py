@@ -23,6 +23,7 @@ from kvtrace.whatif.accelerated import Accelerated, Exact, open_numerics
 from kvtrace.whatif.kvpress import presses_sliding
 from kvtrace.whatif.policies import (
     Observed,
+    ObservedAttention,
     Paging,
     Policy,
     PolicyError,
@@ -217,13 +218,58 @@ def _result(pol: Policy, ratio: float | None, sz: source.Sizes, base: tuple[floa
     return res
 
 
+class _PrefixSums:
+    """H2O's column sums of one (request, layer) carried from one sampled step to the next: a
+    later step's keys extend the earlier ones and its scoring queries extend the earlier ones,
+    and an earlier query sees none of the new keys (causal) and the same old ones, so only the
+    new queries are summed (8 steps of a long prefill's queries: one pass instead of eight).
+    Used only where that holds exactly (a full-attention layer; keys and queries compared)."""
+
+    def __init__(self) -> None:
+        self.at: tuple[int, int] | None = None
+        self.k: np.ndarray | None = None
+        self.q: np.ndarray | None = None
+        self.q_pos: np.ndarray | None = None
+        self.total: np.ndarray | None = None
+        self.count: np.ndarray | None = None
+
+    def fill(self, u: source.Unit, obs: Observed) -> None:
+        from kvtrace.whatif.policies import sums_fn
+
+        fn = sums_fn()
+        start = 0
+        if self._extends(u):
+            assert self.q_pos is not None and self.total is not None and self.count is not None
+            start = len(self.q_pos)
+        total, count = fn(u.obs_q[:, :, start:], u.k, u.obs_pos[start:], u.k_pos, u.window, u.scale)
+        if start:
+            assert self.total is not None and self.count is not None
+            t0 = self.total.shape[-1]
+            total[..., :t0] += self.total
+            count[:t0] += self.count
+        obs.set_column_sums(u.k, total, count)
+        self.at, self.k, self.q, self.q_pos, self.total, self.count = \
+            (u.request, u.layer), u.k, u.obs_q, u.obs_pos, total, count
+
+    def _extends(self, u: source.Unit) -> bool:
+        if self.at != (u.request, u.layer) or u.window is not None or self.k is None or u.obs_q is None:
+            return False
+        assert self.q is not None and self.q_pos is not None
+        t0, n0 = self.k.shape[2], len(self.q_pos)
+        return (u.k.shape[2] >= t0 and u.k.shape[:2] == self.k.shape[:2] and len(u.obs_pos) >= n0
+                and int(u.k_pos[0]) == 0 and bool((self.q_pos < t0).all())
+                and np.array_equal(u.k[:, :, :t0], self.k) and np.array_equal(u.obs_pos[:n0], self.q_pos)
+                and np.array_equal(u.obs_q[:, :, :n0], self.q))
+
+
 def _replay(jobs: list[_Job], units: list[source.Unit], calc: Exact | Accelerated, press_sliding: bool = True) -> None:
     """Content measures of every job on every unit, into the jobs' results: per unit, the keep-sets
     of all eviction jobs in one :func:`_measure_keeps`, then each quantiser."""
     scorers = [j for j in jobs if isinstance(j[0], ScorerPolicy)]
     quantizers = [j for j in jobs if not isinstance(j[0], ScorerPolicy)]
+    sums = _PrefixSums() if any(isinstance(j[0], ObservedAttention) for j in scorers) else None
     for u in units:
-        _scorer_unit(scorers, u, calc, press_sliding)
+        _scorer_unit(scorers, u, calc, press_sliding, sums)
         for pol, _, res in quantizers:
             try:
                 res["layers"].append(_quantizer_unit(pol, u, res["skipped"], calc))
@@ -259,12 +305,15 @@ def _no_queries(pol: ScorerPolicy, u: source.Unit) -> str:
     return f"{pol.name} needs observed queries: {reason}"
 
 
-def _scorer_unit(jobs: list[_Job], u: source.Unit, calc: Exact | Accelerated, press_sliding: bool = True) -> None:
+def _scorer_unit(jobs: list[_Job], u: source.Unit, calc: Exact | Accelerated, press_sliding: bool = True,
+                 sums: _PrefixSums | None = None) -> None:
     """Every eviction job on ``u``: each policy scores the unit once (its scores serve every
     ratio), each ratio's keep-set is its top-n; the keep-sets are measured all at once, one row
     each. A unit the policy cannot support gets a row that says why (status ``unsupported``); a
     sliding-window layer the replay does not press, a row ``not_pressed``."""
     obs = _observed(u)
+    if obs is not None and sums is not None and (u.window is None or press_sliding):
+        sums.fill(u, obs)
     T = int(u.k.shape[2])
     where = {"k_pos": u.k_pos, "window": u.window}
     planned: list[tuple[dict[str, Any], np.ndarray, dict[str, Any]]] = []
