@@ -170,6 +170,7 @@ class ServingRecorder:
                                                f"{transformers_version()} (transformers lacks {', '.join(missing)})")
             return
         self.adapter = adapter_for()  # None: said when a manager builds its cache (_register)
+        self._note_refusals(continuous_api)
         me = self
         self._wrap(mgr, "add_request", lambda orig: lambda m, *a, **k: me._add_request(orig, m, a, k))
         self._wrap(mgr, "_create_batch_processor", lambda orig: lambda m, *a, **k: me._create(orig, m, a, k))
@@ -199,6 +200,27 @@ class ServingRecorder:
                 if model is me.model and not me.closed:
                     me._unsupported(text)
                 return orig(model, *a, **k)
+            return entry
+
+        self._wrap(mixin, "init_continuous_batching", make)
+
+    def _note_refusals(self, continuous_api: Any) -> None:
+        """transformers 5.23+ checks the model's layer types as the manager is built, inside
+        ``init_continuous_batching`` (5.17: as the loop builds its processor, :meth:`_create`): an
+        error there is said in the trace (:meth:`_refused`) before it reaches the caller."""
+        mixin = getattr(continuous_api, "ContinuousMixin", None)
+        if mixin is None or "init_continuous_batching" not in mixin.__dict__:
+            return
+        me = self
+
+        def make(orig: Any) -> Any:
+            def entry(model: Any, *a: Any, **k: Any) -> Any:
+                try:
+                    return orig(model, *a, **k)
+                except Exception as exc:
+                    if model is me.model and not me.closed:
+                        me._refused(exc)
+                    raise
             return entry
 
         self._wrap(mixin, "init_continuous_batching", make)
@@ -358,13 +380,38 @@ class ServingRecorder:
             if not self.managers[key].baseline:
                 self.managers[key].baseline = True
                 self._reading("baseline")
-        processor = orig(manager, *args, **kwargs)
+        try:
+            processor = orig(manager, *args, **kwargs)
+        except Exception as exc:
+            if self._ours(manager):
+                self._refused(exc)
+            raise
         if self._ours(manager):
             try:
                 self._register(self._see(manager), processor)
             except Exception as exc:  # noqa: BLE001
                 self.ctx.error("cb-create", exc)
         return processor
+
+    def _refused(self, exc: BaseException) -> None:
+        """transformers could not build the manager's paged cache: say so in the trace (a NOTE and one
+        stderr line) before the error reaches the caller. Its paged cache holds attention KV blocks
+        only: a hybrid model's conv / recurrent state layers (kvtrace.geometry.hybrid) have no place
+        in it, which transformers 5.17-5.24 refuse with "Invalid group/layer type"."""
+        try:
+            from kvtrace.geometry.config import text_config
+            from kvtrace.geometry.hybrid import STATE_LAYER_TYPES, state_layer_types
+
+            config = getattr(self.model, "config", None)
+            types = state_layer_types(text_config(config.to_dict())) if config is not None else None
+            held = sorted({t for t in types or () if t in STATE_LAYER_TYPES})
+            why = (f": its paged cache holds attention KV only, and this model's {', '.join(held)} layers keep a "
+                   "conv/recurrent state it has no place for; nothing of these requests is recorded (generate() "
+                   "with a DynamicCache records their KV and state)" if held else "")
+            self._unsupported(f"continuous batching refused by transformers {transformers_version()} "
+                              f"({type(exc).__name__}: {str(exc)[:200]}){why}")
+        except Exception as err:  # noqa: BLE001 - the caller's error matters more than our note
+            self.ctx.error("cb-refused", err)
 
     def _register(self, key: int, processor: Any) -> None:
         cache = getattr(processor, "cache", None)

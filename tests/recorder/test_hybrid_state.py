@@ -135,3 +135,36 @@ def test_retained_state_is_reported_as_retention(tmp_path):
     assert states <= retained
     del kept, cache
     gc.collect()
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "falcon_h1"])
+def test_continuous_batching_on_a_hybrid_says_what_transformers_did(tmp_path, name):
+    """transformers' paged cache (generate_batch, generate(cache_implementation="paged"), serve)
+    holds attention KV blocks only: 5.17 and 5.24 refuse hybrid layer types ("Invalid group type" /
+    "Invalid layer type"). The trace then says so in a NOTE naming the layer types, before the error
+    reaches the caller; a release that accepts them is recorded like any continuous batching."""
+    from transformers import GenerationConfig
+
+    from kvtrace.format.schema import EventKind
+
+    m = model(name)
+    path = tmp_path / "cb.kvt.h5"
+    prompts = [tiny_prompt(6)[0].tolist(), tiny_prompt(9, seed=1)[0].tolist()]
+    gc_ = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    refused = None
+    with kvtrace.record(m, path):
+        try:
+            m.generate_batch(prompts, generation_config=gc_)
+        except ValueError as exc:
+            refused = exc
+    with Trace(path) as t:
+        notes = [text(t, e["text_off"], e["text_len"]) for e in t.events(EventKind.NOTE)]
+        requests, sched = t.nrows("requests"), t.nrows("sched")
+    if refused is None:
+        assert requests == 2 and sched > 0
+        return
+    said = [n for n in notes if n.startswith("continuous batching refused by transformers")]
+    assert said, notes
+    layer_type = "hybrid" if name == "falcon_h1" else "linear_attention"
+    assert str(refused)[:40] in said[0] and f"this model's {layer_type} layers keep a conv/recurrent state" in said[0]
+    assert requests == 0
