@@ -135,7 +135,7 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_t
 
         with Trace(trace) as t:
             refuse_denied_payloads(t)  # tensors the trace's privacy flag denies: exit 1, not read
-            doc.update(run_whatif(t, policies, ratios, device, steps, sliding))
+            doc.update(run_whatif(t, policies, ratios, device, steps, sliding, progress=_bar("what-if", as_json)))
     else:
         from kvtrace.whatif.run import SCHEMA
 
@@ -147,13 +147,20 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_t
         assert text_file is not None
         doc["rerun"] = plain(rerun_quality(rerun_model, text_file, policies, ratios, device=rerun_dev,
                                            max_tokens=max_tokens, tiny=tiny, prefill=rerun_prefill,
-                                           sliding=sliding))
+                                           sliding=sliding, progress=_bar("rerun", as_json)))
     write_json(doc, json_out, as_json=as_json)
     if not as_json:
         if trace is not None:
             _print(doc)
         if "rerun" in doc:
             _print_rerun(doc["rerun"])
+
+
+def _bar(title: str, as_json: bool) -> Any:
+    """A progress bar on stderr (kvtrace.progress): drawn only on a terminal, never with --json."""
+    from kvtrace.progress import progress_bar
+
+    return lambda total: progress_bar(title, total, enabled=not as_json)
 
 
 def _f(x: Any, fmt: str = "{:.3f}") -> str:

@@ -37,7 +37,8 @@ in numpy on the CPU: meant for hundreds of tokens, not long contexts.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -493,10 +494,13 @@ def sliding_rule(model: Any, mode: str = "auto") -> tuple[bool, str]:
 
 def rerun_quality(model_spec: str, text_path: str | Path, policies: list[Policy], ratios: list[float], *,
                   device: str = "cpu", max_tokens: int = 256, tiny: bool = False,
-                  prefill: int = 0, sliding: str = "auto") -> dict[str, Any]:
+                  prefill: int = 0, sliding: str = "auto",
+                  progress: Callable[[int], AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
     """The ``rerun`` section of the what-if document (spec/whatif-json.md). ``prefill``: the first
     tokens go in one forward and the policy acts after it (kvpress's setting); the measures then
-    cover the positions after the prefill. ``sliding``: auto | press | keep, as run_whatif's."""
+    cover the positions after the prefill. ``sliding``: auto | press | keep, as run_whatif's.
+    ``progress(total)``: a context manager yielding a callable told each pass over the text as it
+    starts (kvtrace.progress.progress_bar)."""
     from kvtrace.loading import encode, load_model
 
     source = TextSource(text_path, max_tokens)  # refused before the model loads when it is not text
@@ -523,6 +527,27 @@ def rerun_quality(model_spec: str, text_path: str | Path, policies: list[Policy]
         raise BadOption(f"--text {text_path}: {ids.shape[1]} tokens leave none to score {what}",
                         option="--rerun-prefill" if prefill else "--text")
     press_sliding, sliding_reason = sliding_rule(loaded.model, sliding)
+    passes = [(pol, ratio) for pol in policies if not isinstance(pol, P.Paging)
+              for ratio in ([None] if _fixed(pol) else ratios)]
+    with (progress or _no_progress)(1 + len(passes)) as step:
+        step("reference (the cache unchanged)")
+        return _rerun_passes(loaded, model_spec, text_path, ids, policies, ratios, prefill, press_sliding,
+                             sliding, sliding_reason, step)
+
+
+def _fixed(pol: Policy) -> bool:
+    """A policy with one result whatever the ratio (quantisers, streaming_llm with a window)."""
+    return not isinstance(pol, P.ScorerPolicy) or isinstance(pol, P.StreamingLLM) and pol.window > 0
+
+
+@contextmanager
+def _no_progress(total: int) -> Iterator[Callable[[str], None]]:
+    yield lambda _stage: None
+
+
+def _rerun_passes(loaded: Any, model_spec: str, text_path: str | Path, ids: Any, policies: list[Policy],
+                  ratios: list[float], prefill: int, press_sliding: bool, sliding: str, sliding_reason: str,
+                  step: Callable[[str], None]) -> dict[str, Any]:
     ref, ref_layers = teacher_forced_logprobs(loaded.model, ids, prefill=prefill, press_sliding=press_sliding)
     flat = ids[0].cpu().numpy()
     n_sliding = sum(x.window is not None for x in ref_layers)
@@ -545,8 +570,8 @@ def rerun_quality(model_spec: str, text_path: str | Path, policies: list[Policy]
             entry["skipped"] = ("every cache layer is sliding-window, and their windows are left unpressed (see "
                                 "'sliding'): eviction has no layer to press")
         else:
-            fixed = not isinstance(pol, P.ScorerPolicy) or isinstance(pol, P.StreamingLLM) and pol.window > 0
-            for ratio in ([None] if fixed else ratios):
+            for ratio in ([None] if _fixed(pol) else ratios):
+                step(f"{pol.label()}" + ("" if ratio is None else f" at {ratio:g}"))
                 try:
                     got, layers = teacher_forced_logprobs(loaded.model, ids, pol, ratio, prefill, press_sliding)
                 except PolicyError as exc:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import numpy as np
@@ -58,16 +60,19 @@ _Job = tuple[Policy, float | None, dict[str, Any]]
 
 
 def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ratios: list[float],
-               device: str = "cpu", steps: str = "last", sliding: str = "auto") -> dict[str, Any]:
+               device: str = "cpu", steps: str = "last", sliding: str = "auto",
+               progress: Callable[[int], AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
     """The what-if document (spec/whatif-json.md) for ``policies`` at compression ``ratios``;
     ``device`` cpu (numerics.py, float64) | cuda | auto (the Triton kernels where CUDA is, within
     the tolerances of whatif/accelerated.py; else cpu, said in ``numerics.note``). ``steps``: the
     content measures at each (request, layer)'s last sampled step, or at up to MAX_STEPS of them
     ("all"; one layer row per step). ``sliding``: whether eviction presses sliding-window layers
-    (auto: kvpress's choice for the model, kvtrace.whatif.kvpress.presses_sliding; press; keep)."""
+    (auto: kvpress's choice for the model, kvtrace.whatif.kvpress.presses_sliding; press; keep).
+    ``progress(total)``: a context manager yielding a callable told each unit as it starts
+    (kvtrace.progress.progress_bar)."""
     if not isinstance(trace, Trace):
         with Trace(trace) as t:
-            return run_whatif(t, policies, ratios, device, steps, sliding)
+            return run_whatif(t, policies, ratios, device, steps, sliding, progress)
     calc = open_numerics(device)
     for r in ratios:
         if not 0 <= r < 1:
@@ -112,12 +117,18 @@ def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ra
             if pol.family != "paging" and not no_contents:
                 jobs.append((pol, ratio, res))
         doc["policies"].append(entry)
-    _replay(jobs, units, calc, press_sliding)
+    with (progress or _no_progress)(len(units)) as step:
+        _replay(jobs, units, calc, press_sliding, step)
     for _, _, res in jobs:
         res["overall"] = _overall(res["layers"])
         res["units"] = {k: sum(row.get("status") == k for row in res["layers"])
                         for k in ("measured", "unsupported", "not_pressed")}
     return plain(doc)
+
+
+@contextmanager
+def _no_progress(total: int) -> Iterator[Callable[[str], None]]:
+    yield lambda _stage: None
 
 
 def _fixed(pol: Policy) -> bool:
@@ -262,13 +273,16 @@ class _PrefixSums:
                 and np.array_equal(u.obs_q[:, :, :n0], self.q))
 
 
-def _replay(jobs: list[_Job], units: list[source.Unit], calc: Exact | Accelerated, press_sliding: bool = True) -> None:
+def _replay(jobs: list[_Job], units: list[source.Unit], calc: Exact | Accelerated, press_sliding: bool = True,
+            step: Callable[[str], None] | None = None) -> None:
     """Content measures of every job on every unit, into the jobs' results: per unit, the keep-sets
     of all eviction jobs in one :func:`_measure_keeps`, then each quantiser."""
     scorers = [j for j in jobs if isinstance(j[0], ScorerPolicy)]
     quantizers = [j for j in jobs if not isinstance(j[0], ScorerPolicy)]
     sums = _PrefixSums() if any(isinstance(j[0], ObservedAttention) for j in scorers) else None
     for u in units:
+        if step is not None:
+            step(f"request {u.request} layer {u.layer} step {u.step}")
         _scorer_unit(scorers, u, calc, press_sliding, sums)
         for pol, _, res in quantizers:
             try:

@@ -194,7 +194,17 @@ def test_all_sliding_model_says_eviction_has_nothing_to_press(tmp_path):
     assert doc["sliding_layers"] == 2 and "no layer to press" in doc["policies"][0]["skipped"]
     assert doc["sliding"]["pressed"] is False and "--sliding keep" in doc["sliding"]["reason"]
     assert doc["policies"][1]["results"][0]["kl_mean"] > 0  # quantisation still applies to sliding layers
-    doc = rerun_quality(str(tmp_path / "m"), tmp_path / "t.txt", pols, [0.5])  # auto: kvpress presses mistral's
+    from contextlib import contextmanager
+
+    seen: list = []
+
+    @contextmanager
+    def bar(total):
+        seen.append(total)
+        yield seen.append
+
+    doc = rerun_quality(str(tmp_path / "m"), tmp_path / "t.txt", pols, [0.5], progress=bar)  # auto: kvpress presses mistral's
+    assert seen == [3, "reference (the cache unchanged)", "knorm at 0.5", "fp8:fmt=e4m3"]  # one line per pass
     assert doc["sliding"]["pressed"] and "mistral" in doc["sliding"]["reason"]
     r = doc["policies"][0]["results"][0]
     assert r["kl_mean"] > 0 and r["sliding_layer_tokens_final"] == n_kept(TINY_WINDOW - 1, 0.5)
