@@ -99,13 +99,16 @@ def check_port(host: str, port: int) -> None:
 @click.option("--max-request-bytes", type=click.IntRange(min=1024), default=8 << 20, show_default=True,
               help="Largest request body of the completion routes (/v1/...): a larger one is answered 413 "
                    "without being read; kvtrace's own routes take 64 KiB.")
+@click.option("--log-status-polls", is_flag=True,
+              help="Keep uvicorn's access-log lines of GET /kvtrace/status answered 200 (kvtrace loadtest polls it "
+                   "every 0.25 s; left out by default).")
 @metrics_options
 @click.option("--quiet", "-q", is_flag=True, help="Print only errors (transformers and uvicorn still log).")
 @click.argument("serve_args", nargs=-1, type=click.UNPROCESSED, metavar="[SERVE_OPTIONS]...")
 @guarded
 def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no_nvml: bool, tiny: bool,
           layers: int | None, width: float | None, vocab: int | None, force: bool, max_request_bytes: int,
-          prometheus: str | None, prometheus_textfile: str | None, prometheus_linger: float, quiet: bool,
+          log_status_polls: bool, prometheus: str | None, prometheus_textfile: str | None, prometheus_linger: float, quiet: bool,
           serve_args: tuple[str, ...]) -> None:
     """Serve MODEL with transformers' own server (`transformers serve`) and record it into TRACE.
 
@@ -181,7 +184,8 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
                              on_ready=lambda url: say(f"serving {model} at {url} (phase markers: POST "
                                                       f"{url}/kvtrace/phase); recording to {output}; "
                                                       f"Ctrl-C or SIGTERM stops"),
-                             preloaded=preloaded, max_request_bytes=max_request_bytes)
+                             preloaded=preloaded, max_request_bytes=max_request_bytes,
+                             log_status_polls=log_status_polls)
     except Stopped as exc:
         fail(f"{exc}; no trace written", exitcodes.INTERRUPTED)
         return

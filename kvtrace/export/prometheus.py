@@ -440,6 +440,7 @@ class PrometheusExporter:
         self._stamp.value = time.time()
 
     def set_info(self, model: str = "unknown", model_type: str = "unknown") -> None:
+        self.model = str(model)  # also the model_name label of the serving series (prometheus_serving)
         self._info.info({"version": __version__, "model": str(model), "model_type": str(model_type)})
 
     def on_session_start(self, model: str, model_type: str, rss: Callable[[], int] | None = None) -> None:

@@ -18,9 +18,13 @@ and vllm docs/design/metrics.md (v1: vllm:kv_cache_usage_perc, vllm:num_requests
 vllm:num_requests_waiting, vllm:num_preemptions, vllm:prefix_cache_queries, vllm:prefix_cache_hits,
 vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds, vllm:request_queue_time_seconds).
 
+Every series carries the recorded model as ``model_name`` (vLLM's label for the same purpose), so a
+dashboard over several servers can tell them apart without joining kvtrace_info.
+
 What is not measured is not exported: the pool gauges have no series until the first step
 reported the pool (a transformers version without the counter writes -1 and the gauge stays
-absent); end-to-end latency is not exported (the recorder's end-of-request call names no request).
+absent). End-to-end latency is arrival to the REQUEST_END the serving recorder writes (finished,
+failed or cancelled).
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from kvtrace.export.prometheus import PrometheusExporter, _Families, require_cli
 from kvtrace.export.prometheus import observers_for as _exporters
 from kvtrace.format import schema
 
-# name -> (kind, help, labels, vLLM metric of the same meaning or "")
+# name -> (kind, help, labels, vLLM metric of the same meaning or ""). Every family also carries
+# MODEL_LABEL (the recorded model, as vLLM's series carry model_name), first.
+MODEL_LABEL = "model_name"
 SERVING_METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "kvtrace_serving_requests_running": (
         "gauge", "Continuous-batching requests admitted and not finished (they hold cache), at the last step.", (),
@@ -54,6 +60,11 @@ SERVING_METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "kvtrace_serving_kv_pool_free_bytes": (
         "gauge", "Free bytes of the paged KV pool (in no block table, not kept for prefix reuse), at the last step.",
         (), ""),
+    "kvtrace_serving_kv_cache_bytes": (
+        "gauge", "KV bytes in the running requests' blocks (blocks in use x bytes per block, every layer of the "
+        "cache group), by attention type, at the last step.", ("layer_type",), ""),
+    "kvtrace_serving_kv_cache_tokens": (
+        "gauge", "Sequence positions the running requests' caches hold once the last step's forward has run.", (), ""),
     "kvtrace_serving_kv_blocks": (
         "gauge", "Paged KV blocks by cache group attention type and state (in_use, cached, free), at the last step.",
         ("layer_type", "state"), ""),
@@ -61,6 +72,9 @@ SERVING_METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "gauge", "Query tokens of the last scheduled batch by kind (prefill, decode).", ("kind",), ""),
     "kvtrace_serving_scheduler_steps_total": (
         "counter", "Continuous-batching scheduler steps that found work.", (), ""),
+    "kvtrace_serving_prompt_tokens_total": (
+        "counter", "Prompt tokens computed (prefill query tokens scheduled; recomputed ones after a soft reset "
+        "included, prefix-cache hits not).", (), "vllm:prompt_tokens_total"),
     "kvtrace_serving_preemptions_total": (
         "counter", "Requests preempted (soft reset or offloaded) to free blocks.", (), "vllm:num_preemptions_total"),
     "kvtrace_serving_prefix_cache_queries_tokens_total": (
@@ -77,9 +91,14 @@ SERVING_METRICS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
         "vllm:inter_token_latency_seconds"),
     "kvtrace_serving_request_queue_time_seconds": (
         "histogram", "Arrival to first admission by the scheduler.", (), "vllm:request_queue_time_seconds"),
+    "kvtrace_serving_e2e_request_latency_seconds": (
+        "histogram", "Arrival (queued) to the request's end (finished, failed or cancelled).", (),
+        "vllm:e2e_request_latency_seconds"),
 }
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)  # vLLM's request-latency buckets
 BLOCK_STATES = ("in_use", "cached", "free")
 _LAYER_TYPES = {int(t): t.name.lower() for t in schema.LayerType}
 E = schema.EventKind
@@ -98,36 +117,59 @@ class ServingMetrics:
         self._m: dict[str, Any] = {}
         for name, (kind, text, labels, _) in SERVING_METRICS.items():
             if kind == "histogram":
-                buckets = TTFT_BUCKETS if "first_token" in name or "queue" in name else ITL_BUCKETS
-                self._m[name] = _Histogram(name, text, buckets)
+                buckets = (TTFT_BUCKETS if "first_token" in name or "queue" in name else
+                           E2E_BUCKETS if "e2e" in name else ITL_BUCKETS)
+                self._m[name] = _Histogram(name, text, buckets, lambda: self.model)
             else:
                 cls = pc.Counter if kind == "counter" else pc.Gauge
-                self._m[name] = cls(name, text, labels, registry=None)
+                self._m[name] = cls(name, text, (MODEL_LABEL, *labels), registry=None)
         # gauges of pool state have no series until a step reported it (-1: not measured)
         self._optional = {"kvtrace_serving_kv_cache_usage_ratio", "kvtrace_serving_kv_cache_token_usage_ratio",
-                          "kvtrace_serving_kv_pool_bytes", "kvtrace_serving_kv_pool_free_bytes"}
+                          "kvtrace_serving_kv_pool_bytes", "kvtrace_serving_kv_pool_free_bytes",
+                          "kvtrace_serving_kv_cache_tokens"}
         self._seen: set[str] = set()
         self.active = False  # no serving family is served before the first scheduler step or event
         self._families = _Families([m for n, m in self._m.items() if n not in self._optional])
         exporter.registry.register(_Served(self))
-        for kind in ("prefill", "decode"):
-            self._m["kvtrace_serving_batch_tokens"].labels(kind)
         self._lock = threading.Lock()
         self._arrival: dict[int, int] = {}
         self._in_flight = 0
         self._last_step_ns: dict[int, int] = {}  # manager -> t_ns of its previous step
+        self._kv_kinds: set[str] = set()  # layer types of kvtrace_serving_kv_cache_bytes seen
+
+    @property
+    def model(self) -> str:
+        """The recorded model (the exporter's kvtrace_info model): every serving series' model_name."""
+        return getattr(self.exporter, "model", "unknown")
+
+    def _c(self, name: str, *labels: str) -> Any:
+        """The child of family ``name`` for the recorded model and ``labels``."""
+        return self._m[name].labels(self.model, *labels)
+
+    def _activate(self) -> None:
+        """The first scheduler step or serving event: every series with no label of its own but the
+        model's exists from now on (counters at 0), so rate() and increase() see the first event."""
+        if self.active:
+            return
+        self.active = True
+        for name, (kind, _, labels, _) in SERVING_METRICS.items():
+            if kind != "histogram" and not labels and name not in self._optional:
+                self._c(name)
+        for kind in ("prefill", "decode"):
+            self._c("kvtrace_serving_batch_tokens", kind)
 
     # ---- serving calls (kvtrace.recorder.serving) ------------------------------------------------
 
     def on_serving_step(self, sched: Any, groups: Any) -> None:
-        m = self._m
+        c = self._c
         with self._lock:
-            self.active = True
-            m["kvtrace_serving_scheduler_steps_total"].inc()
-            m["kvtrace_serving_requests_running"].set(int(sched.running))
-            m["kvtrace_serving_requests_waiting"].set(int(sched.waiting))
-            m["kvtrace_serving_batch_tokens"].labels("prefill").set(int(sched.prefill_tokens))
-            m["kvtrace_serving_batch_tokens"].labels("decode").set(int(sched.decode_tokens))
+            self._activate()
+            c("kvtrace_serving_scheduler_steps_total").inc()
+            c("kvtrace_serving_requests_running").set(int(sched.running))
+            c("kvtrace_serving_requests_waiting").set(int(sched.waiting))
+            c("kvtrace_serving_batch_tokens", "prefill").set(int(sched.prefill_tokens))
+            c("kvtrace_serving_batch_tokens", "decode").set(int(sched.decode_tokens))
+            c("kvtrace_serving_prompt_tokens_total").inc(int(sched.prefill_tokens))
             pool, free, valid = int(sched.pool_bytes), int(sched.free_bytes), int(sched.valid_bytes)
             if pool > 0:
                 self._set("kvtrace_serving_kv_pool_bytes", pool)
@@ -136,37 +178,47 @@ class ServingMetrics:
                     self._set("kvtrace_serving_kv_cache_usage_ratio", (pool - free) / pool)
                 if valid >= 0:
                     self._set("kvtrace_serving_kv_cache_token_usage_ratio", valid / pool)
+            if int(sched.tokens_cached) >= 0:
+                self._set("kvtrace_serving_kv_cache_tokens", int(sched.tokens_cached))
             blocks: dict[tuple[str, str], int] = {}
+            in_use_bytes: dict[str, int] = {}
             for g in groups or ():
                 kind = _LAYER_TYPES.get(int(g.layer_type), "unknown")
                 for state, value in (("in_use", g.blocks_in_use), ("cached", g.blocks_cached), ("free", g.blocks_free)):
                     if int(value) >= 0:
                         blocks[(kind, state)] = blocks.get((kind, state), 0) + int(value)
+                if int(g.blocks_in_use) >= 0 and int(g.bytes_per_block) >= 0:
+                    in_use_bytes[kind] = in_use_bytes.get(kind, 0) + int(g.blocks_in_use) * int(g.bytes_per_block)
             for (kind, state), value in blocks.items():
-                m["kvtrace_serving_kv_blocks"].labels(kind, state).set(value)
+                c("kvtrace_serving_kv_blocks", kind, state).set(value)
+            for kind, value in in_use_bytes.items():
+                c("kvtrace_serving_kv_cache_bytes", kind).set(value)
+                self._kv_kinds.add(kind)
             hits = max(int(sched.prefix_hit_tokens), 0)
-            m["kvtrace_serving_prefix_cache_hits_tokens_total"].inc(hits)
-            m["kvtrace_serving_prefix_cache_queries_tokens_total"].inc(int(sched.prefill_tokens) + hits)
-            m["kvtrace_serving_evicted_blocks_total"].inc(max(int(sched.evicted_blocks), 0))
+            c("kvtrace_serving_prefix_cache_hits_tokens_total").inc(hits)
+            c("kvtrace_serving_prefix_cache_queries_tokens_total").inc(int(sched.prefill_tokens) + hits)
+            c("kvtrace_serving_evicted_blocks_total").inc(max(int(sched.evicted_blocks), 0))
             previous = self._last_step_ns.get(int(sched.manager))
             self._last_step_ns[int(sched.manager)] = int(sched.t_ns)
             if previous is not None and int(sched.decode_tokens) > 0 and int(sched.t_ns) > previous:
                 gap = (int(sched.t_ns) - previous) / 1e9
-                m["kvtrace_serving_inter_token_latency_seconds"].observe(gap, int(sched.decode_tokens))
+                self._m["kvtrace_serving_inter_token_latency_seconds"].observe(gap, int(sched.decode_tokens))
         self._updated()
 
     def on_serving_event(self, kind: Any, request: int, value: int, t_ns: int) -> None:
         kind = int(kind)
         m = self._m
         with self._lock:
-            self.active = True
+            self._activate()
             arrival = self._arrival.get(int(request))
             if kind == E.PREEMPTED:
-                m["kvtrace_serving_preemptions_total"].inc()
+                self._c("kvtrace_serving_preemptions_total").inc()
             elif kind == E.FIRST_TOKEN and arrival is not None and t_ns >= arrival:
                 m["kvtrace_serving_time_to_first_token_seconds"].observe((t_ns - arrival) / 1e9)
             elif kind == E.SCHEDULED and int(value) == 1 and arrival is not None and t_ns >= arrival:
                 m["kvtrace_serving_request_queue_time_seconds"].observe((t_ns - arrival) / 1e9)
+            elif kind == E.REQUEST_END and arrival is not None and t_ns >= arrival:
+                m["kvtrace_serving_e2e_request_latency_seconds"].observe((t_ns - arrival) / 1e9)
             else:
                 return
         self._updated()
@@ -192,8 +244,10 @@ class ServingMetrics:
     def _idle(self) -> None:
         self._arrival.clear()
         self._last_step_ns.clear()
-        self._m["kvtrace_serving_requests_running"].set(0)
-        self._m["kvtrace_serving_requests_waiting"].set(0)
+        self._c("kvtrace_serving_requests_running").set(0)
+        self._c("kvtrace_serving_requests_waiting").set(0)
+        for kind in self._kv_kinds:  # no request holds blocks any more
+            self._c("kvtrace_serving_kv_cache_bytes", kind).set(0)
 
     def start(self) -> ServingMetrics:
         return self
@@ -222,7 +276,7 @@ class ServingMetrics:
     # ---- helpers ---------------------------------------------------------------------------------
 
     def _set(self, name: str, value: float) -> None:
-        self._m[name].set(value)
+        self._c(name).set(value)
         self._seen.add(name)
 
     def _updated(self) -> None:
@@ -236,8 +290,9 @@ class _Histogram:
     """A histogram that takes one value n times in one call (a step's gap, once per decoded request:
     64 requests would be 64 prometheus_client observe calls per step on the CB loop)."""
 
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.help = name, help_text
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...],
+                 model: Callable[[], str] = lambda: "unknown") -> None:
+        self.name, self.help, self.model = name, help_text, model
         self.bounds = np.array(buckets, dtype=np.float64)
         self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)  # last: above the largest bound
         self.total = 0.0
@@ -257,7 +312,9 @@ class _Histogram:
         cumulative = np.cumsum(counts)
         buckets = [(repr(float(b)), int(c)) for b, c in zip(self.bounds, cumulative[:-1], strict=True)]
         buckets.append(("+Inf", int(cumulative[-1])))
-        yield HistogramMetricFamily(self.name, self.help, buckets=buckets, sum_value=total)
+        family = HistogramMetricFamily(self.name, self.help, labels=[MODEL_LABEL])
+        family.add_metric([self.model()], buckets, sum_value=total)
+        yield family
 
 
 class _Served:
@@ -295,11 +352,15 @@ def replay(exporter: PrometheusExporter, view: Any) -> ServingMetrics | None:
     sched = view.sched
     if not sched.size:
         return None
+    exporter.set_info(view.trace.meta.model_id, view.trace.meta.model_type)  # the series' model_name
     sm = ServingMetrics(exporter)
     by_step: dict[tuple[int, int], list[Any]] = {}
     for g in view.sched_groups:
         by_step.setdefault((int(g["manager"]), int(g["step"])), []).append(schema.SchedGroupRow(*g.tolist()))
     events = view.serving_events
+    # e2e latency: the live endpoint hears the end of continuous-batching requests only
+    cb = {int(r) for r in view.cb_requests["request"]}
+    events = events[(events["kind"] != int(E.REQUEST_END)) | np.isin(events["request"], list(cb))]
     reqs = view.requests
     sm._arrival = {int(r["request"]): int(r["start_ns"]) for r in reqs}
     order = sorted([(int(t), 1, i) for i, t in enumerate(sched["t_ns"])]

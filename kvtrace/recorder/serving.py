@@ -660,7 +660,7 @@ class ServingRecorder:
             end = monotonic_ns()
             w.update_request(rid, outcome=int(outcome), end_ns=end, new_tokens=new_tokens, eos_step=eos_step,
                              error_off=err[0], error_len=err[1])
-            self.ctx.event(EventKind.REQUEST_END, rid, value=int(outcome), t=end, text=why)
+            self._event(EventKind.REQUEST_END, rid, value=int(outcome), t=end, text=why)  # observers: e2e latency
             w.flush_soon()
             self.ctx.observers.notify("on_request_end", outcome.name.lower(), new_tokens=new_tokens)
         except Exception as exc:  # noqa: BLE001

@@ -19,6 +19,7 @@ starts and shuts down at once), so no signal is lost and the trace is complete e
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -49,6 +50,25 @@ class ServeOutcome:
     recording_started: bool = False
 
 
+# kvtrace's own polling of a server, left out of uvicorn's access log unless asked for (loadtest polls
+# GET /kvtrace/status every 0.25 s: 139 of 190 log lines of a load test were those)
+STATUS_POLL = ("GET", "/kvtrace/status")
+
+
+class QuietStatusPolls(logging.Filter):
+    """Drops uvicorn's access-log line of a successful ``GET /kvtrace/status`` (uvicorn logs
+    ``(client, method, path, http_version, status)`` as the record's args); every other line, and a
+    status poll that did not answer 200, is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5:
+            _, method, path, _, status = args
+            if (method, str(path).split("?", 1)[0]) == STATUS_POLL and status == 200:
+                return False
+        return True
+
+
 def serve_command() -> Any:
     """transformers' ``serve`` as a click command (typer builds it from ``Serve``'s signature)."""
     import typer
@@ -62,13 +82,15 @@ def serve_command() -> Any:
 def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
           serve_args: Sequence[str] = (), record_options: dict[str, Any] | None = None,
           on_ready: Callable[[str], None] | None = None, preloaded: tuple[Any, Any] | None = None,
-          max_request_bytes: int = MAX_REQUEST_BYTES) -> ServeOutcome:
+          max_request_bytes: int = MAX_REQUEST_BYTES, log_status_polls: bool = False) -> ServeOutcome:
     """Run the server until SIGINT/SIGTERM, recording into ``trace``. ``serve_args``: further
     ``transformers serve`` options (``--continuous-batching``, ``--cb-num-blocks 64``, ...).
     ``on_ready(url)`` is called once the recording runs, just before uvicorn binds.
     ``preloaded``: (model, tokenizer) already built for ``model`` (a kvtrace preset), handed to
     transformers' model manager in place of loading ``model`` from disk. ``max_request_bytes``: the
-    body limit of the completion routes (:class:`kvtrace.serving.routes.RequestGuard`)."""
+    body limit of the completion routes (:class:`kvtrace.serving.routes.RequestGuard`).
+    ``log_status_polls``: keep uvicorn's access-log lines of ``GET /kvtrace/status`` answered 200
+    (:class:`QuietStatusPolls` drops them by default)."""
     import transformers
 
     import kvtrace
@@ -128,6 +150,10 @@ def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
     if in_main:
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     server_module.build_server = build_server
+    access = logging.getLogger("uvicorn.access")
+    quiet = None if log_status_polls else QuietStatusPolls()
+    if quiet is not None:
+        access.addFilter(quiet)
     restore_uvicorn = _hand_signals_to_uvicorn(state)
     restore_loaders = _hand_over(model, preloaded) if preloaded is not None else None
     try:
@@ -145,6 +171,8 @@ def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
             raise
     finally:
         server_module.build_server = original_build
+        if quiet is not None:
+            access.removeFilter(quiet)
         restore_uvicorn()
         if restore_loaders is not None:
             restore_loaders()

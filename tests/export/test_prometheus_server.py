@@ -54,12 +54,13 @@ class Raise(transformers.StoppingCriteria):
 class Prom:
     """One Prometheus process with a throw-away data directory, scraping one target."""
 
-    def __init__(self, tmp: Path, target: str) -> None:
+    def __init__(self, tmp: Path, target: str, config_text: str | None = None) -> None:
+        """``config_text``: a whole configuration of the caller's (the bundled grafana/prometheus.yml)."""
         self.web = f"127.0.0.1:{free_port()}"
         config = tmp / "prometheus.yml"
-        config.write_text(
+        config.write_text(config_text or (
             f"global:\n  scrape_interval: {INTERVAL}\n  scrape_timeout: 400ms\n"
-            f"scrape_configs:\n  - job_name: kvtrace\n    static_configs:\n      - targets: ['{target}']\n")
+            f"scrape_configs:\n  - job_name: kvtrace\n    static_configs:\n      - targets: ['{target}']\n"))
         self.log = (tmp / "prometheus.log").open("w")
         self.proc = subprocess.Popen(
             [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",

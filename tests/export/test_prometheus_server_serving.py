@@ -64,6 +64,7 @@ def test_real_prometheus_answers_the_serving_panels(tmp_path):
     assert not empty, empty
     with open_trace(path) as t:
         sched, pre = t.sched(), t.events(schema.EventKind.PREEMPTED)
-    assert totals["kvtrace_serving_scheduler_steps_total"] == {"": sched.size}
-    assert totals["kvtrace_serving_preemptions_total"] == {"": pre.size}
-    assert totals["kvtrace_serving_time_to_first_token_seconds_count"] == {"": 4}
+        model = f"model_name={t.meta.model_id}"  # every serving series names the model (vLLM's label)
+    assert totals["kvtrace_serving_scheduler_steps_total"] == {model: sched.size}
+    assert totals["kvtrace_serving_preemptions_total"] == {model: pre.size}
+    assert totals["kvtrace_serving_time_to_first_token_seconds_count"] == {model: 4}

@@ -417,7 +417,7 @@ def test_live_observers_see_the_rows_and_events_written(tmp_path):
     t = open_trace(path)
     assert [tuple(s) for s, _ in listener.steps] == [tuple(r) for r in t.sched().tolist()]
     assert [len(g) for _, g in listener.steps] == [1, 1, 1]
-    kinds = [EventKind.PHASE, EventKind.SCHEDULED, EventKind.FIRST_TOKEN]
+    kinds = [EventKind.PHASE, EventKind.SCHEDULED, EventKind.FIRST_TOKEN, EventKind.REQUEST_END]  # END: e2e latency
     written = t.events()
     written = written[np.isin(written["kind"], [int(k) for k in kinds])]
     assert sorted(listener.events) == sorted((int(e["kind"]), int(e["request"]), int(e["value"]), int(e["t_ns"]))

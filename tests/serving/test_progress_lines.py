@@ -17,7 +17,7 @@ pytest.importorskip("httpx", reason="the serving packages (kvtrace[serve]) are n
 
 from gated_run import Gated  # noqa: E402
 from hostile_http import GOOD, Conn, Hostile, sequence  # noqa: E402
-from serve_helpers import free_port  # noqa: E402
+from serve_helpers import free_port, wait_healthy  # noqa: E402
 
 
 def test_loadtest_prints_each_phase_and_its_verdict_as_it_ends(tmp_path):
@@ -49,7 +49,7 @@ def test_loadtest_prints_each_phase_and_its_verdict_as_it_ends(tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_says_what_it_loads_before_loading_it(tmp_path):
+def test_serve_says_what_it_loads_before_loading_it_and_logs_no_status_polls(tmp_path):
     pytest.importorskip("transformers")
     port = free_port()
     run = Gated(["kvtrace.commands.serve:load_preset", "kvtrace.serving.runner:serve"],
@@ -63,8 +63,19 @@ def test_serve_says_what_it_loads_before_loading_it(tmp_path):
         run.expect("starting transformers serve: importing its server")
         run.open(1)
         run.expect(f"serving preset:llama-3.1-8b at http://127.0.0.1:{port}")
+        # loadtest's status polling stays out of the access log; other requests are logged (issue 33)
+        import httpx
+
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, run.proc)
+        for _ in range(3):
+            assert httpx.get(f"{url}/kvtrace/status", timeout=10, trust_env=False).status_code == 200
+        assert httpx.get(f"{url}/v1/models", timeout=10, trust_env=False).status_code in (200, 404)
         run.proc.send_signal(signal.SIGTERM)
         run.expect("stopped by SIGTERM")
         assert run.finish() == 0
     finally:
         run.kill()
+    log = "\n".join(run.lines + [x for x in run.other if x])
+    assert '"GET /health HTTP/1.1" 200' in log and '"GET /v1/models HTTP/1.1"' in log, log[-3000:]
+    assert "/kvtrace/status" not in log

@@ -48,11 +48,25 @@ def free_port() -> int:
 
 
 def scrape(port: int) -> dict:
-    """{(sample name, sorted labels): value} of one real scrape of the endpoint."""
+    """{(sample name, sorted labels): value} of one real scrape of the endpoint; the serving samples'
+    model_name label (the same on all of them) under ("model_name", ()) and dropped from their labels."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return labelled(text)
+
+
+def labelled(text: str) -> dict:
+    out: dict = {}
+    models = set()
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = dict(s.labels)
+            if s.name.startswith("kvtrace_serving_"):
+                models.add(labels.pop("model_name"))  # every serving series names the model
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
+    assert len(models) <= 1, models
+    out[("model_name", ())] = models.pop() if models else None
+    return out
 
 
 def _value(metrics: dict, name: str, **labels) -> float | None:
@@ -98,6 +112,11 @@ def test_live_serving_metrics_match_the_trace(tmp_path):
         pre = t.events(schema.EventKind.PREEMPTED)
         first = t.events(schema.EventKind.FIRST_TOKEN)
         reqs = t.requests()
+        groups = t.sched_groups()
+        model_id = t.meta.model_id
+        end_events = t.events(schema.EventKind.REQUEST_END)
+    by_start = {int(r["request"]): int(r["start_ns"]) for r in reqs}
+    assert _value(mid, "model_name") == _value(after, "model_name") == model_id  # vLLM's label, the trace's model
     # mid-run: the gauges are the last scheduled step's row, the counters the sums up to it
     steps = int(_value(mid, "kvtrace_serving_scheduler_steps_total"))
     assert 1 <= steps < sched.size
@@ -109,6 +128,10 @@ def test_live_serving_metrics_match_the_trace(tmp_path):
     assert _value(mid, "kvtrace_serving_kv_cache_token_usage_ratio") == pytest.approx(row["valid_bytes"] / row["pool_bytes"])
     assert _value(mid, "kvtrace_serving_kv_pool_bytes") == row["pool_bytes"]
     assert _value(mid, "kvtrace_serving_kv_blocks", layer_type="full", state="in_use") == row["blocks_in_use"]
+    mine = groups[groups["step"] == steps - 1]  # the KV the running requests' blocks hold, feeding the KV panels
+    assert _value(mid, "kvtrace_serving_kv_cache_bytes", layer_type="full") == int(
+        (mine["blocks_in_use"] * mine["bytes_per_block"]).sum()) > 0
+    assert _value(mid, "kvtrace_serving_kv_cache_tokens") == row["tokens_cached"]
     assert _value(mid, "kvtrace_requests_in_flight") == 4  # the exporter's own gauges are served beside them
 
     # after the run: totals equal the trace's, nothing runs any more
@@ -116,6 +139,13 @@ def test_live_serving_metrics_match_the_trace(tmp_path):
     assert _value(after, "kvtrace_serving_preemptions_total") == pre.size > 0
     assert _value(after, "kvtrace_serving_requests_running") == 0
     assert _value(after, "kvtrace_serving_requests_waiting") == 0
+    assert _value(after, "kvtrace_serving_kv_cache_bytes", layer_type="full") == 0  # no request holds blocks
+    assert _value(after, "kvtrace_serving_prompt_tokens_total") == int(sched["prefill_tokens"].sum())
+    t_end = {int(e["request"]): int(e["t_ns"]) for e in end_events}
+    ends = sorted(t_end)
+    assert _value(after, "kvtrace_serving_e2e_request_latency_seconds_count") == len(ends) == 4
+    e2e = sum((t_end[r] - by_start[r]) / 1e9 for r in ends)
+    assert _value(after, "kvtrace_serving_e2e_request_latency_seconds_sum") == pytest.approx(e2e, rel=0.05, abs=0.005)
     prefill = int(sched["prefill_tokens"].sum())
     assert _value(after, "kvtrace_serving_prefix_cache_queries_tokens_total") == prefill + int(sched["prefix_hit_tokens"].sum())
     assert _value(after, "kvtrace_serving_prefix_cache_hits_tokens_total") == int(sched["prefix_hit_tokens"].sum())
@@ -145,11 +175,12 @@ def test_pool_gauges_are_absent_until_the_cache_reports_them(tmp_path):
     sm.on_serving_step(unknown, [])
     body = text()
     assert "kvtrace_serving_kv_cache_usage_ratio" not in body and "kvtrace_serving_kv_pool_bytes" not in body
-    assert "kvtrace_serving_requests_running 1.0" in body
+    assert 'kvtrace_serving_requests_running{model_name="unknown"} 1.0' in body
     known = unknown._replace(step=1, pool_bytes=1000, free_bytes=250, valid_bytes=500)
     sm.on_serving_step(known, [])
     body = text()
-    assert "kvtrace_serving_kv_cache_usage_ratio 0.75" in body and "kvtrace_serving_kv_cache_token_usage_ratio 0.5" in body
+    assert 'kvtrace_serving_kv_cache_usage_ratio{model_name="unknown"} 0.75' in body
+    assert 'kvtrace_serving_kv_cache_token_usage_ratio{model_name="unknown"} 0.5' in body
     assert "_created" not in body
 
 
@@ -182,7 +213,8 @@ def test_replay_of_a_served_trace_equals_the_live_end_state(tmp_path):
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 # histogram sums/buckets of TTFT and queue time use arrivals a few us apart (live clock)
-                timed = s.name.startswith(("kvtrace_serving_time_to_first", "kvtrace_serving_request_queue"))
+                timed = s.name.startswith(("kvtrace_serving_time_to_first", "kvtrace_serving_request_queue",
+                                           "kvtrace_serving_e2e"))
                 if s.name.startswith("kvtrace_serving_") and not (timed and not s.name.endswith("_count")):
                     out[(s.name, tuple(sorted(s.labels.items())))] = s.value
         return out
@@ -191,7 +223,9 @@ def test_replay_of_a_served_trace_equals_the_live_end_state(tmp_path):
     with open_trace(path) as t:
         assert replay(exp, TraceView(t)) is not None
     got, want = serving(generate_latest(exp.registry).decode()), serving(live.read_text())
-    assert got == want and ("kvtrace_serving_scheduler_steps_total", ()) in got
+    assert got == want and any(name == "kvtrace_serving_scheduler_steps_total" for name, _ in got)
+    assert {dict(labels)["model_name"] for _, labels in got} == {"LlamaForCausalLM"}  # the trace's model
+    assert any(name == "kvtrace_serving_e2e_request_latency_seconds_count" for name, _ in got)
 
 
 def test_spec_table_lists_every_serving_metric_and_its_vllm_name():
@@ -220,6 +254,7 @@ def test_histogram_buckets_follow_prometheus_le(tmp_path):
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value
            for fam in text_string_to_metric_families(generate_latest(exp.registry).decode()) for s in fam.samples}
     ttft = "kvtrace_serving_time_to_first_token_seconds"
+    got = {(name, tuple(kv for kv in labels if kv[0] != "model_name")): v for (name, labels), v in got.items()}
     assert got[(f"{ttft}_bucket", (("le", "0.005"),))] == 0 and got[(f"{ttft}_bucket", (("le", "0.01"),))] == 1
     itl = "kvtrace_serving_inter_token_latency_seconds"
     assert got[(f"{itl}_bucket", (("le", "0.0025"),))] == 0 and got[(f"{itl}_bucket", (("le", "0.005"),))] == 2
