@@ -119,6 +119,11 @@ AMPLIFIED = ("bare", "m_nvml_x25", "m_allocator_x25", "m_flusher_x20", "m_struct
 SHAPES = {"b1": (1, 128, 128), "b16": (16, 1024, 64), "b1s": (1, 128, 64), "tiny": (1, 16, 12)}
 SAVE_GAPS = False  # set in the worker from the job's "gaps"
 GPU_MODELS = {"pythia-1.4b": None, "gpt-oss-20b": 6}  # preset -> layers kept (None: all)
+# The compiled fast path's model: llama-style, 16 layers, hidden 2048, 16 query / 4 KV heads (a
+# ~2.3 ms decode step on an H200, where fixed per-step costs show); built from llama-3.1-8b's preset.
+FAST_MODEL = {"llama-16x2048": dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
+                                    num_attention_heads=16, num_key_value_heads=4, head_dim=128)}
+SHAPES.update({"s1": (1, 128, 256), "s8": (8, 128, 256)})
 
 
 def _job(model: str, shape: str, variants: list[str], pairs: int, **extra: Any) -> dict[str, Any]:
@@ -138,6 +143,9 @@ def suite_jobs(suite: str, pairs: int | None) -> list[dict[str, Any]]:
         return [_job("pythia-1.4b", "b1s", list(AMPLIFIED), pairs or 5)]
     if suite == "anchors":
         return [_job("pythia-1.4b", "b1s", [a], pairs or 3) for a in ("memhist", "profiler")]
+    if suite == "static":  # generate(cache_implementation="static"): transformers compiles the forward
+        return [_job("llama-16x2048", s, ["aa", "recorder", "m_hooks", "lo_structure", "lo_telemetry", "lo_flusher"],
+                     pairs or 12, cache="static") for s in ("s1", "s8")]
     if suite == "smoke":
         return [_job("pythia-1.4b", "tiny", ["aa", "recorder", "m_hooks"], pairs or 2, tiny=True)]
     raise ValueError(f"unknown suite {suite!r}")
@@ -185,6 +193,9 @@ def summarize(pairs: list[dict[str, Any]], variant: str | None = None) -> dict[s
         out["amplify"] = amplify
         out["per_default_rate"] = {k: [(x - 1) / amplify for x in [out[k]["median"], *out[k]["ci95"]]]
                                    for k in ("total", "decode")} if med is not None else None
+    for key in ("dynamo_graph_breaks", "dynamo_recompiles"):  # per run, variant minus base
+        vals = [p["variant"].get(key, 0) - p["base"].get(key, 0) for p in pairs]
+        out[f"{key}_extra_max"] = max(vals, default=None)
     base = [p["base"]["total_s"] for p in pairs]
     out["base_total_s_median"] = statistics.median(base) if base else None
     exits = [p["variant"]["exit_s"] / p["base"]["total_s"] for p in pairs if p["variant"].get("exit_s") is not None]
@@ -213,7 +224,12 @@ def _build(job: dict[str, Any], device: str) -> Any:
 
     if job.get("tiny"):
         return presets.preset_model(job["model"], device=device)
-    cfg = presets.preset_config(job["model"], layers=job.get("layers"))
+    if job["model"] in FAST_MODEL:
+        cfg = presets.preset_config("llama-3.1-8b")
+        for k, v in FAST_MODEL[job["model"]].items():
+            setattr(cfg, k, v)
+    else:
+        cfg = presets.preset_config(job["model"], layers=job.get("layers"))
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -290,6 +306,20 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+GENERATE_KW: dict[str, Any] = {}  # set in the worker from the job ("cache": "static")
+
+
+def _dynamo_counts() -> dict[str, int]:
+    """Graph breaks and recompilations so far (torch._dynamo's own counters): a hook that breaks or
+    recompiles the compiled forward shows here as a difference between base and variant runs."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001
+        return {}
+    return {"graph_breaks": sum(counters["graph_break"].values()),
+            "recompiles": sum(v for k, v in counters["stats"].items() if k == "unique_graphs")}
+
+
 def run_generate(model: Any, variant: str, ids: Any, new: int, trace_dir: Path, tag: str) -> dict[str, Any]:
     """One timed generate call under ``variant`` ("base" = nothing attached)."""
     import torch
@@ -304,11 +334,12 @@ def run_generate(model: Any, variant: str, ids: Any, new: int, trace_dir: Path, 
     def gen() -> None:
         c0 = time.thread_time_ns()
         model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       logits_processor=LogitsProcessorList([clock]))
+                       logits_processor=LogitsProcessorList([clock]), **GENERATE_KW)
         _sync()
         cpu.append(time.thread_time_ns() - c0)  # the model's thread's own CPU time (not GIL waits)
 
     spec = VARIANTS.get(variant, {})
+    dyn0 = _dynamo_counts()
     t0 = time.perf_counter_ns()
     if variant in ("base", "aa"):
         t1 = t0
@@ -353,7 +384,8 @@ def run_generate(model: Any, variant: str, ids: Any, new: int, trace_dir: Path, 
     out = {"total_s": (t3 - t0) / 1e9, "generate_s": (t2 - t1) / 1e9, "decode_step_s": decode,
            # the median step is robust to a few stalled steps; the mean is what the caller pays
            "decode_median_step_s": statistics.median(gaps) / 1e9 if gaps else None,
-           "main_cpu_s": cpu[0] / 1e9 if cpu else None, **info}
+           "main_cpu_s": cpu[0] / 1e9 if cpu else None, **info,
+           **{f"dynamo_{k}": v - dyn0.get(k, 0) for k, v in _dynamo_counts().items()}}
     if SAVE_GAPS:  # per-step times (us), for phase analyses (structure steps, telemetry ticks)
         out["gaps_us"] = [round((b - a) / 1e3) for a, b in zip(clock.times, clock.times[1:], strict=False)]
     if decode is not None:  # generate outside the decode loop: prefill + per-request begin/finish work
@@ -382,6 +414,8 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
     global SAVE_GAPS
     SAVE_GAPS = bool(job.get("gaps"))
+    if job.get("cache"):
+        GENERATE_KW["cache_implementation"] = job["cache"]
     device = job.get("device", "cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench_overhead: no CUDA device (use --device cpu for a smoke run)")

@@ -40,6 +40,7 @@ from kvtrace.recorder.readings import MemoryReadings
 from kvtrace.recorder.retention import RetentionTracker
 from kvtrace.recorder.rows import EventRow, KvRow, LayerRow, StepRow
 from kvtrace.recorder.state import StateReading, read_states, state_rows
+from kvtrace.recorder.static_fast import StaticPlan, read_step_static, static_plan
 from kvtrace.recorder.submission import SampleSubmission
 
 _DECODE_STEP = int(EventKind.DECODE_STEP)
@@ -146,7 +147,11 @@ class StepRecorder:
         rid = req.id
         retention = self.ctx.options.retention
         if req.plan is not None and not req.sample_now:
-            fast = read_step_fast(cache, req.plan, rid, step, t, self._retention.live if retention else None)
+            live = self._retention.live if retention else None
+            if isinstance(req.plan, StaticPlan):  # counts from the inputs: no device read
+                fast = read_step_static(cache, req.plan, rid, step, t, req.fed, live)
+            else:
+                fast = read_step_fast(cache, req.plan, rid, step, t, live)
             if fast is not None:
                 self._write_fast(req, fast, memory=memory)
                 return
@@ -155,7 +160,7 @@ class StepRecorder:
         rows, naive, unique, valid, seen = rows_of(rid, step, t, readings)
         # A cache holding state (hybrid models) always takes this reader: the fast path reads K/V only.
         states = read_states(cache, ctx.num_layers, observe=observe)
-        req.plan = None if states else fast_plan(cache, ctx, readings)
+        req.plan = None if states else fast_plan(cache, ctx, readings) or static_plan(cache, readings, rows)
         self.write_structure(req, step, t, rows, naive, unique, valid, seen, memory=memory)
         if states:
             self.write_states(rid, step, t, readings, states)
