@@ -3,6 +3,7 @@
     PYTHONPATH=. python3 bench/bench_whatif.py --json-out bench/results/whatif.json [--quick]
     PYTHONPATH=. python3 bench/bench_whatif.py --smoke      # tiny shapes; CPU + Triton interpreter if no GPU
     PYTHONPATH=. python3 bench/bench_whatif.py --quick --only keep --keys 32768 --queries 1   # a focused run
+    PYTHONPATH=. python3 bench/bench_whatif.py --cpu all --json-out bench/results/whatif_cpu.json  # CPU (issue 32)
 
 Rows:
   keep   mass recall + output error of 9 keep-sets (knorm, random, streaming_llm x ratios 0.25,
@@ -406,7 +407,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queries", type=int, nargs="+", help="queries per head for the keep rows (default: the size's)")
     ap.add_argument("--pairs", type=int, help="kernel/eager pairs per keep row (default: the size's; more pairs "
                     "narrow a CI that straddles the goal)")
+    ap.add_argument("--cpu", choices=("replay", "rerun", "all"),
+                    help="the CPU benchmarks instead (bench/whatif_cpu.py): the offline replay of the whole policy "
+                    "set at --tokens with --steps all (CPU seconds; fast vs numpy pairs and an A-vs-A control at 1k), "
+                    "and/or --rerun per policy against a plain evicting loop (interleaved pairs, 95%% CI)")
+    ap.add_argument("--tokens", type=int, default=8192, help="--cpu replay: trace length (default 8192)")
+    ap.add_argument("--rerun-tokens", type=int, default=160, help="--cpu rerun: text length (default 160)")
+    ap.add_argument("--runs", type=int, default=5, help="--cpu replay: runs at --tokens (default 5)")
+    ap.add_argument("--cache-dir", default="/tmp/kvtrace-bench", help="--cpu: where the recorded traces are kept")
     args = ap.parse_args(argv)
+    if args.cpu:
+        from whatif_cpu import main_cpu
+
+        if args.pairs is None:
+            args.pairs = 9
+        return main_cpu(args)
     try:
         import torch
     except Exception as exc:

@@ -94,3 +94,135 @@ def plain_evicting_loop(model: Any, ids: Any, policy: str, ratio: float) -> Any:
                 g = idx.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
                 layer.keys, layer.values = layer.keys.gather(2, g), layer.values.gather(2, g)
     return torch.stack(rows)
+
+
+# ---------------------------------------------------------------------------------- the bench
+
+
+def _cpu_s(fn: Any) -> float:
+    import time
+
+    t = time.process_time()
+    fn()
+    return time.process_time() - t
+
+
+def paired(fa: Any, fb: Any, pairs: int) -> dict[str, Any]:
+    """CPU seconds of ``fa`` and ``fb`` run alternately (b first in odd pairs), after one warm-up
+    of each; the ratio a/b of each pair, its median and 95% bootstrap CI."""
+    from bench_overhead import bootstrap_median_ci
+
+    fa(), fb()
+    ta, tb = [], []
+    for i in range(pairs):
+        if i % 2:
+            b = _cpu_s(fb)
+            a = _cpu_s(fa)
+        else:
+            a = _cpu_s(fa)
+            b = _cpu_s(fb)
+        ta.append(a)
+        tb.append(b)
+    med, lo, hi = bootstrap_median_ci([x / y for x, y in zip(ta, tb, strict=True)])
+    import statistics
+
+    return {"a_cpu_s": statistics.median(ta), "b_cpu_s": statistics.median(tb), "ratio": med, "ci95": [lo, hi],
+            "pairs": pairs}
+
+
+def _numpy_env(on: bool) -> None:
+    if on:
+        os.environ["KVTRACE_WHATIF_NUMPY"] = "1"
+    else:
+        os.environ.pop("KVTRACE_WHATIF_NUMPY", None)
+
+
+def bench_replay(cache_dir: Path, tokens: int, pairs: int, runs: int) -> dict[str, Any]:
+    """The offline replay: (1) the whole policy set with --steps all on ``tokens`` tokens, CPU
+    seconds of ``runs`` runs (median, CI) against the 10 s goal; (2) on a 1k-token trace, pairs of
+    the fast path against numerics.py alone (KVTRACE_WHATIF_NUMPY=1, the code before issue 32's
+    speed work) and an A-vs-A control (fast against fast)."""
+    import statistics
+
+    from bench_overhead import bootstrap_median_ci
+
+    big = make_trace(cache_dir, tokens)
+    small = make_trace(cache_dir, 1024)
+    _numpy_env(False)
+    replay(small)  # imports, torch's first calls
+    times = [_cpu_s(lambda: replay(big)) for _ in range(runs)]
+    med, lo, hi = bootstrap_median_ci(times)
+    out: dict[str, Any] = {"tokens": tokens, "policies": list(ALL_POLICIES), "ratios": RATIOS, "steps": "all",
+                           "cpu_s": times, "cpu_s_median": statistics.median(times), "ci95": [lo, hi],
+                           "goal_s": 10.0, "verdict": "met" if hi < 10 else "not met" if lo >= 10 else "not resolved"}
+
+    def fast() -> None:
+        _numpy_env(False)
+        replay(small)
+
+    def slow() -> None:
+        _numpy_env(True)
+        replay(small)
+        _numpy_env(False)
+
+    out["numpy_over_fast_1k"] = paired(slow, fast, pairs)
+    out["control_fast_over_fast_1k"] = paired(fast, fast, pairs)
+    return out
+
+
+REPLAY_POLICIES = ("knorm", "keydiff", "random", "streaming_llm", "snapkv", "tova", "observed_attention",
+                   "expected_attention", "kivi:nbits=4")
+
+
+def bench_rerun(tokens: int, pairs: int, policies: tuple[str, ...] = REPLAY_POLICIES) -> dict[str, Any]:
+    """--rerun's teacher-forced pass of each policy at ratio 0.5 against the plain evicting loop
+    (knorm) on the same model and text, interleaved pairs, CPU seconds; plus plain against plain
+    (the A-vs-A control). Goal: ratio <= 2 (the CI's high end below 2: met)."""
+    import torch
+
+    from kvtrace.testing_models import tiny_prompt
+
+    torch.set_num_threads(1)  # one thread: the CPU seconds of the work, not of spinning workers
+    model = bench_model(max(1024, tokens + 16))
+    ids = tiny_prompt(tokens)
+    plain = lambda: plain_evicting_loop(model, ids, "knorm", 0.5)  # noqa: E731
+    rows: dict[str, Any] = {"control_plain_over_plain": paired(plain, plain, pairs)}
+    for p in policies:
+        ratio = None if p.startswith(("kivi", "fp8", "quanto", "hqq")) else 0.5
+        r = paired(lambda p=p, ratio=ratio: rerun(model, ids, p, ratio), plain, pairs)
+        r["verdict"] = "met" if r["ci95"][1] <= 2 else "not met" if r["ci95"][0] > 2 else "not resolved"
+        rows[p] = r
+        print(f"rerun {p}: {r['ratio']:.2f}x plain ({r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}) {r['verdict']}", flush=True)
+    return {"tokens": tokens, "model": "tiny llama (2 layers, 4 q / 2 KV heads, dim 16), fp32", "rows": rows}
+
+
+def main_cpu(args: Any) -> int:
+    import json
+    import platform
+    import time
+
+    import torch
+
+    cache = Path(args.cache_dir)
+    doc: dict[str, Any] = {"bench": "bench_whatif --cpu", "cpu": platform.processor() or platform.machine(),
+                           "cores": os.cpu_count(), "torch": torch.__version__, "started": time.time()}
+    try:
+        import subprocess
+
+        doc["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                       capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pass
+    if args.cpu in ("replay", "all"):
+        doc["replay"] = bench_replay(cache, args.tokens, args.pairs, args.runs)
+        r = doc["replay"]
+        print(f"replay {r['tokens']} tokens, 13 policies, --steps all: {r['cpu_s_median']:.1f} s CPU "
+              f"({r['ci95'][0]:.1f}-{r['ci95'][1]:.1f}) {r['verdict']}; 1k: numpy/fast "
+              f"{r['numpy_over_fast_1k']['ratio']:.1f}x, control {r['control_fast_over_fast_1k']['ratio']:.2f}x",
+              flush=True)
+    if args.cpu in ("rerun", "all"):
+        doc["rerun"] = bench_rerun(args.rerun_tokens, args.pairs)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(doc, indent=2))
+    return 0

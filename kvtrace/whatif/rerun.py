@@ -179,6 +179,10 @@ def _layer_class() -> type:
             self.unscored: set[int] = set()  # steps (tokens seen) over budget the policy could not score
             self.over_budget: set[int] = set()  # steps that ended over budget (sinks, or unscored)
             self._done = -1  # seen at the last after_attention: a step's hooks may fire twice
+            # observed_attention (H2O): attention each held key has received [B, Hq, T] and from how
+            # many queries [B, Hk, T], accumulated step by step over the keys held then
+            self.h2o: tuple[torch.Tensor, torch.Tensor] | None = None
+            self._summed = 0  # queries already added to self.h2o
 
         def get_seq_length(self) -> int:
             return self.seen
@@ -227,6 +231,8 @@ def _layer_class() -> type:
             if not self.is_initialized or self._done == self.seen:
                 return
             self._done = self.seen
+            if self.pressed and isinstance(self.applied.policy, P.ObservedAttention):
+                _h2o_add(self)
             if self.pressed:
                 held = self.seen if self.window is None else min(self.seen, self.window - 1)
                 n = self.applied.budget(held)
@@ -252,6 +258,11 @@ def _layer_class() -> type:
             self.keys = self.keys.gather(2, g)
             self.values = self.values.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, self.values.shape[-1]))
             self.pos = self.pos.gather(2, idx)
+            if self.h2o is not None:
+                acc, cnt = self.h2o
+                B, hq, _ = acc.shape
+                qi = idx.repeat_interleave(hq // idx.shape[1], dim=1)  # a query head reads its KV head's keys
+                self.h2o = acc.gather(2, qi), cnt.gather(2, idx)
 
         def _select_where(self, keep: torch.Tensor) -> None:
             """Keep the tokens where ``keep`` [B, Hk, T] (the same count on every head)."""
@@ -272,12 +283,17 @@ def _layer_class() -> type:
             pol = self.applied.policy
             assert isinstance(pol, P.ScorerPolicy)
             held = self.keys.shape[-2]
-            pos = self.pos.cpu().numpy()
-            c = np.ones(pos.shape, dtype=bool) if cand is None else cand.cpu().numpy()
+            c = None
             try:
                 if pol.needs.startswith("Q") and self.queries is None or \
                         isinstance(pol, P.StreamingLLM) and held <= pol.n_sink:  # kvpress: needs more than n_sink keys
                     raise PolicyError("nothing to score with yet")
+                scores = _torch_scores(self, pol) if TORCH_SCORING or isinstance(pol, P.ObservedAttention) else None
+                if scores is not None:
+                    self._keep_top(scores, n, cand, pol)
+                    return
+                pos = self.pos.cpu().numpy()
+                c = np.ones(pos.shape, dtype=bool) if cand is None else cand.cpu().numpy()
                 k = self.keys.detach().double().cpu().numpy()
                 v = self.values.detach().double().cpu().numpy()
                 if c.all() and (pos == pos[:1, :1]).all():  # positions shared by all heads
@@ -298,10 +314,24 @@ def _layer_class() -> type:
                 if cand is None:
                     self.unscored.add(self.seen)
                     return
+                c = cand.cpu().numpy()
                 newest = np.cumsum(c[..., ::-1], axis=-1)[..., ::-1]  # candidates at or after each key
                 keep = c & (newest <= (n if (c.sum(-1) != c.sum(-1).flat[0]).any() else held))
                 self.unscored.add(self.seen)
             self._select_where(torch.from_numpy(np.ascontiguousarray(keep)).to(self.keys.device))
+
+        def _keep_top(self, scores: torch.Tensor, n: int, cand: torch.Tensor | None, pol: P.ScorerPolicy) -> None:
+            """Keep the ``n`` best ``scores`` [B, Hk, T] of each head among ``cand`` (older first on
+            ties, as policies.keep_first); more always-kept (inf) candidates than ``n``:
+            Unsupported, as offline."""
+            if cand is not None:
+                scores = scores.masked_fill(~cand, float("-inf"))
+            forced = int(torch.isposinf(scores).sum(dim=-1).max())
+            if forced > n:
+                raise P.Unsupported(f"{pol.name}: {forced} {pol.forced_facts(None)} are always kept, more than the "
+                                    f"budget of {n}")
+            top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n]
+            self._select(torch.sort(top, dim=-1).values)
 
         def _q(self) -> np.ndarray | None:
             return None if self.queries is None else self.queries.cpu().numpy()
@@ -313,6 +343,114 @@ def _layer_class() -> type:
             return Observed(q, np.arange(q.shape[2]), k_pos, self.window, self.scale)
 
     return PolicyLayer
+
+
+# The rerun scores query policies in torch on the layer's own tensors (per-head key positions, no
+# numpy round trip): knorm, snapkv, tova, expected_attention. False: policies.py's numpy scorers, head by
+# head (tests compare both). observed_attention is always the step-by-step H2O sums (_h2o_add).
+TORCH_SCORING = True
+
+
+def _masked_probs(layer: Any, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """Softmax [B, Hk, G, m, T] of queries ``q`` [B, Hq, m, D] at ``q_pos`` [m] over the layer's
+    held keys, each head's visibility from its own key positions (causal, and its window)."""
+    import torch
+
+    k = layer.keys.detach().to(torch.float64)
+    B, hk, T, d = k.shape
+    hq, m = q.shape[1], q.shape[2]
+    g = hq // hk
+    logits = (q.reshape(B, hk, g * m, d) @ k.transpose(-1, -2)).reshape(B, hk, g, m, T) * layer.scale
+    pos = layer.pos[:, :, None, :]  # [B, Hk, 1, T]
+    vis = pos <= q_pos[None, None, :, None]
+    if layer.window is not None:
+        vis &= pos > q_pos[None, None, :, None] - layer.window
+    logits.masked_fill_(~vis[:, :, None], float("-inf"))
+    return torch.nan_to_num_(torch.softmax(logits, dim=-1), nan=0.0)
+
+
+def _h2o_add(layer: Any) -> None:
+    """Add the queries not summed yet (this step's, or a prefill's) to the layer's H2O sums: the
+    attention each held key receives from each of them, and how many of them see it."""
+    import torch
+
+    if layer.queries is None or layer._summed >= layer.queries.shape[2]:
+        return
+    B, hk, T, _ = layer.keys.shape
+    hq = layer.queries.shape[1]
+    if layer.h2o is None:
+        layer.h2o = (torch.zeros((B, hq, 0), dtype=torch.float64), torch.zeros((B, hk, 0), dtype=torch.float64))
+    acc, cnt = layer.h2o
+    if acc.shape[2] < T:  # the keys appended since: nothing received yet
+        acc = torch.cat([acc, acc.new_zeros((B, hq, T - acc.shape[2]))], dim=2)
+        cnt = torch.cat([cnt, cnt.new_zeros((B, hk, T - cnt.shape[2]))], dim=2)
+    new = torch.arange(layer._summed, layer.queries.shape[2])
+    p = _masked_probs(layer, layer.queries[:, :, layer._summed:], new)
+    acc = acc + p.sum(dim=3).reshape(B, hq, T)
+    seen = (layer.pos[:, :, None, :] <= new[None, None, :, None])
+    if layer.window is not None:
+        seen &= layer.pos[:, :, None, :] > new[None, None, :, None] - layer.window
+    cnt = cnt + seen.sum(dim=2)
+    layer.h2o, layer._summed = (acc, cnt), layer.queries.shape[2]
+
+
+def _torch_scores(layer: Any, pol: P.ScorerPolicy) -> torch.Tensor | None:
+    """``pol``'s scores [B, Hk, T] of the layer's held keys (inf: always kept), or None where the
+    numpy scorers answer (policies without a torch version here)."""
+    import torch
+
+    q = layer.queries
+    B, hk, T, _ = layer.keys.shape
+    if type(pol) is P.Knorm:
+        return -layer.keys.detach().to(torch.float64).norm(dim=-1)
+    if isinstance(pol, P.ObservedAttention):
+        _h2o_add(layer)
+        acc, cnt = layer.h2o
+        g = acc.shape[1] // hk
+        s = (acc.reshape(B, hk, g, T) / cnt.clamp(min=1)[:, :, None]).mean(dim=2)
+        return s.masked_fill(cnt == 0, float("inf"))
+    if q is None:
+        return None
+    S = q.shape[2]
+    if isinstance(pol, P.TOVA):
+        p = _masked_probs(layer, q[:, :, S - 1:], torch.tensor([S - 1]))  # [B, Hk, G, 1, T]
+        s = p[:, :, :, 0].mean(dim=(1, 2), keepdim=True).squeeze(2).expand(B, hk, T)  # all heads, index-wise
+        return s.masked_fill(layer.pos >= S - 1, float("inf"))
+    if isinstance(pol, P.SnapKV):
+        start = S - pol.window_size
+        prefix = layer.pos < start
+        n_pre = prefix.sum(dim=-1)
+        if bool((n_pre != n_pre.flatten()[0]).any()) or not bool(prefix[..., :int(n_pre.flatten()[0])].all()):
+            return None  # heads differ in what precedes the window: the numpy scorers, head by head
+        n_pre = int(n_pre.flatten()[0])
+        out = torch.full((B, hk, T), float("inf"), dtype=torch.float64)
+        if n_pre:
+            w = torch.arange(max(start, 0), S)
+            s = _masked_probs(layer, q[:, :, max(start, 0):], w)[..., :n_pre].mean(dim=3)  # [B, Hk, G, n_pre]
+            k = pol.kernel_size
+            pooled = torch.nn.functional.avg_pool1d(s.reshape(-1, 1, n_pre), k, stride=1, padding=k // 2)
+            out[..., :n_pre] = pooled.reshape(B, hk, -1, n_pre).mean(dim=2)
+        return out
+    if isinstance(pol, P.ExpectedAttention):
+        ns = pol.n_sink
+        if T <= ns or S <= ns:
+            raise PolicyError(f"{pol.name}: needs more than n_sink={ns} keys and queries")
+        qs = q[:, :, ns:]
+        hq, d = qs.shape[1], qs.shape[3]
+        mu = qs.mean(dim=2)
+        k = layer.keys.detach().to(torch.float64)[:, :, ns:].repeat_interleave(hq // hk, dim=1)
+        logits = torch.einsum("bhnd,bhd->bhn", k, mu) / math.sqrt(d)
+        if pol.use_covariance:
+            c = qs - mu[:, :, None]
+            cov = torch.einsum("bhsi,bhsj->bhij", c, c) / qs.shape[2]
+            logits = logits + ((k @ cov) * k).sum(dim=-1) / d / 2
+        s = torch.softmax(logits, dim=-1).reshape(B, hk, hq // hk, -1).mean(dim=2)
+        if pol.use_vnorm:
+            s = (s + pol.epsilon) * layer.values.detach().to(torch.float64)[:, :, ns:].norm(dim=-1)
+        out = torch.full((B, hk, T), float("inf"), dtype=torch.float64)
+        out[..., ns:] = s
+        return out
+    return None
 
 
 def _scales(model: Any) -> dict[int, float]:

@@ -326,3 +326,38 @@ def test_rerun_over_a_huge_text_scores_the_budget(tmp_path, capsys):
                                "--policy", "knorm", "--ratio", "0.5", "--max-tokens", "8", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["rerun"]["tokens"] == 8
+
+
+@pytest.mark.parametrize("name", ["knorm", "snapkv:window_size=4", "tova", "expected_attention:n_sink=2"])
+def test_torch_scoring_keeps_what_the_numpy_scorers_keep(llama, monkeypatch, name):
+    from kvtrace.whatif import rerun
+
+    model, ids = llama
+    fast, fast_layers = teacher_forced_logprobs(model, ids, parse_policy(name), 0.5)
+    monkeypatch.setattr(rerun, "TORCH_SCORING", False)  # policies.py's numpy scorers, head by head
+    slow, slow_layers = teacher_forced_logprobs(model, ids, parse_policy(name), 0.5)
+    for a, b in zip(fast_layers, slow_layers, strict=True):
+        assert torch.equal(a.pos, b.pos) and a.kept_log == b.kept_log and a.unscored == b.unscored
+    np.testing.assert_allclose(fast, slow, rtol=0, atol=1e-12)
+
+
+def test_observed_attention_is_h2o_summed_step_by_step_and_kvpress_on_a_prefill(llama):
+    from kvtrace.recorder.qcapture import QueryCapture
+    from kvtrace.whatif.policies import Observed, keep_top
+
+    model, ids = llama
+    _, ref_layers = teacher_forced_logprobs(model, ids, prefill=N)  # one forward: every key, no press
+    queries: dict[int, torch.Tensor] = {}
+    with torch.no_grad(), QueryCapture(model, lambda layer, q: queries.setdefault(layer, q.clone())):
+        model(ids)
+    _, layers = teacher_forced_logprobs(model, ids, parse_policy("observed_attention"), 0.5, prefill=N)
+    for i, x in enumerate(layers):  # pressed once, right after the prefill: kvpress's definition
+        k = ref_layers[i].keys.double().numpy()
+        obs = Observed(queries[i].double().numpy(), np.arange(N), np.arange(N), None, x.scale)
+        want = keep_top(parse_policy("observed_attention").score(k, obs), 0.5)
+        assert (x.pos.numpy() == np.stack([np.flatnonzero(w) for w in want[0]])[None]).all()
+    _, layers = teacher_forced_logprobs(model, ids, parse_policy("observed_attention"), 0.5)
+    for x in layers:  # token by token: each held key counted once by every query since it arrived
+        acc, cnt = x.h2o
+        assert torch.equal(cnt[0], (N - x.pos[0]).double())
+        assert (acc > 0).all() and x.kept_log[-1] == n_kept(N, 0.5)
