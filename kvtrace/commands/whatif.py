@@ -90,11 +90,16 @@ def _check_rerun(model: str, device: str) -> str:
               help="Whether eviction presses sliding-window layers, offline and in --rerun alike: auto = as kvpress "
               "0.5.5 does for the model (every layer, except Gemma3ForConditionalGeneration's sliding ones); "
               "press; keep (their window unpressed). The output says which.")
+@click.option("--emit", type=click.Choice(["kvpress"]), default=None,
+              help="Print the hand-off instead of replaying: for each --policy and --ratio, the NVIDIA kvpress "
+              "0.5.5 press (class and arguments) that reproduces it, where it differs, or why kvpress cannot (a "
+              "policy kvpress lacks; a transformers version kvpress does not support). TRACE optional (its model "
+              "decides the sliding-window note).")
 @json_options
 @guarded
 def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_text: str, rerun_model: str | None,
            text_file: str | None, max_tokens: int, rerun_prefill: int, tiny: bool, rerun_device: str, device: str,
-           sliding: str, as_json: bool, json_out: str | None) -> None:
+           sliding: str, emit: str | None, as_json: bool, json_out: str | None) -> None:
     """What paging, eviction or KV quantisation would save on TRACE and what it would cost in
     attention: bytes from the recorded sizes, attention mass recall and output error from sampled
     K/V/Q (offline proxies, not model quality). Without sampled tensors only bytes are reported.
@@ -115,6 +120,12 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_t
         policies = [parse_policy(p) for p in (policy_texts or DEFAULT_POLICIES)]
     except PolicyError as exc:
         raise click.BadParameter(str(exc), param_hint="--policy") from None
+    if emit is not None:
+        if rerun_model is not None:
+            raise click.UsageError("--emit prints the hand-off only: it does not run --rerun")
+        check_json_out(json_out, [trace] if trace else [])
+        _emit(trace, policies, ratios, sliding, as_json, json_out)
+        return
     if trace is None and rerun_model is None:
         raise click.UsageError("give a TRACE, or --rerun MODEL --text FILE (or both)")
     if (rerun_model is None) != (text_file is None):
@@ -154,6 +165,46 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_t
             _print(doc)
         if "rerun" in doc:
             _print_rerun(doc["rerun"])
+
+
+def _emit(trace: str | None, policies: list[Any], ratios: list[float], sliding: str, as_json: bool,
+          json_out: str | None) -> None:
+    """--emit kvpress: the press of each policy and ratio (kvtrace.whatif.kvpress.press_for)."""
+    from kvtrace.whatif.kvpress import KVPRESS_VERSION, press_for
+    from kvtrace.whatif.policies import ScorerPolicy, StreamingLLM
+
+    cfg: dict[str, Any] = {}
+    if trace is not None:
+        from kvtrace.format.reader import Trace
+
+        with Trace(trace) as t:
+            cfg = t.meta.model_config if isinstance(t.meta.model_config, dict) else {}
+    rows = [press_for(p, r, cfg, sliding) for p in policies
+            for r in (ratios if isinstance(p, ScorerPolicy) and not (isinstance(p, StreamingLLM) and p.window)
+                      else [None])]
+    doc = {"kvtrace_whatif_emit": 1, "target": f"kvpress {KVPRESS_VERSION}", "trace": trace, "presses": rows}
+    write_json(doc, json_out, as_json=as_json)
+    if as_json:
+        return
+    from kvtrace.analyzer.terminal import console_for
+
+    c = console_for()
+    first = rows[0] if rows else {}
+    if first.get("runs_here") is False:
+        c.print(visible(first["runs_here_reason"]), style="yellow")
+    for r in rows:
+        at = "" if r["ratio"] is None else f" at {r['ratio']:g}"
+        if r.get("available"):
+            args = ", ".join(f"{k}={v!r}" for k, v in r["kwargs"].items())
+            c.print(f"{visible(r['label'])}{at}: {r['press']}({args})  [{r['module']}]", highlight=False)
+        else:
+            c.print(f"{visible(r['label'])}{at}: no kvpress press: {visible(r['reason'])}", highlight=False)
+            if r.get("cache_config"):
+                c.print(f"  cache_config={r['cache_config']}", highlight=False)
+        for d in r.get("differs", []):
+            c.print(f"  differs: {visible(d)}", style="dim", highlight=False)
+        if r.get("sliding"):
+            c.print(f"  sliding layers: {visible(r['sliding'])}", style="dim", highlight=False)
 
 
 def _bar(title: str, as_json: bool) -> Any:
