@@ -2,7 +2,7 @@
 takes against the README's one-minute promise is measured by bench/bench_examples.py (tests never
 assert wall-clock times).
 
-Examples are read from the documents themselves (README ```bash blocks; lines starting with
+Examples are read from the documents themselves (```bash blocks of README.md and docs/commands.md; lines starting with
 `kvtrace ` in each command's help), so a new example is tested without editing this file. Each
 runs as a subprocess in a fresh directory holding the inputs it names: one trace recorded once
 for the whole module (copied under every trace name an example reads), an `analyze` JSON report,
@@ -52,13 +52,18 @@ def _join_continuations(lines: list[str]) -> list[str]:
     return out
 
 
+# The documents whose shell examples run here: the README and the command reference it links to.
+DOCUMENTS = ("README.md", "docs/commands.md")
+
+
 def readme_examples() -> list[tuple[str, str]]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
     found = []
-    for block in re.findall(r"```(?:bash|sh|console)\n(.*?)```", text, flags=re.S):
-        for line in _join_continuations(block.splitlines()):
-            if line and not line.startswith("#"):
-                found.append(("README.md", line))
+    for doc in DOCUMENTS:
+        text = (ROOT / doc).read_text(encoding="utf-8")
+        for block in re.findall(r"```(?:bash|sh|console)\n(.*?)```", text, flags=re.S):
+            for line in _join_continuations(block.splitlines()):
+                if line and not line.startswith("#"):
+                    found.append((doc, line))
     return found
 
 

@@ -5,8 +5,8 @@ The reader's tables are numpy structured arrays: enumerated columns hold integer
 fixed-size sub-arrays and text lives in the /text heap behind (offset, length) pairs. A data frame
 wants one scalar per cell. So, per column:
 
-* enumerated codes become their lower-case names (``ok``, ``sliding``, ``decode``); a code this
-  kvtrace does not know becomes its number as text;
+* enumerated codes become their lower-case names (``ok``, ``sliding``, ``decode``); an unknown
+  code (a newer writer's) becomes its number as text;
 * fixed-size byte strings (device names, uuids) become ``str``;
 * shapes (``k_shape`` [B, H, T, D], a payload's ``shape``) become one Python list per row;
 * text-heap references (``*_off``/``*_len``) are dropped; the events table gets its ``text``
