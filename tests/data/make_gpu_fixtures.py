@@ -11,7 +11,7 @@ nothing is downloaded. Runtime is well under 4 minutes on one H100.
 
 Cases (planted / clean):
   gpu_clean            clean control: every detector <= 0.1 (post_eos near zero with the recorder on)
-  gpu_kept_cache       user code keeps out.past_key_values: post_eos on allocator bytes
+  gpu_kept_cache       user code keeps the generate output's cache: post_eos on allocator bytes
   gpu_duplication      a cache layer keeps its old tensors in a list: growth_curve (allocator growth)
   gpu_fragmentation    interleaved odd-sized allocations during decoding: fragmentation
   gpu_prefill_eager    eager attention over a 4,096-token prompt: prefill_spike
@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, wh
 
 import kvtrace  # noqa: E402
 from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
+from tests.hfcache import output_cache  # noqa: E402
 
 DEV = "cuda"
 MiB = 1 << 20
@@ -81,12 +82,12 @@ def case_kept_cache(path: Path) -> dict:
     kept = []
     with kvtrace.record(m, path, telemetry_hz=HZ, structure_every=1):
         out = gen(m, 32, 64, return_dict_in_generate=True)
-        kept.append(out.past_key_values)  # user code holding on to the cache after generate
+        kept.append(output_cache(out))  # user code holding on to the cache after generate
         del out
     kept.clear()
     return {"detector": "post_eos", "kind": "retained_after_request",
             "note": "tiny llama (fp16, 4 KV heads x 64), generate(return_dict_in_generate=True) and the caller keeps "
-                    "out.past_key_values; retained bytes measured on the allocator"}
+                    "the generate output's cache; retained bytes measured on the allocator"}
 
 
 def case_duplication(path: Path) -> dict:

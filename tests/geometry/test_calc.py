@@ -10,6 +10,7 @@ import pytest
 
 from kvtrace import calc
 from kvtrace import geometry as G
+from tests.hfcache import output_cache  # noqa: E402
 
 GiB, MiB, KiB = 2**30, 2**20, 2**10
 
@@ -133,7 +134,7 @@ def test_planner_kv_equals_measured_cache(name, cache_kind):
         out = model.generate(tiny_prompt(prompt_len), min_new_tokens=new_tokens, max_new_tokens=new_tokens,
                              do_sample=False, return_dict_in_generate=True, **kw)
     seen = G.cache_tokens_after_generate(prompt_len, new_tokens, is_encoder_decoder=enc_dec)
-    measured = sum(a for a, _ in cache_tensor_bytes(out.past_key_values))
+    measured = sum(a for a, _ in cache_tensor_bytes(output_cache(out)))
     plan = calc.plan_capacity(tiny_config(name).to_dict(), context_len=seen, gpu_memory_bytes=GiB,
                               kv_dtype_bytes=4, weight_dtype_bytes=4, cache_kind=cache_kind,
                               encoder_len=prompt_len)

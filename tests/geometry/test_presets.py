@@ -10,6 +10,7 @@ import pytest
 from kvtrace import geometry as G
 from kvtrace import presets as P
 from kvtrace.geometry.hybrid import state_geometry
+from tests.hfcache import output_cache  # noqa: E402
 
 REQUIRED = {"pythia-1.4b", "llama-3.1-8b", "gemma-3-4b", "gpt-oss-20b", "gpt-oss-120b", "glm-4.5-air",
             "deepseek-v3", "deepseek-v2-lite", "qwen3-8b", "gemma-4-e2b", "gemma-4-26b-a4b", "mistral-7b-v0.1"}
@@ -143,7 +144,7 @@ def test_shrunk_preset_generates_on_cpu_and_cache_matches(name):
     ref = P.preset_geometry(name, **P.tiny_shrink_args(name))
     assert geom == ref
     pred = G.kv_bytes(geom, G.cache_tokens_after_generate(6, 4), 4)
-    cache = out.past_key_values
+    cache = output_cache(out)
     sg = state_geometry(model.config.to_dict())
     if sg is None:
         assert cache_tensor_bytes(cache) == list(pred.per_layer)

@@ -57,7 +57,7 @@ def main() -> None:
             result = model.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
                                     return_dict_in_generate=True)
             if rank == args.keep_output_rank:
-                kept.append(result)  # planted: the output keeps past_key_values alive
+                kept.append(result)  # planted: the output keeps its cache alive
             del result
     dist.barrier()
     dist.destroy_process_group()

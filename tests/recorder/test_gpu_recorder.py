@@ -17,6 +17,7 @@ from kvtrace.format.reader import Trace
 from kvtrace.format.schema import EventKind, Outcome, ReadingLabel
 from kvtrace.format.validate import validate
 from kvtrace.testing_models import tiny_model, tiny_prompt
+from tests.hfcache import output_cache  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -146,7 +147,7 @@ def test_offloaded_samples_match_cache_contents(tmp_path):
     path = tmp_path / "offs.kvt.h5"
     with kvtrace.record(m, path, sampling=SamplingSettings(every_n_steps=4)):
         out = _gen(m, cache_implementation="offloaded", return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     with Trace(path) as t:
         last = int(t.payload_index()["step"].max())
     assert last == NEW - 1

@@ -11,6 +11,7 @@ from kvtrace.format.schema import LayerType
 from kvtrace.recorder.accounting import account
 from kvtrace.recorder.layouts import LayoutContext, context_from_config, read_cache, storage_of
 from kvtrace.testing_models import tiny_prompt
+from tests.hfcache import cache_kwargs, output_cache  # noqa: E402
 
 
 def _layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
@@ -74,10 +75,10 @@ def test_cache_built_from_tuples(tmp_path):
     m = model("llama")
     ids = tiny_prompt(10)  # the prompt record_run passes: its first 6 tokens are pre-cached
     with torch.no_grad():
-        pkv = m(ids[:, :6], use_cache=True).past_key_values
+        pkv = output_cache(m(ids[:, :6], use_cache=True))
     legacy = tuple((layer.keys.clone(), layer.values.clone()) for layer in pkv.layers)
     cache = DynamicCache(legacy)
-    path, rec = record_run(tmp_path, "llama", prompt_len=10, new=3, past_key_values=cache)
+    path, rec = record_run(tmp_path, "llama", prompt_len=10, new=3, **cache_kwargs(m, cache))
     assert rec.recorder_errors == 0
     with Trace(path) as t:
         kv = t.kv()

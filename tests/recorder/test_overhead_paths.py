@@ -28,6 +28,7 @@ from kvtrace.recorder.layouts import (
 from kvtrace.recorder.steps import StepRecorder
 from kvtrace.recorder.steps import rows_of as _rows_of
 from kvtrace.testing_models import tiny_prompt
+from tests.hfcache import cache_kwargs  # noqa: E402
 
 FAST_MODELS = ["gpt_neox", "mistral", "gemma3_text"]  # full; sliding; sliding + full mixed
 
@@ -36,10 +37,10 @@ def _caches(m: torch.nn.Module, decode_steps: int):
     """The model's DynamicCache after the prefill forward and after each greedy decode forward."""
     cache = DynamicCache(config=m.config)
     with torch.no_grad():
-        out = m(tiny_prompt(PROMPT), past_key_values=cache, use_cache=True)
+        out = m(tiny_prompt(PROMPT), use_cache=True, **cache_kwargs(m, cache))
         yield cache
         for _ in range(decode_steps):
-            out = m(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            out = m(out.logits[:, -1:].argmax(-1), use_cache=True, **cache_kwargs(m, cache))
             yield cache
 
 

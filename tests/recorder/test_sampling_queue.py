@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from kvtrace.format import EventKind, PayloadKind, TraceWriter, open_trace  # noqa: E402
 from kvtrace.recorder.sampling import PayloadSampler, SamplingSettings  # noqa: E402
 from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
+from tests.hfcache import output_cache  # noqa: E402
 
 NEW_TOKENS = 8
 
@@ -37,7 +38,7 @@ def test_blocked_writer_drops_and_counts_while_generation_runs(tmp_path) -> None
         results: list[bool] = []
 
         def sample_cache(module, args, kwargs, output):  # every forward: K and V of every layer
-            cache = output.past_key_values
+            cache = output_cache(output)
             for layer_idx, layer in enumerate(cache.layers):
                 results.append(sampler.submit(0, len(results), layer_idx, PayloadKind.KEY, layer.keys))
                 results.append(sampler.submit(0, len(results), layer_idx, PayloadKind.VALUE, layer.values))

@@ -13,6 +13,7 @@ import kvtrace  # noqa: E402
 from kvtrace.format import PayloadKind  # noqa: E402
 from kvtrace.recorder.sampling import SamplingSettings  # noqa: E402
 from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
+from tests.hfcache import output_cache  # noqa: E402
 
 PROMPT, NEW = 6, 7
 
@@ -40,7 +41,7 @@ def test_session_samples_cache_and_queries(tmp_path) -> None:
                                for k in (PayloadKind.KEY, PayloadKind.VALUE, PayloadKind.QUERY))
 
     # The last step's samples are the cache generate() handed back: head 1, last 4 tokens.
-    cache = out.past_key_values
+    cache = output_cache(out)
     total = PROMPT + NEW - 1
     for p in payloads:
         if p.step != last or p.kind == PayloadKind.QUERY:
@@ -93,7 +94,7 @@ def test_incremental_samples_chain_into_the_final_cache(tmp_path, name) -> None:
     meta, payloads = _kv_payloads(path)
     assert meta.payload_tokens == "new"
     total = PROMPT + NEW - 1  # tokens in the cache after the last forward
-    cache = out.past_key_values
+    cache = output_cache(out)
     with kvtrace.open(str(path)) as trace:
         joined = ContentsAssembler(trace)
         for layer_idx, layer in enumerate(cache.layers):

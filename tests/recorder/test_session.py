@@ -17,6 +17,7 @@ from kvtrace.format.schema import EventKind, Outcome, ReadingLabel
 from kvtrace.format.validate import validate
 from kvtrace.recorder import CannotWriteTrace, layouts
 from kvtrace.testing_models import tiny_model, tiny_prompt
+from tests.hfcache import output_cache  # noqa: E402
 
 
 def _state(m: torch.nn.Module) -> dict:
@@ -231,7 +232,7 @@ def test_recorder_holds_no_cache_tensor(tmp_path):
     refs: list[weakref.ref] = []
 
     def grab(mod, args, kwargs, output):
-        cache = output.past_key_values
+        cache = output_cache(output)
         refs.clear()
         for layer in cache.layers:
             refs.extend([weakref.ref(layer.keys), weakref.ref(layer.values)])
@@ -252,8 +253,8 @@ def test_retention_reports_what_the_caller_keeps(tmp_path):
     path = tmp_path / "ret.kvt.h5"
     with kvtrace.record(m, path):
         generate(m, new=4)  # output dropped: nothing retained
-        kept = generate(m, new=4, return_dict_in_generate=True)  # keeps past_key_values alive
-    cache = kept.past_key_values
+        kept = generate(m, new=4, return_dict_in_generate=True)  # keeps its cache alive
+    cache = output_cache(kept)
     with Trace(path) as t:
         assert len(t.retention(0)) == 0
         ret = t.retention(1)

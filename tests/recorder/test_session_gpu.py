@@ -20,6 +20,7 @@ from kvtrace.format import PayloadKind
 from kvtrace.format.reader import Trace
 from kvtrace.format.schema import EventKind, ReadingLabel
 from kvtrace.testing_models import tiny_model, tiny_prompt
+from tests.hfcache import output_cache  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,7 +54,7 @@ def test_deferred_verdict_agrees_with_the_next_baseline(tmp_path):
     with kvtrace.record(m, path) as rec:
         _gen(m)  # request 0: dropped at once
         out = _gen(m, return_dict_in_generate=True)  # request 1: dropped before request 2
-        kv_bytes = sum(x.untyped_storage().nbytes() for layer in out.past_key_values.layers
+        kv_bytes = sum(x.untyped_storage().nbytes() for layer in output_cache(out).layers
                        for x in (layer.keys, layer.values))
         del out
         kept = _gen(m, return_dict_in_generate=True)  # request 2: kept across request 3
@@ -98,7 +99,7 @@ def test_dynamic_layer_samples_equal_the_cache(tmp_path, name):
         out = _gen(m, return_dict_in_generate=True)
         own = rec.sampler.own_device_bytes_on(torch.cuda.current_device())
     assert rec.recorder_errors == 0
-    cache = out.past_key_values
+    cache = output_cache(out)
     last = NEW - 1
     with Trace(path) as t:
         assert t.meta.payload_tokens == "new"
