@@ -44,7 +44,7 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 p.verdict.ok{background:#e8f6ea}
 p.verdict.sev-high{background:#fdecea}
 code{font-size:12px;background:#f3f3f3;padding:0 3px;border-radius:3px;-webkit-box-decoration-break:clone;box-decoration-break:clone}
-pre.fix{margin:2px 0;padding:5px 8px;background:#f3f3f3;border:1px solid #e2e2e2;border-radius:3px;font-size:12px;line-height:1.45;white-space:pre-wrap;overflow-wrap:anywhere;overflow:visible}
+pre.fix{min-width:30ch;margin:2px 0;padding:5px 8px;background:#f3f3f3;border:1px solid #e2e2e2;border-radius:3px;font-size:12px;line-height:1.45;white-space:pre-wrap;overflow-wrap:anywhere;overflow:visible}
 pre.fix code{background:none;padding:0;font-size:inherit;line-height:inherit}
 footer{font-size:12px;color:#666;padding:0 28px 20px 28px}
 """
