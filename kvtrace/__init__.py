@@ -35,6 +35,9 @@ def record(
     empty_cache: bool = False,
     reset_peak: bool = True,
     retention: bool = True,
+    owners: bool = True,
+    owners_every_s: float = 60.0,
+    memory_history: bool = False,
     telemetry_hz: float = 5.0,
     nvml: bool = True,
     allocator: bool = True,
@@ -70,6 +73,13 @@ def record(
         reset_peak: reset the allocator's peak statistics at each request start (the PEAK reading).
         retention: track KV storages by weak reference and list those alive after their request,
             with the types holding them (the post_eos detector's proof).
+        owners: name who owns the memory (/owners) at the moments verdicts are decided: a request's
+            end that left something to explain, an OOM, growth past the live KV (an allocator
+            snapshot on a GPU, a census of the tensors the garbage collector tracks on a CPU).
+        owners_every_s: also read the owners every this many seconds (GPU only; 0: off).
+        memory_history: record allocation stacks (torch.cuda.memory._record_memory_history) so the
+            largest unknown owners are named by their allocation site. Off by default: it slows
+            generate (docs/benchmarks.md).
         telemetry_hz: rate of the background sampler (NVML, allocator, process RSS).
         nvml: poll NVML (GPU memory as the driver sees it).
         allocator: sample the PyTorch caching allocator.

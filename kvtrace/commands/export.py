@@ -278,3 +278,38 @@ def parquet(traces: tuple[str, ...], output: str, jobs: int, workers: int | None
                    f"{len(result.failed)} failed in {result.seconds:.1f} s ({result.engine})")
     if result.exit_code:
         raise SystemExit(result.exit_code)
+
+
+@export.command("memory-viz")
+@click.argument("trace", type=click.Path())  # a directory is "not a trace" (exit 2), not a usage error
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="snapshot.pickle", show_default=True,
+              help="Snapshot pickle to write (open it in https://pytorch.org/memory_viz).")
+@click.option("--request", type=int, default=None, help="The reading of this request (default: the OOM one, "
+              "else the one holding the most memory).")
+@click.option("--moment", type=click.Choice(["request_end", "oom", "growth_peak", "tick"]), default=None,
+              help="The reading taken at this moment.")
+@click.option("--device", type=int, default=None, help="The reading of this CUDA device (-1: a CPU census).")
+@_quiet_options
+@guarded
+def memory_viz(trace: str, output: str, request: int | None, moment: str | None, device: int | None,
+               quiet: bool, as_json: bool, json_out: str | None) -> None:
+    """Write one owner reading of TRACE (format 1.5 /owners) as a PyTorch memory snapshot that
+    https://pytorch.org/memory_viz opens: one segment per owner class (KV of the request, earlier
+    requests' KV, weights, generate outputs, workspaces, copies of KV, unknown, free), its largest
+    blocks with their allocation sites when the trace was recorded with --memory-history.
+
+    \b
+    Examples:
+      kvtrace export memory-viz run.kvt.h5 -o oom.pickle                 # the OOM's owners, if any
+      kvtrace export memory-viz run.kvt.h5 --request 3 --moment request_end -o r3.pickle
+    """
+    from kvtrace.export.memory_viz import write_memory_viz
+
+    check_output(output, option="-o", inputs=(trace,), others=[("--json-out", json_out)])
+    check_json_out(json_out, (trace,))
+    path, info = write_memory_viz(trace, output, request=request, moment=moment, device=device)  # 64: none matches
+    write_json({"output": str(path), **info}, json_out, as_json=as_json)
+    if not (quiet or as_json):
+        where = "CPU census" if info["device"] < 0 else f"device {info['device']}"
+        click.echo(f"wrote {path}: request {info['request']}, {info['moment']}, {where}: {visible(info['owners'])}; "
+                   "open it in https://pytorch.org/memory_viz")

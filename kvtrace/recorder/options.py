@@ -39,6 +39,13 @@ class RecordOptions:
     # Weak-reference tracking of KV storages that outlive a request. Off, nothing can show that
     # storage survived, so no gc.collect()/empty_cache() runs after requests unless empty_cache=True.
     retention: bool = True
+    # Who owns the memory (/owners, format 1.5): allocator snapshots (GPU) or a tensor census (CPU)
+    # at request ends that left something to explain, OOMs and growth past the live KV.
+    owners: bool = True
+    owners_every_s: float = 60.0  # the periodic owner reading (GPU only); 0: off
+    # Allocation stacks through torch.cuda.memory._record_memory_history: /owners names the largest
+    # unknown blocks' allocation sites. Off by default (its cost: docs/benchmarks.md).
+    memory_history: bool = False
     telemetry_hz: float = 5.0  # NVML + allocator + RSS samples; 20 Hz cost ~2% of decode (telemetry.py)
     nvml: bool = True
     allocator: bool = True

@@ -24,6 +24,8 @@ class MemoryReadings:
         self.ctx = ctx
         self.telemetry: Any = None  # kvtrace.recorder.telemetry.Telemetry once opened
         self.devices: list[int] = []
+        # Called with (step, allocated, rss) of each recorded step: the owner readings' growth check.
+        self.on_step_memory: Any = None
 
     def open(self) -> Any:
         """Find the model's devices and create (not start) the Telemetry thread."""
@@ -106,7 +108,10 @@ class MemoryReadings:
         synchronously at the step (-1 when ``memory`` is off); RSS is the telemetry thread's latest
         sample (at most ~1/telemetry_hz old), never a /proc read on the model's thread."""
         alloc, reserved = self._step_memory() if memory else (-1, -1)
-        return int(Phase.PREFILL if step == 0 else Phase.DECODE), alloc, reserved, self.telemetry.latest_rss()
+        rss = self.telemetry.latest_rss()
+        if self.on_step_memory is not None and memory:
+            self.on_step_memory(step, alloc, rss)
+        return int(Phase.PREFILL if step == 0 else Phase.DECODE), alloc, reserved, rss
 
     def _step_memory(self) -> tuple[int, int]:
         if not self.devices:

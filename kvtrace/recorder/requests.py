@@ -5,7 +5,7 @@ allocator state, interrupt, exception). The retention verdict it defers is
 :class:`~kvtrace.recorder.verdict.RetentionVerdict`.
 
 Owns the request counter, the prompt-hash salt and the generate patch. What a serving recorder
-(continuous batching, issue 16) reuses: :meth:`Requests.begin`-style rows keyed by request id
+(continuous batching) reuses: :meth:`Requests.begin`-style rows keyed by request id
 (``RequestRow``, ``ctx.event``), the abort classification (:data:`OOM_ERRORS`, outcome and events),
 the verdict per finished request, and :class:`~kvtrace.recorder.context.RequestState` per request;
 it replaces only the entry point (``patch_generate``) with the scheduler's add/finish calls and
@@ -46,6 +46,7 @@ class Requests:
         self.submission = submission
         self.verdict = verdict
         self.count = 0  # requests begun so far (the next request's id)
+        self.owners: Any = None  # kvtrace.recorder.owners.OwnerRecorder, set by the session
         self.closed = False  # set by the session as it closes: later generate calls pass through
         self._generate_patch: tuple[bool, Any] | None = None
 
@@ -111,7 +112,10 @@ class Requests:
         text_ref = (0, 0)
         if self.ctx.options.store_prompts and ids is not None:
             text_ref = w.add_text(self._prompt_text(ids))
-        gen_ref = w.add_text(json.dumps(_jsonable_kwargs(kwargs), sort_keys=True, default=str))
+        gen_args = _jsonable_kwargs(kwargs)
+        effective = effective_settings(self.model, kwargs)
+        gen_args["_effective"] = effective  # format 1.5: what makes generate keep per-step tensors
+        gen_ref = w.add_text(json.dumps(gen_args, sort_keys=True, default=str))
         self.readings.write(rid, ReadingLabel.BASELINE)
         if self.ctx.options.reset_peak:
             self.readings.reset_peak()
@@ -129,6 +133,8 @@ class Requests:
         req.whole_samples = _rewrites_cache(self.model, kwargs)
         if self.ctx.options.retention:
             self.verdict.tracker.begin()
+        if self.owners is not None:
+            self.owners.begin(rid, effective, prompt_len)
         self.ctx.observers.notify("on_request_start", rid)
         self.ctx.active = req
         return req
@@ -159,6 +165,8 @@ class Requests:
         if self.ctx.options.empty_cache:  # the full measurement, asked for
             self.verdict.collect(rid)
             self.verdict.empty_cache(rid)
+        if self.owners is not None:  # the output's tensors, by identity, for the owner readings
+            self.owners.finish(req, out)
         if self.ctx.options.retention:  # the verdict waits until the caller could drop the output
             self.verdict.defer(rid, req.last_cache)
         if self.submission.sampler is not None:
@@ -184,6 +192,10 @@ class Requests:
             assert w is not None
             rid = req.id
             summary = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]
+            try:  # the failing step's structure: what the traceback holds, and what retention tracks
+                self.steps.final_structure(req)
+            except Exception as inner:  # noqa: BLE001
+                self.ctx.error("request-abort-structure", inner)
             if isinstance(exc, OOM_ERRORS) or is_host_oom(exc):  # host OOMs too (one rule, memory_errors)
                 outcome = Outcome.OOM
                 device, note = oom_device(exc, self.readings.devices)
@@ -193,6 +205,8 @@ class Requests:
                 if note:
                     self.ctx.event(EventKind.NOTE, rid, step=req.step, device=device, text=note)
                 self.readings.write(rid, ReadingLabel.AT_OOM)
+                if self.owners is not None:  # who filled the device, while the failing frames hold it
+                    self.owners.at_oom(req)
             elif isinstance(exc, KeyboardInterrupt):
                 outcome = Outcome.INTERRUPTED
                 self.ctx.event(EventKind.INTERRUPT, rid, step=req.step)
@@ -200,7 +214,9 @@ class Requests:
                 outcome = Outcome.ERROR
                 self.ctx.event(EventKind.EXCEPTION, rid, step=req.step, text=summary)
             if self.ctx.options.retention:
-                self.verdict.tracker.begin()  # the traceback holds the cache: nothing to learn here
+                # Checked like any request: the exception's traceback holds the cache while it
+                # propagates; whether the caller keeps it is known when it could have dropped it.
+                self.verdict.defer(rid, req.last_cache, outcome=int(outcome), exc_id=id(exc))
             self.ctx.report_request_errors(req)
             err = w.add_text(summary)
             end = monotonic_ns()
@@ -290,6 +306,25 @@ def _jsonable_kwargs(kwargs: dict) -> dict[str, Any]:
             omitted.append(k)
     if omitted:
         out["_omitted"] = sorted(omitted)
+    return out
+
+
+# generate settings that keep per-step tensors or widen the batch (by-design growth, spec §4.1)
+EFFECTIVE = ("return_dict_in_generate", "output_scores", "output_logits", "output_hidden_states",
+             "output_attentions", "num_beams", "num_return_sequences")
+
+
+def effective_settings(model: Any, kwargs: dict) -> dict[str, Any]:
+    """The EFFECTIVE settings as generate resolves them (call keyword, its generation_config, the
+    model's defaults), as JSON values; a setting none of them names is left out."""
+    out: dict[str, Any] = {}
+    for name in EFFECTIVE:
+        try:
+            v = _gen_setting(model, kwargs, name)
+        except Exception:  # noqa: BLE001, S112 - a config that cannot say is left out
+            continue
+        if isinstance(v, bool) or (isinstance(v, int) and not isinstance(v, bool)):
+            out[name] = v
     return out
 
 

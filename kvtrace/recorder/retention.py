@@ -15,7 +15,7 @@ import gc
 import sys
 import types
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from kvtrace.recorder.layouts import StorageKey, device_index
 
 _PRUNE_EVERY = 64  # steps between sweeps of dead entries (bounds memory on long requests)
 _MAX_REPORTED = 4096  # retained storages reported per request
+_MAX_PATHS = 4  # distinct holder paths walked per request (each walk scans the gc's objects a few times)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Retained:
     storage: int
     nbytes: int
     referrers: str  # comma-joined type names of the objects holding the tensor ("" if unknown)
+    ref: Any = field(default=None, compare=False, repr=False)  # weakref to the untyped storage
+    path: str = ""  # what keeps it alive, outward from its holder to a root (see holder_path)
 
 
 class RetentionTracker:
@@ -76,8 +79,9 @@ class RetentionTracker:
         if self._steps % _PRUNE_EVERY == 0:
             self._live = {k: v for k, v in self._live.items() if v[1]() is not None}
 
-    def finish(self) -> list[Retained]:
-        """Survivors after the caller's gc.collect(); clears the tracker."""
+    def finish(self, walked: frozenset = frozenset()) -> list[Retained]:
+        """Survivors after the caller's gc.collect(); clears the tracker. What holds each is walked
+        (:func:`holder_path`) except for storage keys in ``walked`` (the caller walked their holder)."""
         entries, self._live = self._live, {}
         survivors = []
         for key, (layer, swr, twr) in entries.items():
@@ -85,17 +89,22 @@ class RetentionTracker:
                 continue
             if len(survivors) >= _MAX_REPORTED:
                 break
-            survivors.append((key, layer, twr))
+            survivors.append((key, layer, swr, twr))
         # The fast path keeps no tensor reference: find tensors for those storages in one scan.
-        missing = {key for key, _, twr in survivors if twr is None or twr() is None}
+        # Views count: a slice kept by user code holds the whole storage, and is found here by it.
+        missing = {key for key, _, _, twr in survivors if twr is None or twr() is None}
         found_tensors = _tensors_on(missing) if missing else {}
         found: list[Retained] = []
-        for key, layer, twr in survivors:
+        paths: dict[str, str] = {}  # holder names -> path, walked once per distinct holder set
+        for key, layer, swr, twr in survivors:
             tensor = twr() if twr is not None else None
             if tensor is None:
                 tensor = found_tensors.get(key)
             device, ptr, nbytes = key
-            found.append(Retained(layer, device, ptr, nbytes, _referrers(tensor, (entries, found_tensors))))
+            names = _referrers(tensor, (entries, found_tensors, survivors))
+            if key not in walked and names not in paths and len(paths) < _MAX_PATHS and tensor is not None:
+                paths[names] = holder_path(tensor, (entries, found_tensors, survivors, found))
+            found.append(Retained(layer, device, ptr, nbytes, names, swr, paths.get(names, "")))
             tensor = None
         found_tensors.clear()
         return found
@@ -152,3 +161,147 @@ def _owner_name(obj: Any, exclude: list[Any]) -> str:
                 return type(o).__name__
         return "dict"
     return type(obj).__name__
+
+
+# ---- what keeps an object alive: a bounded walk up the referrer graph --------------------------------
+
+_PATH_DEPTH = 12  # referrer levels walked (each level is one scan of the garbage collector's objects)
+_PATH_WIDTH = 48  # objects followed per level
+_SKIP_TYPES = (types.FrameType, types.CodeType, types.ModuleType, type)
+
+
+def holder_path(obj: Any, own: tuple[Any, ...] = ()) -> str:
+    """What keeps ``obj`` alive, outward from its nearest holder to a root, e.g.
+    ``DynamicLayer < DynamicCache < dict < frame of _sample (utils.py:2780) < traceback of ValueError <
+    list < global HELD of __main__``. Levels of referrers are found in one
+    ``gc.get_referrers`` scan each (at most :data:`_PATH_DEPTH`); a frame kept by a traceback jumps
+    straight to the exception holding that traceback. Roots: a module's globals, the exception being
+    handled now (``sys.exc_info``), or nothing the garbage collector can see (a local variable of a
+    running function, C code). The recorder's own containers (``own``) are never part of a path.
+    Runs only for storage that survived a request; never raises."""
+    try:
+        return _holder_path(obj, own)
+    except Exception:  # noqa: BLE001 - a name is a courtesy; the proof is the weak reference
+        return ""
+
+
+def _holder_path(obj: Any, own: tuple[Any, ...]) -> str:
+    skip = {id(o) for o in own}
+    parent: dict[int, int] = {}  # id(holder) -> id(what it holds), towards obj
+    node: dict[int, Any] = {id(obj): obj}
+    frontier = [obj]
+    handling = sys.exc_info()[1]
+    root: int | None = None
+    root_text = ""
+    this = sys._getframe()
+    for _ in range(_PATH_DEPTH):
+        skip.update((id(frontier), id(parent), id(node)))
+        refs = gc.get_referrers(*frontier)
+        skip.add(id(refs))
+        want = {id(f) for f in frontier}
+        nxt: list[Any] = []
+        tb_frames: list[Any] = []
+        for r in refs:
+            if id(r) in skip or id(r) in node or r is this or isinstance(r, _SKIP_TYPES[1:]):
+                continue
+            child = next((c for c in gc.get_referents(r) if id(c) in want), None)
+            if child is None:
+                continue
+            if isinstance(r, types.TracebackType):  # jump: the exception whose traceback holds the frame
+                tb_frames.append(child)
+                continue
+            if isinstance(r, types.FrameType):
+                node[id(r)], parent[id(r)] = r, id(child)
+                nxt.append(r)
+                continue
+            node[id(r)], parent[id(r)] = r, id(child)
+            if isinstance(r, dict) and _module_of(r) is not None:
+                root, root_text = id(r), _global_name(r, child)
+                break
+            nxt.append(r)
+        del refs
+        if root is not None:
+            break
+        for frame, exc in _exceptions_with_frames(tb_frames):
+            if id(exc) not in node:
+                node[id(exc)], parent[id(exc)] = exc, id(frame)
+                nxt.append(exc)
+        hit = next((o for o in nxt if o is handling), None)
+        if hit is not None:
+            root, root_text = id(hit), f"the exception being handled now ({type(hit).__name__})"
+            break
+        frontier = nxt[:_PATH_WIDTH]
+        if not frontier:
+            break
+    names: list[str] = []
+    if root is None:  # the longest chain found, ended by what the collector cannot see
+        if not parent:
+            return "nothing the garbage collector tracks (a local variable of a running function, or C code)"
+        root = max(parent, key=lambda k: _depth(k, parent))
+        root_text = ""
+    cur: int | None = root
+    while cur is not None and cur != id(obj):
+        names.append(_describe(node[cur], parent, node))
+        cur = parent.get(cur)
+    names.reverse()
+    if root_text:
+        names[-1] = root_text
+    elif names:
+        names.append("(not held further by anything the garbage collector tracks: a running function's local?)")
+    node.clear()
+    return " < ".join(n for n in names if n)
+
+
+def _depth(k: int, parent: dict[int, int]) -> int:
+    d = 0
+    while k in parent and d < 64:
+        k, d = parent[k], d + 1
+    return d
+
+
+def _exceptions_with_frames(frames: list[Any]) -> list[tuple[Any, BaseException]]:
+    """(frame, exception) for each exception whose traceback chain holds one of ``frames``: one scan
+    of the collector's objects for all of them."""
+    if not frames:
+        return []
+    want = {id(f): f for f in frames}
+    out = []
+    for obj in gc.get_objects():
+        if not isinstance(obj, BaseException):
+            continue
+        tb = obj.__traceback__
+        n = 0
+        while tb is not None and n < 256:
+            if id(tb.tb_frame) in want:
+                out.append((tb.tb_frame, obj))
+                break
+            tb, n = tb.tb_next, n + 1
+    return out
+
+
+def _module_of(d: dict) -> str | None:
+    name = d.get("__name__") if "__builtins__" in d or "__loader__" in d else None
+    return name if isinstance(name, str) else None
+
+
+def _global_name(d: dict, value: Any) -> str:
+    name = next((k for k, v in d.items() if v is value), "?")
+    return f"global {name} of module {_module_of(d)}"
+
+
+def _describe(o: Any, parent: dict[int, int], node: dict[int, Any]) -> str:
+    if isinstance(o, types.FrameType):
+        code = o.f_code
+        return f"frame of {code.co_name} ({code.co_filename.rsplit('/', 1)[-1]}:{o.f_lineno})"
+    if isinstance(o, BaseException):
+        return f"{type(o).__name__} exception (its traceback)"
+    if type(o) is dict:  # maybe an instance __dict__: its owner names it
+        for holder in gc.get_referrers(o):
+            if getattr(holder, "__dict__", None) is o:
+                return ""  # the owner object is the next name in the path
+        return "dict"
+    if isinstance(o, types.CellType):
+        return "closure cell"
+    if isinstance(o, types.FunctionType):
+        return f"function {o.__qualname__}"
+    return type(o).__name__

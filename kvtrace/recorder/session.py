@@ -79,6 +79,7 @@ from kvtrace.recorder.options import (
     check_writable,
     sampling_settings,
 )
+from kvtrace.recorder.owners import OwnerRecorder
 from kvtrace.recorder.readings import MemoryReadings
 from kvtrace.recorder.requests import Requests
 from kvtrace.recorder.serving import ServingRecorder
@@ -129,6 +130,10 @@ class Recorder:
         self._requests = Requests(model, ctx, secrets.token_bytes(32), self._readings, self._steps,
                                   self._submission, self._verdict)
         self._serving = ServingRecorder(model, ctx, self._requests.salt, self._take_request_id, self._readings)
+        self._owners = OwnerRecorder(model, ctx, lambda: self._readings.devices, self._verdict.tracker)
+        if opts.owners:  # who owns the memory at the verdict moments (/owners)
+            self._verdict.owners = self._requests.owners = self._owners
+            self._readings.on_step_memory = self._owners.on_step_memory
         self._started = False
         self._closed = False
         self._sigxfsz_held = False
@@ -140,7 +145,12 @@ class Recorder:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        # a request's own exception leaving the with-block is not yet the caller's to keep or drop
+        self._verdict.in_flight = exc[1] if len(exc) > 1 and isinstance(exc[1], BaseException) else None
+        try:
+            self.close()
+        finally:
+            self._verdict.in_flight = None
 
     def start(self) -> Recorder:
         if self._started:
@@ -174,6 +184,8 @@ class Recorder:
         try:
             ctx.observers.notify("on_session_start", meta["model_id"], meta["model_type"], telemetry.latest_rss)
             self._readings.start()
+            if self.options.owners:
+                self._owners.start()
             self._submission.start()
             self._steps.install()
             self._requests.patch_generate()
@@ -192,6 +204,7 @@ class Recorder:
         self._closed = self._requests.closed = True
         if self._ctx.active is None:
             self._verdict.check("close")
+        self._owners.close()
         self._requests.unpatch_generate()
         self._serving.remove()
         self._steps.remove()

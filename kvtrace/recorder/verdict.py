@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from kvtrace.format.schema import EventKind, ReadingLabel
+from kvtrace.format.schema import EventKind, Outcome, ReadingLabel
 from kvtrace.recorder.context import SessionContext
 from kvtrace.recorder.layouts import LayoutContext, cache_parts, read_cache
 from kvtrace.recorder.readings import MemoryReadings
-from kvtrace.recorder.retention import RetentionTracker
+from kvtrace.recorder.retention import RetentionTracker, holder_path
 from kvtrace.recorder.rows import RetentionRow
 
 
@@ -32,6 +32,8 @@ class PendingRetention:
 
     request: int
     cache: Any  # weakref.ref to its Cache, or None
+    outcome: int = int(Outcome.OK)
+    exc_id: int = 0  # id() of the exception generate raised (exceptions take no weak references)
 
 
 class RetentionVerdict:
@@ -42,10 +44,13 @@ class RetentionVerdict:
         self.layout = layout  # the steps part's layout context, once a Cache was seen
         self.tracker = RetentionTracker()
         self._pending: PendingRetention | None = None
+        self.owners: Any = None  # kvtrace.recorder.owners.OwnerRecorder, set by the session
+        self.in_flight: BaseException | None = None  # the exception leaving the session's with-block
 
-    def defer(self, request: int, cache_ref: Any) -> None:
-        """Take the verdict of ``request`` later (next request or close)."""
-        self._pending = PendingRetention(request, cache_ref)
+    def defer(self, request: int, cache_ref: Any, *, outcome: int = int(Outcome.OK), exc_id: int = 0) -> None:
+        """Take the verdict of ``request`` later (next request or close), whatever its outcome: a
+        failed request's exception holds its cache while it propagates, and may be kept after."""
+        self._pending = PendingRetention(request, cache_ref, outcome, exc_id)
 
     def collect(self, rid: int) -> None:
         """gc.collect() for request ``rid``, with its GC event and AFTER_GC reading."""
@@ -66,34 +71,55 @@ class RetentionVerdict:
         if pending is None or self.ctx.writer is None or self.ctx.writer.closed:
             return
         try:
+            if pending.exc_id and _propagating(self.in_flight, pending.exc_id):
+                # The session closes while the request's own exception leaves its with-block: the
+                # traceback holds the cache until it is handled, which happens after close.
+                self.tracker.begin()
+                self.ctx.event(EventKind.NOTE, pending.request, value=0,
+                               text=f"retention not checked at {when}: the request's exception was still propagating")
+                return
             # Weak references first: a collection (~0.25 s) runs only when KV storage survived.
             measured = self.ctx.options.empty_cache  # gc and empty_cache already ran at return
+            collected = [measured]
             survivors = []
+            held: set = set()
+            chain: list[str] = []
             if self.tracker.any_alive():
                 if measured:
                     gc.collect()
                 else:
                     self.collect(pending.request)
-                survivors = self.tracker.finish()
+                collected[0] = True
+                try:  # what holds the Cache, walked once from it (its storages need no walk of their own)
+                    held, chain = self._cache_holders(pending.cache)
+                except Exception as exc:  # noqa: BLE001 - the rows go out without the holder chain
+                    self.ctx.error("retention-holders", exc)
+                survivors = self.tracker.finish(frozenset(held))
                 if survivors and not measured:  # a finding: show what the driver still holds
                     self.empty_cache(pending.request)
             self.tracker.begin()
-            try:
-                held, chain = self._cache_holders(pending.cache)
-            except Exception as exc:  # noqa: BLE001 - the rows go out without the holder chain
-                self.ctx.error("retention-holders", exc)
-                held, chain = set(), []
             w = self.ctx.writer
             rows = []
             for r in survivors:
-                names = r.referrers
+                names = [n for n in r.referrers.split(",") if n]
                 if (r.device, r.storage, r.nbytes) in held:  # still reachable through that cache
-                    names = ",".join(dict.fromkeys([n for n in names.split(",") if n] + chain))
-                off, length = w.add_text(names) if names else (0, 0)
+                    names += chain
+                elif r.path:
+                    names.append(r.path)
+                text = ",".join(dict.fromkeys(names))
+                off, length = w.add_text(text) if text else (0, 0)
                 rows.append(RetentionRow(pending.request, r.layer, r.device, r.storage, r.nbytes, off, length))
             if rows:
                 w.append("retention", rows)
             self.ctx.event(EventKind.NOTE, pending.request, value=len(rows), text=f"retention checked at {when}")
+            if self.owners is not None:
+
+                def collect() -> None:
+                    if not collected[0]:
+                        collected[0] = True
+                        self.collect(pending.request)
+
+                self.owners.at_verdict(pending.request, pending.outcome, survivors, collect)
         except Exception as exc:  # noqa: BLE001
             self.ctx.error("retention-check", exc)
 
@@ -112,6 +138,9 @@ class RetentionVerdict:
             chain = [type(sub).__name__ for sub in _sub_caches(cache)]
             chain.append(type(cache).__name__)
             chain.extend(_holder_names(cache))
+            path = holder_path(cache)  # up to a root: a global, a kept exception's traceback, ...
+            if path:
+                chain.append(f"{type(cache).__name__} < {path}")
             return held, chain
         finally:
             del cache
@@ -143,3 +172,13 @@ def _holder_names(obj: Any) -> list[str]:
     finally:
         del refs
     return list(names)
+
+
+def _propagating(exc: BaseException | None, exc_id: int) -> bool:
+    """Is the exception with id ``exc_id`` the one in flight, or chained inside it?"""
+    seen = 0
+    while exc is not None and seen < 32:
+        if id(exc) == exc_id:
+            return True
+        exc, seen = exc.__context__ or exc.__cause__, seen + 1
+    return False

@@ -5,12 +5,21 @@ layers, saturating at the window for sliding ones, latent size for MLA), includi
 that does not slide; (2) superlinear growth of a layer's bytes per token; (3) device memory that
 grows faster than the cache itself (copies the cache structure does not show); (4) static
 over-allocation. There is no "plateau guard": a plain linear ramp is measured like anything else.
+
+Who owns the growth decides what (3) is called, when the trace has owner readings at the growth's
+peak (/owners growth_peak, format 1.5): blocks or tensors sized like the cache's K/V are copies of the
+cache (`duplication`, with the curve signature when it also fits); the generate output the call asked
+for (output_scores/output_logits rows, hidden states, attentions) is growth by design
+(`requested_outputs`, information); anything else is `unexplained_memory_growth` named by its owner
+class and largest blocks, never duplication. Without owner readings the by-design outputs recorded in
+the call's arguments are subtracted first, then the curve signatures decide as before.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from kvtrace.analyzer import owners as own
 from kvtrace.analyzer.base import Detector, Finding, ev, register
 from kvtrace.analyzer.detectors._common import (
     CROSS,
@@ -53,6 +62,10 @@ ALLOC_EXCESS_MIN = 1 << 20
 # Score of a fitted signature: its excess over the peak KV (0.1x -> 1x: copies as large as the
 # cache itself double its cost: critical, and they grow without bound with the tokens).
 SIGNATURE_EXCESS = (0.1, 1.0)
+# Growth the call asked for (generate's output_* flags): named, at most information.
+REQUESTED_MAX_SCORE = 0.1
+# An owner class explains the growth when it holds at least this share of the non-KV bytes at its peak.
+OWNER_SHARE = 0.5
 MIN_DECODE_STEPS = 4  # fewer decode steps than this say nothing about the shape of growth
 _STATIC = (int(schema.LayerType.STATIC), int(schema.LayerType.STATIC_SLIDING))
 
@@ -216,6 +229,12 @@ class GrowthCurve(Detector):
         rss = column == "rss_bytes"
         floor = RSS_EXCESS[1] if rss else max(ALLOC_EXCESS_MIN, ALLOC_SLACK_PER_LAYER * max(1, req.kv.layers.size))
         wobble = RSS_EXCESS[0] if rss else floor  # how far a persistent excess may dip between samples
+        by_owner = self._by_owner(ctx, req, x, excess, cum, kv, d_mem, d_kv, column, floor)
+        if by_owner is not None:
+            return by_owner
+        design, phrases = own.by_design_bytes(ctx, req)
+        if design > 0 and float(excess[-1]) > floor and design >= OWNER_SHARE * float(excess[-1]):
+            return [self._requested(req, d_mem, d_kv, float(excess[-1]), design, phrases, x, column, None)]
         fits = []
         for sig, basis in ((SIG_SUM_OF_EARLIER, cum), (SIG_MULTIPLE_OF_GROWTH, kv - kv[0])):
             m, r2 = _fit_through_origin(basis, excess)
@@ -280,6 +299,95 @@ class GrowthCurve(Detector):
             },
             requests=[req.request], steps=[int(round(x[0])), int(round(x[-1]))],
         )]
+
+    def _by_owner(self, ctx: ReplayContext, req: RequestTimeline, x: np.ndarray, excess: np.ndarray,
+                  cum: np.ndarray, kv: np.ndarray, d_mem: float, d_kv: float, column: str,
+                  floor: float) -> list[Finding] | None:
+        """The growth named by the owner reading at its peak (None without one: the curve decides)."""
+        peaks = own.of_request(ctx, req.request, schema.OwnerMoment.GROWTH_PEAK)
+        if not peaks:
+            return None
+        t_last = max(r.t_ns for r in peaks)
+        rd = own.merged([r for r in peaks if r.t_ns == t_last])
+        assert rd is not None
+        OW = schema.Owner  # noqa: N806
+        copies, outputs, unknown = rd.bytes(OW.KV_COPIES), rd.bytes(OW.GENERATE_OUTPUT), rd.bytes(OW.UNKNOWN)
+        other = copies + outputs + unknown
+        final_excess = float(excess[-1])
+        if other <= floor or final_excess <= floor:
+            return None if final_excess > floor else []
+        peak_kv = max(float(kv.max()), 1.0)
+        span = int(round(x[-1] - x[0]))
+        source = "Process RSS" if column == "rss_bytes" else "Allocated memory"
+        at_step = f"step {rd.step}" if rd.step >= 0 else "its peak"
+        evidence = {
+            "memory_growth_bytes": ev(int(d_mem), "bytes"),
+            "kv_growth_bytes": ev(int(d_kv), "bytes"),
+            "excess_bytes": ev(int(final_excess), "bytes"),
+            "kv_copies_bytes": ev(copies, "bytes"),
+            "generate_output_bytes": ev(outputs, "bytes"),
+            "unknown_bytes": ev(unknown, "bytes"),
+            "peak_kv_bytes": ev(int(peak_kv), "bytes"),
+            "owner_reading_step": ev(rd.step, "step"),
+        }
+        head = (f"{source} grew {format_bytes(d_mem)} over {span:,} decode steps of request {req.request} while the "
+                f"KV cache grew {format_bytes(max(d_kv, 0))}")
+        if copies >= OWNER_SHARE * other:
+            c = rd.classes[OW.KV_COPIES]
+            sites = rd.largest_sites(OW.KV_COPIES)
+            fit = ""
+            for sig, basis in ((SIG_SUM_OF_EARLIER, cum), (SIG_MULTIPLE_OF_GROWTH, kv - kv[0])):
+                m, r2 = _fit_through_origin(basis, excess)
+                lo, hi = MULTIPLE_RANGE[sig]
+                if r2 >= (RSS_MIN_R2 if column == "rss_bytes" else ALLOC_MIN_R2) and lo <= m <= hi:
+                    evidence.update(signature=ev(sig, "count"), fitted_multiple=ev(round(m, 4), "ratio"),
+                                    fit_r2=ev(round(r2, 4), "ratio"))
+                    fit = (f"; the excess grows as {m:.2f}x "
+                           + ("the sum of earlier cache sizes (each step keeps the previous cache)"
+                              if sig == SIG_SUM_OF_EARLIER else "a multiple of the cache's own growth")
+                           + f" (r^2 {r2:.3f})")
+                    break
+            at = f", allocated at {'; '.join(sites)}" if sites else ""
+            msg = (f"{head}: at {at_step} the owner reading finds {format_bytes(copies)} in {c.blocks:,} "
+                   f"{'blocks' if rd.device >= 0 else 'tensors'} sized like the cache's own K/V tensors but not "
+                   f"the cache's ({copies / peak_kv:.1f}x its peak KV){at}{fit}, so copies of the cache are kept "
+                   "alive outside its own storages.")
+            return [self.finding("duplication", ramp(copies / peak_kv, *SIGNATURE_EXCESS), msg, evidence=evidence,
+                                 requests=[req.request], steps=[int(round(x[0])), int(round(x[-1]))])]
+        asked = own.asked_outputs(ctx, req.request)
+        if outputs >= OWNER_SHARE * other and asked:
+            _, phrases = own.by_design_bytes(ctx, req)
+            return [self._requested(req, d_mem, d_kv, final_excess, outputs, phrases, x, column, rd)]
+        ratio = d_mem / max(d_kv, 1.0)
+        score = min(ramp(ratio, *DEVICE_GROWTH_RATIO), ramp(float(unknown), floor, 2 * floor))
+        sites = rd.largest_sites(OW.UNKNOWN)
+        at = (f"; largest: {'; '.join(sites)}" if sites else
+              "; record with memory_history=True (--memory-history) to name their allocation sites"
+              if rd.device >= 0 else "")
+        msg = (f"{head} ({ratio:.1f}x): at {at_step} the owner reading finds {own.describe(rd)}; the growth is held "
+               f"by owners no rule names ({format_bytes(unknown)} unknown, not shaped like the cache's K/V, "
+               f"so not copies of the cache){at}.")
+        evidence["ratio"] = ev(round(ratio, 4), "ratio")
+        return [self.finding("unexplained_memory_growth", score, msg, evidence=evidence, requests=[req.request],
+                             steps=[int(round(x[0])), int(round(x[-1]))])]
+
+    def _requested(self, req: RequestTimeline, d_mem: float, d_kv: float, final_excess: float, design: int,
+                   phrases: list[str], x: np.ndarray, column: str, rd: own.Reading | None) -> Finding:
+        """Growth the call asked for: generate's output_* tensors, per step, kept until it returns."""
+        source = "Process RSS" if column == "rss_bytes" else "Allocated memory"
+        span = int(round(x[-1] - x[0]))
+        what = "; ".join(phrases) or "the per-step output tensors the call asked for"
+        seen = f" (the owner reading at step {rd.step} finds {format_bytes(design)} of them)" if rd is not None else ""
+        msg = (f"{source} grew {format_bytes(d_mem)} over {span:,} decode steps of request {req.request} while the "
+               f"KV cache grew {format_bytes(max(d_kv, 0))}: by design, the generate outputs the call asked for "
+               f"({what}){seen}; ask for fewer (output_scores=False, output_logits=False) if they are not needed.")
+        score = min(REQUESTED_MAX_SCORE, ramp(final_excess, 1 << 30, 16 << 30))
+        return self.finding("requested_outputs", score, msg, evidence={
+            "memory_growth_bytes": ev(int(d_mem), "bytes"),
+            "kv_growth_bytes": ev(int(d_kv), "bytes"),
+            "excess_bytes": ev(int(final_excess), "bytes"),
+            "requested_output_bytes": ev(int(design), "bytes"),
+        }, requests=[req.request], steps=[int(round(x[0])), int(round(x[-1]))])
 
     # ---- static preallocation -------------------------------------------------------------------
 
