@@ -110,6 +110,10 @@ def generate_kwargs(max_new_tokens: int, min_new_tokens: int | None, do_sample: 
               help="After every request, gc.collect() then torch.cuda.empty_cache(), with a reading after each "
                    "(the full post-EOS measurement, ~0.25 s per request). Off, both run only when KV storage "
                    "outlives its request.")
+@click.option("--memory-history", is_flag=True,
+              help="Record allocation stacks (torch.cuda.memory._record_memory_history) so the largest unknown "
+                   "memory owners are named by their allocation site (/owners; costs throughput, "
+                   "docs/benchmarks.md). GPU only.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="auto: the checkpoint's dtype; presets use bfloat16 on CUDA, float32 on CPU.")
@@ -138,7 +142,7 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
            sample_max_tokens: int | None, sample_queries: bool, sample_tokens: str, structure_every: int,
            telemetry_hz: float,
            no_nvml: bool,
-           store_prompts: bool, empty_cache: bool, device: str, dtype: str, cache_implementation: str,
+           store_prompts: bool, empty_cache: bool, memory_history: bool, device: str, dtype: str, cache_implementation: str,
            layers: int | None, width: float | None, vocab: int | None, tiny: bool, tp_plan: str | None, force: bool,
            prometheus: str | None, prometheus_textfile: str | None, prometheus_linger: float, quiet: bool,
            output: str) -> None:
@@ -231,7 +235,7 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
     dev = str(next(loaded.model.parameters()).device)
     try:
         rec = kvtrace.record(loaded.model, output, model_id=loaded.model_id, store_prompts=store_prompts,
-                             tokenizer=loaded.tokenizer, empty_cache=empty_cache,
+                             tokenizer=loaded.tokenizer, empty_cache=empty_cache, memory_history=memory_history,
                              telemetry_hz=telemetry_hz, nvml=not no_nvml, sampling=sampling,
                              structure_every=structure_every,
                              prometheus=prometheus, prometheus_textfile=prometheus_textfile,
