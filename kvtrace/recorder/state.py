@@ -110,7 +110,7 @@ def _cache_states(cache: Any, n_layers: int) -> Iterator[tuple[StateReading, tor
         return
     taken = 0
     for name, value in list(attrs.items()):
-        if name == "layers" or isinstance(value, (str, bytes, int, float, bool, type)) or value is None:
+        if name == "layers" or isinstance(value, _SCALARS) or value is None:
             continue
         per_layer = isinstance(value, (list, tuple)) and 0 < len(value) <= n_layers or (
             isinstance(value, Mapping) and 0 < len(value) <= n_layers and all(isinstance(k, int) for k in value))
@@ -126,6 +126,19 @@ def _cache_states(cache: Any, n_layers: int) -> Iterator[tuple[StateReading, tor
                         return
 
 
+_SCALARS = (str, bytes, int, float, bool, type)
+
+
+def _may_hold_tensors(cache: Any) -> bool:
+    """Whether the cache object has an attribute besides ``layers`` that could hold a tensor (a
+    DynamicCache holds flags and a class only: the walk is skipped)."""
+    try:
+        attrs = vars(cache)
+    except TypeError:
+        return False
+    return any(v is not None and not isinstance(v, _SCALARS) for k, v in attrs.items() if k != "layers")
+
+
 def read_states(cache: Any, n_layers: int, observe: Observer | None = None) -> list[StateReading]:
     """Every state tensor of ``cache``: its layers' conv and recurrent states, then the tensors its
     cache object (each part of an encoder-decoder cache) holds outside ``layers``. ``observe`` as in
@@ -136,10 +149,13 @@ def read_states(cache: Any, n_layers: int, observe: Observer | None = None) -> l
         layers = layers if isinstance(layers, (list, tuple)) else ()
         found = []
         for i, layer in enumerate(layers):
-            if layer is not None:
+            # most layers (attention-only models) hold no state dict: no generator built for them
+            if isinstance(getattr(layer, "conv_states", None), Mapping) or \
+                    isinstance(getattr(layer, "recurrent_states", None), Mapping):
                 found.append(_layer_states(layer, i if part == "self" else i + n_layers,
                                            f"layers[{i}]" if part == "self" else f"cross.layers[{i}]"))
-        found.append(_cache_states(sub, max(n_layers, len(layers))))
+        if _may_hold_tensors(sub):
+            found.append(_cache_states(sub, max(n_layers, len(layers))))
         for pairs in found:
             for r, t in pairs:
                 out.append(r)
