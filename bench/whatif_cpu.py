@@ -1,4 +1,4 @@
-"""CPU workloads of the what-if replay (issue 32), shared by bench/bench_whatif.py --cpu and probes.
+"""CPU workloads of the what-if replay, shared by bench/bench_whatif.py --cpu and probes.
 
 * :func:`make_trace`: a recorded trace of a tiny random-weight llama (2 layers, 4 query heads on 2
   KV heads, head dim 16 -- tests' geometry) over ``tokens`` tokens: a prefill of ``tokens -
@@ -140,8 +140,8 @@ def _numpy_env(on: bool) -> None:
 def bench_replay(cache_dir: Path, tokens: int, pairs: int, runs: int) -> dict[str, Any]:
     """The offline replay: (1) the whole policy set with --steps all on ``tokens`` tokens, CPU
     seconds of ``runs`` runs (median, CI) against the 10 s goal; (2) on a 1k-token trace, pairs of
-    the fast path against numerics.py alone (KVTRACE_WHATIF_NUMPY=1, the code before issue 32's
-    speed work) and an A-vs-A control (fast against fast)."""
+    the fast path against numerics.py alone (KVTRACE_WHATIF_NUMPY=1, the numpy code the
+    torch CPU path replaced) and an A-vs-A control (fast against fast)."""
     import statistics
 
     from bench_overhead import bootstrap_median_ci
@@ -213,8 +213,14 @@ def main_cpu(args: Any) -> int:
                                        capture_output=True, text=True).stdout.strip()
     except OSError:
         pass
+    def save() -> None:
+        if args.json_out:
+            Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json_out).write_text(json.dumps(doc, indent=2))
+
     if args.cpu in ("replay", "all"):
         doc["replay"] = bench_replay(cache, args.tokens, args.pairs, args.runs)
+        save()
         r = doc["replay"]
         print(f"replay {r['tokens']} tokens, 13 policies, --steps all: {r['cpu_s_median']:.1f} s CPU "
               f"({r['ci95'][0]:.1f}-{r['ci95'][1]:.1f}) {r['verdict']}; 1k: numpy/fast "
@@ -222,7 +228,5 @@ def main_cpu(args: Any) -> int:
               flush=True)
     if args.cpu in ("rerun", "all"):
         doc["rerun"] = bench_rerun(args.rerun_tokens, args.pairs)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(doc, indent=2))
+    save()
     return 0
