@@ -11,19 +11,9 @@ from typing import Any, TypeVar
 import click
 
 from kvtrace import exitcodes
-from kvtrace.errors import (
-    BadOption,
-    CannotWrite,
-    InvalidTrace,
-    NotATrace,
-    TraceError,
-    TraceIncomplete,
-    Unavailable,
-    UnsupportedVersion,
-)
+from kvtrace.errors import BadOption, KvtraceError, Unavailable
 from kvtrace.format.skipped import collect_skipped, skipped_notes
 from kvtrace.jsonable import json_default
-from kvtrace.recorder.options import CannotWriteOutput  # torch-free: the checks made before a recording
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -36,19 +26,9 @@ def fail(message: str, code: int) -> None:
 
 
 def exit_code_for(exc: BaseException) -> int:
-    if isinstance(exc, UnsupportedVersion):
-        return exitcodes.VERSION
-    if isinstance(exc, InvalidTrace):
-        return exitcodes.INVALID
-    if isinstance(exc, (NotATrace, TraceError)):
-        return exitcodes.UNREADABLE
-    if isinstance(exc, Unavailable):
-        return exitcodes.UNAVAILABLE
-    if isinstance(exc, (CannotWrite, CannotWriteOutput)):
-        return exitcodes.CANNOT_WRITE
-    if isinstance(exc, TraceIncomplete):
-        return exitcodes.IO_ERROR
-    return exitcodes.INTERNAL
+    """The exit code an exception ends a command with: a KvtraceError carries its own; anything else
+    is a bug of kvtrace (70)."""
+    return exc.exit_code if isinstance(exc, KvtraceError) else exitcodes.INTERNAL
 
 
 def stdout_closed() -> None:
@@ -75,7 +55,9 @@ def require_cuda(option: str, alternative: str) -> None:
 
 
 def guarded(fn: F) -> F:
-    """Turn known failures into one stderr line and their exit code."""
+    """Turn known failures into one stderr line and their exit code: a KvtraceError's message and its
+    ``exit_code``. An error is that one line: the notes of rows skipped from newer-minor traces
+    follow only a command that answered (its own exit code included)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -96,8 +78,8 @@ def guarded(fn: F) -> F:
             fail("interrupted", exitcodes.INTERRUPTED)
         except BrokenPipeError:
             stdout_closed()
-        except (TraceError, Unavailable, CannotWrite, CannotWriteOutput, TraceIncomplete) as exc:
-            fail(str(exc), exit_code_for(exc))
+        except KvtraceError as exc:
+            fail(str(exc), exc.exit_code)
         except MemoryError:  # a trace within the reader's limits that this machine cannot hold
             fail("out of memory (the trace needs more than this machine has free)", exitcodes.UNAVAILABLE)
         except Exception as exc:  # noqa: BLE001 - last resort: one line, not a traceback

@@ -46,17 +46,17 @@ def demo(out_dir: str, device: str) -> None:
                                "overwrite it; pick another directory with -o")
     check_output(out / "report.html", option="-o", inputs=(trace_path,))
     try:
-        from kvtrace.recorder.session import CannotWriteOutput, check_writable
+        from kvtrace.recorder.session import check_writable
     except ImportError as exc:
         raise Unavailable(f"the demo records a model: it needs torch and transformers ({exc})") from None
-    check_writable(trace_path)  # CannotWriteOutput: exit 73 (guarded)
+    check_writable(trace_path)  # CannotWrite: exit 73 (guarded)
     steps = Milestones()  # a line before each step that takes seconds (model load, record, analyse, report)
     try:
         _record(trace_path, device, steps)
-    except CannotWriteOutput as exc:  # as `record`: the trace cannot be created (a full disk), exit 73
+    except CannotWrite:  # as `record`: the trace cannot be created (a full disk), exit 73
         if created:
             remove_empty_dirs(out)
-        raise CannotWrite(str(exc)) from None
+        raise
     show(trace_path)
     _after_recording(trace_path, steps)
 

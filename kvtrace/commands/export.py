@@ -10,8 +10,7 @@ from pathlib import Path
 
 import click
 
-from kvtrace import exitcodes
-from kvtrace.commands.common import fail, guarded
+from kvtrace.commands.common import guarded
 from kvtrace.commands.outputs import (
     check_json_out,
     check_output,
@@ -20,7 +19,7 @@ from kvtrace.commands.outputs import (
     remove_empty_dirs,
     write_json,
 )
-from kvtrace.errors import CannotWrite
+from kvtrace.errors import CannotWrite, Unavailable
 from kvtrace.textsafe import visible  # notes and errors quote traces: data, one line each
 
 
@@ -128,14 +127,8 @@ def zenodo(traces: tuple[str, ...], output: str, creators: tuple[str, ...], titl
                               parsed_related, allow_content)
     total = 2 * sum(Path(p).stat().st_size for p in traces if Path(p).is_file()) + 1
     with progress_bar("zenodo", total, enabled=not (quiet or as_json)) as steps:
-        try:
-            bundle = z.export_zenodo(traces, output, options,
-                                     progress=lambda what, n: steps.advance(n, what))
-        except z.ContentRefused as exc:
-            fail(str(exc), exitcodes.REFUSED)
-        except z.BundleError as exc:
-            code = {"invalid": exitcodes.INVALID, "output": exitcodes.CANNOT_WRITE}.get(exc.kind, exitcodes.USAGE)
-            fail(str(exc), code)
+        # ContentRefused (77) and BundleError (64, 1 or 73 by its kind) carry their exit codes (guarded)
+        bundle = z.export_zenodo(traces, output, options, progress=lambda what, n: steps.advance(n, what))
     write_json({
         "directory": str(bundle.directory),
         "files": [str(p.relative_to(bundle.directory)) for p in bundle.files if p.is_file()],
@@ -167,7 +160,6 @@ def prometheus_textfile(trace: str, output: str, quiet: bool, as_json: bool, jso
       kvtrace export prometheus-textfile run.kvt.h5 -o /var/lib/node_exporter/textfile/kvtrace.prom
     """
     from kvtrace.analyzer.view import TraceView
-    from kvtrace.errors import CannotWrite, Unavailable
     from kvtrace.export import prometheus
     from kvtrace.format.reader import Trace
 
@@ -235,7 +227,6 @@ def parquet(traces: tuple[str, ...], output: str, jobs: int, workers: int | None
       kvtrace export parquet /shared/runs/*.kvt.h5 -o /shared/fleet --dask tcp://scheduler:8786
     """
     from kvtrace.commands.fleet import fleet_modules
-    from kvtrace.fleet import FleetError
     from kvtrace.progress import progress_bar
 
     if workers is not None and dask_address is not None:
@@ -248,24 +239,22 @@ def parquet(traces: tuple[str, ...], output: str, jobs: int, workers: int | None
         try:
             import dask.distributed  # noqa: F401 - fail before any work when the extra is absent
         except ImportError as exc:
-            fail(f"--workers/--dask need dask.distributed ({exc.name}); pip install 'kvtrace[fleet]'",
-                 exitcodes.UNAVAILABLE)
+            raise Unavailable(f"--workers/--dask need dask.distributed ({exc.name}); pip install 'kvtrace[fleet]'") \
+                from None
     (fx,) = fleet_modules("export")
     created = not Path(output).exists()
     try:
         Path(output).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        fail(f"cannot create -o {output}: {exc.strerror}", exitcodes.CANNOT_WRITE)
+        raise CannotWrite(f"cannot create -o {output}: {exc.strerror}") from None
     with progress_bar("parquet", len(traces), enabled=not (quiet or as_json) and len(traces) > 1) as steps, \
             _terminated_cleanly():
         try:
             result = fx.export_parquet(traces, output, jobs=jobs, dask_address=dask_address,
                                        dask_workers=workers or 0, force=force,
                                        progress=lambda path: steps.advance(1, Path(path).name))
-        except ConnectionError as exc:
-            fail(str(exc), exitcodes.UNAVAILABLE)
-        except FleetError as exc:  # the fleet directory's own traces.parquet is damaged
-            fail(str(exc), exitcodes.UNREADABLE)
+        except ConnectionError as exc:  # the dask scheduler cannot be reached, or its link broke
+            raise Unavailable(str(exc)) from None
         except CannotWrite:  # a full disk: the tables written whole stay; a new, empty -o goes
             if created:
                 remove_empty_dirs(Path(output))

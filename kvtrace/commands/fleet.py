@@ -15,8 +15,8 @@ import click
 from kvtrace import exitcodes
 from kvtrace.commands.common import fail, guarded
 from kvtrace.commands.outputs import check_json_out, check_output, json_options, write_json
-from kvtrace.errors import Unavailable
-from kvtrace.fleet import format_cell
+from kvtrace.errors import CannotWrite, Unavailable
+from kvtrace.fleet import FleetError, format_cell
 from kvtrace.units import format_bytes
 
 
@@ -39,11 +39,9 @@ def _outside(directory: str, *outputs: tuple[str, str | None]) -> None:
 
 
 def _connect(directory: str, tables: tuple[str, ...] | None = None) -> Any:
+    """A connection onto DIRECTORY's exported tables; a directory that is not one is FleetError (2)."""
     (query,) = fleet_modules("query")
-    try:
-        return query.connect(directory, query.TABLE_NAMES if tables is None else tables)
-    except query.FleetError as exc:
-        fail(str(exc), exitcodes.UNREADABLE)
+    return query.connect(directory, query.TABLE_NAMES if tables is None else tables)
 
 
 class FleetGroup(click.Group):
@@ -101,8 +99,13 @@ def _built_in(directory: str, exc: Exception) -> None:
     tables are not what the query reads (damaged, or of another schema), exit 2; other
     FleetErrors (an unknown key, no trace matching a selector) are the command line's, exit 64."""
     if str(exc).startswith("query failed"):
-        fail(f"{directory}: cannot read the exported tables ({exc})", exitcodes.UNREADABLE)
+        raise _unreadable(directory, str(exc)) from None
     raise click.UsageError(str(exc)) from None
+
+
+def _unreadable(directory: str, why: str) -> FleetError:
+    """The exported tables of DIRECTORY cannot be read as this kvtrace wrote them: FleetError, exit 2."""
+    return FleetError(f"{directory}: cannot read the exported tables ({why})")
 
 
 def _print_table(title: str, columns: list[str], rows: list[tuple[Any, ...]]) -> None:
@@ -198,7 +201,7 @@ def diff(directory: str, baseline: str, candidate: str, fail_on: str | None, alp
     except query.FleetError as exc:
         raise click.UsageError(str(exc)) from None
     except query.DatabaseError as exc:
-        fail(f"{directory}: cannot read the exported tables ({query.first_line(exc)})", exitcodes.UNREADABLE)
+        raise _unreadable(directory, query.first_line(exc)) from None
     write_json(doc, json_out, as_json=as_json)
     if not as_json:
         rows = compare.metric_rows(doc, format_bytes)
@@ -253,9 +256,11 @@ def report(directory: str, output: str, group_by: str, baseline: str | None, can
     except query.FleetError as exc:
         _built_in(directory, exc)
     except query.DatabaseError as exc:
-        fail(f"{directory}: cannot read the exported tables ({query.first_line(exc)})", exitcodes.UNREADABLE)
+        raise _unreadable(directory, query.first_line(exc)) from None
+    except CannotWrite:  # the page or a figure, said by the writer that failed
+        raise
     except OSError as exc:
-        fail(f"cannot write {output}: {exc.strerror}", exitcodes.CANNOT_WRITE)
+        raise CannotWrite(f"cannot write {output}: {exc.strerror}") from None
     write_json({"report": str(res.html), "traces": res.traces, "groups": res.groups, "figures": res.figures,
                 "worst": [{k: w[k] for k in ("trace_id", "path", "max_severity", "report_link", "report_command")}
                           for w in res.worst], "regressed": res.regressed}, json_out, as_json=as_json)

@@ -13,7 +13,7 @@ import click
 from kvtrace import exitcodes
 from kvtrace.commands.common import fail, guarded
 from kvtrace.commands.outputs import json_options
-from kvtrace.errors import Unavailable
+from kvtrace.errors import CannotWrite, Unavailable
 
 FAIL_LEVELS = ("warning", "critical")
 
@@ -168,9 +168,8 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
               + (f", then {warmup} warm-up request(s)" if warmup else ""))
     try:
         result = asyncio.run(drive(cfg))
-    except (ServerUnreachable, ServerUnhealthy) as exc:
-        fail(f"cannot load-test {cfg_url}: {exc}", exitcodes.UNAVAILABLE)
-        return
+    except (ServerUnreachable, ServerUnhealthy) as exc:  # exit 69 (an Unavailable), said with the URL
+        raise type(exc)(f"cannot load-test {cfg_url}: {exc}") from None
     facts = None
     if trace is not None:
         with steps.step(f"reading the recording {trace} for the phases' numbers"):
@@ -186,7 +185,7 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
         try:
             write_csv(rows, table)
         except OSError as exc:
-            fail(f"cannot write {table}: {exc.strerror or exc}", exitcodes.CANNOT_WRITE)
+            raise CannotWrite(f"cannot write {table}: {exc.strerror or exc}") from None
     if not as_json:
         print_run(result, verdicts, trace, table)
     write_json(document(result, verdicts, trace, table), json_out, as_json=as_json)

@@ -72,5 +72,5 @@ def check_metrics_options(prometheus: str | None, textfile: str | None, inputs: 
             from kvtrace.recorder.session import check_textfile
         except ImportError as exc:
             raise Unavailable(f"recording needs torch and transformers ({exc}); install kvtrace[record]") from None
-        check_textfile(textfile)  # CannotWriteOutput: exit 73 (guarded)
+        check_textfile(textfile)  # CannotWrite: exit 73 (guarded)
     return address

@@ -197,10 +197,10 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
             _check_tp_split(config)
     check_metrics_options(prometheus, prometheus_textfile, [prompts_file] if prompts_file else [])
     try:
-        from kvtrace.recorder.session import CannotServeMetrics, check_writable
+        from kvtrace.recorder.session import check_writable
     except ImportError as exc:
         raise Unavailable(f"recording needs torch and transformers ({exc}); install kvtrace[record]") from None
-    check_writable(output)  # before the (possibly slow) model load (CannotWriteOutput: exit 73, guarded)
+    check_writable(output)  # before the (possibly slow) model load (CannotWrite: exit 73, guarded)
     from kvtrace.recorder.sampling import SamplingSettings
 
     try:  # the sampler's own rules (evenly spaced heads...), before the model loads
@@ -233,23 +233,21 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
     import kvtrace
 
     dev = str(next(loaded.model.parameters()).device)
-    try:
-        rec = kvtrace.record(loaded.model, output, model_id=loaded.model_id, store_prompts=store_prompts,
-                             tokenizer=loaded.tokenizer, empty_cache=empty_cache, memory_history=memory_history,
-                             telemetry_hz=telemetry_hz, nvml=not no_nvml, sampling=sampling,
-                             structure_every=structure_every,
-                             prometheus=prometheus, prometheus_textfile=prometheus_textfile,
-                             prometheus_linger_s=prometheus_linger,
-                             settings_extra=settings)
-        with rec:
-            if rec.exporter is not None and rec.exporter.url:
-                say(f"metrics {rec.exporter.url}")
-            for i, text in enumerate(prompts):
-                ids = encode(loaded.tokenizer, text, dev)
-                out = loaded.model.generate(ids, **gen_kw)
-                say(f"request {i}: {ids.shape[-1]} prompt tokens, {out.shape[-1] - ids.shape[-1]} new")
-    except CannotServeMetrics as exc:
-        raise Unavailable(str(exc)) from None
+    # a metrics endpoint that cannot be bound is CannotServeMetrics, an Unavailable: exit 69 (guarded)
+    rec = kvtrace.record(loaded.model, output, model_id=loaded.model_id, store_prompts=store_prompts,
+                         tokenizer=loaded.tokenizer, empty_cache=empty_cache, memory_history=memory_history,
+                         telemetry_hz=telemetry_hz, nvml=not no_nvml, sampling=sampling,
+                         structure_every=structure_every,
+                         prometheus=prometheus, prometheus_textfile=prometheus_textfile,
+                         prometheus_linger_s=prometheus_linger,
+                         settings_extra=settings)
+    with rec:
+        if rec.exporter is not None and rec.exporter.url:
+            say(f"metrics {rec.exporter.url}")
+        for i, text in enumerate(prompts):
+            ids = encode(loaded.tokenizer, text, dev)
+            out = loaded.model.generate(ids, **gen_kw)
+            say(f"request {i}: {ids.shape[-1]} prompt tokens, {out.shape[-1] - ids.shape[-1]} new")
     if rec.storage_failure is not None:  # generation finished; the trace could not be fully written
         raise TraceIncomplete(f"{output}: trace incomplete, writing stopped early "
                               f"({rec.storage_failure.describe()}); it holds everything up to its last flush")

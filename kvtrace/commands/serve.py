@@ -7,11 +7,10 @@ from typing import Any
 
 import click
 
-from kvtrace import exitcodes
-from kvtrace.commands.common import fail, guarded
+from kvtrace.commands.common import guarded
 from kvtrace.commands.metrics_options import check_metrics_options, metrics_options
 from kvtrace.commands.record import DTYPES
-from kvtrace.errors import BadOption, CannotWrite, TraceIncomplete, Unavailable
+from kvtrace.errors import KvtraceError, TraceIncomplete, Unavailable
 from kvtrace.progress import Milestones
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -148,12 +147,12 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
         with steps.step("importing torch and transformers"):
             from transformers.utils.import_utils import is_serve_available
 
-            from kvtrace.recorder.session import CannotServeMetrics, CannotWriteOutput, check_writable
+            from kvtrace.recorder.session import check_writable
     except ImportError as exc:
         raise Unavailable(f"serving needs torch and transformers ({exc}); install kvtrace[serve]") from None
     if not is_serve_available():
         raise Unavailable("transformers serve needs fastapi, uvicorn and openai: install kvtrace[serve]")
-    check_writable(output)  # CannotWriteOutput: exit 73 (guarded)
+    check_writable(output)  # CannotWrite: exit 73 (guarded)
     check_port(host, port)  # a busy port fails now, not after the model load (exit 69)
     metrics_at = check_metrics_options(prometheus, prometheus_textfile, [model] if os.path.exists(model) else [])
     if metrics_at is not None and metrics_at[1] == port:
@@ -162,7 +161,6 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
 
     if host not in LOOPBACK:
         say(f"warning: binding {host}: the server (no authentication) is reachable from other hosts")
-    from kvtrace.serving.runner import Stopped
     from kvtrace.serving.runner import serve as run_server
 
     settings = {"cli": {"command": "serve", "model": model, "host": host, "port": port,
@@ -186,15 +184,8 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
                                                       f"Ctrl-C or SIGTERM stops"),
                              preloaded=preloaded, max_request_bytes=max_request_bytes,
                              log_status_polls=log_status_polls)
-    except Stopped as exc:
-        fail(f"{exc}; no trace written", exitcodes.INTERRUPTED)
-        return
-    except (click.exceptions.ClickException, click.exceptions.Exit, BadOption):
-        raise
-    except CannotServeMetrics as exc:
-        raise Unavailable(str(exc)) from None
-    except CannotWriteOutput as exc:  # the trace cannot be created (a full disk): 73, as record says
-        raise CannotWrite(str(exc)) from None
+    except (click.exceptions.ClickException, click.exceptions.Exit, KvtraceError):
+        raise  # each with its own exit code: Stopped 130, CannotServeMetrics 69, CannotWrite 73 ...
     except (OSError, ValueError, RuntimeError, ImportError) as exc:
         # transformers could not load the model (missing files, not cached offline, bad --dtype...)
         raise Unavailable(f"cannot serve {model}: {type(exc).__name__}: {exc}") from None

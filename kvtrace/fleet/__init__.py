@@ -8,15 +8,21 @@ the Parquet layout and the SQL views.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
+from kvtrace import exitcodes
+from kvtrace.errors import KvtraceError
 from kvtrace.units import format_bytes
 
 EXTRA_HINT = "install with: pip install 'kvtrace[fleet]'"
 
 
-class FleetError(Exception):
-    """A fleet directory or query that cannot be used (the message is one line)."""
+class FleetError(KvtraceError):
+    """A fleet directory or query that cannot be used (the message is one line). Exit 2, a damaged
+    or foreign fleet directory (spec/cli.md); the commands answer 64 where the user's own query or
+    selector is at fault."""
+
+    exit_code: ClassVar[int] = exitcodes.UNREADABLE
 
 
 def missing_dependency(exc: ImportError) -> str:

@@ -57,7 +57,7 @@ from kvtrace.fleet.tables import (
     newer_major,
     trace_tables,
 )
-from kvtrace.format.errors import InvalidTrace, TraceError, UnsupportedVersion
+from kvtrace.format.errors import TraceError, UnsupportedVersion
 from kvtrace.wholefile import clean_parts, create_in_dir, failure_reason, remove_in_dir
 
 __all__ = ["MANIFEST", "ExportResult", "export_one", "export_parquet", "load_manifest", "load_traces", "plan"]
@@ -68,14 +68,6 @@ __all__ = ["MANIFEST", "ExportResult", "export_one", "export_parquet", "load_man
 CHECKPOINT_TRACES = 256
 CHECKPOINT_SECONDS = 30.0
 DASK_CONNECT_TIMEOUT_S = 5  # an unreachable scheduler fails the command, it does not hang it
-
-
-def _code_for(exc: BaseException) -> int:
-    if isinstance(exc, UnsupportedVersion):
-        return exitcodes.VERSION
-    if isinstance(exc, InvalidTrace):
-        return exitcodes.INVALID
-    return exitcodes.UNREADABLE
 
 
 def _write_file(out_dir: str | os.PathLike[str], rel: tuple[str, ...], write: Callable[[Any], object]) -> None:
@@ -101,7 +93,7 @@ def export_one(path: str, out_dir: str, identity: dict[str, Any] | None = None) 
             data.identity = identity
         tables = trace_tables(data)
     except TraceError as exc:
-        return {"path": path, "status": "failed", "error": str(exc), "code": _code_for(exc)}
+        return {"path": path, "status": "failed", "error": str(exc), "code": exc.exit_code}
     tid = data.identity["trace_id"]
     traces_row = tables.pop("traces")  # the parent merges it into traces.parquet
     rows = {"traces": traces_row.num_rows}

@@ -6,13 +6,30 @@ The rule (README "Exit codes", spec §9.1): a file that cannot be identified as 
 that carries the kvtrace marker and a readable version but breaks the spec anywhere else, including
 objects HDF5 cannot read and chunks that do not decode, is :class:`InvalidTrace` (exit 1). Every
 command raises the same class for the same file, because they all read through one reader.
+
+:class:`KvtraceError`, the base of every error kvtrace raises for the user, is defined here rather
+than in kvtrace/errors.py because the format imports nothing outside itself; kvtrace.errors
+re-exports it with the other classes. The codes are written as numbers here for the same reason;
+tests/test_errors.py checks them against kvtrace/exitcodes.py.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
 
-class TraceError(Exception):
+
+class KvtraceError(Exception):
+    """Base of every error kvtrace raises for the user: a one-line message, and ``exit_code``, the
+    code the CLI exits with (a constant of kvtrace/exitcodes.py, documented in spec/cli.md "Exit
+    codes"). Each subclass sets its own; the CLI (kvtrace.commands.common.guarded) reads it."""
+
+    exit_code: ClassVar[int] = 70  # exitcodes.INTERNAL: only a subclass says what went wrong
+
+
+class TraceError(KvtraceError):
     """Base class: a trace cannot be used as asked. The message is one line for the user."""
+
+    exit_code: ClassVar[int] = 2  # exitcodes.UNREADABLE
 
 
 class NotATrace(TraceError):
@@ -22,9 +39,13 @@ class NotATrace(TraceError):
 class UnsupportedVersion(TraceError):
     """The trace's major format version is newer than this reader's."""
 
+    exit_code: ClassVar[int] = 4  # exitcodes.VERSION
+
 
 class InvalidTrace(TraceError):
     """Structurally a trace but breaking the spec (missing dataset, wrong dtype, ...)."""
+
+    exit_code: ClassVar[int] = 1  # exitcodes.INVALID
 
 
 class CorruptChunk(InvalidTrace):

@@ -8,19 +8,17 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtrace.errors import CannotWrite, Unavailable
 
-class CannotWriteOutput(OSError):
-    """An output of the session (trace, metrics textfile) cannot be written; raised before the
-    model runs."""
-
-
-class CannotWriteTrace(CannotWriteOutput):
-    """The trace path cannot be created; raised before the model runs."""
+# An output of the session (trace, metrics textfile) cannot be written; raised before the model
+# runs. The one "cannot write" error (exit 73), under the names the recorder's API gave it.
+CannotWriteOutput = CannotWrite
+CannotWriteTrace = CannotWrite
 
 
-class CannotServeMetrics(OSError):
+class CannotServeMetrics(Unavailable, OSError):
     """The Prometheus endpoint cannot be bound (address in use, bad host); raised before the model
-    runs."""
+    runs (exit 69, as every resource the command needs and cannot have)."""
 
 
 @dataclass

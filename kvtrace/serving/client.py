@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from kvtrace.errors import Unavailable
 from kvtrace.serving.openai_stream import (
     DONE,
     NOT_OPENAI,
@@ -32,8 +33,8 @@ from kvtrace.serving.openai_stream import (
 API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
-class ServerUnreachable(Exception):
-    """The endpoint does not answer at all (refused, unknown host, timed out)."""
+class ServerUnreachable(Unavailable):
+    """The endpoint does not answer at all (refused, unknown host, timed out): exit 69."""
 
 
 class BoundBroken(Exception):

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kvtrace.errors import Unavailable
 from kvtrace.serving.client import (
     API_PATHS,
     BoundBroken,
@@ -46,8 +47,8 @@ from kvtrace.serving.tracefacts import Group, groups_from_occupancy, occupancy_p
 WARMUP_WORDS = 8
 
 
-class ServerUnhealthy(Exception):
-    """The server answers but /health is not 200 before the first phase."""
+class ServerUnhealthy(Unavailable):
+    """The server answers but /health is not 200 before the first phase: exit 69."""
 
 
 @dataclass

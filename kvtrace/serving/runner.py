@@ -24,17 +24,21 @@ import signal
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from kvtrace.errors import BadOption, Unavailable
+from kvtrace import exitcodes
+from kvtrace.errors import BadOption, KvtraceError, Unavailable
 from kvtrace.serving.routes import MAX_REQUEST_BYTES, PhaseMarker, add_routes
 
 _USAGE_ERRORS = {"UsageError", "NoSuchOption", "BadParameter", "MissingParameter", "BadOptionUsage",
                  "BadArgumentUsage"}
 
 
-class Stopped(Exception):
-    """SIGINT / SIGTERM arrived before the server was serving (during the model load)."""
+class Stopped(KvtraceError):
+    """SIGINT / SIGTERM arrived before the server was serving (during the model load): no trace
+    was written; exit 130, as Ctrl-C."""
+
+    exit_code: ClassVar[int] = exitcodes.INTERRUPTED
 
 
 @dataclass
@@ -138,7 +142,7 @@ def serve(model: str, trace: str, *, host: str = "127.0.0.1", port: int = 8000,
     def on_signal(signum: int, _frame: Any) -> None:
         outcome.stopped_by = signal.Signals(signum).name
         if not state["serving"]:
-            raise Stopped(f"stopped by {outcome.stopped_by} before the server was up")
+            raise Stopped(f"stopped by {outcome.stopped_by} before the server was up; no trace written")
         if not state["uvicorn"]:
             # the recording runs but uvicorn has not installed its handlers yet: handed to uvicorn as
             # soon as it does (it then starts, shuts down at once and the trace is closed complete)
