@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """How long every README / `--help` example takes, against the README's promise that each runs in
-under a minute on a 2-core machine (issue 14). tests/test_examples.py checks that each example runs
+under a minute on a 2-core machine. tests/test_examples.py checks that each example runs
 and exits 0; the time is measured here, because tests never assert wall-clock times.
 
     python bench/bench_examples.py [--json out.json]

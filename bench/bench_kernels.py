@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/bench_kernels.py [--json results.json] [--quick]
 
-Rows (targets from issue 5):
+Rows (each with its target):
   norms      effective bandwidth (bytes read + written / time) vs a device-to-device copy_ measured
              in the same run (target >= 90%), and speed vs torch.linalg.vector_norm (target >= 3x).
              Timed three ways: "eager" (do_bench: one Python call per timed run, L2 flushed), "graph"

@@ -5,7 +5,7 @@
     python bench/bench_overhead.py --suite anchors --json out.json      # memory history, profiler
     python bench/bench_overhead.py --suite smoke --device cpu           # tiny, seconds (tests/)
 
-Method (issue 13):
+Method:
 
 * **One process per job** (a model, a shape and a set of variants); memory history and the
   profiler, which were seen to leave a process lastingly slower, run only in processes of their own

@@ -4,7 +4,7 @@
     python bench/bench_serving.py --json bench/results/serving_h200.json --resume ...        # add pairs
     python bench/bench_serving.py --smoke                                                   # tiny, CPU, seconds
 
-Method (issue 16, "Cost"):
+Method (what recording costs a served model):
 
 * It drives ``model.generate_batch`` directly (transformers' continuous batching, paged cache,
   its own scheduler thread), not the HTTP server: the same scheduler and cache work, without

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/bench_whatif.py --json-out bench/results/whatif.json [--quick]
     PYTHONPATH=. python3 bench/bench_whatif.py --smoke      # tiny shapes; CPU + Triton interpreter if no GPU
     PYTHONPATH=. python3 bench/bench_whatif.py --quick --only keep --keys 32768 --queries 1   # a focused run
-    PYTHONPATH=. python3 bench/bench_whatif.py --cpu all --json-out bench/results/whatif_cpu.json  # CPU (issue 32)
+    PYTHONPATH=. python3 bench/bench_whatif.py --cpu all --json-out bench/results/whatif_cpu.json  # CPU
 
 Rows:
   keep   mass recall + output error of 9 keep-sets (knorm, random, streaming_llm x ratios 0.25,
@@ -12,7 +12,7 @@ Rows:
          inputs, as the replay feeds them. Kernel: one Triton pass over the keys for all sets.
          Eager: kernels.whatif.keep_measures_reference in fp32 -- the straightforward torch: the
          scores [B, Hq, Tq, T] materialised once, then a masked softmax, a mass sum and p @ V per
-         keep-set (TF32 off). Goal (issue 17): >= 10x eager at 32k keys, memory O(rows).
+         keep-set (TF32 off). Goal: >= 10x eager at 32k keys, memory O(rows).
          The kernel time is the whole keep_measures_triton call on the fp32 inputs: the bf16-grid
          and position checks (one host sync), allocations, the key pass and the split-merge
          launch. Two more columns say where it goes: "prep" = the same call on inputs already

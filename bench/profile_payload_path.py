@@ -1,4 +1,4 @@
-"""Throughput of the sampled-payload path, stage by stage (issue 13: sampling at b16 writes ~3 GiB).
+"""Throughput of the sampled-payload path, stage by stage (sampling at b16 writes ~3 GiB).
 
     python bench/profile_payload_path.py [--mib 256] [--threads 1,2,4,8] [--json out.json]
 

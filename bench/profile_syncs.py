@@ -6,7 +6,7 @@
 copy, ``.item()``, ``nonzero``, a blocking ``synchronize``) warn. It is switched on only while
 the recorder's own code runs on the model's thread (the step hooks, a request's begin and
 finish), so generate's own syncs are not counted. Steps are split into sampling and plain ones
-(issue 13: nothing may synchronise the GPU on a plain step). Cache kinds: the default dynamic
+(nothing may synchronise the GPU on a plain step). Cache kinds: the default dynamic
 cache, and a static cache (``cache_implementation="static"``, compile off). Needs CUDA.
 """
 

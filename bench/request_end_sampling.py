@@ -1,5 +1,5 @@
 """Request end with content sampling: waiting for the staged copies only (now) against waiting for
-every sample to be encoded and written (``sampler.drain()``, before issue 13's second round).
+every sample to be encoded and written (``sampler.drain()``, as the recorder once did).
 
     python bench/request_end_sampling.py [--device cpu] [--batch 1] [--prompt 1024] [--new 4] [--pairs 6]
 

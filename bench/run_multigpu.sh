@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The two-GPU runs of issue 20 (nvidia-h200-x2 or any host with 2+ GPUs): device_map across two
+# The two-GPU runs (nvidia-h200-x2 or any host with 2+ GPUs): device_map across two
 # GPUs and tensor parallel over NCCL under torchrun, recorded and analysed as one run.
 # Usage: bench/run_multigpu.sh OUTDIR   (kvtrace importable, zstandard installed)
 set -u

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The GPU run behind docs/benchmarks.md "Recorder overhead" (issue 13): every job in its own
+# The GPU run behind docs/benchmarks.md "Recorder overhead": every job in its own
 # process, each parent invocation capped in time so one call fits a 10-minute device slot.
 # Usage: bench/run_overhead_gpu.sh OUTDIR [BEFORE_DIR] [ROUND]
 #   BEFORE_DIR: a directory holding an older kvtrace package (git archive OLD kvtrace | tar -x -C DIR)
-#   ROUND: "matrix" (default: b1, amplified, b16, gpt-oss, anchors) or "third" (issue 13, third
-#          round: GPU syncs on the model's thread, b16 and b1 with aa/recorder/sampling32 and the
-#          per-step gaps, b16 'before' from BEFORE_DIR, open/close profile)
+#   ROUND: "matrix" (default: b1, amplified, b16, gpt-oss, anchors) or "third" (the third
+#          round of overhead work: GPU syncs on the model's thread, b16 and b1 with
+#          aa/recorder/sampling32 and the per-step gaps, b16 'before' from BEFORE_DIR,
+#          open/close profile)
 set -u
 out=${1:?output directory}
 before=${2:-}

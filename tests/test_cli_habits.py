@@ -1,4 +1,4 @@
-"""CLI habits (issue 19 item 5): a closed stdout pipe, 80-column output, help on every option,
+"""CLI habits: a closed stdout pipe, 80-column output, help on every option,
 no command named anywhere that does not exist."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Layers only point down (issue 15): format <- analyzer <- renderers (report, export) <- commands,
-and format <- recorder. Read from the source with ast, so a lazy import inside a function counts
-as much as one at the top of a module."""
+"""Layers only point down, so a change in one never reaches back up: format <- analyzer <-
+renderers (report, export) <- commands, and format <- recorder. Read from the source with ast, so
+a lazy import inside a function counts as much as one at the top of a module."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""No kvtrace command writes onto one of its inputs or onto an existing trace (issue 14, item 2).
+"""No kvtrace command writes onto one of its inputs or onto an existing trace (a typo
+must not destroy a recording).
 
 Every case checks the exit code (64: the command line names a file it must not write; 73: the
 output cannot be created), a one-line message, and that the protected file is byte-for-byte
@@ -132,7 +133,7 @@ def test_record_refuses_existing_output_and_its_prompts_file(files, capsys, monk
     assert code == exitcodes.USAGE and "same file" in err
 
 
-# ---- issue 28: files inside an output directory are created, never written through ----------------------
+# ---- files inside an output directory are created, never written through (no symlink is followed) -----
 
 
 def _plant(kind: str, at: Path, outside: Path) -> None:

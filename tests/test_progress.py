@@ -1,4 +1,4 @@
-"""kvtrace.progress: one helper, lines that arrive when a step starts (issue 33, "Silence").
+"""kvtrace.progress: one helper, lines that arrive when a step starts (no silent minutes).
 
 The demo is run as a user's pipe would see it: stdout read line by line while the process runs.
 Nothing here asserts how long a step takes; only that each milestone line was read before the

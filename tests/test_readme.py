@@ -1,4 +1,4 @@
-"""README.md as the entry point (issue 33): it opens with the two setup commands and then says what
+"""README.md as the entry point: it opens with the two setup commands and then says what
 kvtrace is; the demo and a runnable example come early; its Python quickstart runs as written; the
 format version it states is the spec's; its picture exists and is the one scripts/readme_figure.py
 draws; every detector has its line; it stays short. The shell examples run in tests/test_examples.py."""
@@ -76,7 +76,7 @@ def test_every_detector_has_its_line():
 
 def test_short():
     words = len(README.split())
-    assert words <= 1250, f"README.md has {words} words (issue 33: an entry point of about 1,200)"
+    assert words <= 1250, f"README.md has {words} words (an entry point of about 1,200)"
 
 
 def test_python_quickstart_runs_as_written(tmp_path):

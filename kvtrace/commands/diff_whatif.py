@@ -1,4 +1,4 @@
-"""The what-if part of `kvtrace diff` (issue 17): `--whatif NAME[:k=v,...]` (repeatable) and
+"""The what-if part of `kvtrace diff`: `--whatif NAME[:k=v,...]` (repeatable) and
 `--whatif-ratio R[,R...]` replay the policies on both traces and add a "whatif" member to the
 diff document; two saved `kvtrace whatif --json-out` documents are compared on their own.
 

@@ -2,9 +2,9 @@
 
 Everything the fleet exports is read here, through the public entry points only: ``kvtrace.open``
 (a :class:`kvtrace.format.Trace`) and ``kvtrace.analyze`` with its stable JSON form
-(spec/analysis-json.md). The reader is being redesigned (issue 15); when it is, this module is the
-only one to re-point. It returns plain numpy structured arrays and dicts, nothing that holds an open
-HDF5 file, so its result can be built inside any worker process.
+(spec/analysis-json.md). The reader is being redesigned (two read paths with the same names); when
+it is, this module is the only one to re-point. It returns plain numpy structured arrays and
+dicts, nothing that holds an open HDF5 file, so its result can be built inside any worker process.
 """
 
 from __future__ import annotations

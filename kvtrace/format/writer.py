@@ -54,7 +54,7 @@ from kvtrace.format.storage import GuardedFile, StorageFault, fault_from, open_r
 LIBVER = ("v110", "v110")  # superblock v3: needed by SWMR, opens in HDF5 >= 1.10
 # Rows per table chunk. A flush recompresses the partly filled last chunk of each table it
 # touches: 256 rows cost ~60% of the CPU of 1024 per flush (held with the GIL) and leave less
-# dead space from rewritten chunks (bench numbers in docs/benchmarks.md, issue 13).
+# dead space from rewritten chunks (bench numbers in docs/benchmarks.md, "Recorder overhead").
 TABLE_CHUNK_ROWS = 256
 TEXT_CHUNK_BYTES = 64 * 1024
 TEXT_MAX_BYTES = 1 << 20  # one string; longer ones are cut and say so
@@ -198,7 +198,7 @@ class TraceWriter:
         self._io = GuardedFile(open_raw(self.path) if raw is None else raw)
         try:
             # The empty layout (19 datasets with their descriptions) is built once per process
-            # and copied: creating it through h5py took most of a session's open (issue 13).
+            # and copied: creating it through h5py took most of a session's open.
             self._io.seek(0)
             self._io.write(_layout_image(payload_level))
             self._file = h5py.File(self._io, "r+", libver=LIBVER)

@@ -1,4 +1,4 @@
-"""Bounds on the model-config values that size anything (issue 28).
+"""Bounds on the model-config values that size anything (a config is data someone else may have made).
 
 A trace stores its model's ``config.to_dict()`` (``/meta model_config_json``); the analyser, the
 report, what-if and ``calc --trace`` build lists and arrays from it: layer lists from

@@ -1,4 +1,4 @@
-"""The serving part of the recorder (issue 16): continuous batching (``model.generate_batch``,
+"""The serving part of the recorder: continuous batching (``model.generate_batch``,
 ``init_continuous_batching`` / ``ContinuousBatchingManager``, ``generate(cache_implementation="paged")``,
 ``transformers serve --continuous-batching``) recorded into /requests, /events and the 1.4 tables
 /sched, /sched_groups and /blocks (spec §4.15-4.17).

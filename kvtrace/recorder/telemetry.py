@@ -87,7 +87,7 @@ _NVML_LOCK = threading.Lock()
 def _open_nvml() -> Nvml:
     """The process's NVML session (tests substitute their own here). Opened by the first recorder
     and kept: nvmlInit + nvmlShutdown cost milliseconds per recording session, on the caller's
-    thread (issue 13), and NVML counts its users itself. A failed open is retried next time."""
+    thread, and NVML counts its users itself. A failed open is retried next time."""
     global _NVML
     with _NVML_LOCK:
         if _NVML is None or not _NVML.available:

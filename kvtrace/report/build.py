@@ -53,7 +53,7 @@ def _span(name: str, values: list[int], limit: int = 6) -> str:
 def _code(fix: str | None) -> str:
     """A fix as a copy-paste code block, or a dash when none is known. A block, not inline code:
     an inline background wrapped over two lines in a narrow cell painted over the line above
-    (underscores and descenders hidden: issue 33)."""
+    (underscores and descenders hidden)."""
     return "-" if fix is None else f'<pre class="fix"><code>{escape(fix)}</code></pre>'
 
 

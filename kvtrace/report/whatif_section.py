@@ -1,4 +1,4 @@
-"""The report's what-if section (issue 17): memory saved against attention-output error per
+"""The report's what-if section: memory saved against attention-output error per
 policy (a Pareto plot), a per-layer heatmap of that error at one ratio, and a table.
 
 It renders kvtrace.whatif.run's document (spec/whatif-json.md) for the report's open trace; every

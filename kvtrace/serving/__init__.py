@@ -1,4 +1,4 @@
-"""Serving diagnosis (issue 16): ``kvtrace serve`` runs transformers' own OpenAI-compatible server
+"""Serving diagnosis: ``kvtrace serve`` runs transformers' own OpenAI-compatible server
 in-process with the recorder attached (:mod:`kvtrace.serving.runner`, :mod:`kvtrace.serving.routes`);
 ``kvtrace loadtest`` drives any OpenAI-compatible endpoint through the four-phase protocol
 (:mod:`phases`, :mod:`client`), writes a per-request latency table (:mod:`latency`) and judges each

@@ -1,4 +1,4 @@
-"""What-if replay (issue 17): what paging, eviction or KV quantisation would save on a recorded
+"""What-if replay: what paging, eviction or KV quantisation would save on a recorded
 trace and what it would cost in attention (offline proxies; no rerun of the model).
 
 numpy only: importing this package must work without torch.

@@ -1,7 +1,8 @@
 """The one adapter between the what-if replay and a trace: recorded sizes from /kv and sampled
 K/V/Q through the public read side (``Trace`` and ``ContentsAssembler``, as
-kvtrace.analyzer.contents reads them). The read side is to be redesigned (issue 15); only this
-module should need to follow it.
+kvtrace.analyzer.contents reads them). The read side is to be redesigned (two read paths, Trace
+and analyzer.view.TraceView, with the same names and different costs); only this module should
+need to follow it.
 """
 
 from __future__ import annotations

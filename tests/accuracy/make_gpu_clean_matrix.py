@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Record the accuracy suite's clean matrix (every architecture x scenario of tests/accuracy/cases.py)
-on a CUDA device, the GPU half of issue 12's "clean controls x {CPU, CUDA}":
+on a CUDA device, the GPU half of the "clean controls x {CPU, CUDA}" matrix:
 
     python tests/accuracy/make_gpu_clean_matrix.py OUTDIR [--device cuda] [--only ARCH:SCENARIO ...]
 

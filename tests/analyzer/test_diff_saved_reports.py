@@ -1,4 +1,4 @@
-"""``kvtrace diff`` of saved analysis reports someone else wrote (issue 28): a report is checked
+"""``kvtrace diff`` of saved analysis reports someone else wrote: a report is checked
 like a trace before its fields are compared or printed. A finding whose score was a string ended
 diff in exit 70; every damaged report below is exit 1 with one line, and strings that are merely
 hostile (markup, escapes) are compared and printed as data."""

@@ -24,7 +24,7 @@ def _manifest() -> dict:
     return json.loads(MANIFEST.read_text())
 
 
-# Labels revised by issue 12 (severity contract, docs/detectors.md), with the reason:
+# Labels revised by the severity contract (docs/detectors.md), with the reason:
 RELABEL = {
     # copies kept outside the cache now have a signature (the sum of earlier cache sizes)
     "gpu_duplication": {"kind": "duplication"},

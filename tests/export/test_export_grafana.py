@@ -74,7 +74,7 @@ def test_dashboard_structure():
 
 def test_kv_panels_have_a_serving_query():
     """The KV-cache panels answer under continuous batching too (kvtrace serve): there the recorder's
-    per-layer gauges of the request in flight have no samples, the paged pool's do (issue 33)."""
+    per-layer gauges of the request in flight have no samples, the paged pool's do."""
     dash = json.loads(DASHBOARD.read_text())
     kv = [p for p in dash["panels"] if any("kvtrace_kv_cache_" in t["expr"] for t in p.get("targets", []))]
     assert len(kv) == 4

@@ -1,5 +1,5 @@
-"""The monitoring bundle beside the dashboard (issue 33: "vLLM ships prometheus.yaml + compose +
-dashboard"): grafana/prometheus.yml, kvtrace-alerts.yml, Grafana provisioning and docker-compose.yml.
+"""The monitoring bundle beside the dashboard (as vLLM ships prometheus.yaml + compose +
+dashboard): grafana/prometheus.yml, kvtrace-alerts.yml, Grafana provisioning and docker-compose.yml.
 
 With the real tools where they are installed: promtool checks the scrape configuration and the
 rules and runs the rules' unit tests (tests/export/monitoring/alerts_test.yml); a real Prometheus
@@ -191,7 +191,7 @@ def test_real_prometheus_from_the_bundle_fills_the_kv_panels_under_serving(tmp_p
     titles = {title for title, _ in seen}
     assert titles == {title for title, _ in kv_exprs}, sorted(set(t for t, _ in kv_exprs) - titles)
     serving_kv = [got for (_, expr), got in seen.items() if "kvtrace_serving_kv_cache_bytes" in expr]
-    # what issue 33 saw: the per-layer gauges of generate() have no sample under continuous batching
+    # why: the per-layer gauges of generate() have no sample under continuous batching
     assert not any(got for (_, e), got in seen.items() if "kvtrace_kv_cache_bytes" in e and "serving" not in e)
     assert any(v > 0 for got in serving_kv for v in got.values())
     assert list(models) == ["model_name=tiny-llama-under-test"]  # one model, on every serving series

@@ -1,4 +1,4 @@
-"""Hostile fleets and SQL (issue 28): a fleet directory is data someone else may have made.
+"""Hostile fleets and SQL: a fleet directory is data someone else may have made.
 
 Every case runs the CLI in-process and asserts: the documented exit code (never 70), one stderr
 line and no traceback, no hang (a FIFO is refused or replaced, never opened and waited on), and

@@ -174,7 +174,7 @@ def test_no_code_path_unpickles(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-# ---- the same class from every command (issue 14): in-process through the CLI entry point ----
+# ---- the same class from every command (one reader): in-process through the CLI entry point ----
 
 def run_main(*args: str) -> tuple[int, str]:
     import contextlib

@@ -1,4 +1,4 @@
-"""Trace.to_pandas / to_arrow (issue 33, "Python API"): one scalar per cell, enumerations as the
+"""Trace.to_pandas / to_arrow: one scalar per cell, enumerations as the
 names the Parquet export writes, shapes as lists, the Parquet export's column names and types."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def test_kv_as_a_data_frame_with_enum_names_and_shape_lists():
     with kvtrace.open(TRACE) as t:
         rows = t.kv()
         df = t.to_pandas("kv")
-        with pytest.raises(ValueError):  # what issue 33 saw: the structured array's shape columns
+        with pytest.raises(ValueError):  # why the helper exists: the structured array's shape columns
             pd.DataFrame(rows)
     assert isinstance(df, pd.DataFrame) and len(df) == len(rows) > 0
     assert set(df["layer_type"]) <= {"full", "sliding"} and "sliding" in set(df["layer_type"])

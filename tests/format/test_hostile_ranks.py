@@ -1,4 +1,4 @@
-"""Rank sets that disagree never pass silently (issue 28).
+"""Rank sets that disagree never pass silently (rank files are data someone else may have made).
 
 Two different files that both claim rank 0 of a 2-rank run were read as one rank "analysed alone":
 analyze reported no rank set, no missing rank 1, no duplicate, and exited 0 even with
@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import hostile14_traces as H
 import pytest
+import serving_parallel_traces as H
 from cli_run import run_main
 
 from kvtrace import exitcodes

@@ -1,4 +1,4 @@
-"""Sizes and counters from a trace are bounded before they size anything (issue 28).
+"""Sizes and counters from a trace are bounded before they size anything (a trace is data).
 
 A trace under 1 MB that ``validate`` accepted, with ``num_attention_heads`` of 8,000,000,000 or
 10**400 in its stored model config, drove ``analyze --contents`` to 24 GB; 10**30 or a string where

@@ -1,4 +1,4 @@
-"""Text from traces is data (issue 28): fuzzed strings through every command's text and JSON output.
+"""Text from traces is data: fuzzed strings through every command's text and JSON output.
 
 Traces written by the real TraceWriter carry hostile strings in the fields commands print: the
 model id and type, the torch and transformers versions, the device name and a recorder error (a

@@ -15,12 +15,12 @@ import json
 from pathlib import Path
 
 import h5py
-import hostile14_traces as H
 import numpy as np
 import pytest
+import serving_parallel_traces as H
 from cli_run import run_main
 from fmt_helpers import request_row
-from test_hostile_14 import NOT_READING_SERVING, check_case, run_every_consumer
+from test_hostile_serving_parallel import NOT_READING_SERVING, check_case, run_every_consumer
 
 from kvtrace import exitcodes
 from kvtrace.format import CacheDType, PayloadKind, Trace, TraceWriter, encode_payload, schema

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_run import run_main
-from hostile14_traces import damaged, set_rows
+from serving_parallel_traces import damaged, set_rows
 
 from kvtrace.format import schema
 from kvtrace.format.errors import InvalidTrace

@@ -1,5 +1,5 @@
-"""What a flush and an open cost the writer (issue 13): one H5Fflush per flush unless rows refer
-to something written in the same flush, the empty layout built once per process, and a byte
+"""What a flush and an open cost the writer (it runs beside the model): one H5Fflush per flush
+unless rows refer to something written in the same flush, the empty layout built once per process, and a byte
 shuffle that matches the reference for any byte order."""
 
 from __future__ import annotations

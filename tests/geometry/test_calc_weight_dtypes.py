@@ -1,4 +1,4 @@
-"""`kvtrace calc` counts weights in the checkpoint's own dtypes (issue 14, item 7)."""
+"""`kvtrace calc` counts weights in the checkpoint's own dtypes (not the compute dtype)."""
 
 from __future__ import annotations
 

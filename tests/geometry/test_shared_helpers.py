@@ -1,4 +1,4 @@
-"""The small helpers issue 15 found written several times, now once each: device labels, layer
+"""Small helpers once written several times, now once each: device labels, layer
 type names (kvtrace.labels) and the JSON clean-up (kvtrace.jsonable)."""
 
 from __future__ import annotations

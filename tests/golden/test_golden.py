@@ -1,4 +1,4 @@
-"""Today's JSON outputs equal the committed golden documents (behaviour preserved; issue 15)."""
+"""Today's JSON outputs equal the committed golden documents (refactors preserve behaviour)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Models spread over devices on real GPUs (issue 20).
+"""Models spread over devices on real GPUs (device_map and tensor parallel).
 
 One GPU:   python -m pytest tests/gpu/test_parallel_gpu.py -m gpu -q
            (device_map across cuda:0 and the CPU, two ways: layers executed on the CPU, and

@@ -1,4 +1,4 @@
-"""Continuous batching (issue 16): generate_batch and the manager API inside kvtrace.record give one
+"""Continuous batching: generate_batch and the manager API inside kvtrace.record give one
 /requests row per CB request, lifecycle events (SCHEDULED, FIRST_TOKEN, PREEMPTED, ...), and per
 scheduler step a /sched row with /sched_groups rows (format 1.4) whose occupancy equals the cache's
 own counters (tests/recorder/test_serving_accounting.py checks it against the live cache, step by

@@ -1,4 +1,4 @@
-"""The recorder's parts (issue 15): typed rows match the schema, observers are handed in and see what
+"""The recorder's parts: typed rows match the schema, observers are handed in and see what
 the trace holds, a failing observer is a recorder error, and the recorder imports no exporter."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How many payload workers a sampler starts (issue 13: the b16 prefill sample is ~3 GiB, and
+"""How many payload workers a sampler starts (the b16 prefill sample is ~3 GiB, and
 each worker shuffles and compresses with the GIL released, so they run in parallel)."""
 
 from __future__ import annotations

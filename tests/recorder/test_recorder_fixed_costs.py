@@ -1,4 +1,4 @@
-"""What the recorder no longer does on the caller's thread (issue 13): one NVML session per
+"""What the recorder no longer does on the caller's thread (the model's time): one NVML session per
 process, no telemetry tick while a recorder opens, no trace flush when a request ends."""
 
 from __future__ import annotations

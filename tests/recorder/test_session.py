@@ -76,7 +76,7 @@ def test_requests_events_and_readings(tmp_path):
             assert kinds.count(int(EventKind.DECODE_STEP)) == NEW - 1
             tail = [EventKind.GENERATE_RETURN, EventKind.REQUEST_END]
             assert [k for k in kinds if k in {int(x) for x in tail}] == [int(x) for x in tail]
-            # no KV storage outlived its request: no collection, nothing to empty (issue 13)
+            # no KV storage outlived its request: no collection, nothing to empty (each costs time)
             assert int(EventKind.GC) not in kinds and int(EventKind.EMPTY_CACHE) not in kinds
             labels = t.readings(rid)["label"].tolist()
             assert labels == [ReadingLabel.BASELINE, ReadingLabel.AFTER_RETURN]

@@ -34,7 +34,7 @@ def cache_storages(cache) -> list[int]:
 
 
 class CountCollect:
-    """Counts gc.collect() calls (the recorder's per-request cost, issue 13) and still collects."""
+    """Counts gc.collect() calls (the recorder's per-request cost) and still collects."""
 
     def __init__(self, monkeypatch) -> None:
         self.calls = 0

@@ -1,4 +1,4 @@
-"""The background work counts its own cost (issue 13: what bench_overhead reports as the flusher's
+"""The background work counts its own cost (what bench_overhead reports as the flusher's
 and the telemetry thread's CPU, read without A/B noise)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The report's (and Perfetto's) KV series is the KV alive: it returns to 0 at each finished
-request's end instead of holding its last value, which read like a leak (issue 19), unless the
-retention check proved KV alive after the request (then it falls to that: issue 33,
+request's end instead of holding its last value, which read like a leak, unless the
+retention check proved KV alive after the request (then it falls to that:
 tests/report/test_report_retention.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The report of a trace with real retention shows what its verdict says (issue 33): the KV each
+"""The report of a trace with real retention shows what its verdict says: the KV each
 request left alive is drawn after the request on the memory timeline (the series no longer falls to
 0) and in the post-EOS chart (not host RSS only), with what holds it; and the fix renders whole, as a
 code block (an inline code background wrapped over two lines hid underscores and a letter).
@@ -81,7 +81,7 @@ def test_the_post_eos_chart_draws_the_retained_kv_and_names_its_holder(retention
     assert all("DynamicCache" in m.holders for m in mems)
     drawn, _ = figures.post_eos_bars(mems)
     assert "KV alive after the request (retention proof)" in drawn
-    assert drawn != ["peak KV", "residual process RSS (host)"]  # what issue 33 saw: RSS only
+    assert drawn != ["peak KV", "residual process RSS (host)"]  # the old chart: RSS only
 
 
 def test_a_clean_trace_still_falls_to_zero_and_alive_after_is_zero(tmp_path):

@@ -1,4 +1,4 @@
-"""A small HTTP/1.1 server on 127.0.0.1 that misbehaves on purpose (issue 28): each route is a
+"""A small HTTP/1.1 server on 127.0.0.1 that misbehaves on purpose: each route is a
 behaviour that writes raw bytes to the socket, so an answer can be anything a hostile or broken
 server sends: a line that never ends, a stream that never ends, a body of hundreds of MiB, headers
 one byte at a time, a reset mid-stream, bytes that are not UTF-8, kvtrace-shaped JSON of wrong

@@ -1,4 +1,4 @@
-"""kvtrace loadtest against hostile servers (issue 28): a small server on 127.0.0.1
+"""kvtrace loadtest against hostile servers: a small server on 127.0.0.1
 (tests/serving/hostile_http.py) misbehaves in each way a broken or malicious endpoint can, and the
 client must stay bounded in time and memory, report what the server did in the phase verdict (the
 request failed, with the reason naming the bound), exit 69 with one line when the warm-up cannot
@@ -310,7 +310,7 @@ RAW_STATUS = {
 @pytest.mark.parametrize("name", [*WRONG_STATUS, *RAW_STATUS])
 def test_status_answers_of_wrong_types_never_crash(hostile, capsys, name):
     """kvtrace-shaped JSON of wrong types, at the first probe and mid-run (after a valid first answer):
-    exit 0, the live numbers "not measured" with the reason; before issue 28 a list or NaN gave exit 70."""
+    exit 0, the live numbers "not measured" with the reason; a list or NaN once gave exit 70."""
     bad = json_answer(WRONG_STATUS[name]) if name in WRONG_STATUS else answer(200, "application/json",
                                                                               RAW_STATUS[name])
     for status in (bad, sequence(json_answer(VALID_STATUS), bad)):

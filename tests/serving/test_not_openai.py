@@ -1,4 +1,4 @@
-"""kvtrace loadtest against servers that are not what it expects (issue 16): a web page, a 404 on
+"""kvtrace loadtest against servers that are not what it expects: a web page, a 404 on
 the completion route, answers that stop being OpenAI completions mid-run, and a catch-all 200 on
 kvtrace serve's own routes. A scripted local HTTP server plays each; nothing here needs a model."""
 

@@ -1,4 +1,4 @@
-"""`kvtrace loadtest` and `kvtrace serve` say what they do as they do it (issue 33, "Silence"): each
+"""`kvtrace loadtest` and `kvtrace serve` say what they do as they do it (no silent minutes): each
 line is flushed when written, so a pipe (CI log, `| tee`) sees it while the command still works.
 
 Each test holds the command at a known point (the hostile test server keeps the concurrent phase's
@@ -63,7 +63,7 @@ def test_serve_says_what_it_loads_before_loading_it_and_logs_no_status_polls(tmp
         run.expect("starting transformers serve: importing its server")
         run.open(1)
         run.expect(f"serving preset:llama-3.1-8b at http://127.0.0.1:{port}")
-        # loadtest's status polling stays out of the access log; other requests are logged (issue 33)
+        # loadtest's status polling stays out of the access log; other requests are logged
         import httpx
 
         url = f"http://127.0.0.1:{port}"

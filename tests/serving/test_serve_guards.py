@@ -1,4 +1,4 @@
-"""kvtrace serve guards what it forwards (issue 28, item 7): request bodies bounded (413, counted as
+"""kvtrace serve guards what it forwards: request bodies bounded (413, counted as
 they arrive), phase names checked (400, nothing recorded), completions transformers cannot serve
 refused with 400 before the batching worker sees them (an empty prompt killed it: every later
 request got 503 until a restart), and a dead worker named by /health and /kvtrace/status.

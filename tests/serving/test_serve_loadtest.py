@@ -1,4 +1,4 @@
-"""kvtrace serve + kvtrace loadtest with a real server on 127.0.0.1 (issue 16): a tiny llama saved
+"""kvtrace serve + kvtrace loadtest with a real server on 127.0.0.1: a tiny llama saved
 with a word-level tokenizer, served on CPU in a subprocess, load-tested with tiny phases, stopped
 with SIGTERM; then the trace (requests, phase markers, validity) and the latency table are checked.
 Also against plain `transformers serve` (no kvtrace routes: latency table only)."""

@@ -1,5 +1,5 @@
 """kvtrace serve leaves its own status polling out of uvicorn's access log unless --log-status-polls
-(issue 33: 139 of 190 log lines of a load test were GET /kvtrace/status). The served end to end
+(without it 139 of 190 log lines of a load test were GET /kvtrace/status). The served end to end
 check is tests/serving/test_progress_lines.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""context_spike on load-test recordings (issue 16): the long phase's one long request is the load
+"""context_spike on load-test recordings: the long phase's one long request is the load
 test's own probe, reported at info with its KV while the pool holds it; a long request planted among
 the concurrent ones is still a spike; a probe that takes the pool past 80 % is scored as any spike.
 Recorded like kvtrace loadtest's traces: Recorder.mark_phase before each phase, transformers' own

@@ -1,4 +1,4 @@
-"""Policy parameters are checked within their domains where they are parsed (issue 28): a value
+"""Policy parameters are checked within their domains where they are parsed: a value
 that passed the parser and failed later was exit 70 (random:seed=-1, a window of 2^63 - 1)."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""run_whatif measures all keep-sets of a unit in one keep_measures_many call (issue 17): the
-document is the one of evaluating each policy and ratio alone, one call per (unit, query chunk)
-carries every (eviction policy, ratio) that applies to the unit, and the accelerated bridge (torch
-backend on the CPU) gives the exact numbers. Fixtures: the committed sampled GPU traces (llama GQA,
-gemma3_text sliding-window hybrid)."""
+"""run_whatif measures all keep-sets of a unit in one keep_measures_many call (one launch, not one
+per keep-set): the document is the one of evaluating each policy and ratio alone, one call per
+(unit, query chunk) carries every (eviction policy, ratio) that applies to the unit, and the
+accelerated bridge (torch backend on the CPU) gives the exact numbers. Fixtures: the committed
+sampled GPU traces (llama GQA, gemma3_text sliding-window hybrid)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Policy semantics from the definitions, not from the sampling (issue 32): windows in token
+"""Policy semantics from the definitions, not from the sampling: windows in token
 positions scored with the queries the trace holds for them; where a unit cannot support the
 definition the policy says so (Unsupported) instead of letting a tie-break pick the keep-set.
 

@@ -1,7 +1,7 @@
 """Hostile and damaged traces of format 1.4 through every consumer.
 
 The parts 1.4 added (``/meta parallel_json``, ``/sched``, ``/sched_groups``, ``/blocks``, event kinds
-16-22) are damaged one at a time in traces written by the real TraceWriter (hostile14_traces.py),
+16-22) are damaged one at a time in traces written by the real TraceWriter (serving_parallel_traces.py),
 and every command reads the result through the CLI: validate, info (text and JSON), analyze (text
 and JSON), report, export perfetto / prometheus-textfile / parquet, fleet summary, calc --trace,
 diff both ways against the clean trace, whatif; rank traces also as a run (info, analyze, calc and
@@ -27,9 +27,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import hostile14_traces as H
 import numpy as np
 import pytest
+import serving_parallel_traces as H
 from cli_run import run_main
 from hypothesis import HealthCheck, given, settings
 from hypothesis import event as note_case

@@ -1,4 +1,4 @@
-"""Traces of format 1.4 for the hostile-file tests (test_hostile_14.py): a continuous-batching
+"""Traces of format 1.4 for the hostile-file tests (test_hostile_serving_parallel.py): a continuous-batching
 (serving) trace and the two rank traces of a tensor-parallel run, written clean with the real
 TraceWriter, then damaged in one place with h5py (the parts 1.4 added: ``/meta parallel_json``,
 ``/sched``, ``/sched_groups``, ``/blocks``, event kinds 16-22, the version attributes).

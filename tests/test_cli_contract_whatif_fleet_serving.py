@@ -1,10 +1,11 @@
-"""The CLI error contract on the newest commands (whatif, diff --whatif, fleet, calc --trace with
-rank traces, loadtest, serve): bad input is one stderr line and a documented exit code
-(kvtrace/exitcodes.py), never a traceback, never 70; no output replaces an input; a full disk is
+"""The CLI error contract on the what-if, fleet and serving commands (whatif, diff --whatif, fleet,
+calc --trace with rank traces, loadtest, serve): bad input is one stderr line and a documented exit
+code (kvtrace/exitcodes.py), never a traceback, never 70; no output replaces an input; a full disk is
 exit 73 with no truncated document left behind; a closed stdout (`| head -1`) is a quiet 141.
 
-tests/test_outputs_never_clobber.py and tests/test_cli_habits.py hold the same checks for the
-older commands; this module extends them to the commands they do not reach.
+tests/test_outputs_never_clobber.py and tests/test_cli_habits.py hold the same checks for the trace
+commands (record, analyze, report, export, ...); this module extends them to the commands they do
+not reach.
 """
 
 from __future__ import annotations
