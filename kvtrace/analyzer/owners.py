@@ -57,13 +57,19 @@ class Reading:
         return self.bytes(*ALLOCATED)
 
     def largest_sites(self, owner: schema.Owner, n: int = 3) -> list[str]:
-        """"size at file:line" of the class's largest blocks that carry an allocation site."""
+        """The class's largest blocks as "size at file:line" (allocation sites, recorded with memory
+        history) or, for a CPU census, "size dtype [shape]"; [] when the detail names neither."""
         c = self.classes.get(owner)
         items = c.detail.get("largest", []) if c is not None else []
         out = []
         for it in items if isinstance(items, list) else []:
-            if isinstance(it, dict) and isinstance(it.get("at"), str) and isinstance(it.get("bytes"), int):
+            if not isinstance(it, dict) or not isinstance(it.get("bytes"), int):
+                continue
+            if isinstance(it.get("at"), str):
                 out.append(f"{format_bytes(it['bytes'])} at {it['at'][:160]}")
+            elif isinstance(it.get("shape"), list) and all(isinstance(x, int) for x in it["shape"][:6]):
+                dtype = str(it.get("dtype", ""))[:16]
+                out.append(f"{format_bytes(it['bytes'])} {dtype} {list(it['shape'][:6])}".replace("  ", " "))
             if len(out) >= n:
                 break
         return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import itertools
 import json
 import os
 import threading
@@ -42,9 +43,26 @@ VERDICT_NOISE = 2 * MiB  # allocator bytes above the baseline that need no expla
 CPU_RSS_FLOOR = 16 * MiB  # RSS moves in pages and arenas: growth below this needs no explaining
 GROWTH_FLOOR = 16 * MiB  # first growth_peak level
 MAX_GROWTH_READINGS = 8  # growth_peak readings per request (the level doubles after each)
-# Frames of these packages are the machinery, not the allocation site a user wants named.
-_MACHINERY = ("/torch/", "/transformers/", "/kvtrace/", "/accelerate/", "/contextlib.py", "/functools.py",
-              "/threading.py", "<frozen ")
+# Frames of these packages are the machinery, not the allocation site a user wants named (their
+# install directories, found from the imported modules), nor the standard library's wrappers.
+_MACHINERY_PACKAGES = ("torch", "transformers", "kvtrace", "accelerate")
+_MACHINERY_FILES = ("/contextlib.py", "/functools.py", "/threading.py", "<frozen ")
+
+
+def _machinery_roots() -> tuple[str, ...]:
+    import sys
+
+    roots = []
+    for name in _MACHINERY_PACKAGES:
+        mod = sys.modules.get(name)
+        f = getattr(mod, "__file__", None)
+        if isinstance(f, str):
+            roots.append(os.path.dirname(os.path.abspath(f)) + os.sep)
+    return tuple(roots)
+
+
+def _is_machinery(filename: str, roots: tuple[str, ...]) -> bool:
+    return filename.startswith(roots) or any(m in filename for m in _MACHINERY_FILES)
 
 
 # ---- what a reading matches against ---------------------------------------------------------------
@@ -149,7 +167,8 @@ def allocation_site(frames: list[dict[str, Any]] | None) -> str:
     if not frames:
         return ""
     py = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
-    pick = next((f for f in py if not any(m in str(f.get("filename", "")) for m in _MACHINERY)), None)
+    roots = _machinery_roots()
+    pick = next((f for f in py if not _is_machinery(str(f.get("filename", "")), roots)), None)
     if pick is None:
         pick = py[0] if py else frames[0]
     name = str(pick.get("filename", "?"))
@@ -279,18 +298,12 @@ def classify_tensors(tensors: Iterable[Any], known: KnownMemory, device: int = -
 
 def gc_tensors(limit: int = CENSUS_MAX_OBJECTS) -> list[Any]:
     """CPU tensors the garbage collector tracks (at most ``limit`` objects walked)."""
-    import torch
+    from kvtrace.recorder.retention import tensor_types
 
-    kinds: set[type] = set()
-    todo = [torch.Tensor]
-    while todo:
-        k = todo.pop()
-        if k not in kinds:
-            kinds.add(k)
-            todo.extend(k.__subclasses__())
+    kinds = tensor_types()
     objs = gc.get_objects()
     try:
-        found = [o for o in objs[:limit] if type(o) in kinds]
+        found = [o for o in itertools.islice(objs, limit) if type(o) in kinds]
     finally:
         del objs
     return [t for t in found if getattr(t, "device", None) is not None and t.device.type == "cpu"]

@@ -92,42 +92,66 @@ class RetentionTracker:
             survivors.append((key, layer, swr, twr))
         # The fast path keeps no tensor reference: find tensors for those storages in one scan.
         # Views count: a slice kept by user code holds the whole storage, and is found here by it.
-        missing = {key for key, _, _, twr in survivors if twr is None or twr() is None}
-        found_tensors = _tensors_on(missing) if missing else {}
+        # A tensor seen during the request may live on only as a view's base (held from C++, no
+        # Python referrer): then the tensors sharing its storage name the holder.
+        keys = {key for key, _, _, _ in survivors if key not in walked}
+        found_tensors = _tensors_on(keys) if keys else {}
         found: list[Retained] = []
         paths: dict[str, str] = {}  # holder names -> path, walked once per distinct holder set
         for key, layer, swr, twr in survivors:
-            tensor = twr() if twr is not None else None
-            if tensor is None:
-                tensor = found_tensors.get(key)
+            first = twr() if twr is not None else None
+            candidates = ([first] if first is not None else []) + found_tensors.get(key, [])
+            first = None
+            own = (entries, found_tensors, survivors, found, candidates, *found_tensors.values())
+            names, tensor = "", None
+            for cand in candidates:
+                names = _referrers(cand, own)
+                if names:
+                    tensor = cand
+                    break
+            if tensor is None and candidates:
+                tensor = candidates[0]
+            candidates.clear()
             device, ptr, nbytes = key
-            names = _referrers(tensor, (entries, found_tensors, survivors))
             if key not in walked and names not in paths and len(paths) < _MAX_PATHS and tensor is not None:
-                paths[names] = holder_path(tensor, (entries, found_tensors, survivors, found))
+                paths[names] = holder_path(tensor, own)
             found.append(Retained(layer, device, ptr, nbytes, names, swr, paths.get(names, "")))
             tensor = None
         found_tensors.clear()
         return found
 
 
-def _tensors_on(keys: set[StorageKey]) -> dict[StorageKey, torch.Tensor]:
-    """One live tensor per storage key, found by scanning the garbage collector's objects. Runs
-    only when storages survived a request (rare), never per step."""
-    out: dict[StorageKey, torch.Tensor] = {}
-    tensor_type = torch.Tensor
+def _tensors_on(keys: set[StorageKey], per_key: int = 8) -> dict[StorageKey, list[torch.Tensor]]:
+    """Up to ``per_key`` live tensors per storage key (the tensor and its views), found by scanning
+    the garbage collector's objects. Runs only when storages survived a request, never per step."""
+    out: dict[StorageKey, list[torch.Tensor]] = {}
+    kinds = tensor_types()
     for obj in gc.get_objects():
-        if not issubclass(type(obj), tensor_type):  # type(), not isinstance: no __class__ lookups
+        if type(obj) not in kinds:  # type(), not isinstance: no __class__ or metaclass lookups
             continue
         try:
             st = obj.untyped_storage()
             key = (device_index(obj.device), st.data_ptr(), st.nbytes())
         except (RuntimeError, NotImplementedError, TypeError):
             continue
-        if key in keys and key not in out:
-            out[key] = obj
-            if len(out) == len(keys):
-                break
+        if key in keys:
+            have = out.setdefault(key, [])
+            if len(have) < per_key:
+                have.append(obj)
     return out
+
+
+def tensor_types() -> set[type]:
+    """torch.Tensor and every subclass defined now (a set lookup per object is what makes a scan of
+    the collector's ~0.5 M objects cheap; issubclass against torch's metaclass is not)."""
+    kinds: set[type] = set()
+    todo = [torch.Tensor]
+    while todo:
+        k = todo.pop()
+        if k not in kinds:
+            kinds.add(k)
+            todo.extend(k.__subclasses__())
+    return kinds
 
 
 def _referrers(tensor: torch.Tensor | None, own: tuple[Any, ...]) -> str:
@@ -231,6 +255,7 @@ def _holder_path(obj: Any, own: tuple[Any, ...]) -> str:
             root, root_text = id(hit), f"the exception being handled now ({type(hit).__name__})"
             break
         frontier = nxt[:_PATH_WIDTH]
+        nxt = tb_frames = []  # no list of this walk may show up as a holder at the next level
         if not frontier:
             break
     names: list[str] = []

@@ -61,6 +61,8 @@ class Case:
     fresh: bool = False  # recorded in a forked fresh process
     arch: str = ""
     scenario: str = ""
+    owner: str = ""  # planted: text the naming finding's message must hold (the owner / holder it names)
+    outcomes: tuple[str, ...] = ("ok",)  # clean: the request outcomes the control must end with
 
 
 # ---- recording helpers --------------------------------------------------------------------------
@@ -361,6 +363,381 @@ def plant_oom_rlimit(path: Path) -> Path:
     return path
 
 
+# ---- planted: retention by other holders (issue 29) -------------------------------------------------
+
+def _raise_at(step: int, exc: BaseException) -> Any:
+    """A stopping criterion (user code) that raises ``exc`` once the sequence has grown ``step`` tokens."""
+    from transformers import StoppingCriteria
+
+    class RaiseAt(StoppingCriteria):
+        def __init__(self) -> None:
+            self.start: int | None = None
+
+        def __call__(self, input_ids: Any, scores: Any, **kw: Any) -> Any:
+            import torch
+
+            self.start = input_ids.shape[-1] if self.start is None else self.start
+            if input_ids.shape[-1] - self.start >= step:
+                raise exc
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    return RaiseAt()
+
+
+KEPT_ERRORS: list[BaseException] = []
+
+
+def plant_kept_exception(path: Path) -> Path:
+    """A stopping criterion raises during decode; the caller keeps the exception (for a later report).
+    Its traceback holds generate's frames, which hold the cache. Outcome: error."""
+    model = tiny_model("llama")
+    with _quiet(), _record(model, path):
+        try:
+            _generate(model, stopping_criteria=[_raise_at(3, ValueError("criterion failed"))])
+        except ValueError as exc:
+            KEPT_ERRORS.append(exc)
+        _generate(model, prompt=PROMPT + 1, new=4)
+    return path
+
+
+class _Server:
+    """A serving loop object that remembers its last error on an attribute."""
+
+    def __init__(self) -> None:
+        self.last_error: BaseException | None = None
+
+
+SERVER = _Server()
+
+
+def plant_exception_attribute(path: Path) -> Path:
+    """A logits processor raises mid-decode (qwen3); the serving object stores the exception on an
+    attribute. Outcome: error."""
+    from transformers import LogitsProcessor
+
+    class Fails(LogitsProcessor):
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            self.calls += 1
+            if self.calls >= 4:
+                raise RuntimeError("processor failed")
+            return scores
+
+    model = tiny_model("qwen3")
+    with _quiet(), _record(model, path):
+        try:
+            _generate(model, logits_processor=[Fails()])
+        except RuntimeError as exc:
+            SERVER.last_error = exc
+        _generate(model, prompt=PROMPT + 2, new=4)
+    return path
+
+
+INTERRUPTS: dict[str, BaseException] = {}
+
+
+def plant_kept_interrupt(path: Path) -> Path:
+    """Ctrl-C during decode (a KeyboardInterrupt from the streamer's put, where a signal would land),
+    caught and kept in a dict by the CLI loop (gemma3, hybrid). Outcome: interrupted."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Interrupting(BaseStreamer):
+        def __init__(self) -> None:
+            self.n = 0
+
+        def put(self, value: Any) -> None:
+            self.n += 1
+            if self.n >= 4:
+                raise KeyboardInterrupt
+
+        def end(self) -> None:
+            pass
+
+    model = tiny_model("gemma3_text")
+    with _quiet(), _record(model, path):
+        try:
+            _generate(model, streamer=Interrupting())
+        except KeyboardInterrupt as exc:
+            INTERRUPTS["last"] = exc
+        _generate(model, prompt=PROMPT + 1, new=4)
+    return path
+
+
+SLICES: list[Any] = []
+
+
+def plant_slice_views(path: Path) -> Path:
+    """After each of three requests the user keeps a one-token slice (a view) of layer 1's keys for
+    "analysis": each view holds that layer's whole key storage. The issue's 2.1 MiB-per-request case
+    (scored info 0.023 three times before): proven, repeated, accumulating."""
+    model = tiny_model("llama")
+    with _quiet(), _record(model, path):
+        for prompt in (PROMPT, PROMPT + 3, PROMPT + 6):
+            out = _generate(model, prompt=prompt, return_dict_in_generate=True)
+            SLICES.append(output_cache(out).layers[1].keys[:, :, -1:])
+            del out
+    return path
+
+
+CALLBACKS: list[Callable[[], int]] = []
+
+
+def _report_later(cache: Any) -> Callable[[], int]:
+    return lambda: cache.get_seq_length()
+
+
+def plant_closure(path: Path) -> Path:
+    """A deferred callback (a closure) captures the returned cache to report its length later
+    (deepseek_v3, MLA latent cache): the closure cell holds it."""
+    model = tiny_model("deepseek_v3")
+    with _quiet(), _record(model, path):
+        out = _generate(model, return_dict_in_generate=True)
+        CALLBACKS.append(_report_later(output_cache(out)))
+        del out
+        _generate(model, prompt=PROMPT + 2, new=4)
+    return path
+
+
+# ---- planted: copies of the cache during decode (issue 29) ----------------------------------------
+
+COPIES: list[Any] = []
+
+
+def _copying_hook(every: int, stack: bool) -> Callable:
+    def hook(module: Any, args: Any, kwargs: dict, output: Any) -> None:
+        import torch
+
+        cache = cache_of_output_or_call(output, args, kwargs)
+        if cache is None:
+            return
+        hook.n = getattr(hook, "n", 0) + 1  # type: ignore[attr-defined]
+        if hook.n % every:  # type: ignore[attr-defined]
+            return
+        with torch.no_grad():
+            if stack:  # one [layers, B, H, T, D] snapshot of every layer's keys and values
+                COPIES.append(torch.stack([layer.keys for layer in cache.layers]))
+                COPIES.append(torch.stack([layer.values for layer in cache.layers]))
+            else:  # per-layer clones of K and V
+                COPIES.extend(t.clone() for layer in cache.layers for t in (layer.keys, layer.values))
+    return hook
+
+
+def cache_of_output_or_call(output: Any, args: tuple, kwargs: dict) -> Any:
+    from kvtrace.recorder.hooks import cache_of_output
+
+    cache = cache_of_output(output)
+    return cache if cache is not None else call_cache(args, kwargs)
+
+
+def _record_copies(path: Path, arch: str, every: int, stack: bool) -> Path:
+    model = tiny_model(arch, **DUP_EXTRA)
+    handle = model.register_forward_hook(_copying_hook(every, stack), with_kwargs=True)
+    trim_heap()
+    try:
+        with _quiet(), _record(model, path, telemetry_hz=100.0):
+            _generate(model, prompt=DUP_PROMPT, new=DUP_NEW)
+    finally:
+        handle.remove()
+        COPIES.clear()
+    return path
+
+
+def plant_hook_clones(path: Path) -> Path:
+    """User code (a forward hook) keeps full clones of every layer's K and V every 2 decode steps."""
+    return _record_copies(path, "llama", 2, stack=False)
+
+
+def plant_stacked_snapshots(path: Path) -> Path:
+    """User code keeps a torch.stack of all layers' keys and values every 3 steps (mistral geometry)."""
+    return _record_copies(path, "qwen3", 3, stack=True)
+
+
+# ---- planted: memory growth outside the KV (issue 29): named by its owner, never duplication -------
+
+KEPT_TEMPS: list[Any] = []
+
+
+def plant_odd_temporaries(path: Path) -> Path:
+    """A forward hook keeps an odd-sized float buffer (not shaped like K/V) every 2 steps."""
+    import torch
+
+    model = tiny_model("llama", **DUP_EXTRA)
+    state = {"n": 0}
+
+    def hook(module: Any, args: Any, output: Any) -> None:
+        state["n"] += 1
+        if state["n"] % 2 == 0:
+            KEPT_TEMPS.append(torch.ones(1_000_003 // 4 * 3))  # ~2.9 MiB, odd-sized
+
+    handle = model.register_forward_hook(hook)
+    trim_heap()
+    try:
+        with _quiet(), _record(model, path, telemetry_hz=100.0):
+            _generate(model, prompt=DUP_PROMPT, new=DUP_NEW)
+    finally:
+        handle.remove()
+        KEPT_TEMPS.clear()
+    return path
+
+
+def plant_unasked_logits(path: Path) -> Path:
+    """A logits processor keeps a copy of every step's scores row (vocabulary 131,072) though the call
+    never asked generate for output_scores: vocabulary-sized rows nobody requested."""
+    from transformers import LogitsProcessor
+
+    class Keeps(LogitsProcessor):
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            KEPT_TEMPS.append(scores.clone())
+            return scores
+
+    model = tiny_model("llama", vocab_size=131072)
+    trim_heap()
+    try:
+        with _quiet(), _record(model, path, telemetry_hz=100.0):
+            _generate(model, prompt=DUP_PROMPT, new=DUP_NEW, logits_processor=[Keeps()])
+    finally:
+        KEPT_TEMPS.clear()
+    return path
+
+
+STEP_NOTES: dict[int, Any] = {}
+
+
+def plant_criterion_dict(path: Path) -> Path:
+    """A stopping criterion (user code) stores a per-step [1, 777, 333] debug tensor in a dict keyed
+    by sequence length (gemma3 geometry)."""
+    import torch
+    from transformers import StoppingCriteria
+
+    class Notes(StoppingCriteria):
+        def __call__(self, input_ids: Any, scores: Any, **kw: Any) -> Any:
+            STEP_NOTES[int(input_ids.shape[-1])] = torch.rand(1, 777, 333)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    model = tiny_model("gemma3_text")
+    trim_heap()
+    try:
+        with _quiet(), _record(model, path, telemetry_hz=100.0):
+            _generate(model, prompt=DUP_PROMPT, new=DUP_NEW, stopping_criteria=[Notes()])
+    finally:
+        STEP_NOTES.clear()
+    return path
+
+
+# ---- planted: OOM from retention under a cap (issue 29) ---------------------------------------------
+
+def plant_oom_kept_requests(path: Path) -> Path:
+    """RLIMIT_AS = mapped + 640 MiB; every request's output (and so its 64 MiB cache) is kept in a
+    list until a request cannot get memory: the post-mortem names earlier requests' KV.
+    Only in a forked child: the cap cannot be lifted again."""
+    import resource
+
+    model = tiny_model("llama", **DUP_EXTRA, max_position_embeddings=4096)
+    with open("/proc/self/statm") as fh:
+        vm = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (vm + 640 * MiB, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    kept = []
+    with _quiet(), _record(model, path):
+        for _ in range(40):
+            try:
+                kept.append(_generate(model, prompt=2040, new=4, return_dict_in_generate=True))
+            except (RuntimeError, MemoryError):
+                break
+    kept.clear()
+    return path
+
+
+# ---- clean: every outcome, growth by design (issue 29) ---------------------------------------------
+
+LOG: list[str] = []
+
+
+def clean_error_dropped(path: Path) -> Path:
+    """A stopping criterion raises; the caller logs str(exc) only and goes on (outcome error)."""
+    model = tiny_model("llama")
+    with _quiet(), _record(model, path):
+        try:
+            _generate(model, stopping_criteria=[_raise_at(3, ValueError("criterion failed"))])
+        except ValueError as exc:
+            LOG.append(str(exc))
+        _generate(model, prompt=PROMPT + 1, new=4)
+    return path
+
+
+def clean_interrupt_dropped(path: Path) -> Path:
+    """A KeyboardInterrupt mid-decode, handled (printed) and dropped; then the next request (interrupted)."""
+    model = tiny_model("qwen3")
+    with _quiet(), _record(model, path):
+        try:
+            _generate(model, stopping_criteria=[_raise_at(2, KeyboardInterrupt())])
+        except KeyboardInterrupt:
+            LOG.append("interrupted")
+        _generate(model, prompt=PROMPT + 1, new=4)
+    return path
+
+
+def clean_error_propagates(path: Path) -> Path:
+    """The request's exception leaves the recording's with-block: not yet the caller's to keep (error)."""
+    model = tiny_model("gemma3_text")
+    try:
+        with _quiet(), _record(model, path):
+            _generate(model, stopping_criteria=[_raise_at(3, ValueError("criterion failed"))])
+    except ValueError as exc:
+        LOG.append(str(exc))
+    return path
+
+
+SCORES: list[Any] = []
+
+
+def clean_scores_logits(path: Path) -> Path:
+    """generate(output_scores=True, output_logits=True) on a 131,072-token vocabulary: 1 MiB of
+    float32 rows per step the user asked for; the caller keeps the scores and drops the output."""
+    model = tiny_model("llama", vocab_size=131072)
+    trim_heap()
+    with _quiet(), _record(model, path, telemetry_hz=100.0):
+        out = _generate(model, prompt=DUP_PROMPT, new=48, return_dict_in_generate=True, output_scores=True,
+                        output_logits=True)
+        SCORES.append(out.scores)
+        del out
+        _generate(model, prompt=PROMPT, new=4)
+    SCORES.clear()
+    return path
+
+
+def clean_hidden_attentions(path: Path) -> Path:
+    """output_hidden_states and output_attentions (eager) kept in the returned output's place."""
+    model = tiny_model("gemma3_text", attn_implementation="eager")
+    with _quiet(), _record(model, path):
+        out = _generate(model, new=12, return_dict_in_generate=True, output_hidden_states=True,
+                        output_attentions=True)
+        SCORES.append((out.sequences, out.attentions))
+        del out
+    SCORES.clear()
+    return path
+
+
+def clean_beams_returned(path: Path) -> Path:
+    """Beam search, 4 beams, 2 sequences returned."""
+    model = tiny_model("qwen3")
+    with _quiet(), _record(model, path):
+        _generate(model, num_beams=4, num_return_sequences=2)
+    return path
+
+
+def clean_prompt_lookup(path: Path) -> Path:
+    """Prompt-lookup assisted decoding (the cache is cropped where drafts are rejected)."""
+    import torch
+
+    model = tiny_model("llama")
+    prompt = torch.cat([tiny_prompt(8), tiny_prompt(8)], dim=-1)  # repeats: drafts to look up
+    with _quiet(), _record(model, path):
+        model.generate(prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3)
+    return path
+
+
 # ---- the case list ------------------------------------------------------------------------------
 
 def clean_cases() -> list[Case]:
@@ -376,6 +753,26 @@ def clean_cases() -> list[Case]:
 
 
 RET, DUP = ("retained_after_request",), ("duplication",)
+OUTCOME_CLEAN: list[Case] = [
+    Case("clean:outcome:error_dropped", None, None, (), "llama; a stopping criterion raises, the caller keeps str(exc)",
+         clean_error_dropped, arch="llama", scenario="outcome", outcomes=("error", "ok")),
+    Case("clean:outcome:interrupt_dropped", None, None, (), "qwen3; Ctrl-C mid-decode, handled and dropped",
+         clean_interrupt_dropped, arch="qwen3", scenario="outcome", outcomes=("interrupted", "ok")),
+    Case("clean:outcome:propagates", None, None, (), "gemma3; the exception leaves the recording's with-block",
+         clean_error_propagates, arch="gemma3_text", scenario="outcome", outcomes=("error",)),
+]
+BY_DESIGN_CLEAN: list[Case] = [
+    Case("clean:by_design:scores_logits", None, None, (),
+         "llama, vocabulary 131,072; output_scores + output_logits, 48 steps, the caller keeps the scores",
+         clean_scores_logits, arch="llama", scenario="by_design", outcomes=("ok", "ok")),
+    Case("clean:by_design:hidden_attentions", None, None, (), "gemma3 eager; output_hidden_states + output_attentions",
+         clean_hidden_attentions, arch="gemma3_text", scenario="by_design"),
+    Case("clean:by_design:beams", None, None, (), "qwen3; num_beams=4, num_return_sequences=2",
+         clean_beams_returned, arch="qwen3", scenario="by_design"),
+    Case("clean:by_design:prompt_lookup", None, None, (), "llama; prompt_lookup_num_tokens=3 (drafts cropped)",
+         clean_prompt_lookup, arch="llama", scenario="by_design"),
+]
+NON_KV = ("unexplained_memory_growth",)
 PLANTED: list[Case] = [
     Case("retention:kept_output", "retention", "post_eos", RET,
          "llama; the caller keeps generate(return_dict_in_generate=True)'s output", plant_kept_output),
@@ -383,12 +780,42 @@ PLANTED: list[Case] = [
          "gemma3 (hybrid); every generate output's cache appended to a module-level list", plant_global_list),
     Case("retention:forward_hook", "retention", "post_eos", RET,
          "deepseek_v3 (MLA); a forward pre-hook stashes the cache it sees", plant_forward_hook),
+    Case("retention:kept_exception", "retention", "post_eos", RET,
+         "llama; a stopping criterion raises mid-decode, the caller keeps the exception (outcome error)",
+         plant_kept_exception, owner="ValueError exception (its traceback)"),
+    Case("retention:exception_attribute", "retention", "post_eos", RET,
+         "qwen3; a logits processor raises, the server object keeps it on .last_error (outcome error)",
+         plant_exception_attribute, owner="RuntimeError exception (its traceback) < _Server"),
+    Case("retention:kept_interrupt", "retention", "post_eos", RET,
+         "gemma3 (hybrid); Ctrl-C from the streamer, the KeyboardInterrupt kept in a dict (outcome interrupted)",
+         plant_kept_interrupt, owner="KeyboardInterrupt exception (its traceback)"),
+    Case("retention:slice_views", "retention", "post_eos", RET,
+         "llama; a one-token view of layer 1's keys kept after each of 3 requests (accumulating)",
+         plant_slice_views, owner="retention accumulates"),
+    Case("retention:closure", "retention", "post_eos", RET,
+         "deepseek_v3 (MLA); a deferred callback's closure captures the returned cache",
+         plant_closure, owner="closure cell"),
     Case("duplication:arena", "duplication", "growth_curve", DUP,
          "llama 16x64; cache tensors are views into a buffer keeping every earlier version (inside the cache)",
          plant_arena),
     Case("duplication:cat_subclass", "duplication", "growth_curve", DUP,
          "qwen3 16x64; a DynamicLayer subclass (torch.cat) keeps earlier K/V in a list (outside the cache)",
          plant_cat_subclass),
+    Case("duplication:hook_clones", "duplication", "growth_curve", DUP,
+         "llama 16x64; a forward hook keeps clones of every layer's K and V every 2 steps (user code)",
+         plant_hook_clones, owner="sized like the cache's own K/V"),
+    Case("duplication:stacked_snapshots", "duplication", "growth_curve", DUP,
+         "qwen3 16x64; torch.stack of all layers' K and V kept every 3 steps (5-D copies)",
+         plant_stacked_snapshots, owner="sized like the cache's own K/V"),
+    Case("non_kv:odd_temporaries", "non_kv_growth", "growth_curve", NON_KV,
+         "llama 16x64; a forward hook keeps a 2.9 MiB odd-sized buffer every 2 steps",
+         plant_odd_temporaries, owner="unknown"),
+    Case("non_kv:unasked_logits", "non_kv_growth", "growth_curve", NON_KV,
+         "llama, vocabulary 131,072; a logits processor keeps every scores row nobody asked for",
+         plant_unasked_logits, owner="unknown"),
+    Case("non_kv:criterion_dict", "non_kv_growth", "growth_curve", NON_KV,
+         "gemma3 16x64; a stopping criterion keeps a [1, 777, 333] tensor per step in a dict",
+         plant_criterion_dict, owner="unknown"),
     Case("static:max_new_tokens", "static_over_allocation", "growth_curve", ("static_over_allocation",),
          "llama; static cache for max_new_tokens=256, stops after 10", plant_static_max_new),
     Case("static:user_cache", "static_over_allocation", "growth_curve", ("static_over_allocation",),
@@ -401,6 +828,9 @@ PLANTED: list[Case] = [
          "gpt_neox eager; a 1,048,576-token prompt whose causal mask alone needs 1 TiB", plant_oom_host),
     Case("oom:rlimit_cap", "oom", "oom", ("oom_memory_cap",),
          "llama eager; RLIMIT_AS = mapped + 768 MiB, then an 8,192-token prompt", plant_oom_rlimit, fresh=True),
+    Case("oom:kept_requests", "oom", "oom", ("oom_memory_cap", "oom_retained_kv"),
+         "llama 16x64; RLIMIT_AS = mapped + 640 MiB, every request's output (64 MiB of KV) kept until one fails",
+         plant_oom_kept_requests, fresh=True, owner="KV of earlier requests"),
 ]
 
 
@@ -484,7 +914,7 @@ PLANTED += SERVING_PLANTED
 
 
 def all_cases() -> list[Case]:
-    return clean_cases() + SERVING_CLEAN + PLANTED
+    return clean_cases() + OUTCOME_CLEAN + BY_DESIGN_CLEAN + SERVING_CLEAN + PLANTED
 
 
 def by_name() -> dict[str, Case]:

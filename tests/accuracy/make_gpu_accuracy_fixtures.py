@@ -313,6 +313,169 @@ def oom_real(path: Path) -> dict:
     return {"note": "same model, eager, a 65,536-token prompt whose scores (256 GiB) exceed the device"}
 
 
+# ---- issue 29: owners decide (every request checked, copies vs temporaries, by-design growth) ------
+
+KEPT: list[Any] = []
+
+
+class RaiseAt:
+    """A stopping criterion (user code) raising once the sequence grew ``n`` tokens."""
+
+    def __init__(self, n: int, exc: BaseException) -> None:
+        self.n, self.exc, self.start = n, exc, None
+
+    def __call__(self, input_ids: Any, scores: Any, **kw: Any) -> Any:
+        torch = _torch()
+        self.start = input_ids.shape[-1] if self.start is None else self.start
+        if input_ids.shape[-1] - self.start >= self.n:
+            raise self.exc
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def retention_kept_exception(path: Path) -> dict:
+    from transformers import StoppingCriteriaList
+
+    m = model("llama", **KV16x64)
+    with rec(m, path):
+        try:
+            gen(m, 64, 64, stopping_criteria=StoppingCriteriaList([RaiseAt(24, ValueError("criterion"))]))
+        except ValueError as exc:
+            KEPT.append(exc)
+        gen(m, 32, 16)
+    KEPT.clear()
+    return {"note": "tiny llama fp16 16x64; a stopping criterion raises at decode step 24 and the caller keeps "
+                    "the exception (its traceback holds the cache); outcome error",
+            "owner": "exception (its traceback)"}
+
+
+def retention_slice_views(path: Path) -> dict:
+    m = model("llama", **KV16x64)
+    with rec(m, path):
+        for p in (64, 80, 96):
+            out = gen(m, p, 32, return_dict_in_generate=True)
+            KEPT.append(output_cache(out).layers[1].keys[:, :, -1:])
+            del out
+    KEPT.clear()
+    return {"note": "tiny llama fp16 16x64; a one-token view of layer 1's keys kept after each of 3 requests "
+                    "(each holds the layer's whole key storage): the issue's small accumulating slice",
+            "owner": "retention accumulates"}
+
+
+def dup_hook_clones(path: Path) -> dict:
+    from kvtrace.recorder.hooks import cache_of_output
+
+    m = model("llama", **KV16x64)
+    copies: list[Any] = []
+
+    def keep(module: Any, args: Any, kwargs: dict, output: Any) -> None:
+        c = cache_of_output(output)
+        if c is not None:
+            copies.extend(t.clone() for layer in c.layers for t in (layer.keys, layer.values))
+
+    h = m.register_forward_hook(keep, with_kwargs=True)
+    with rec(m, path, memory_history=True):
+        gen(m, 32, 96)
+    h.remove()
+    copies.clear()
+    return {"note": "tiny llama fp16 16x64, 32+96 tokens; a forward hook keeps clones of every layer's K and V "
+                    "each step (user code keeping copies of the cache during decode); memory history on",
+            "owner": "sized like the cache's own K/V"}
+
+
+def non_kv_odd_temporaries(path: Path) -> dict:
+    torch = _torch()
+    m = model("llama", **KV16x64)
+    kept: list[Any] = []
+
+    def keep(module: Any, args: Any, output: Any) -> None:
+        kept.append(torch.empty(3_000_009, dtype=torch.uint8, device="cuda"))
+
+    h = m.register_forward_hook(keep)
+    with rec(m, path, memory_history=True):
+        gen(m, 32, 96)
+    h.remove()
+    kept.clear()
+    return {"note": "tiny llama fp16 16x64, 32+96 tokens; a forward hook keeps an odd-sized 2.9 MiB buffer each "
+                    "step (not shaped like K/V); memory history on", "owner": "unknown"}
+
+
+def clean_scores_logits(path: Path) -> dict:
+    m = model("llama", vocab_size=131072, **KV4x64)
+    with rec(m, path):
+        out = gen(m, 32, 256, return_dict_in_generate=True, output_scores=True, output_logits=True)
+        scores = out.scores
+        del out
+        gen(m, 16, 8)
+    del scores
+    return {"note": "tiny llama fp16 4x64, vocabulary 131,072; output_scores + output_logits over 256 steps "
+                    "(512 KiB float32 rows per step, asked for), the caller keeps the scores"}
+
+
+def clean_beams(path: Path) -> dict:
+    m = model("qwen3", **KV4x64)
+    with rec(m, path):
+        gen(m, 32, 48, num_beams=4, num_return_sequences=2)
+    return {"note": "tiny qwen3 fp16 4x64; beam search, 4 beams, 2 returned sequences"}
+
+
+def clean_prompt_lookup(path: Path) -> dict:
+    torch = _torch()
+    from kvtrace.testing_models import tiny_prompt
+
+    m = model("llama", **KV4x64)
+    prompt = torch.cat([tiny_prompt(32), tiny_prompt(32)], dim=-1).to("cuda")
+    with rec(m, path):
+        m.generate(prompt, max_new_tokens=48, min_new_tokens=48, do_sample=False, prompt_lookup_num_tokens=4)
+    return {"note": "tiny llama fp16 4x64; prompt-lookup assisted decoding on a repeated 64-token prompt"}
+
+
+def clean_static_compiled(path: Path) -> dict:
+    m = model("llama", **KV4x64)
+    gen(m, 32, 8, cache_implementation="static")  # compile outside the recording
+    with rec(m, path):
+        gen(m, 32, 64, cache_implementation="static")
+        gen(m, 32, 64, cache_implementation="static")
+    return {"note": "tiny llama fp16 4x64; generate(cache_implementation='static') compiled by transformers "
+                    "(compiled once before recording), two requests"}
+
+
+def clean_error_dropped(path: Path) -> dict:
+    from transformers import StoppingCriteriaList
+
+    m = model("llama", **KV16x64)
+    with rec(m, path):
+        try:
+            gen(m, 64, 64, stopping_criteria=StoppingCriteriaList([RaiseAt(24, ValueError("criterion"))]))
+        except ValueError as exc:
+            str(exc)
+        gen(m, 32, 16)
+    return {"note": "tiny llama fp16 16x64; a stopping criterion raises at step 24, the caller keeps only str(exc)",
+            "outcomes": ["error", "ok"]}
+
+
+def oom_kept_requests(path: Path) -> dict:
+    torch = _torch()
+    m = model("llama", max_position_embeddings=8192, **KV16x64)
+    base = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(0).total_memory
+    frac = (base + 2 * GiB) / total
+    torch.cuda.set_per_process_memory_fraction(frac)
+    kept: list[Any] = []
+    try:
+        with rec(m, path):
+            for _ in range(128):
+                try:
+                    kept.append(gen(m, 4000, 4, return_dict_in_generate=True))
+                except torch.OutOfMemoryError:
+                    break
+    finally:
+        kept.clear()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return {"note": f"tiny llama fp16 16x64 under set_per_process_memory_fraction({frac:.4f}) (resident + 2 GiB); "
+                    "every request's output (4,000-token prompt, ~31 MiB of KV) kept until one runs out",
+            "owner": "KV of earlier requests"}
+
+
 RET, DUP = ["retained_after_request"], ["duplication"]
 CASES: dict[str, tuple[Any, str | None, str | None, list[str], bool, dict[str, str]]] = {
     # name: (fn, pathology, detector, kinds, own process, env)
@@ -338,7 +501,23 @@ CASES: dict[str, tuple[Any, str | None, str | None, list[str], bool, dict[str, s
                                 False, {}),
     "gpu_oom_cap": (oom_cap, "oom", "oom", ["oom_memory_cap"], False, {}),
     "gpu_oom_real": (oom_real, "oom", "oom", ["oom_prefill"], False, {}),
+    # issue 29: other mechanisms of the same classes, decided by owners
+    "gpu_retention_kept_exception": (retention_kept_exception, "retention", "post_eos", RET, False, {}),
+    "gpu_retention_slice_views": (retention_slice_views, "retention", "post_eos", RET, False, {}),
+    "gpu_dup_hook_clones": (dup_hook_clones, "duplication", "growth_curve", DUP, False, {}),
+    "gpu_non_kv_odd_temporaries": (non_kv_odd_temporaries, "non_kv_growth", "growth_curve",
+                                   ["unexplained_memory_growth"], False, {}),
+    "gpu_clean_scores_logits": (clean_scores_logits, None, None, [], False, {}),
+    "gpu_clean_beams": (clean_beams, None, None, [], False, {}),
+    "gpu_clean_prompt_lookup": (clean_prompt_lookup, None, None, [], False, {}),
+    "gpu_clean_static_compiled": (clean_static_compiled, None, None, [], False, {}),
+    "gpu_clean_error_dropped": (clean_error_dropped, None, None, [], False, {}),
+    "gpu_oom_kept_requests": (oom_kept_requests, "oom", "oom", ["oom_memory_cap", "oom_retained_kv"], False, {}),
 }
+ISSUE29 = [n for n in CASES if n.startswith(("gpu_retention_kept", "gpu_retention_slice", "gpu_dup_hook",
+                                             "gpu_non_kv", "gpu_clean_scores", "gpu_clean_beams",
+                                             "gpu_clean_prompt", "gpu_clean_static", "gpu_clean_error",
+                                             "gpu_oom_kept"))]
 
 
 def _run_one(name: str, outdir: Path) -> dict:

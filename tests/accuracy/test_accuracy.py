@@ -19,6 +19,8 @@ from kvtrace.analyzer.base import Severity  # noqa: E402
 
 CLEAN = cases.clean_cases()
 PLANTED = cases.PLANTED
+# every request outcome and growth the user asked for (issue 29)
+OTHER_CLEAN = cases.OUTCOME_CLEAN + cases.BY_DESIGN_CLEAN
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +72,17 @@ def test_clean_control_has_nothing_above_info(analysed, case):
     assert {"growth_curve", "post_eos", "layer_uniformity", "aliasing"} <= ran, ran
 
 
+@pytest.mark.parametrize("case", OTHER_CLEAN, ids=[c.name for c in OTHER_CLEAN])
+def test_clean_outcome_and_by_design_control_has_nothing_above_info(analysed, case):
+    """Failed requests are checked too (a dropped exception leaves nothing), and growth the call asked
+    for (output_scores/output_logits rows, hidden states, attentions, beams) is named at most information."""
+    r = analysed(case.name)
+    errors = [(x.name, x.reason) for x in r.results if x.status == "error"]
+    assert not errors, errors
+    assert not _above_info(r)
+    assert [q["outcome"] for q in r.requests] == list(case.outcomes)
+
+
 SERVING = ("serving_capacity", "concurrency_headroom", "block_waste", "preemption", "queueing", "prefix_cache",
            "over_reservation", "context_spike")
 
@@ -94,6 +107,10 @@ def test_planted_case_is_named_by_its_own_detector(analysed, case):
     hits = [f for f in r.result(case.detector).findings if f.kind in case.kinds]
     assert hits and max(f.score for f in hits) >= 0.5, [(f.detector, f.kind, round(f.score, 3), f.message)
                                                           for f in r.findings]
+    top = max(hits, key=lambda f: f.score)
+    assert case.owner in top.message, top.message  # the owner or holder it names (issue 29)
+    if case.pathology == "non_kv_growth":  # named by its owner class, never as copies of the cache
+        assert not [f for f in r.result("growth_curve").findings if f.kind == "duplication" and f.score > 0.1]
 
 
 def test_retention_names_its_holders(analysed):

@@ -40,11 +40,18 @@ def test_gpu_case_meets_its_target(name, info):
     if info.get("detector"):
         hits = [f for f in r.result(info["detector"]).findings if f.kind in info["kinds"]]
         assert hits and max(f.score for f in hits) >= 0.5, [(f.detector, f.kind, f.score) for f in r.findings]
+        if info.get("owner"):  # issue 29: the naming finding names the owner or holder
+            top = max(hits, key=lambda f: f.score)
+            assert info["owner"] in top.message, top.message
+        if info.get("pathology") == "non_kv_growth":  # never called copies of the cache
+            assert not [f for f in r.result("growth_curve").findings if f.kind == "duplication" and f.score > 0.1]
     elif info.get("only"):  # a twin: only its pathology's detector must stay at info
         assert r.score(info["only"]) <= 0.1, [f.message for f in r.result(info["only"]).findings]
     else:
         low = [(f.detector, f.kind, round(f.score, 3), f.message) for f in r.findings if f.severity >= Severity.LOW]
         assert not low, low
+        if info.get("outcomes"):
+            assert [q["outcome"] for q in r.requests] == info["outcomes"]
 
 
 def test_first_use_workspace_and_transient_prefill_are_info_with_their_cause():

@@ -32,8 +32,18 @@ def _seg(address: int, blocks: list[tuple[int, str, int | None, list | None]], d
 
 
 A = "active_allocated"
+def _torch_file(rel: str) -> str:
+    try:
+        import torch
+    except ImportError:
+        return "/usr/lib/python3/site-packages/torch/" + rel
+    import os
+
+    return os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), rel)
+
+
 USER_FRAMES = [
-    {"filename": "/usr/lib/python3/site-packages/torch/nn/functional.py", "line": 10, "name": "linear"},
+    {"filename": _torch_file("nn/functional.py"), "line": 10, "name": "linear"},
     {"filename": "/home/me/serve/leaky.py", "line": 42, "name": "keep_copy"},
     {"filename": "/home/me/serve/main.py", "line": 7, "name": "<module>"},
 ]

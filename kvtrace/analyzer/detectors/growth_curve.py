@@ -364,6 +364,8 @@ class GrowthCurve(Detector):
         at = (f"; largest: {'; '.join(sites)}" if sites else
               "; record with memory_history=True (--memory-history) to name their allocation sites"
               if rd.device >= 0 else "")
+        if sites and rd.device >= 0 and not any(" at " in x for x in sites):
+            at += "; record with memory_history=True (--memory-history) to name their allocation sites"
         msg = (f"{head} ({ratio:.1f}x): at {at_step} the owner reading finds {own.describe(rd)}; the growth is held "
                f"by owners no rule names ({format_bytes(unknown)} unknown, not shaped like the cache's K/V, "
                f"so not copies of the cache){at}.")
