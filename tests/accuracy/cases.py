@@ -531,17 +531,24 @@ def cache_of_output_or_call(output: Any, args: tuple, kwargs: dict) -> Any:
     return cache if cache is not None else call_cache(args, kwargs)
 
 
-def _record_copies(path: Path, arch: str, every: int, stack: bool) -> Path:
-    model = tiny_model(arch, **DUP_EXTRA)
-    handle = model.register_forward_hook(_copying_hook(every, stack), with_kwargs=True)
+def _record_decode(path: Path, model: Any, kept: Any, hook: Callable | None = None, with_kwargs: bool = False,
+                   **gen_kw: Any) -> Path:
+    """A 32 + 96-token request under 100 Hz RSS sampling with user code (a forward hook, or generate
+    kwargs such as a logits processor) keeping things in ``kept``, cleared afterwards."""
+    handle = model.register_forward_hook(hook, with_kwargs=with_kwargs) if hook is not None else None
     trim_heap()
     try:
         with _quiet(), _record(model, path, telemetry_hz=100.0):
-            _generate(model, prompt=DUP_PROMPT, new=DUP_NEW)
+            _generate(model, prompt=DUP_PROMPT, new=DUP_NEW, **gen_kw)
     finally:
-        handle.remove()
-        COPIES.clear()
+        if handle is not None:
+            handle.remove()
+        kept.clear()
     return path
+
+
+def _record_copies(path: Path, arch: str, every: int, stack: bool) -> Path:
+    return _record_decode(path, tiny_model(arch, **DUP_EXTRA), COPIES, _copying_hook(every, stack), with_kwargs=True)
 
 
 def plant_hook_clones(path: Path) -> Path:
@@ -571,15 +578,7 @@ def plant_odd_temporaries(path: Path) -> Path:
         if state["n"] % 2 == 0:
             KEPT_TEMPS.append(torch.ones(1_000_003 // 4 * 3))  # ~2.9 MiB, odd-sized
 
-    handle = model.register_forward_hook(hook)
-    trim_heap()
-    try:
-        with _quiet(), _record(model, path, telemetry_hz=100.0):
-            _generate(model, prompt=DUP_PROMPT, new=DUP_NEW)
-    finally:
-        handle.remove()
-        KEPT_TEMPS.clear()
-    return path
+    return _record_decode(path, model, KEPT_TEMPS, hook)
 
 
 def plant_unasked_logits(path: Path) -> Path:
@@ -592,14 +591,7 @@ def plant_unasked_logits(path: Path) -> Path:
             KEPT_TEMPS.append(scores.clone())
             return scores
 
-    model = tiny_model("llama", vocab_size=131072)
-    trim_heap()
-    try:
-        with _quiet(), _record(model, path, telemetry_hz=100.0):
-            _generate(model, prompt=DUP_PROMPT, new=DUP_NEW, logits_processor=[Keeps()])
-    finally:
-        KEPT_TEMPS.clear()
-    return path
+    return _record_decode(path, tiny_model("llama", vocab_size=131072), KEPT_TEMPS, logits_processor=[Keeps()])
 
 
 STEP_NOTES: dict[int, Any] = {}
@@ -616,14 +608,7 @@ def plant_criterion_dict(path: Path) -> Path:
             STEP_NOTES[int(input_ids.shape[-1])] = torch.rand(1, 777, 333)
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
-    model = tiny_model("gemma3_text")
-    trim_heap()
-    try:
-        with _quiet(), _record(model, path, telemetry_hz=100.0):
-            _generate(model, prompt=DUP_PROMPT, new=DUP_NEW, stopping_criteria=[Notes()])
-    finally:
-        STEP_NOTES.clear()
-    return path
+    return _record_decode(path, tiny_model("gemma3_text"), STEP_NOTES, stopping_criteria=[Notes()])
 
 
 # ---- planted: OOM from retention under a cap (issue 29) ---------------------------------------------

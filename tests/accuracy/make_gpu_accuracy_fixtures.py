@@ -332,7 +332,9 @@ class RaiseAt:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def retention_kept_exception(path: Path) -> dict:
+def _failing_request(path: Path, keep: bool) -> None:
+    """A request whose stopping criterion raises at decode step 24, then a plain one; the exception is
+    kept (``keep``) or only its text."""
     from transformers import StoppingCriteriaList
 
     m = model("llama", **KV16x64)
@@ -340,9 +342,13 @@ def retention_kept_exception(path: Path) -> dict:
         try:
             gen(m, 64, 64, stopping_criteria=StoppingCriteriaList([RaiseAt(24, ValueError("criterion"))]))
         except ValueError as exc:
-            KEPT.append(exc)
+            KEPT.append(exc if keep else str(exc))
         gen(m, 32, 16)
     KEPT.clear()
+
+
+def retention_kept_exception(path: Path) -> dict:
+    _failing_request(path, keep=True)
     return {"note": "tiny llama fp16 16x64; a stopping criterion raises at decode step 24 and the caller keeps "
                     "the exception (its traceback holds the cache); outcome error",
             "owner": "exception (its traceback)"}
@@ -440,15 +446,7 @@ def clean_static_compiled(path: Path) -> dict:
 
 
 def clean_error_dropped(path: Path) -> dict:
-    from transformers import StoppingCriteriaList
-
-    m = model("llama", **KV16x64)
-    with rec(m, path):
-        try:
-            gen(m, 64, 64, stopping_criteria=StoppingCriteriaList([RaiseAt(24, ValueError("criterion"))]))
-        except ValueError as exc:
-            str(exc)
-        gen(m, 32, 16)
+    _failing_request(path, keep=False)
     return {"note": "tiny llama fp16 16x64; a stopping criterion raises at step 24, the caller keeps only str(exc)",
             "outcomes": ["error", "ok"]}
 
