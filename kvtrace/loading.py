@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.errors import BadOption, Unavailable
+from kvtrace.modelspec import preset_name
 from kvtrace.units import format_bytes
 
 # What the Hugging Face hub accepts as a repo id ("name" or "org/name"); anything else is a path.
@@ -88,11 +89,12 @@ def model_config_dict(spec: str, *, layers: int | None = None, width: float | No
     in the local cache). A model directory that does not exist is a usage error (64) and a hub id
     that is not cached is unavailable (69), both before anything slow happens. None: the config
     could not be read here (the loader decides)."""
-    if spec.startswith("preset:"):
+    name = preset_name(spec)
+    if name is not None:
         from kvtrace import presets
 
         try:
-            return presets.preset_config_dict(spec.split(":", 1)[1], layers=layers, width_scale=width, vocab=vocab)
+            return presets.preset_config_dict(name, layers=layers, width_scale=width, vocab=vocab)
         except KeyError as exc:
             raise BadOption(str(exc).strip("'\""), option="--model") from None
         except ValueError as exc:
@@ -217,10 +219,10 @@ def load_model(spec: str, *, device: str, dtype: str, layers: int | None, width:
     device = resolve_device(device)
     if tp_plan is not None:
         device = start_tensor_parallel(device)
-    if spec.startswith("preset:"):
+    name = preset_name(spec)
+    if name is not None:
         from kvtrace import presets
 
-        name = spec.split(":", 1)[1]
         try:
             cfg = presets.preset_config(name, layers=layers, width_scale=width, vocab=vocab)
         except KeyError as exc:

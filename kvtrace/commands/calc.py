@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvtrace import modelspec
 from kvtrace.calc import KV_DTYPE_BYTES as KV_DTYPES
 from kvtrace.calc import WEIGHT_DTYPE_BYTES as WEIGHT_DTYPES
 from kvtrace.commands.common import guarded
@@ -130,8 +131,8 @@ def calc(preset: str | None, config_path: str | None, trace_paths: tuple[str, ..
     if trace_path is not None:
         config, label, trace_kv_bytes, check = first
         kv_bytes = KV_DTYPES[kv_dtype] if kv_dtype else trace_kv_bytes
-        if label.startswith("preset:"):  # random weights in the recording; plan for the checkpoint
-            preset_name = label.split(":", 1)[1]
+        if (recorded := modelspec.preset_name(label)) is not None:  # random weights; plan for the checkpoint
+            preset_name = recorded
     else:
         kv_bytes = KV_DTYPES[kv_dtype or "bf16"]
         source = preset if preset is not None else config_path

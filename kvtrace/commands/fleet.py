@@ -17,6 +17,7 @@ from kvtrace.commands.common import fail, guarded
 from kvtrace.commands.outputs import check_json_out, check_output, json_options, write_json
 from kvtrace.errors import CannotWrite, Unavailable
 from kvtrace.fleet import FleetError, format_cell
+from kvtrace.params import split_list
 from kvtrace.units import format_bytes
 
 
@@ -142,7 +143,7 @@ def summary(directory: str, group_by: str, sql: str | None, as_json: bool, json_
             raise click.UsageError("--group-by groups the summary; with --sql, group in QUERY (GROUP BY)")
         _read_only(sql)
     con = _connect(directory, query.tables_named(sql) if sql is not None else query.SUMMARY_TABLES)
-    keys = [k.strip() for k in group_by.split(",") if k.strip()]
+    keys = split_list(group_by)
     try:
         if sql is not None:
             results = {"result": query.run_sql(con, sql)}
@@ -249,7 +250,7 @@ def report(directory: str, output: str, group_by: str, baseline: str | None, can
         raise click.BadParameter(str(exc)) from None
     tables = fleet_report.REPORT_TABLES + (compare.DIFF_TABLES if sel else ())
     con = _connect(directory, tables)
-    keys = [k.strip() for k in group_by.split(",") if k.strip()]
+    keys = split_list(group_by)
     try:
         res = fleet_report.build_fleet_report(con, output, keys=keys, worst=worst, directory=directory,
                                               baseline=sel[0] if sel else None, candidate=sel[1] if sel else None)

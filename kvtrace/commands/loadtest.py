@@ -14,6 +14,7 @@ from kvtrace import exitcodes
 from kvtrace.commands.common import fail, guarded
 from kvtrace.commands.outputs import json_options
 from kvtrace.errors import CannotWrite, Unavailable
+from kvtrace.params import split_list
 
 FAIL_LEVELS = ("warning", "critical")
 
@@ -137,7 +138,7 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
     from kvtrace.serving.phases import build_phases
 
     try:
-        plan = build_phases([p.strip() for p in phases.split(",") if p.strip()], concurrency=concurrency,
+        plan = build_phases(split_list(phases), concurrency=concurrency,
                             tokens=tokens, long_tokens=long_tokens, baseline_s=baseline_s)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--phases") from None

@@ -12,6 +12,8 @@ from kvtrace.commands.common import guarded
 from kvtrace.commands.metrics_options import check_metrics_options, metrics_options
 from kvtrace.errors import TraceIncomplete, Unavailable
 from kvtrace.loading import encode, load_model, model_config_dict
+from kvtrace.modelspec import preset_name, tiny_shrink
+from kvtrace.params import split_list
 from kvtrace.units import format_bytes
 
 CACHE_IMPLEMENTATIONS = ("dynamic", "static", "offloaded", "offloaded_static", "quantized_fp8")
@@ -22,7 +24,7 @@ def parse_int_list(text: str | None) -> list[int] | None:
     if text is None or text.strip() in ("", "all"):
         return None
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return [int(x) for x in split_list(text)]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
@@ -179,17 +181,13 @@ def record(model_spec: str, prompt: tuple[str, ...], prompts_file: str | None, m
         raise click.UsageError("--sample-layers/--sample-heads select what is sampled: add --sample-every N "
                                "(or --sample-queries)")
     if tiny:
-        if not model_spec.startswith("preset:"):
+        name = preset_name(model_spec)
+        if name is None:
             raise click.BadParameter("--tiny only applies to preset:NAME models")
-        from kvtrace import presets as _presets
-
         try:
-            small = _presets.tiny_shrink_args(model_spec.split(":", 1)[1])
+            layers, width, vocab = tiny_shrink(name, layers, width, vocab)
         except KeyError as exc:
             raise click.BadParameter(str(exc).strip("'\""), param_hint="--model") from None
-        layers = small["layers"] if layers is None else layers
-        width = small["width_scale"] if width is None else width
-        vocab = small["vocab"] if vocab is None else vocab
     config = model_config_dict(model_spec, layers=layers, width=width, vocab=vocab)
     if config is not None:
         check_sample_selection(config, layer_list, head_list)

@@ -11,6 +11,7 @@ from kvtrace.commands.common import guarded
 from kvtrace.commands.metrics_options import check_metrics_options, metrics_options
 from kvtrace.commands.record import DTYPES
 from kvtrace.errors import KvtraceError, TraceIncomplete, Unavailable
+from kvtrace.modelspec import PRESET, preset_name, tiny_shrink
 from kvtrace.progress import Milestones
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -19,11 +20,12 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def check_model(model: str) -> None:
     """A path must be a model directory; a preset must exist. Anything else is a hub id, which
     transformers resolves from the local cache (offline it never downloads)."""
-    if model.startswith("preset:"):
+    name = preset_name(model)
+    if name is not None:
         from kvtrace import presets
 
         try:
-            presets.get_preset(model.split(":", 1)[1])
+            presets.get_preset(name)
         except KeyError as exc:
             raise click.BadParameter(str(exc).strip("'\""), param_hint="MODEL") from None
         return
@@ -50,15 +52,11 @@ def load_preset(model: str, serve_args: tuple[str, ...], tiny: bool, layers: int
                 vocab: int | None) -> tuple[Any, Any]:
     """A preset's random-weight model (on transformers serve's --device, in its --dtype) and a
     word-level tokenizer built for it (kvtrace.serving.wordtok)."""
-    from kvtrace import presets
     from kvtrace.loading import load_model
     from kvtrace.serving.wordtok import tokenizer_for
 
     if tiny:
-        small = presets.tiny_shrink_args(model.split(":", 1)[1])
-        layers = small["layers"] if layers is None else layers
-        width = small["width_scale"] if width is None else width
-        vocab = small["vocab"] if vocab is None else vocab
+        layers, width, vocab = tiny_shrink(model.removeprefix(PRESET), layers, width, vocab)
     dtype = serve_option(serve_args, "--dtype", "auto")
     if dtype not in DTYPES:
         raise click.BadParameter(f"presets are built in one of {', '.join(DTYPES)}, not {dtype!r}",
@@ -135,7 +133,7 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
     on a port of its own.
     """
     check_model(model)
-    if not model.startswith("preset:") and (tiny or any(v is not None for v in (layers, width, vocab))):
+    if preset_name(model) is None and (tiny or any(v is not None for v in (layers, width, vocab))):
         raise click.UsageError("--tiny/--layers/--width/--vocab only apply to preset:NAME models")
     from kvtrace.commands.outputs import check_output
 
@@ -167,7 +165,7 @@ def serve(model: str, output: str, host: str, port: int, telemetry_hz: float, no
                         "serve_args": list(serve_args), "tiny": tiny, "layers": layers, "width": width,
                         "vocab": vocab, "max_request_bytes": max_request_bytes}}
     preloaded = None
-    if model.startswith("preset:"):
+    if preset_name(model) is not None:
         with steps.step(f"loading {model} (random weights, real KV geometry{', shrunk' if tiny else ''}; "
                         "nothing downloaded)"):
             preloaded = load_preset(model, serve_args, tiny, layers, width, vocab)

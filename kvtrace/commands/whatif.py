@@ -8,6 +8,7 @@ import click
 
 from kvtrace.commands.common import guarded, require_cuda
 from kvtrace.commands.outputs import check_json_out, json_options, write_json
+from kvtrace.params import split_list
 from kvtrace.textsafe import visible
 from kvtrace.units import format_bytes
 
@@ -16,7 +17,7 @@ DEFAULT_POLICIES = ("paging:page_size=16", "streaming_llm", "knorm", "snapkv", "
 
 def _ratios(text: str, option: str | None = None) -> list[float]:
     try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
+        vals = [float(x) for x in split_list(text)]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated numbers, got {text!r}", param_hint=option) from None
     if not vals or any(not 0 <= v < 1 for v in vals):

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvtrace.fleet.query import FleetError, sql_ident, trace_columns
+from kvtrace.params import split_key_value
 
 BOOTSTRAP = 2000
 SEED = 0
@@ -61,10 +62,10 @@ class Selector:
 
     @classmethod
     def parse(cls, text: str) -> Selector:
-        key, sep, value = text.partition("=")
-        if not sep or not key.strip():
+        kv = split_key_value(text)
+        if kv is None or not kv[0].strip():
             raise ValueError(f"{text!r}: expected KEY=VALUE, e.g. transformers_version=5.23.0")
-        return cls(key.strip(), value.strip())
+        return cls(kv[0].strip(), kv[1].strip())
 
 
 def _trace_ids(con: Any, sel: Selector) -> list[str]:

@@ -17,6 +17,7 @@ from kvtrace.analyzer.view import SCAN_ROWS, TraceView
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
 from kvtrace.labels import device_text, layer_type_name  # noqa: F401 - re-exported for renderers
+from kvtrace.params import split_list
 from kvtrace.report.kvcheck import Unpredictable, predictor
 
 # The renderer's TraceView (its /kv request index is shared with the analyser), or a bare Trace.
@@ -158,9 +159,9 @@ def retained_kv(trace: Trace) -> list[Retained]:
             item.nbytes += int(r["nbytes"])
         if int(r["layer"]) >= 0 and int(r["layer"]) not in item.layers:
             item.layers.append(int(r["layer"]))
-        for name in trace.text(int(r["referrers_off"]), int(r["referrers_len"])).split(","):
-            if name.strip() and name.strip() not in item.holders:
-                item.holders.append(name.strip())
+        for name in split_list(trace.text(int(r["referrers_off"]), int(r["referrers_len"]))):
+            if name not in item.holders:
+                item.holders.append(name)
     return [out[k] for k in sorted(out)]
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtrace.params import split_key_value, split_list
 from kvtrace.report import figures, html
 from kvtrace.units import format_bytes
 
@@ -120,7 +121,7 @@ def pareto(doc: dict[str, Any]) -> Figure | None:
 def _short(label: str) -> str:
     """kivi:nbits=4,group_size=32,... -> kivi 4b; fp8:fmt=e4m3 -> fp8 e4m3."""
     name, _, rest = label.partition(":")
-    params = dict(x.split("=", 1) for x in rest.split(",") if "=" in x)
+    params = dict(kv for x in split_list(rest) if (kv := split_key_value(x)) is not None)
     if "nbits" in params:
         return f"{name} {params['nbits']}b"
     if "fmt" in params:

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from kvtrace.params import split_key_value, split_list
 from kvtrace.whatif import cpu_fast
 from kvtrace.whatif.numerics import (
     FP8_FORMATS,
@@ -679,9 +680,10 @@ def parse_policy(text: str) -> Policy:
         raise PolicyError(f"unknown policy {name!r}; known: {', '.join(REGISTRY)}")
     types = {f.name: f.type for f in fields(cls)}
     kwargs: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, val = item.partition("=")
-        if not eq or key not in types:
+    for item in split_list(rest):
+        kv = split_key_value(item)
+        key, val = kv if kv is not None else (item, "")
+        if kv is None or key not in types:
             raise PolicyError(f"{name}: unknown parameter {key!r}; parameters: {', '.join(types) or 'none'}")
         if types[key] in ("int", int):
             try:

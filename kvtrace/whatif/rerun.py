@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtrace.errors import BadOption, Unavailable
+from kvtrace.modelspec import preset_name, tiny_shrink
 from kvtrace.whatif import policies as P
 from kvtrace.whatif.policies import Observed, Policy, PolicyError
 
@@ -607,7 +608,7 @@ def tokenizer_problem(tok: Any) -> str:
 def check_tokenizer(model_spec: str) -> None:
     """A local checkpoint whose tokenizer builds empty: BadOption (exit 64) naming --rerun, before
     any model loads (a checkpoint without a tokenizer is fine: UTF-8 bytes stand in)."""
-    if model_spec.startswith("preset:") or not Path(model_spec).is_dir():
+    if preset_name(model_spec) is not None or not Path(model_spec).is_dir():
         return
     import transformers
 
@@ -644,15 +645,13 @@ def rerun_quality(model_spec: str, text_path: str | Path, policies: list[Policy]
     source = TextSource(text_path, max_tokens)  # refused before the model loads when it is not text
     shrink: dict[str, Any] = {"layers": None, "width": None, "vocab": None}
     if tiny:
-        if not model_spec.startswith("preset:"):
+        name = preset_name(model_spec)
+        if name is None:
             raise BadOption("--tiny only applies to --rerun preset:NAME", option="--tiny")
-        from kvtrace import presets
-
         try:
-            s = presets.tiny_shrink_args(model_spec.split(":", 1)[1])
+            shrink = dict(zip(("layers", "width", "vocab"), tiny_shrink(name), strict=True))
         except KeyError as exc:
             raise BadOption(str(exc).strip("'\""), option="--rerun") from None
-        shrink = {"layers": s["layers"], "width": s["width_scale"], "vocab": s["vocab"]}
     check_tokenizer(model_spec)
     loaded = load_model(model_spec, device=device, dtype="auto", **shrink)
     why = tokenizer_problem(loaded.tokenizer)
@@ -698,7 +697,7 @@ def _rerun_passes(loaded: Any, model_spec: str, text_path: str | Path, ids: Any,
         "reference": {"perplexity": _measures(ref, ref, flat, prefill)["perplexity"]},
         "policies": [],
     }
-    if model_spec.startswith("preset:"):
+    if preset_name(model_spec) is not None:
         doc["warning"] = RANDOM_NOTE
     for pol in policies:
         entry: dict[str, Any] = {"policy": pol.name, "label": pol.label(), "family": pol.family, "results": []}
