@@ -417,15 +417,25 @@ class OwnerRecorder:
     def __init__(self, model: Any, ctx: Any, devices: Callable[[], list[int]], tracker: Any) -> None:
         self.model = model
         self.ctx = ctx
-        self._devices = devices
+        self._model_devices = devices
         self.tracker = tracker
-        self.earlier: dict[tuple[int, int, int], tuple[int, Any]] = {}  # retained key -> (request, storage weakref)
+        # retained storage key -> (request, storage weakref, seen alive at a later verdict yet)
+        self.earlier: dict[tuple[int, int, int], tuple[int, Any, bool]] = {}
         self.req: _RequestOwners | None = None
         self._history = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._cc: dict[int, int] = {}
         self._lock = threading.Lock()
+
+    def _devices(self) -> list[int]:
+        """The model's CUDA devices whose allocator can be read ([] without CUDA: a CPU census)."""
+        devices = self._model_devices()
+        if not devices:
+            return []
+        import torch
+
+        return devices if torch.cuda.is_available() and torch.cuda.is_initialized() else []
 
     @property
     def enabled(self) -> bool:
@@ -558,8 +568,9 @@ class OwnerRecorder:
             return
         try:
             r = self.req if self.req is not None and self.req.rid == rid else None
-            earlier_alive = self._prune_earlier()
-            why = bool(survivors) or earlier_alive or outcome not in (0, 1)
+            # an earlier retention still alive is proven persisting once (one collection), not at every verdict
+            unproven = self._prune_earlier()
+            why = bool(survivors) or unproven or outcome not in (0, 1)
             devices = self._devices()
             if not why and r is not None:
                 if devices and r.base_alloc:
@@ -573,9 +584,10 @@ class OwnerRecorder:
                 if not survivors:
                     collect()
                 self.reading(OwnerMoment.REQUEST_END, rid, -1, survivors=survivors)
+                self.earlier = {k: (r, ref, True) for k, (r, ref, _) in self.earlier.items()}
             for s in survivors:  # what a later reading calls earlier requests' KV
                 if getattr(s, "ref", None) is not None:
-                    self.earlier[(s.device, s.storage, s.nbytes)] = (rid, s.ref)
+                    self.earlier[(s.device, s.storage, s.nbytes)] = (rid, s.ref, False)
         except Exception as exc:  # noqa: BLE001
             self.ctx.error("owners-verdict", exc)
 
@@ -623,7 +635,7 @@ class OwnerRecorder:
                 known.on(key[0]).kv_request[key[1]] = key[2]
         for s in survivors:
             known.on(s.device).kv_request[s.storage] = s.nbytes
-        for (dev, ptr, _), (rid, ref) in list(self.earlier.items()):
+        for (dev, ptr, _), (rid, ref, _) in list(self.earlier.items()):
             if ref() is not None and ptr not in known.on(dev).kv_request:
                 known.on(dev).kv_earlier[ptr] = rid
         for tensors in (self.model.parameters(), self.model.buffers()):
@@ -683,8 +695,9 @@ class OwnerRecorder:
         return sum(key[2] for key, (_, swr, _) in list(self.tracker.live.items()) if swr() is not None)
 
     def _prune_earlier(self) -> bool:
+        """Drop earlier retentions that died; whether one still alive was never seen at a later verdict."""
         self.earlier = {k: v for k, v in self.earlier.items() if v[1]() is not None}
-        return bool(self.earlier)
+        return any(not v[2] for v in self.earlier.values())
 
     def _workspaces(self, device: int) -> list[tuple[str, tuple[int, ...]]]:
         cc = self._cc.get(device)

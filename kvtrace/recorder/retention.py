@@ -94,7 +94,7 @@ class RetentionTracker:
         # Views count: a slice kept by user code holds the whole storage, and is found here by it.
         # A tensor seen during the request may live on only as a view's base (held from C++, no
         # Python referrer): then the tensors sharing its storage name the holder.
-        keys = {key for key, _, _, _ in survivors if key not in walked}
+        keys = {key for key, _, _, _ in survivors}
         found_tensors = _tensors_on(keys) if keys else {}
         found: list[Retained] = []
         paths: dict[str, str] = {}  # holder names -> path, walked once per distinct holder set
@@ -261,7 +261,7 @@ def _holder_path(obj: Any, own: tuple[Any, ...]) -> str:
     names: list[str] = []
     if root is None:  # the longest chain found, ended by what the collector cannot see
         if not parent:
-            return "nothing the garbage collector tracks (a local variable of a running function, or C code)"
+            return "nothing the garbage collector tracks (a local variable of a running function or C code)"
         root = max(parent, key=lambda k: _depth(k, parent))
         root_text = ""
     cur: int | None = root
@@ -274,7 +274,8 @@ def _holder_path(obj: Any, own: tuple[Any, ...]) -> str:
     elif names:
         names.append("(not held further by anything the garbage collector tracks: a running function's local?)")
     node.clear()
-    return " < ".join(n for n in names if n)
+    # one entry of the comma-separated /retention referrers: no commas inside
+    return " < ".join(n for n in names if n).replace(",", ";")
 
 
 def _depth(k: int, parent: dict[int, int]) -> int:
