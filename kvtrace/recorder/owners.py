@@ -42,6 +42,9 @@ CENSUS_MAX_OBJECTS = 1 << 20  # objects a CPU census walks at most
 VERDICT_NOISE = 2 * MiB  # allocator bytes above the baseline that need no explaining
 CPU_RSS_FLOOR = 16 * MiB  # RSS moves in pages and arenas: growth below this needs no explaining
 GROWTH_FLOOR = 16 * MiB  # first growth_peak level
+# Blocks of segments in a private memory pool (segment_pool_id other than (0, 0)) belong to CUDA graphs
+# (transformers' compiled static path captures them): a reservation for replay, named as a workspace.
+GRAPH_POOL = "CUDA graph pool"
 MAX_GROWTH_READINGS = 8  # growth_peak readings per request (the level doubles after each)
 # Frames of these packages are the machinery, not the allocation site a user wants named (their
 # install directories, found from the imported modules), nor the standard library's wrappers.
@@ -183,16 +186,18 @@ def classify_segments(segments: Iterable[dict[str, Any]], known: KnownMemory, de
     ``device`` is ``device``). Every active block lands in exactly one class; inactive blocks in
     INACTIVE. A known storage owns the block its data pointer lies in (views count as the storage)."""
     dk = known.devices.get(device, DeviceKnown())
-    blocks: list[tuple[int, int, int, list]] = []  # (address, size, requested, frames) of active blocks
+    blocks: list[tuple[int, int, int, list, bool]] = []  # (address, size, requested, frames, private pool)
     totals: Totals = {}
     for seg in segments:
         addr = int(seg.get("address", 0))
+        pool = seg.get("segment_pool_id")
+        private = isinstance(pool, (tuple, list)) and any(int(x) for x in pool)  # (0, 0): the default pool
         for b in seg.get("blocks", ()):
             size = int(b.get("size", 0))
             a = int(b.get("address", addr))
             addr = a + size
             if b.get("state") in ACTIVE:
-                blocks.append((a, size, int(b.get("requested_size", size) or size), b.get("frames") or []))
+                blocks.append((a, size, int(b.get("requested_size", size) or size), b.get("frames") or [], private))
             elif size > 0:
                 _total(totals, Owner.INACTIVE).add(size)
     blocks.sort()
@@ -210,11 +215,13 @@ def classify_segments(segments: Iterable[dict[str, Any]], known: KnownMemory, de
     claim(dk.weights, Owner.WEIGHTS)
     claim(dk.outputs, Owner.GENERATE_OUTPUT)
     workspaces = list(known.workspaces)
-    for i, (_, size, req, frames) in enumerate(blocks):
+    for i, (_, size, req, frames, private) in enumerate(blocks):
         owner, tag = owner_of.get(i, (None, None))
         if owner is None:
             ws = next((w for w in workspaces if req in w[1] or size in w[1]), None)
-            if ws is not None:
+            if private:  # a CUDA graph's (torch.compile reduce-overhead, cudagraph trees) private pool
+                owner, tag = Owner.WORKSPACE, GRAPH_POOL
+            elif ws is not None:
                 workspaces.remove(ws)  # once per device
                 owner, tag = Owner.WORKSPACE, ws[0]
             elif req in known.output_sizes:
@@ -229,6 +236,8 @@ def classify_segments(segments: Iterable[dict[str, Any]], known: KnownMemory, de
         t = _total(totals, owner)
         t.add(size, item if owner in (Owner.UNKNOWN, Owner.KV_COPIES, Owner.GENERATE_OUTPUT) else None)
         _tag(t, owner, tag)
+        if tag == GRAPH_POOL:
+            t.extra["graph_pool_bytes"] = int(t.extra.get("graph_pool_bytes", 0)) + size
     return totals
 
 

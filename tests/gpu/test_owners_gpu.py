@@ -243,7 +243,7 @@ def test_memory_viz_export_of_a_gpu_trace_loads_in_torch(tmp_path) -> None:
         HELD.append(_gen(m, return_dict_in_generate=True))
         _gen(m, new=4)
     HELD.clear()
-    out, info = write_memory_viz(path, tmp_path / "s.pickle", moment="request_end")
+    out, info = write_memory_viz(path, tmp_path / "s.pickle", request=0, moment="request_end")
     import pickle
 
     data = pickle.loads(out.read_bytes())

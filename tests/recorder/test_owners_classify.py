@@ -207,3 +207,16 @@ def test_gc_census_finds_a_tensor_held_only_by_a_list() -> None:
     ptr = held[0].untyped_storage().data_ptr()
     assert any(t.untyped_storage().data_ptr() == ptr for t in found)
     found.clear()
+
+
+def test_cuda_graph_private_pools_are_named_not_unknown() -> None:
+    """transformers' compiled static path captures CUDA graphs: their private pool's blocks (a segment
+    whose segment_pool_id is not (0, 0)) are a reservation for replay, not an unknown owner."""
+    graph = _seg(0x9000_0000, [(20 * MiB, A, 20 * MiB - 3, None), (2 * MiB, "inactive", None, None)])
+    graph["segment_pool_id"] = (1, 0)
+    plain = _seg(0xA000_0000, [(5 * MiB + 512, A, 5 * MiB + 100, None)])
+    plain["segment_pool_id"] = (0, 0)
+    totals = ow.classify_segments([graph, plain], ow.KnownMemory(), 0)
+    ws = totals[Owner.WORKSPACE]
+    assert ws.bytes == 20 * MiB and ws.extra == {"names": ["CUDA graph pool"], "graph_pool_bytes": 20 * MiB}
+    assert totals[Owner.UNKNOWN].bytes == 5 * MiB + 512 and totals[Owner.INACTIVE].bytes == 2 * MiB

@@ -268,12 +268,18 @@ class PostEos(Detector):
                 return "requested_outputs_held", min(ramp(ratio, *SCORE_RAMP), REQUESTED_OUTPUTS_CAP), (
                     f"{head}; {format_bytes(outputs)} of it is the generate output the call asked for ({asked}), "
                     "still held by the caller: by design, freed when the output is dropped.")
-            first_use = workspace and retained <= FIRST_USE_MAX and not _claimed_first_use(ctx, req)
+            ws = end.classes.get(OW.WORKSPACE)
+            graphs = int(ws.detail.get("graph_pool_bytes", 0) or 0) if ws is not None else 0
+            library = workspace - graphs
+            first_use = workspace and library <= FIRST_USE_MAX and not (library and _claimed_first_use(ctx, req))
             if first_use and unknown + copies <= max(NOISE_BYTES, retained // 4):
+                what = (f"{format_bytes(library)} of library workspaces" if library else "")
+                what += (" and " if library and graphs else "") + (
+                    f"{format_bytes(graphs)} of CUDA graph memory pools (a compiled forward's captured graphs, "
+                    "kept for replay)" if graphs else "")
                 return "first_use_allocation", 0.0, (
-                    f"{head}; the owner reading names {format_bytes(workspace)} of library workspaces "
-                    f"({own.class_name(OW.WORKSPACE, end.classes.get(OW.WORKSPACE))}): a first-use allocation of "
-                    "the process (known size, once per process), not retention.")
+                    f"{head}; the owner reading names {what} ({own.class_name(OW.WORKSPACE, ws)}): allocated on "
+                    "first use and kept by design (known sizes, once per process or compiled shape), not retention.")
             sites = end.largest_sites(OW.UNKNOWN)
             at = f"; largest unknown blocks: {'; '.join(sites)}" if sites else \
                 "; record with memory_history=True (--memory-history) to name their allocation sites"
