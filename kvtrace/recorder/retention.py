@@ -226,20 +226,21 @@ def _holder_path(obj: Any, own: tuple[Any, ...]) -> str:
         nxt: list[Any] = []
         tb_frames: list[Any] = []
         for r in refs:
-            if id(r) in skip or id(r) in node or r is this or isinstance(r, _SKIP_TYPES[1:]):
+            kind = type(r)  # type(), never isinstance: no __class__ lookups on arbitrary objects
+            if id(r) in skip or id(r) in node or r is this or issubclass(kind, _SKIP_TYPES[1:]):
                 continue
             child = next((c for c in gc.get_referents(r) if id(c) in want), None)
             if child is None:
                 continue
-            if isinstance(r, types.TracebackType):  # jump: the exception whose traceback holds the frame
+            if kind is types.TracebackType:  # jump: the exception whose traceback holds the frame
                 tb_frames.append(child)
                 continue
-            if isinstance(r, types.FrameType):
+            if kind is types.FrameType:
                 node[id(r)], parent[id(r)] = r, id(child)
                 nxt.append(r)
                 continue
             node[id(r)], parent[id(r)] = r, id(child)
-            if isinstance(r, dict) and _module_of(r) is not None:
+            if kind is dict and _module_of(r) is not None:
                 root, root_text = id(r), _global_name(r, child)
                 break
             nxt.append(r)
@@ -293,7 +294,7 @@ def _exceptions_with_frames(frames: list[Any]) -> list[tuple[Any, BaseException]
     want = {id(f): f for f in frames}
     out = []
     for obj in gc.get_objects():
-        if not isinstance(obj, BaseException):
+        if not issubclass(type(obj), BaseException):
             continue
         tb = obj.__traceback__
         n = 0
@@ -316,18 +317,19 @@ def _global_name(d: dict, value: Any) -> str:
 
 
 def _describe(o: Any, parent: dict[int, int], node: dict[int, Any]) -> str:
-    if isinstance(o, types.FrameType):
+    kind = type(o)
+    if kind is types.FrameType:
         code = o.f_code
         return f"frame of {code.co_name} ({code.co_filename.rsplit('/', 1)[-1]}:{o.f_lineno})"
-    if isinstance(o, BaseException):
-        return f"{type(o).__name__} exception (its traceback)"
+    if issubclass(kind, BaseException):
+        return f"{kind.__name__} exception (its traceback)"
     if type(o) is dict:  # maybe an instance __dict__: its owner names it
         for holder in gc.get_referrers(o):
             if getattr(holder, "__dict__", None) is o:
                 return ""  # the owner object is the next name in the path
         return "dict"
-    if isinstance(o, types.CellType):
+    if kind is types.CellType:
         return "closure cell"
-    if isinstance(o, types.FunctionType):
+    if kind is types.FunctionType:
         return f"function {o.__qualname__}"
-    return type(o).__name__
+    return kind.__name__

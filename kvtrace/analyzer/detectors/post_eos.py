@@ -135,7 +135,9 @@ class PostEos(Detector):
         return out
 
     def _request(self, ctx: ReplayContext, req: RequestTimeline) -> Finding | None:
-        peak = req.peak_kv_unique
+        # A hybrid model's conv/recurrent state is cache memory too (its storages are in /retention
+        # beside the KV's): the peak it is judged against holds both.
+        peak = req.peak_kv_unique + req.state_bytes
         kv_alive, kv_layers, referrers = retention_summary(ctx, req)
         if peak <= 0 and not kv_alive:
             return None
@@ -171,11 +173,13 @@ class PostEos(Detector):
             f" (it ended {req.outcome.name.lower()})"
         evidence = {
             "retained_bytes": ev(retained, "bytes"),
-            "peak_kv_bytes": ev(peak, "bytes"),
+            "peak_kv_bytes": ev(req.peak_kv_unique, "bytes"),
             "ratio": ev(round(max(retained, kv_alive) / peak, 4), "ratio"),
             "kv_alive_bytes": ev(kv_alive, "bytes"),
             "recorder_own_bytes": ev(own_bytes, "bytes"),
         }
+        if req.state_bytes:
+            evidence["state_bytes"] = ev(req.state_bytes, "bytes")
         if base is not None:
             evidence["baseline_allocated_bytes"] = ev(int(base["allocated_bytes"]), "bytes")
         device = int(base["device"]) if base is not None else None
@@ -212,7 +216,8 @@ class PostEos(Detector):
         names = [n for n in referrers if " < " not in n]
         paths = [n for n in referrers if " < " in n]
         who = ", ".join(names[:4]) or "unknown objects"
-        attribution = (f"KV tensors of {layers_phrase(kv_layers)} ({format_bytes(kv_alive)}) are still "
+        what = "KV and state tensors" if req.state_bytes else "KV tensors"
+        attribution = (f"{what} of {layers_phrase(kv_layers)} ({format_bytes(kv_alive)}) are still "
                        f"alive, referred to by {who}")
         if paths:
             attribution += f"; held by {paths[0]}"
@@ -229,14 +234,16 @@ class PostEos(Detector):
             score = ACCUMULATING
             bits = []
             if repeated:
-                bits.append(f"requests {', '.join(map(str, sorted(repeated)[:8]))} kept KV too")
+                bits.append(f"request{'s' if len(repeated) > 1 else ''} {', '.join(map(str, sorted(repeated)[:8]))} "
+                            "kept KV too")
             if persisted:
                 bits.append(f"it was still alive at the verdicts of request{'s' if len(persisted) > 1 else ''} "
                             f"{', '.join(map(str, persisted[:8]))}")
             growing = f"; retention accumulates: {' and '.join(bits)}"
         share = f"{ratio:.1f}x" if ratio >= 2 else f"{ratio:.0%} of"
         msg = (f"Request {req.request}{outcome} kept {format_bytes(retained)} ({share} its "
-               f"{format_bytes(peak)} peak KV) {after_what}, by {source}; {attribution}{growing}.")
+               f"{format_bytes(peak)} peak {'KV + state' if req.state_bytes else 'KV'}) {after_what}, by {source}; "
+               f"{attribution}{growing}.")
         return "retained_after_request", score, msg
 
     def _no_kv_alive(self, ctx: ReplayContext, req: RequestTimeline, peak: int, retained: int, source: str,
