@@ -87,7 +87,7 @@ _DIFFERS: dict[str, str] = {
     "streaming_llm": ("below a budget of n_sink kvpress keeps n of its sinks (topk's tie order); kvtrace kept all "
                       "n_sink sinks, over budget"),
     "observed_attention": ('needs attn_implementation="eager" (the press asserts the attention matrix); offline '
-                           "kvtrace scored with the sampled queries only"),
+                           "here it is scored with the sampled queries only"),
     "tova": "kvpress scores with the newest position's query; offline kvtrace with the newest sampled one",
     "snapkv": ("kvpress's window is every one of the last window_size queries; offline kvtrace used the sampled "
                "ones among them (window_queries in each row)"),

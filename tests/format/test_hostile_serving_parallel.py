@@ -271,8 +271,9 @@ def test_as_real_processes(clean, tmp_path):
 
 # Commands that read none of /sched, /sched_groups, /blocks, /events: they may still answer (spec §9.1).
 NOT_READING_SERVING = ("calc --trace", "whatif")
-# Commands that do not run the analyser (analyze, report, diff, the Perfetto and Parquet exports do).
-NOT_RUNNING_THE_ANALYSER = ("info", "info --json", "export prometheus-textfile", "calc --trace", "whatif")
+# Commands that do not read continuous-batching requests' gen_args (the Prometheus export does: its
+# per-request serving series, end-to-end latency among them, are counted over the CB requests).
+NOT_READING_GEN_ARGS = ("info", "info --json", "calc --trace", "whatif")
 F64 = "<f8"
 SERVING = {
     # wrong types, wrong column sets: refused at open by every command
@@ -350,17 +351,17 @@ SERVING = {
     "a phase name past the end of /text": (H.event(22, 2, text_ref=(10**6, 12)), "/events text_off points past the end of /text",
                                             (*NOT_READING_SERVING, "export prometheus-textfile"),
                                             "text reference [1000000, 1000012) past end of /text"),
-    # a CB request's gen_args (JSON in /text): read by the analyser alone, so by every command that runs it
+    # a CB request's gen_args (JSON in /text): read by the analyser and the Prometheus export
     "gen_args manager 'zero'": (H.gen_args(0, '{"cb_request_id": "r", "manager": "zero"}'),
-                                "/requests request 0's gen_args names manager 'zero'", NOT_RUNNING_THE_ANALYSER),
+                                "/requests request 0's gen_args names manager 'zero'", NOT_READING_GEN_ARGS),
     "gen_args manager -1": (H.gen_args(0, '{"cb_request_id": "r", "manager": -1}'), "names manager '-1'",
-                            NOT_RUNNING_THE_ANALYSER),
+                            NOT_READING_GEN_ARGS),
     "gen_args manager 10^11": (H.gen_args(0, '{"cb_request_id": "r", "manager": 99999999999}'),
-                               "names manager '99999999999'", NOT_RUNNING_THE_ANALYSER),
+                               "names manager '99999999999'", NOT_READING_GEN_ARGS),
     "gen_args manager NaN": (H.gen_args(0, '{"cb_request_id": "r", "manager": NaN}'), "names manager 'nan'",
-                             NOT_RUNNING_THE_ANALYSER),
+                             NOT_READING_GEN_ARGS),
     "gen_args manager a list": (H.gen_args(0, '{"cb_request_id": "r", "manager": [1]}'), "names manager '[1]'",
-                                NOT_RUNNING_THE_ANALYSER),
+                                NOT_READING_GEN_ARGS),
     # codes this reader does not know: refused by whoever reads /events (spec §2)
     "unknown event kind 23": (H.event(23, 0), "/events kind has unknown codes [23]", NOT_READING_SERVING),
     "event kind 255": (H.event(255, 0), "/events kind has unknown codes [255]", NOT_READING_SERVING),
