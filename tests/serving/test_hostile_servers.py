@@ -76,6 +76,8 @@ def _check(out: str, name: str) -> dict:
     return next(c for p in json.loads(out)["phases"] for c in p["checks"] if c["name"] == name)
 
 
+# The child's own peak: VmHWM of its address space, which exec starts afresh. (ru_maxrss is not: Linux
+# carries it across exec, so a child forked from a 3 GB pytest process reports 3 GB.)
 DRIVER = """
 import resource, sys
 from kvtrace.cli import main
@@ -84,7 +86,12 @@ try:
     main(sys.argv[1:])
 except SystemExit as exc:
     code = exc.code or 0
-print("maxrss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+try:
+    with open("/proc/self/status") as fh:
+        peak = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
+except (OSError, StopIteration):
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print("maxrss_kib", peak, file=sys.stderr)
 sys.exit(code)
 """
 
