@@ -168,6 +168,7 @@ class Requests:
         if self.owners is not None:  # the output's tensors, by identity, for the owner readings
             self.owners.finish(req, out)
         if self.ctx.options.retention:  # the verdict waits until the caller could drop the output
+            self.verdict.observe_output(out)
             self.verdict.defer(rid, req.last_cache)
         if self.submission.sampler is not None:
             self.readings.write_recorder_own(rid, self.submission.sampler.own_device_bytes_on)

@@ -20,6 +20,7 @@ import torch
 
 from kvtrace.format.schema import EventKind, Outcome, ReadingLabel
 from kvtrace.recorder.context import SessionContext
+from kvtrace.recorder.hooks import cache_of_output
 from kvtrace.recorder.layouts import LayoutContext, cache_parts, read_cache
 from kvtrace.recorder.readings import MemoryReadings
 from kvtrace.recorder.retention import RetentionTracker, holder_path
@@ -51,6 +52,18 @@ class RetentionVerdict:
         """Take the verdict of ``request`` later (next request or close), whatever its outcome: a
         failed request's exception holds its cache while it propagates, and may be kept after."""
         self._pending = PendingRetention(request, cache_ref, outcome, exc_id)
+
+    def observe_output(self, out: Any) -> None:
+        """The Cache generate returned, observed once more: beam search reorders the cache after its
+        last forward (new storages no step saw), and the caller may keep exactly those. Never raises."""
+        try:
+            cache = cache_of_output(out)
+            layout = self.layout()
+            if cache is not None and layout is not None:
+                read_cache(cache, layout, observe=self.tracker.observe)
+            cache = None
+        except Exception as exc:  # noqa: BLE001
+            self.ctx.error("retention-output", exc)
 
     def collect(self, rid: int) -> None:
         """gc.collect() for request ``rid``, with its GC event and AFTER_GC reading."""

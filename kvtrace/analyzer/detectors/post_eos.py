@@ -61,6 +61,9 @@ UNNAMED_NON_KV = 0.25
 # Copies of KV left alive after the request: score = copies / peak KV on this ramp, floored at low.
 COPIES_RAMP = (0.1, 1.0)
 REQUESTED_OUTPUTS_CAP = 0.1  # the generate output the caller asked for, still held: information
+# KV held only by the exception the caller is handling at the next request (a retry inside the except
+# block): real while it lasts, gone when the block ends: medium at most, unless it accumulates.
+HANDLING_CAP = 0.45
 
 
 def _retained_by(req: RequestTimeline, field_name: str) -> int | None:
@@ -229,6 +232,11 @@ class PostEos(Detector):
                             "ask for return_dict_in_generate)")
         if kv_alive < peak and kv_alive * 2 <= peak:
             attribution += " (a view or slice of a KV tensor keeps its whole storage alive)"
+        handling = bool(paths) and all("the exception being handled now" in x for x in paths)
+        if handling:  # held only while the caller's except block runs (a retry inside it)
+            score = min(score, HANDLING_CAP)
+            attribution += (" (only while the except block that handles it runs: a retry inside it holds the "
+                            "failed request's cache beside its own; retry after the block, or drop the exception)")
         growing = ""
         if repeated or persisted:
             score = ACCUMULATING
