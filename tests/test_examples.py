@@ -136,10 +136,25 @@ def make_inputs(d: Path) -> Path:
     gpu_fixture = Path(__file__).resolve().parent / "data" / "gpu" / "gpu_clean.kvt.h5"
     p = _kvtrace(["export", "parquet", "shared.kvt.h5", str(gpu_fixture), "-o", "fleet"], d)
     assert p.returncode in (0, 69), p.stderr  # 69: the fleet extra is not installed (examples then skip)
+    _record_with_owner_readings(d / "owners.kvt.h5")
     model = presets.preset_model("llama-3.1-8b")  # tiny random weights, no tokenizer: byte tokens
     model.save_pretrained(d / "model")
     (d / "config.json").write_text(json.dumps(presets.get_preset("llama-3.1-8b").config_dict()))
     return d
+
+
+def _record_with_owner_readings(path: Path) -> None:
+    """A trace holding owner readings for the memory-viz examples: the caller keeps every generate
+    output of four requests, so each request end is a verdict moment with memory left behind."""
+    import kvtrace
+    from kvtrace.testing_models import tiny_model, tiny_prompt
+
+    model, kept = tiny_model("llama"), []
+    with kvtrace.record(model, path):
+        for _ in range(4):
+            kept.append(model.generate(tiny_prompt(6), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                       return_dict_in_generate=True))
+    kept.clear()
 
 
 def _fleet_versions() -> dict[str, str]:
@@ -207,7 +222,8 @@ def prepare(args: list[str], work: Path, inputs: Path) -> list[str]:
             target.write_text("The quick brown fox jumps over the lazy dog. " * 4)
         elif arg.endswith(".kvt.h5"):
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(inputs / "shared.kvt.h5", target)
+            owners = args[1:3] == ["export", "memory-viz"]  # needs owner readings, which a clean run has none of
+            shutil.copyfile(inputs / ("owners.kvt.h5" if owners else "shared.kvt.h5"), target)
         elif arg.endswith(".json") and args[1] == "diff":
             shutil.copyfile(inputs / "shared.json", target)
         fixed.append(arg)

@@ -289,7 +289,7 @@ def memory_viz(trace: str, output: str, request: int | None, moment: str | None,
 
     \b
     Examples:
-      kvtrace export memory-viz run.kvt.h5 -o oom.pickle                 # the OOM's owners, if any
+      kvtrace export memory-viz run.kvt.h5 -o oom.pickle                 # owners at the OOM, if any
       kvtrace export memory-viz run.kvt.h5 --request 3 --moment request_end -o r3.pickle
     """
     from kvtrace.export.memory_viz import write_memory_viz
