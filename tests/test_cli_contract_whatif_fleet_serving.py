@@ -689,6 +689,7 @@ PRINTERS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", PRINTERS, ids=lambda a: " ".join(x for x in a[:3] if not x.startswith("{")))
 def test_closed_stdout_is_a_quiet_141(work, argv):
     _needs_fleet(argv)
@@ -872,6 +873,7 @@ def test_serve_port_in_use_is_69_and_writes_no_trace(work, tmp_path):
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
+@pytest.mark.slow
 def test_serve_full_disk_is_73(work, full_fs):
     """A trace that cannot be written is 73 as in record (was 69 'cannot serve ...: CannotWriteTrace'),
     said once."""

@@ -256,6 +256,7 @@ def split_example(where: str, line: str) -> tuple[list[str], list[str], str | No
     return tokens, piped, None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example", EXAMPLES, ids=[_id(e) for e in EXAMPLES])
 def test_example_runs(example, inputs, tmp_path):
     where, line = example

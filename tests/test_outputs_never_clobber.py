@@ -192,6 +192,7 @@ def test_export_parquet_replaces_links_in_its_directory(tmp_path, capsys, kind):
         (out / name).write_bytes(saved)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo"])
 def test_report_figures_replace_links_in_their_directory(tmp_path, capsys, kind):
     """The same for `report --figures DIR`: every figure is a new file; what a planted link points

@@ -44,6 +44,7 @@ def test_the_old_import_path_still_works():
     assert old is progress_bar
 
 
+@pytest.mark.slow
 def test_demo_prints_each_long_step_before_it_runs(tmp_path):
     """The model load, the analysis and the report each wait until the test has read the line that
     announces them: a line held in a buffer until exit would never be read (the step waits)."""

@@ -79,6 +79,7 @@ def test_short():
     assert words <= 1250, f"README.md has {words} words (an entry point of about 1,200)"
 
 
+@pytest.mark.slow
 def test_python_quickstart_runs_as_written(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")

@@ -61,6 +61,7 @@ def _above_info(report) -> dict:
             if f.severity >= Severity.LOW}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CLEAN, ids=[c.name for c in CLEAN])
 def test_clean_control_has_nothing_above_info(analysed, case):
     r = analysed(case.name)
@@ -87,6 +88,7 @@ SERVING = ("serving_capacity", "concurrency_headroom", "block_waste", "preemptio
            "over_reservation", "context_spike")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", cases.SERVING_CLEAN, ids=[c.name for c in cases.SERVING_CLEAN])
 def test_clean_serving_control_has_nothing_above_info(analysed, case):
     """Continuous batching (no /kv rows: the generate detectors skip) with every serving detector run."""
@@ -101,6 +103,7 @@ def test_clean_serving_control_has_nothing_above_info(analysed, case):
     assert set(SERVING) <= ran, ran
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", PLANTED, ids=[c.name for c in PLANTED])
 def test_planted_case_is_named_by_its_own_detector(analysed, case):
     r = analysed(case.name)
@@ -113,6 +116,7 @@ def test_planted_case_is_named_by_its_own_detector(analysed, case):
         assert not [f for f in r.result("growth_curve").findings if f.kind == "duplication" and f.score > 0.1]
 
 
+@pytest.mark.slow
 def test_retention_names_its_holders(analysed):
     kept = max(analysed("retention:kept_output").result("post_eos").findings, key=lambda f: f.score)
     assert kept.severity == Severity.CRITICAL and "Generate" in kept.message and kept.layers == [0, 1]
@@ -130,6 +134,7 @@ def test_duplication_outside_the_cache_has_its_signature(analysed):
     assert "sum of earlier cache sizes" in f.message
 
 
+@pytest.mark.slow
 def test_oom_causes_name_the_limit(analysed):
     cap = analysed("oom:rlimit_cap").result("oom").findings
     assert [f.kind for f in cap] == ["oom_memory_cap"] and "RLIMIT_AS" in cap[0].message

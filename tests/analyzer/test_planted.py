@@ -161,6 +161,7 @@ def test_planted_details(recorded):
     assert w.layers == [1] and "window 8" in w.message
 
 
+@pytest.mark.slow
 def test_copies_outside_the_cache_on_cpu_have_the_duplication_signature(recorded):
     """Old copies kept in a list are invisible to the cache structure; on a CPU trace only process
     RSS shows them. RSS alone is no proof (heap slack), but an excess that grows exactly as the

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_overhead.py"
 
 
@@ -15,6 +17,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_pairs_and_intervals(tmp_path):
     out = tmp_path / "overhead.json"
     proc = _run("--suite", "smoke", "--device", "cpu", "--pairs", "2", "--quiet", "--json", str(out))

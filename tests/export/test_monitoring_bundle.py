@@ -104,6 +104,7 @@ def _bundled_config(target: str) -> str:
     return yaml.safe_dump(config)
 
 
+@pytest.mark.slow
 def test_real_prometheus_from_the_bundle_fills_the_kv_panels_under_serving(tmp_path):
     from test_prometheus_server import PROMETHEUS, Prom  # the real-Prometheus harness
 

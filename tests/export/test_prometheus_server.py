@@ -125,6 +125,7 @@ def refused(port: int, within_s: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_real_prometheus_sees_the_final_state_and_first_events(tmp_path):
     model = tiny_model("llama")
     ids = tiny_prompt(8)

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary
                                                           "prometheus; .ci/run tries it)")
 
 
+@pytest.mark.slow
 def test_real_prometheus_answers_the_serving_panels(tmp_path):
     import torch
 

@@ -30,6 +30,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 EXAMPLES = 80
 # A damaged file may not cost more memory than this above what the same commands need on the clean
@@ -37,6 +39,7 @@ EXAMPLES = 80
 GROWTH_LIMIT = 256 << 20
 
 
+@pytest.mark.slow
 def test_mutation_fuzzer(tmp_path):
     env = dict(os.environ, KVTRACE_DEBUG="", MPLBACKEND="Agg")
     proc = subprocess.run([sys.executable, str(Path(__file__)), str(tmp_path)], capture_output=True,

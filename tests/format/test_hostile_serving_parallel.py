@@ -246,6 +246,7 @@ def test_rank_set_with_missing_ranks_names_at_most_16(clean, tmp_path, capsys):
 # ---- real processes -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_as_real_processes(clean, tmp_path):
     """A sample of the above through `python -m kvtrace.cli` itself: exit codes and one stderr line."""
     env = dict(os.environ, KVTRACE_DEBUG="")
@@ -368,6 +369,7 @@ SERVING = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(SERVING))
 def test_damaged_serving_part_is_refused_by_every_consumer_that_reads_it(clean, tmp_path, capsys, case):
     damage, problem, may_succeed, *refusal = SERVING[case]  # refusal: the reader's words, where not validate's
@@ -390,6 +392,7 @@ def test_every_planted_damage_is_listed_by_validate_at_once(clean, tmp_path, cap
         assert text in out + err, text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("case", "damage", "check"), [
     # values the format allows, however odd: read and shown as recorded, never a crash
     ("a field a newer minor added", H.extra_column("sched"), "serving    8 scheduler steps"),
@@ -533,6 +536,7 @@ def test_a_killed_serving_recording_stays_valid(tmp_path, capsys, attempt):
 # ---- memory ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("table", ["blocks", "sched_groups"])
 def test_a_serving_table_at_the_decode_limit_is_checked_in_bounded_memory(clean, tmp_path, table):
     """A serving table grown to just under the reader's decode limit with unwritten (zero) rows, in a
@@ -576,6 +580,7 @@ def serving_mutation(draw: st.DrawFn) -> tuple[str, H.Damage]:
     return f"/{table} {column}[{row}] = {value}", H.set_rows(table, column, value, [row])
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mutation=serving_mutation())
 def test_validate_and_every_consumer_agree_on_mutated_serving_values(clean, tmp_path_factory, capsys, mutation):

@@ -139,6 +139,7 @@ def check_every_command(trace: Path, base: Path, out: Path, text: str) -> dict[s
     return codes
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(text=HOSTILE)
@@ -151,6 +152,7 @@ def test_hostile_strings_through_every_command(text, base, tmp_path_factory):
     check_every_command(trace, base, d, text)
 
 
+@pytest.mark.slow
 def test_undecodable_bytes_print_as_replacement(base, tmp_path):
     """A model type of raw bytes that are not UTF-8 (a lone surrogate's encoding, a stray 0xff):
     read as U+FFFD, never a surrogate that no terminal or JSON writer accepts."""

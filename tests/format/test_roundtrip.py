@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -28,6 +29,7 @@ def rows_for(dtype: np.dtype, max_rows: int = 20):
 TABLES_EXCEPT_REQUESTS = [t for t in schema.TABLES if t not in ("requests", "devices")]
 
 
+@pytest.mark.slow
 @given(data=st.data())
 def test_every_table_round_trips(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("rt") / "t.kvt.h5"

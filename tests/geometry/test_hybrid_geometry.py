@@ -113,6 +113,7 @@ def _meta_states(cfg) -> dict[int, list[tuple[int, ...]]] | None:
     return out
 
 
+@pytest.mark.slow
 def test_state_shapes_at_full_size_on_the_meta_device(hybrids):
     compared = []
     with warnings.catch_warnings():

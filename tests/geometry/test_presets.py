@@ -127,6 +127,7 @@ def test_shrinking_kv_sharing_and_dense_prefix():
         P.preset_config_dict("llama-3.1-8b", width_scale=1.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(P.list_presets()))
 def test_shrunk_preset_generates_on_cpu_and_cache_matches(name):
     torch = pytest.importorskip("torch")

@@ -78,6 +78,7 @@ def _make(c):
     return q, k
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, database=None)
 @given(c=cases())
 def test_triton_matches_reference(tri_device, c):

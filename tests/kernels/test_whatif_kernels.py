@@ -68,6 +68,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_keep_measures_triton_torch_numpy_agree(case, tri_device):
     case = dict(case)
@@ -358,6 +359,7 @@ def test_direct_launch_repeats_the_triton_launch(tri_device, monkeypatch):
                     _close(a.cpu().numpy(), b.cpu().numpy(), EXACT)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 7])
 def test_grid_decided_per_key_block_in_the_packed_kernel(tri_device, monkeypatch, window):
     """fp32 q, k, v of a decode step: the packed kernel tells bf16-valued key blocks from full fp32
@@ -503,6 +505,7 @@ EXACT_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", EXACT_CASES)
 @pytest.mark.parametrize("values", ["fp32", "bf16 grid", "bf16 tensors", "bf16 q, fp32 k/v"])
 def test_exact_decode_kernel_agrees_without_a_grid_check(case, values, tri_device, monkeypatch):

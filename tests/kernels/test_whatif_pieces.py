@@ -68,6 +68,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("grid", ["fp32", "bf16", "bf16-tensors"])
 def test_pieces_agree_with_numerics(case, grid, tri_device, monkeypatch):

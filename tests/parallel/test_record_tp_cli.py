@@ -51,6 +51,7 @@ def _check_ranks(out: Path, heads_total: int, capsys: pytest.CaptureFixture[str]
     assert code == 0 and json.loads(text)["rank_check"]["agrees"] is True, err
 
 
+@pytest.mark.slow
 def test_preset_recorded_tensor_parallel(tmp_path, capsys):
     proc = _torchrun(tmp_path, "preset:llama-3.1-8b", "--tiny")
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -61,6 +62,7 @@ def test_preset_recorded_tensor_parallel(tmp_path, capsys):
     _check_ranks(tmp_path, 8, capsys)  # llama-3.1-8b: 8 KV heads, 4 per rank
 
 
+@pytest.mark.slow
 def test_local_checkpoint_recorded_tensor_parallel(tmp_path, capsys):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -12,6 +12,8 @@ import pytest
 from kvtrace.format.reader import Trace
 from tests.cli_run import run_main
 
+pytestmark = pytest.mark.slow  # two ranks record under gloo once for the module: ~13 s before any test
+
 
 def _ranks(tp_run):
     return [str(tp_run / f"run.rank{r}.kvt.h5") for r in (0, 1)]

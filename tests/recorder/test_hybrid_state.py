@@ -63,6 +63,7 @@ def record(tmp_path, name: str, **options):
     return path, cache if cache is not None else out.past_key_values
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TINY_HYBRID_NAMES)
 def test_state_rows_are_the_cache_tensors(tmp_path, name):
     path, cache = record(tmp_path, name, structure_every=1)

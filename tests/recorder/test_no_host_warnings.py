@@ -60,6 +60,7 @@ def _python(code: str) -> list[str]:
     return [sys.executable, "-c", STRICT + code]
 
 
+@pytest.mark.slow
 def test_the_harness_sees_a_rename_notice(tmp_path):
     """Control: on a transformers whose outputs declare `cache`, the old name prints the notice."""
     code = ("import warnings\nwarnings.simplefilter('ignore')\n"
@@ -74,6 +75,7 @@ def test_the_harness_sees_a_rename_notice(tmp_path):
     assert _notices(p.stdout + p.stderr)
 
 
+@pytest.mark.slow
 def test_record_and_rerun_cause_no_warning(tmp_path):
     _run(_kvtrace("record", "--model", "preset:llama-3.1-8b", "--tiny", "--prompt", "hello", "--prompt", "again",
                   "--max-new-tokens", "6", "--min-new-tokens", "6", "-q", "-o", "r.kvt.h5"), tmp_path)
@@ -85,6 +87,7 @@ def test_record_and_rerun_cause_no_warning(tmp_path):
                   "streaming_llm", "--json-out", "w.json"), tmp_path)
 
 
+@pytest.mark.slow
 def test_record_api_on_static_and_dynamic_caches_causes_no_warning(tmp_path):
     code = ("import kvtrace\nfrom kvtrace.testing_models import tiny_model, tiny_prompt\n"
             "m = tiny_model('gemma3_text')\n"

@@ -30,6 +30,7 @@ def _side_version() -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (_side_version() or "").startswith("5.17."),
                     reason=f"transformers 5.17 is not side-installed at {SIDE} (see this module's docstring)")
 def test_v517_adapter_equals_the_517_cache_at_every_step() -> None:

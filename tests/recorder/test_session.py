@@ -248,6 +248,7 @@ def test_recorder_holds_no_cache_tensor(tmp_path):
     assert rec.recorder_errors == 0
 
 
+@pytest.mark.slow
 def test_retention_reports_what_the_caller_keeps(tmp_path):
     m = model("llama")
     path = tmp_path / "ret.kvt.h5"

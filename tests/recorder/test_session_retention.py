@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 from rec_helpers import generate, model, text
 
@@ -112,6 +113,7 @@ def test_cycle_freed_by_the_collection_is_not_retained(tmp_path, monkeypatch):
         assert int(ReadingLabel.AFTER_GC) in set(t.readings(0)["label"].tolist())
 
 
+@pytest.mark.slow
 def test_output_kept_past_the_next_request_is_retained(tmp_path):
     m = model("llama")
     path = tmp_path / "kept.kvt.h5"

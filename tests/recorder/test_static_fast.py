@@ -53,6 +53,7 @@ def _same(a, b):
                 assert len(np.unique(rows["k_storage"][rows["layer"] == layer])) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,batch,user_cache", [("llama", 1, False), ("gemma3_text", 1, False),
                                                    ("llama", 2, False), ("gemma3_text", 1, True)])
 def test_static_rows_equal_the_general_reader(tmp_path, monkeypatch, name, batch, user_cache):
@@ -86,6 +87,7 @@ def test_static_reader_does_not_read_the_device_count(tmp_path, monkeypatch, gen
     assert len(reads) == (6 if general else 1) * layers
 
 
+@pytest.mark.slow
 def test_swapped_layers_fall_back_to_the_general_reader(tmp_path):
     """A cache whose layer objects change mid-request (a user's custom update) is not read from the
     stale plan: the rows follow the new tensors."""

@@ -82,6 +82,7 @@ def _check_stopped(path: Path, code: int, capfd: pytest.CaptureFixture[str]) -> 
     assert rc == 0 and "stopped early" in text, text
 
 
+@pytest.mark.slow
 def test_rlimit_fsize_generate_finishes_and_trace_says_why(tmp_path, capfd):
     path = tmp_path / "limited.kvt.h5"
     proc = subprocess.run([sys.executable, "-c", CHILD, str(path), str(LIMIT)], capture_output=True,
@@ -97,6 +98,7 @@ def test_rlimit_fsize_generate_finishes_and_trace_says_why(tmp_path, capfd):
     _check_stopped(path, errno.EFBIG, capfd)
 
 
+@pytest.mark.slow
 def test_cli_record_exits_74_after_generation(tmp_path, capfd):
     out = tmp_path / "cli.kvt.h5"
     cmd = [sys.executable, "-m", "kvtrace.cli", "record", "--model", "preset:llama-3.1-8b", "--layers", "2",

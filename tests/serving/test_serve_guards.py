@@ -259,6 +259,7 @@ def _vm_hwm_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
 
 
+@pytest.mark.slow
 def test_kvtrace_serve_refuses_what_would_kill_its_worker(tmp_path):
     """The tiny llama on CPU with continuous batching: an empty prompt, a whitespace one and
     max_tokens 0 are 400 and the worker stays alive (before: the empty prompt killed it, 503 for every

@@ -41,6 +41,7 @@ DRIVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigterm_before_uvicorn_handlers_stops_with_a_complete_trace(tmp_path):
     model_dir = save_tiny_server_model(tmp_path / "tiny")
     trace = tmp_path / "early.kvt.h5"

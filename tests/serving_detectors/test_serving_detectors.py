@@ -266,6 +266,7 @@ def test_deepseek_mla_fails_under_523_paged_cache_and_the_trace_says_so(recorded
     assert not [f for f in report.findings if f.severity >= Severity.LOW]
 
 
+@pytest.mark.slow
 def test_memory_percent_pool_preempts(recorded):
     """No num_blocks: transformers sized the pool itself from max_memory_percent (5 blocks here)."""
     path, report = recorded("plant_memory_percent")

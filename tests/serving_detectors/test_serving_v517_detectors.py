@@ -16,6 +16,7 @@ TF517 = Path("/tmp/tf517")
 SCRIPT = Path(__file__).resolve().parent / "serving_check.py"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (TF517 / "transformers").is_dir(), reason="transformers 5.17 is not side-installed at /tmp/tf517")
 def test_serving_detectors_on_transformers_517_recordings():
     env = {**os.environ, "PYTHONPATH": str(TF517), "OMP_NUM_THREADS": "1"}

@@ -43,6 +43,7 @@ def _alone(path: Path, names: list[str], ratios: list[float], steps: str) -> dic
     return merged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps", ["last", "all"])
 @pytest.mark.parametrize("path", [LLAMA, GEMMA], ids=["llama", "gemma3_text"])
 def test_the_document_is_the_one_of_each_policy_and_ratio_alone(path, steps):

@@ -82,6 +82,7 @@ def _close(a, b, tol):
     np.testing.assert_allclose(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), equal_nan=True, **tol)
 
 
+@pytest.mark.slow
 def test_bridge_matches_numerics_on_recorded_and_hand_built_units():
     exact = A.Exact()
     grid = _hand_unit()  # a bf16 model's recording: fp32 arrays holding bf16 values (the bf16 kernel path)

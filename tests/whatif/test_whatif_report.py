@@ -46,6 +46,7 @@ def test_heatmap_values_and_table_come_from_the_document():
     assert all("KiB" in r[2] or " B" in r[2] for r in rows)
 
 
+@pytest.mark.slow
 def test_report_has_the_section_by_default_on_sampled_traces(tmp_path):
     result = build_report(LLAMA, tmp_path / "r.html", tmp_path / "figs", run_analyzer=False)
     assert "whatif" in result.sections and "whatif" not in result.absent
