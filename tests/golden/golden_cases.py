@@ -1,4 +1,4 @@
-"""The golden JSON outputs that pin kvtrace's behaviour across the issue-15 redesign.
+"""The golden JSON outputs that pin kvtrace's behaviour across refactors (a redesign must not change them).
 
 Every trace under tests/data goes through `analyze --json`, `info --json` and `calc --trace ...
 --json`; each trace is also diffed against the first GPU fixture with `diff --json`. The documents
