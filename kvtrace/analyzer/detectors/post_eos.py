@@ -277,7 +277,7 @@ class PostEos(Detector):
                     f"Request {req.request}{outcome} released its own KV cache, but {format_bytes(copies)} of "
                     f"copies of it ({end.classes[OW.KV_COPIES].blocks:,} blocks sized like its layers' K/V, "
                     f"{copies / peak:.1f}x its {format_bytes(peak)} peak KV) are still alive {after_what}{at}: user "
-                    "code keeps copies of the cache (torch.cat/clone of past_key_values, a list of layer tensors).")
+                    "code keeps copies of the cache (torch.cat or clone of its layer tensors, a list of them).")
             if outputs and outputs >= 0.5 * (retained - workspace - earlier) and own.asked_outputs(ctx, req.request):
                 asked = ", ".join(f"output_{x}" for x in own.asked_outputs(ctx, req.request))
                 return "requested_outputs_held", min(ramp(ratio, *SCORE_RAMP), REQUESTED_OUTPUTS_CAP), (
