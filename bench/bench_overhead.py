@@ -53,9 +53,15 @@ Variants (recorder options, or mechanism-isolation patches; see ``VARIANTS``):
   memhist      torch.cuda.memory._record_memory_history() (anchor; own process)
   profiler     torch.profiler.profile(profile_memory=True) (anchor; own process)
 
-The serving recorder (continuous batching, tokens/s at 16 and 64 concurrent requests) does not
-exist yet: ``WORKLOADS`` has a "serving" entry that says so; when it exists, its run function goes
-there and every job, pair and statistic here applies to it unchanged.
+  lo_owners    the defaults without owner readings (allocator snapshot at each request's end)
+  owners_x     owner readings every 0.1 s instead of every 60 s (amplified periodic snapshot)
+
+    python bench/bench_overhead.py --suite paths --json out.json   # every path a user runs
+
+The "serving" workload (``--suite serving``) times ``generate_batch`` (continuous batching, CUDA
+graphs on) at 16 and 64 concurrent requests, with the same ABBA pairs, A-vs-A control and CIs;
+its direct cost is the wall time inside the serving recorder's per-step bodies (``_step`` and the
+first-token scan) divided by the scheduler steps the trace holds.
 """
 
 from __future__ import annotations
@@ -106,6 +112,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lo_retention": {"options": {"retention": False}},
     "lo_structure": {"options": {"structure_every": 10**9}},
     "lo_hooks": {"options": {}, "patch": ("nohooks",)},
+    "lo_owners": {"options": {"owners": False}},
+    "owners_x": {"options": {"owners_every_s": 0.1}, "amplify": 600},
     "aa": {},  # nothing attached: an A/A pair, the harness's own noise floor and order bias
     "memhist": {"anchor": True},
     "profiler": {"anchor": True},
@@ -123,7 +131,8 @@ GPU_MODELS = {"pythia-1.4b": None, "gpt-oss-20b": 6}  # preset -> layers kept (N
 # ~2.3 ms decode step on an H200, where fixed per-step costs show); built from llama-3.1-8b's preset.
 FAST_MODEL = {"llama-16x2048": dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
                                     num_attention_heads=16, num_key_value_heads=4, head_dim=128)}
-SHAPES.update({"s1": (1, 128, 256), "s8": (8, 128, 256)})
+SHAPES.update({"s1": (1, 128, 256), "s8": (8, 128, 256),
+               "c16": (16, 128, 128), "c64": (64, 128, 128)})  # concurrent requests, prompt, new tokens
 
 
 def _job(model: str, shape: str, variants: list[str], pairs: int, **extra: Any) -> dict[str, Any]:
@@ -146,6 +155,15 @@ def suite_jobs(suite: str, pairs: int | None) -> list[dict[str, Any]]:
     if suite == "static":  # generate(cache_implementation="static"): transformers compiles the forward
         return [_job("llama-16x2048", s, ["aa", "recorder", "m_hooks", "lo_structure", "lo_telemetry", "lo_flusher"],
                      pairs or 12, cache="static") for s in ("s1", "s8")]
+    if suite == "eager":  # the same model on the eager dynamic-cache path
+        return [_job("llama-16x2048", s, ["aa", "recorder"], pairs or 10) for s in ("b1", "b16")]
+    if suite == "serving":  # continuous batching with CUDA graphs: 16 and 64 concurrent requests
+        return [_job("llama-16x2048", s, ["aa", "recorder"], pairs or 8, workload="serving")
+                for s in ("c16", "c64")]
+    if suite == "owners":  # owner snapshots on the compiled static path
+        return [_job("llama-16x2048", "s1", ["aa", "recorder", "lo_owners", "owners_x"], pairs or 8, cache="static")]
+    if suite == "paths":
+        return [j for name in ("eager", "static", "serving", "owners") for j in suite_jobs(name, pairs)]
     if suite == "smoke":
         return [_job("pythia-1.4b", "tiny", ["aa", "recorder", "m_hooks"], pairs or 2, tiny=True)]
     raise ValueError(f"unknown suite {suite!r}")
@@ -461,16 +479,106 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
 # ---- workloads ---------------------------------------------------------------------------------
 
-SERVING_MISSING = ("bench_overhead: the serving recorder does not exist yet; this harness keeps a hook "
-                   "for it (tokens/s at 16 and 64 concurrent requests, same pairs and statistics)")
+class ServingClock:
+    """Wall time inside the serving recorder's per-step bodies (its direct cost on CB's loop thread):
+    wraps ``ServingRecorder._step`` and ``_first_token`` for the whole worker process."""
+
+    def __init__(self) -> None:
+        from kvtrace.recorder import serving
+
+        self.ns = 0
+        for name in ("_step", "_first_token"):
+            setattr(serving.ServingRecorder, name, self._timed(getattr(serving.ServingRecorder, name)))
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.ns += time.perf_counter_ns() - t0
+        return timed
 
 
-def _serving_not_built(job: dict[str, Any]) -> dict[str, Any]:
-    raise SystemExit(SERVING_MISSING)
+def run_batch(model: Any, variant: str, prompts: list[list[int]], new: int, trace_dir: Path, tag: str,
+              clock: ServingClock) -> dict[str, Any]:
+    """One timed generate_batch call (continuous batching, CUDA graphs on) under ``variant``."""
+    from transformers import GenerationConfig
+
+    from tests.hfcache import cb_config
+
+    gc = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    blocks = len(prompts) * (len(prompts[0]) + new) // 32 + 16
+    cb = cb_config(page_size=32, num_blocks=blocks, max_batch_tokens=2048, use_cuda_graph=True)
+    info: dict[str, Any] = {}
+    _sync()
+    t0 = time.perf_counter_ns()
+    if variant in ("base", "aa"):
+        model.generate_batch(inputs=prompts, generation_config=gc, continuous_batching_config=cb)
+        _sync()
+        t1 = time.perf_counter_ns()
+    else:
+        import kvtrace
+        from kvtrace.format.reader import open_trace
+
+        path = trace_dir / f"{tag}.kvt.h5"
+        ns0 = clock.ns
+        with kvtrace.record(model, path, **VARIANTS[variant]["options"]) as rec:
+            model.generate_batch(inputs=prompts, generation_config=gc, continuous_batching_config=cb)
+            _sync()
+            t1 = time.perf_counter_ns()
+            threads_s = kvtrace_thread_cpu_s()
+        with open_trace(path) as t:
+            steps = t.nrows("sched")
+        info = {"recorder_errors": rec.recorder_errors, "hook_s": (clock.ns - ns0) / 1e9, "threads_cpu_s": threads_s,
+                "sched_steps": steps, "trace_bytes": path.stat().st_size}
+        path.unlink()
+    return {"total_s": (t1 - t0) / 1e9, "generate_s": (t1 - t0) / 1e9, **info}
 
 
-WORKLOADS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"generate": worker,
-                                                                   "serving": _serving_not_built}
+def serving_worker(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_overhead: the serving workload needs a CUDA device (CUDA graphs)")
+    t_start = time.monotonic()
+    n, prompt, new = SHAPES[job["shape"]]
+    model = _build(job, "cuda")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, int(model.config.vocab_size), (prompt,), generator=gen).tolist() for _ in range(n)]
+    clock = ServingClock()
+    variants = list(job["variants"])
+    results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_dir = Path(tmp)
+        for v in ["base", "base", *variants]:  # warm-up: graph captures, allocator pools
+            run_batch(model, v, prompts, new, trace_dir, f"warm-{v}", clock)
+        t_warm = time.monotonic() - t_start
+        for i in range(int(job["pairs"])):
+            for v in variants[i % len(variants):] + variants[:i % len(variants)]:
+                order = "AB" if (len(results[v]) + variants.index(v)) % 2 == 0 else "BA"
+                runs = {who: run_batch(model, who, prompts, new, trace_dir, f"p{i}-{v}", clock)
+                        for who in (("base", v) if order == "AB" else (v, "base"))}
+                results[v].append(_pair(runs["base"], runs[v], order))
+            if job.get("log", True):
+                print(f"[serving {job['shape']}] pair {i + 1}: " + ", ".join(
+                    f"{v} {results[v][-1]['total_ratio']:.3f}" for v in variants), file=sys.stderr, flush=True)
+    summary = {}
+    for v in variants:
+        summary[v] = summarize(results[v], v)
+        per_step = [p["variant"]["hook_s"] / p["variant"]["sched_steps"] for p in results[v]
+                    if p["variant"].get("sched_steps")]
+        summary[v]["direct_us_per_step_median"] = statistics.median(per_step) * 1e6 if per_step else None
+        steps = [p["variant"]["sched_steps"] for p in results[v] if p["variant"].get("sched_steps")]
+        summary[v]["sched_steps_median"] = statistics.median(steps) if steps else None
+    return {**{k: v for k, v in job.items() if k != "log"}, "requests": n, "prompt": prompt, "new_tokens": new,
+            "device_name": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "transformers": transformers.__version__, "warmup_s": t_warm, "wall_s": time.monotonic() - t_start,
+            "summary": summary, "pairs_raw": results}
+
+
+WORKLOADS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"generate": worker, "serving": serving_worker}
 
 
 # ---- the parent: one subprocess per job ----------------------------------------------------------
@@ -531,6 +639,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 print(f"{'':<7} {'':<12} {'':<5} {'':<15} {'':>5}  during the call: {s['flushes_median']:.0f} flushes, "
                       f"CPU {_pct(s['flush_cpu_fraction_median'])}; {s.get('ticks_median') or 0:.0f} telemetry ticks, "
                       f"CPU {_pct(s.get('tick_cpu_fraction_median'))} (of the base call)")
+            if s.get("direct_us_per_step_median") is not None:
+                print(f"{'':<7} {'':<12} {'':<5} {'':<15} {'':>5}  serving recorder per scheduler step: "
+                      f"{s['direct_us_per_step_median']:.1f} us over {s['sched_steps_median']:.0f} steps")
             if s.get("per_default_rate"):
                 d = s["per_default_rate"]["decode"]
                 print(f"{'':<7} {'':<12} {'':<5} {'':<15} {'':>5}  amplified x{s['amplify']}: at the default rate "
@@ -566,9 +677,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.worker_out).write_text(json.dumps(result, default=str), encoding="utf-8")
         return 0
 
-    if args.workload == "serving":
-        print(SERVING_MISSING, file=sys.stderr)
-        return 69  # a needed component is absent (kvtrace/exitcodes.py)
     jobs: list[dict[str, Any]] = []
     for suite in args.suite.split(","):
         jobs += suite_jobs(suite.strip(), args.pairs)
@@ -585,9 +693,14 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             print(f"bench_overhead: unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)
             return 64
-        j.update(device=args.device, workload=args.workload, log=not args.quiet, code="after", gaps=args.gaps)
+        j.update(device=args.device, log=not args.quiet, code="after", gaps=args.gaps)
+        j.setdefault("workload", args.workload)
         if args.budget_s:
             j["budget_s"] = args.budget_s
+    if args.device != "cuda" and any(j["workload"] == "serving" for j in jobs):
+        print("bench_overhead: the serving workload needs a CUDA device (it times CUDA graph replays)",
+              file=sys.stderr)
+        return 69  # a needed component is absent (kvtrace/exitcodes.py)
     if args.before:  # each job's 'before' twin runs right after it (same machine state)
         befores = args.before_variants.split(",")
         paired = []

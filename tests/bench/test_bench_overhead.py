@@ -42,10 +42,10 @@ def test_smoke_run_writes_pairs_and_intervals(tmp_path):
     assert "recorder" in proc.stdout and "decode/step" in proc.stdout  # the printed table
 
 
-def test_serving_workload_says_it_does_not_exist():
-    proc = _run("--workload", "serving", "--device", "cpu")
+def test_serving_workload_without_cuda_says_so():
+    proc = _run("--suite", "serving", "--device", "cpu")
     assert proc.returncode == 69
-    assert "serving recorder does not exist yet" in proc.stderr
+    assert "needs a CUDA device" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
