@@ -18,20 +18,19 @@ from kvtrace.format import schema
 from kvtrace.format.codec import check_chunk
 from kvtrace.format.errors import H5_READ_ERRORS, CorruptChunk, TraceError
 from kvtrace.format.owner_rules import owner_block_problems
-from kvtrace.format.reader import (
+from kvtrace.format.reader import MAX_TEXT_BYTES, Trace
+from kvtrace.format.serving_rules import cb_request_problems, serving_problems
+from kvtrace.format.state_rules import state_block_problems
+from kvtrace.format.trace_rules import (
     ENUM_COLUMNS,
     INDEX_BLOCK,
     MAX_LISTED,
-    MAX_TEXT_BYTES,
     IndexScan,
-    Trace,
     counter_problems,
     structure_problems,
     unknown_codes,
     unknown_mask,
 )
-from kvtrace.format.serving_rules import cb_request_problems, serving_problems
-from kvtrace.format.state_rules import state_block_problems
 
 TEXT_REFS = schema.TEXT_REFS  # (offset, length) column pairs into /text, per table
 ROW_BLOCK = 1 << 16  # rows per read: a few MiB for the widest table

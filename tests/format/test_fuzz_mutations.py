@@ -243,7 +243,8 @@ def _structure_class(path: Path) -> int | None:
     4 for a newer major version, None when the structure is sound."""
     from kvtrace import exitcodes
     from kvtrace.format.errors import NotATrace, TraceError, UnsupportedVersion
-    from kvtrace.format.reader import Trace, structure_problems
+    from kvtrace.format.reader import Trace
+    from kvtrace.format.trace_rules import structure_problems
 
     try:
         with Trace(path, check=False) as t:
