@@ -49,6 +49,7 @@ from kvtrace.errors import BadOption, Unavailable
 from kvtrace.modelspec import preset_name, tiny_shrink
 from kvtrace.whatif import policies as P
 from kvtrace.whatif.policies import Observed, Policy, PolicyError
+from kvtrace.whatif.rerun_select import rank_mask, top_index
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -265,16 +266,14 @@ def _layer_class() -> type:
                 qi = idx.repeat_interleave(hq // idx.shape[1], dim=1)  # a query head reads its KV head's keys
                 self.h2o = acc.gather(2, qi), cnt.gather(2, idx)
 
-        def _select_where(self, keep: torch.Tensor) -> None:
-            """Keep the tokens where ``keep`` [B, Hk, T] (the same count on every head)."""
-            if bool(keep.all()):
+        def _select_mask(self, keep: np.ndarray, cand: torch.Tensor | None) -> None:
+            """Keep the tokens of a policy's keep mask ``keep`` [B, Hk, T], by index
+            (kvtrace.whatif.rerun_select.rank_mask): every head the same count."""
+            keep_t = torch.from_numpy(np.ascontiguousarray(keep)).to(self.keys.device)
+            if bool(keep_t.all()):
                 return
-            counts = keep.sum(dim=-1)
-            if bool((counts != counts.flatten()[0]).any()):
-                raise RuntimeError(f"what-if rerun: heads would keep different counts {counts.tolist()}")
-            idx = torch.sort(torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :int(counts.flatten()[0])],
-                             dim=-1).values
-            self._select(idx)
+            scores, m = rank_mask(keep_t, self.pos, cand)
+            self._select(top_index(scores, m, cand))
 
         def _evict(self, n: int, cand: torch.Tensor | None = None) -> None:
             """Keep ``n`` tokens per head by the policy's scores, among the candidates ``cand``
@@ -284,7 +283,6 @@ def _layer_class() -> type:
             pol = self.applied.policy
             assert isinstance(pol, P.ScorerPolicy)
             held = self.keys.shape[-2]
-            c = None
             try:
                 if pol.needs.startswith("Q") and self.queries is None or \
                         isinstance(pol, P.StreamingLLM) and held <= pol.n_sink:  # kvpress: needs more than n_sink keys
@@ -312,27 +310,25 @@ def _layer_class() -> type:
                             keep[b, h, i] = pol.keep_n(k[b:b + 1, h:h + 1, i], n, obs, v[b:b + 1, h:h + 1, i],
                                                        k_pos=pos[b, h, i], window=self.window)[0, 0]
             except PolicyError:  # too few keys or queries to score yet (e.g. T <= n_sink)
-                if cand is None:
-                    self.unscored.add(self.seen)
-                    return
-                c = cand.cpu().numpy()
-                newest = np.cumsum(c[..., ::-1], axis=-1)[..., ::-1]  # candidates at or after each key
-                keep = c & (newest <= (n if (c.sum(-1) != c.sum(-1).flat[0]).any() else held))
                 self.unscored.add(self.seen)
-            self._select_where(torch.from_numpy(np.ascontiguousarray(keep)).to(self.keys.device))
+                if cand is None:
+                    return
+                counts = cand.sum(dim=-1)  # keep every candidate, or the newest n where heads hold different counts
+                m = n if bool((counts != counts.flatten()[0]).any()) else int(counts.flatten()[0])
+                self._select(top_index(self.pos, m, cand))
+                return
+            self._select_mask(keep, cand)
 
         def _keep_top(self, scores: torch.Tensor, n: int, cand: torch.Tensor | None, pol: P.ScorerPolicy) -> None:
-            """Keep the ``n`` best ``scores`` [B, Hk, T] of each head among ``cand`` (older first on
-            ties, as policies.keep_first); more always-kept (inf) candidates than ``n``:
-            Unsupported, as offline."""
-            if cand is not None:
-                scores = scores.masked_fill(~cand, float("-inf"))
-            forced = int(torch.isposinf(scores).sum(dim=-1).max())
+            """Keep the ``n`` best ``scores`` [B, Hk, T] of each head among ``cand``, by index
+            (kvtrace.whatif.rerun_select.top_index: older first on ties, NaN last, as
+            policies.keep_first); more always-kept (inf) candidates than ``n``: Unsupported, as offline."""
+            inf = torch.isposinf(scores)
+            forced = int((inf if cand is None else inf & cand).sum(dim=-1).max())
             if forced > n:
                 raise P.Unsupported(f"{pol.name}: {forced} {pol.forced_facts(None)} are always kept, more than the "
                                     f"budget of {n}")
-            top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n]
-            self._select(torch.sort(top, dim=-1).values)
+            self._select(top_index(scores, n, cand))
 
         def _q(self) -> np.ndarray | None:
             return None if self.queries is None else self.queries.cpu().numpy()
