@@ -116,3 +116,4 @@ def main(argv: list[str] | None = None) -> Any:
 
 if __name__ == "__main__":
     main()
+    "attach": "kvtrace.commands.attach:attach",
