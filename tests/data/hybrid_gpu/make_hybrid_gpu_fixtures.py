@@ -37,8 +37,13 @@ def build(name: str):
     cfg = presets.preset_config(name)
     for key, value in CUTS[name].items():
         setattr(cfg, key, value)
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = list(cfg.layer_types)[: cfg.num_hidden_layers]
+    # a stored pattern is cut to the layers kept; Falcon-H1 derives its pattern from the layer count
+    # (in 5.24 assigning it reaches a read-only property)
+    if getattr(cfg, "layer_types", None) and len(cfg.layer_types) != cfg.num_hidden_layers:
+        try:
+            cfg.layer_types = list(cfg.layer_types)[: cfg.num_hidden_layers]
+        except AttributeError:
+            pass
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
