@@ -8,8 +8,9 @@ kvtrace.whatif.run are *proxies*. torch and transformers are imported inside the
 How the policy is applied (:class:`PolicyLayer`, a transformers ``DynamicLayer`` that replaces
 each dynamic / sliding-window layer of a ``DynamicCache``):
 
-* the text is fed one token per forward (after an optional prefill of its first tokens in one
-  forward, kvpress's setting: the policy acts once the prefill's attention is done);
+* by definition the text is fed one token per forward (after an optional prefill of its first
+  tokens in one forward, kvpress's setting: the policy acts once the prefill's attention is
+  done); computed in one model pass (below);
 * **eviction**: after a step's attention (a forward hook on each attention module), a
   full-attention layer that holds more than the policy's budget of the tokens it has seen
   (kvpress's ``compute_n_kept``) keeps that many per KV head by the policy's scores; evicted
@@ -26,12 +27,24 @@ each dynamic / sliding-window layer of a ``DynamicCache``):
 * the reference pass runs through the same layer with no policy, so a no-op policy gives
   exactly the reference logits (KL 0).
 
-Masks: a layer's kept keys are presented to the mask builder as the most recent contiguous
-positions (``get_mask_sizes``), so with one query per step every kept key is visible (the
-prefill, before any eviction, gets the model's own causal / sliding mask) and RoPE positions
-come from ``get_seq_length`` = tokens seen. Cost: query-based policies rescore every step against
-all earlier queries (O(N^3) over N tokens), and quantisers round-trip the whole cache every step
-in numpy on the CPU: meant for hundreds of tokens, not long contexts.
+How a pass is computed (``teacher_forced_logprobs(mode=...)``): by default in **one model pass**
+(kvtrace.whatif.rerun_pass): the model runs once over the whole text without a cache and each
+attention layer's call is replaced by a loop over its query rows that drives the same
+PolicyLayer exactly as the per-token loop does (update with the row's key, attend to what the
+layer holds, evict); the next layer then sees what it would see step by step. Every policy is
+expressible so; the per-token loop (below) remains the definition, the tests' reference, and
+the fallback, with the reason in ``pass_note``, for a model the one pass cannot drive (a cache
+holding other tensors than the attention reads -- an MLA latent --, non-tensor masks such as
+flex attention's, attention outside the interface). The two agree to float32 rounding of
+batched matmuls (logits within 1e-5, the same keep-sets) except where a policy's scores tie to
+that rounding; ``steps_near_tie`` counts those steps (kvtrace.whatif.rerun_select.NEAR_TIE).
+
+Masks in the per-token loop: a layer's kept keys are presented to the mask builder as the most
+recent contiguous positions (``get_mask_sizes``), so with one query per step every kept key is
+visible (the prefill, before any eviction, gets the model's own causal / sliding mask) and RoPE
+positions come from ``get_seq_length`` = tokens seen. Cost: query-based policies rescore every
+step against all earlier queries (O(N^3) over N tokens), and quantisers round-trip the whole
+cache every step: meant for hundreds to a few thousand tokens, not long contexts.
 """
 
 from __future__ import annotations
@@ -49,14 +62,15 @@ from kvtrace.errors import BadOption, Unavailable
 from kvtrace.modelspec import preset_name, tiny_shrink
 from kvtrace.whatif import policies as P
 from kvtrace.whatif.policies import Observed, Policy, PolicyError
-from kvtrace.whatif.rerun_select import rank_mask, top_index
+from kvtrace.whatif.rerun_select import near_tie, rank_mask, top_index
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = ["NOTE", "rerun_quality", "teacher_forced_logprobs"]
 
-NOTE = ("quality: teacher-forced rerun of the model over the text (an optional prefill, then one token per step), "
+NOTE = ("quality: teacher-forced rerun of the model over the text (an optional prefill, then one token per step, "
+        "computed in one model pass per policy: see 'pass'), "
         "the policy applied to the KV cache after every step; perplexity and KL(reference || policy) of the "
         "next-token distributions against the same pass with the cache unchanged")
 RANDOM_NOTE = "the model has random weights: these numbers only prove the mechanics, not a policy's quality"
@@ -180,6 +194,8 @@ def _layer_class() -> type:
             self.kept_log: list[int] = []
             self.unscored: set[int] = set()  # steps (tokens seen) over budget the policy could not score
             self.over_budget: set[int] = set()  # steps that ended over budget (sinks, or unscored)
+            self.near_ties: set[int] = set()  # steps whose keep-set boundary was a near tie (rerun_select.NEAR_TIE)
+            self.mode, self.mode_note = "per_token", ""  # how the pass was computed (teacher_forced_logprobs)
             self._done = -1  # seen at the last after_attention: a step's hooks may fire twice
             # observed_attention (H2O): attention each held key has received [B, Hq, T] and from how
             # many queries [B, Hk, T], accumulated step by step over the keys held then
@@ -328,7 +344,10 @@ def _layer_class() -> type:
             if forced > n:
                 raise P.Unsupported(f"{pol.name}: {forced} {pol.forced_facts(None)} are always kept, more than the "
                                     f"budget of {n}")
-            self._select(top_index(scores, n, cand))
+            idx, tied = near_tie(scores, n, cand)
+            if tied:
+                self.near_ties.add(self.seen)
+            self._select(idx)
 
         def _q(self) -> np.ndarray | None:
             return None if self.queries is None else self.queries.cpu().numpy()
@@ -484,16 +503,26 @@ def _policy_cache(model: Any, applied: _Applied) -> tuple[Any, list[Any]]:
     return cache, wrapped
 
 
+# How a pass is computed: "one_pass" (kvtrace.whatif.rerun_pass: one forward, the layers driven
+# row by row inside the attention function), "per_token" (one forward per token: the definition,
+# kept as the tests' reference and for models the one pass cannot drive), "auto" (one_pass, else
+# per_token with the reason).
+MODES = ("auto", "one_pass", "per_token")
+
+
 def teacher_forced_logprobs(model: Any, ids: torch.Tensor, policy: Policy | None = None,
                             ratio: float | None = None, prefill: int = 0,
-                            press_sliding: bool | None = None) -> tuple[np.ndarray, list[Any]]:
+                            press_sliding: bool | None = None, mode: str = "auto") -> tuple[np.ndarray, list[Any]]:
     """Next-token log-probabilities [N, V] (float64) of a pass over ``ids`` [1, N] with ``policy``
     applied to the cache: the first ``prefill`` tokens in one forward (the policy acts after it,
-    as kvpress presses a prefill), then one token per step; and the wrapped cache layers.
-    ``press_sliding``: whether eviction presses sliding-window layers (None: kvpress's choice
-    for the model, kvtrace.whatif.kvpress.presses_sliding)."""
-    import torch
+    as kvpress presses a prefill), then one token per step; and the wrapped cache layers (each
+    with ``mode``: how the pass was computed, see MODES, and ``mode_note``: why per_token under
+    auto). ``press_sliding``: whether eviction presses sliding-window layers (None: kvpress's
+    choice for the model, kvtrace.whatif.kvpress.presses_sliding)."""
+    from kvtrace.whatif.rerun_pass import NotRowDriven, one_pass_logprobs
 
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if getattr(model.config, "is_encoder_decoder", False):
         raise Unavailable("what-if rerun: encoder-decoder models are not supported (decoder-only causal LMs)")
     if press_sliding is None:
@@ -503,6 +532,31 @@ def teacher_forced_logprobs(model: Any, ids: torch.Tensor, policy: Policy | None
     if queries and getattr(model.config.get_text_config(), "kv_lora_rank", None):
         raise PolicyError(f"{policy.name}: the cache holds an MLA latent shared by all heads; scoring with "
                           "queries needs per-head keys (the up-projections)")
+    note = ""
+    if mode != "per_token":
+        _, layers = _policy_cache(model, applied)
+        try:
+            got = one_pass_logprobs(model, ids, layers, prefill, queries)
+        except NotRowDriven as exc:
+            if mode == "one_pass":
+                raise Unavailable(f"what-if rerun: one model pass cannot drive this model: {exc}") from None
+            note = f"one token per forward: {exc}"
+        else:
+            for x in layers:
+                x.mode, x.mode_note = "one_pass", ""
+            return got, layers
+    got, layers = _per_token_logprobs(model, ids, applied, prefill, queries)
+    for x in layers:
+        x.mode, x.mode_note = "per_token", note
+    return got, layers
+
+
+def _per_token_logprobs(model: Any, ids: torch.Tensor, applied: _Applied, prefill: int,
+                        queries: bool) -> tuple[np.ndarray, list[Any]]:
+    """The rerun by its definition: the prefill in one forward, then one forward per token through
+    a DynamicCache of PolicyLayers (a forward hook on each attention module ends a layer's step)."""
+    import torch
+
     cache, layers = _policy_cache(model, applied)
     modules = _attention_modules(model, len(layers))
     hooks: list[Any] = []
@@ -572,13 +626,22 @@ def _kept(layers: list[Any]) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {"tokens_seen": pressed[0].seen,
                            "steps_unscored": len(set().union(*(x.unscored for x in pressed))),
-                           "steps_over_budget": len(set().union(*(x.over_budget for x in pressed)))}
+                           "steps_over_budget": len(set().union(*(x.over_budget for x in pressed))),
+                           "steps_near_tie": len(set().union(*(x.near_ties for x in pressed)))}
     for kind, group in (("full", [x for x in pressed if x.window is None]),
                         ("sliding", [x for x in pressed if x.window is not None])):
         if group:
             out[f"{kind}_layer_tokens_final"] = float(np.mean([x.kept_log[-1] for x in group]))
             out[f"{kind}_layer_tokens_mean"] = float(np.mean([np.mean(x.kept_log) for x in group]))
     return out
+
+
+def _pass_facts(layers: list[Any]) -> dict[str, str]:
+    """How a pass was computed: ``pass`` one_pass | per_token, and ``pass_note`` (why per_token)."""
+    x = layers[0] if layers else None
+    if x is None:
+        return {}
+    return {"pass": x.mode, **({"pass_note": x.mode_note} if x.mode_note else {})}
 
 
 PROBE = "The quick brown fox jumps over the lazy dog. 0123456789"
@@ -690,7 +753,7 @@ def _rerun_passes(loaded: Any, model_spec: str, text_path: str | Path, ids: Any,
         "scored_positions": int(ids.shape[1]) - 1 - prefill,
         "sliding_layers": n_sliding,
         "sliding": {"pressed": press_sliding, "mode": sliding, "reason": sliding_reason, "layers": n_sliding},
-        "reference": {"perplexity": _measures(ref, ref, flat, prefill)["perplexity"]},
+        "reference": {"perplexity": _measures(ref, ref, flat, prefill)["perplexity"], **_pass_facts(ref_layers)},
         "policies": [],
     }
     if preset_name(model_spec) is not None:
@@ -710,6 +773,7 @@ def _rerun_passes(loaded: Any, model_spec: str, text_path: str | Path, ids: Any,
                 except PolicyError as exc:
                     entry["results"].append({"ratio": ratio, "skipped": str(exc)})
                     continue
-                entry["results"].append({"ratio": ratio, **_measures(ref, got, flat, prefill), **_kept(layers)})
+                entry["results"].append({"ratio": ratio, **_measures(ref, got, flat, prefill), **_kept(layers),
+                                         **_pass_facts(layers)})
         doc["policies"].append(entry)
     return doc
