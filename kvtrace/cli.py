@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "fleet": "kvtrace.commands.fleet:fleet",
     "serve": "kvtrace.commands.serve:serve",
     "loadtest": "kvtrace.commands.loadtest:loadtest",
+    "attach": "kvtrace.commands.attach:attach",
 }
 
 
@@ -116,4 +117,3 @@ def main(argv: list[str] | None = None) -> Any:
 
 if __name__ == "__main__":
     main()
-    "attach": "kvtrace.commands.attach:attach",
