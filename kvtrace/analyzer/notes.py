@@ -6,8 +6,9 @@ version; a last step whose structure was not readable; samples skipped).
 Identical texts are grouped (one entry, its count and first requests). Notes that carry data shown
 elsewhere are left out: phase markers of a recorder without PHASE events ("phase: NAME", the phases
 line), the first serving floor's occupancy samples ("paged cache occupancy {...}", read by
-kvtrace loadtest) and the retention check's bookkeeping ("retention checked at ...", one per
-request, read by post_eos). Bounded for hostile traces: the texts of the first MAX_READ events are
+kvtrace loadtest), the retention check's bookkeeping ("retention checked at ...", one per
+request, read by post_eos) and an engine trace's block stores ("kv blocks stored ...", spec §10, read by
+kvtrace whatif --pool-sizes). Bounded for hostile traces: the texts of the first MAX_READ events are
 read, at most MAX_LISTED entries listed, MAX_TEXT characters a text; what is left off is counted.
 """
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from kvtrace.format.schema import EventKind
 
-DATA_NOTES = ("phase: ", "paged cache occupancy ", "retention checked at ")
+DATA_NOTES = ("phase: ", "paged cache occupancy ", "retention checked at ", "kv blocks stored ")
 MAX_LISTED = 256  # distinct texts in the JSON documents
 MAX_TEXT = 2000  # characters of one text
 MAX_REQUESTS = 16  # request ids named per entry

@@ -96,11 +96,15 @@ def _check_rerun(model: str, device: str) -> str:
               "0.5.5 press (class and arguments) that reproduces it, where it differs, or why kvpress cannot (a "
               "policy kvpress lacks; a transformers version kvpress does not support). TRACE optional (its model "
               "decides the sliding-window note).")
+@click.option("--pool-sizes", "pool_sizes", default=None, metavar="N[,N...]|auto",
+              help="On an engine trace (kvtrace attach): the prefix-cache hit rate its block-hash stream would "
+              "get at each pool size in blocks (LRU in one pass, Belady's optimum as the ceiling); auto = powers "
+              "of two and the recorded pool. Nothing else runs.")
 @json_options
 @guarded
 def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_text: str, rerun_model: str | None,
            text_file: str | None, max_tokens: int, rerun_prefill: int, tiny: bool, rerun_device: str, device: str,
-           sliding: str, emit: str | None, as_json: bool, json_out: str | None) -> None:
+           sliding: str, emit: str | None, pool_sizes: str | None, as_json: bool, json_out: str | None) -> None:
     """What paging, eviction or KV quantisation would save on TRACE and what it would cost in
     attention: bytes from the recorded sizes, attention mass recall and output error from sampled
     K/V/Q (offline proxies, not model quality). Without sampled tensors only bytes are reported.
@@ -113,7 +117,15 @@ def whatif(trace: str | None, policy_texts: tuple[str, ...], steps: str, ratio_t
       kvtrace whatif run.kvt.h5 --policy snapkv:window_size=32 --policy kivi:nbits=2 --ratio 0.5
       kvtrace whatif run.kvt.h5 --json | jq '.policies[].results[].overall'
       kvtrace whatif --rerun ./my-model --text wiki.txt --policy knorm --policy kivi:nbits=4
+      kvtrace whatif engine.kvt.h5 --pool-sizes 16,32,64,128     # an engine trace (kvtrace attach)
     """
+    if pool_sizes is not None:  # an engine trace's pool-size what-if (kvtrace/commands/whatif_pools.py)
+        if trace is None or rerun_model is not None or emit is not None or policy_texts:
+            raise click.UsageError("--pool-sizes takes an engine TRACE and no --policy, --rerun or --emit")
+        from kvtrace.commands.whatif_pools import run as run_pools
+
+        run_pools(trace, pool_sizes, as_json, json_out)
+        return
     from kvtrace.whatif import PolicyError, parse_policy
 
     ratios = _ratios(ratio_text, "--ratio")

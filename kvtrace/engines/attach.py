@@ -183,6 +183,42 @@ def _model_meta(base: str, timeout_s: float) -> tuple[str, dict[str, Any]]:
     return model_id, config
 
 
+def replay(ctx: Any, endpoint: str, first: int, last: int,
+           wait_s: float = REPLAY_WAIT_S) -> tuple[dict[int, bytes], str]:
+    """Ask a vLLM ROUTER replay endpoint for batches first..last: ({seq: payload} received, why the
+    others were not). The endpoint streams every buffered batch from `first` on, then END_SEQ."""
+    import zmq
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_ZMQ_MESSAGE)
+    got: dict[int, bytes] = {}
+    why = "the replay endpoint no longer holds them"
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", first.to_bytes(8, "big")])
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000)):
+                why = f"the replay endpoint did not finish within {wait_s:g} s"
+                break
+            frames = sock.recv_multipart()
+            if len(frames) != 4 or frames[0] != b"":
+                why = "the replay endpoint answered a malformed frame"
+                break
+            seq = decode_seq(frames[2])
+            if seq is None or seq == END_SEQ:
+                break
+            if first <= seq <= last:
+                got[seq] = frames[3]
+    except zmq.ZMQError as exc:
+        why = f"replay failed: {exc}"
+    finally:
+        sock.close(linger=0)
+    return got, why
+
+
 # ---- the event subscriber --------------------------------------------------------------------------
 
 
@@ -301,36 +337,8 @@ class EventSubscriber:
                        "incomplete")
 
     def _replay(self, first: int, last: int) -> tuple[dict[int, bytes], str]:
-        import zmq
-
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_ZMQ_MESSAGE)
-        got: dict[int, bytes] = {}
-        why = "the replay endpoint no longer holds them"
-        try:
-            sock.connect(self.opts.replay)
-            sock.send_multipart([b"", first.to_bytes(8, "big")])
-            deadline = time.monotonic() + REPLAY_WAIT_S
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sock.poll(int(left * 1000)):
-                    why = f"the replay endpoint did not finish within {REPLAY_WAIT_S:g} s"
-                    break
-                frames = sock.recv_multipart()
-                if len(frames) != 4 or frames[0] != b"":
-                    why = "the replay endpoint answered a malformed frame"
-                    break
-                seq = decode_seq(frames[2])
-                if seq is None or seq == END_SEQ:
-                    break
-                if first <= seq <= last:
-                    got[seq] = frames[3]
-        except zmq.ZMQError as exc:
-            why = f"replay failed: {exc}"
-        finally:
-            sock.close(linger=0)
-        return got, why
+        assert self.opts.replay is not None
+        return replay(self._ctx, self.opts.replay, first, last)
 
     # -- writing --
 
