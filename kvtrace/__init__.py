@@ -21,7 +21,10 @@ __all__ = ["FORMAT_VERSION", "Trace", "__version__", "analyze", "open", "record"
 
 
 def open(path: str) -> Trace:  # noqa: A001 - mirrors h5py.File / builtins.open usage
-    """Open a trace lazily (see kvtrace.format.Trace)."""
+    """Open a trace; nothing else is read until asked, as with h5py: tables are attributes read by
+    slices or by request (``trace.kv[:]``, ``trace.kv.where(request=0)``), payloads one at a time
+    (``trace.payload(i)``), any table as a data frame (``trace.to_pandas("kv")``). See
+    :class:`kvtrace.format.Trace`."""
     return open_trace(path)
 
 

@@ -46,12 +46,10 @@ def record_retention(path: str | Path) -> list[Any]:
 def draw(trace: str | Path, out: str | Path) -> Path:
     """The report's memory timeline of ``trace`` as a PNG (the lower panel: KV bytes)."""
     import kvtrace
-    from kvtrace.analyzer.view import TraceView
     from kvtrace.report import data, figures
 
     with kvtrace.open(trace) as t:
-        view = TraceView.of(t)
-        timelines = data.memory_timelines(view)
+        timelines = data.memory_timelines(t)
         (tl,) = [x for x in timelines if any(s.source == "kv" for s in x.series)]
         tl.series = [s for s in tl.series if s.source in ("kv", "retention")]  # the KV panel alone
         gc = [m for m in data.phase_markers(t) if m.kind == "gc"]  # the retention checks' collections

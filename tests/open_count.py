@@ -1,4 +1,4 @@
-"""Counters for the one-open tests: how often a Trace is opened, and which TraceViews built
+"""Counters for the one-open tests: how often a Trace is opened, and which open traces built
 their /kv request index (tests/report/test_one_open.py, tests/export/test_one_open.py)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from functools import cached_property
 
 import pytest
 
-from kvtrace.analyzer.view import TraceView
 from kvtrace.format import reader
+from kvtrace.format.tables import Table
 
 
 def count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -25,15 +25,16 @@ def count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def count_kv_indexes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """ids of the TraceViews that build their /kv request index from now on."""
+    """ids of the open traces that build their /kv request index from now on."""
     built: list[int] = []
-    index = TraceView.kv_runs.func
+    index = Table.runs.func
 
     def counted(self):
-        built.append(id(self))
+        if self.path == "kv":
+            built.append(id(self.trace))
         return index(self)
 
     prop = cached_property(counted)
-    prop.__set_name__(TraceView, "kv_runs")
-    monkeypatch.setattr(TraceView, "kv_runs", prop)
+    prop.__set_name__(Table, "runs")
+    monkeypatch.setattr(Table, "runs", prop)
     return built

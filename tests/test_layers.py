@@ -99,10 +99,21 @@ def test_model_loading_is_a_library_module():
     assert bad == []
 
 
-def test_kvcheck_reads_through_the_view_not_report_data():
-    # report/data imports kvcheck (the growth curves' prediction); kvcheck reads /kv through
-    # analyzer.view itself, so no import runs back up and the two modules form no cycle.
+def test_kvcheck_reads_through_the_reader_not_report_data():
+    # report/data imports kvcheck (the growth curves' prediction); kvcheck reads /kv through the
+    # reader's tables itself, so no import runs back up and the two modules form no cycle.
     found = imported(PKG / "report" / "kvcheck.py")
     assert not any(n.startswith("kvtrace.report") for n in found), found
-    assert "kvtrace.analyzer.view" in found
+    assert "kvtrace.format.reader" in found
     assert "kvtrace.report.kvcheck" in imported(PKG / "report" / "data.py")
+
+
+def test_only_the_format_opens_hdf5_files():
+    # One read side: every consumer (analyser, renderers, whatif, fleet, commands) reads a trace
+    # through kvtrace.format's Trace and its tables; none opens or reads the HDF5 file itself.
+    outside = [f.name for f in PKG.iterdir() if f.is_dir() and f.name not in ("format", "__pycache__")]
+    found = offenders(outside, ("h5py",))
+    found.update({str(p.relative_to(PKG.parent)): bad for p in sorted(PKG.glob("*.py"))
+                  if (bad := sorted(n for n in imported(p) if n == "h5py" or n.startswith("h5py.")))})
+    assert found == {}
+

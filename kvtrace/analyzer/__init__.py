@@ -29,7 +29,6 @@ from kvtrace.analyzer.base import (
 from kvtrace.analyzer.notes import trace_notes
 from kvtrace.analyzer.replay import ReplayContext
 from kvtrace.analyzer.report import SCHEMA_VERSION, AnalysisReport, document, memory_summary, request_summary
-from kvtrace.analyzer.view import TraceView
 from kvtrace.format.errors import TraceError
 from kvtrace.format.reader import Trace
 from kvtrace.labels import device_where
@@ -45,7 +44,6 @@ __all__ = [
     "Finding",
     "ReplayContext",
     "Severity",
-    "TraceView",
     "analyze",
     "detector_names",
     "document",
@@ -56,10 +54,10 @@ __all__ = [
 
 
 def analyze(
-    trace: TraceView | Trace | str | os.PathLike[str], detectors: Iterable[str] | None = None
+    trace: Trace | str | os.PathLike[str], detectors: Iterable[str] | None = None
 ) -> AnalysisReport:
-    """Run the detectors (all, or those named) on a trace given as a path, an open Trace or the
-    TraceView a renderer already holds (then the file is not read twice).
+    """Run the detectors (all, or those named) on a trace given as a path, an open Trace (the one a
+    renderer already holds: then the file is not read twice).
 
     Raises kvtrace.format.TraceError subclasses for files that are not readable traces, and when a
     detector reads a part of the trace that breaks the spec (a damaged /sched, say: the trace is
@@ -67,13 +65,13 @@ def analyze(
     otherwise is reported with status "error" (set KVTRACE_DEBUG=1 to get the exception instead).
     """
     chosen = get_detectors(detectors)
-    if isinstance(trace, (Trace, TraceView)):
-        return _analyze_open(TraceView.of(trace), chosen)
+    if isinstance(trace, Trace):
+        return _analyze_open(trace, chosen)
     with Trace(trace) as t:
-        return _analyze_open(TraceView(t), chosen)
+        return _analyze_open(t, chosen)
 
 
-def _analyze_open(trace: TraceView, chosen: list[Detector]) -> AnalysisReport:
+def _analyze_open(trace: Trace, chosen: list[Detector]) -> AnalysisReport:
     ctx = ReplayContext(trace)
     results: list[DetectorResult] = []
     for det in chosen:

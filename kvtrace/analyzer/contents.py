@@ -98,7 +98,7 @@ def refuse_denied_payloads(trace: Trace) -> None:
 
 
 def _run(trace: Trace, device: str, backend: str, params: dict[str, Any]) -> ContentsReport:
-    index = trace.payload_index() if trace.has("payloads/index") else np.zeros(0, schema.PAYLOAD_INDEX)
+    index = trace.payload_index[:] if trace.has("payloads/index") else np.zeros(0, schema.PAYLOAD_INDEX)
     if index.size == 0:
         why = ("the trace holds no sampled tensors (record with sampling={'every_n_steps': N}"
                + (", queries=True for entropy/eviction)" if not trace.meta.contains_tensor_payloads else ")"))
@@ -118,9 +118,9 @@ class _Analysis:
         self.trace, self.index, self.k, self.rep = trace, index, compute, rep
         self.backend = compute.backend
         self.p = rep.params
-        self.layers = {int(r["layer"]): r for r in trace.layers()} if trace.has("layers") else {}
-        self.kv = trace.kv() if trace.has("kv") else np.zeros(0, schema.KV)
-        cfg = checked_config(trace, trace.layers() if trace.has("layers") else None)  # bounded sizes (exit 1)
+        self.layers = {int(r["layer"]): r for r in trace.layers[:]} if trace.has("layers") else {}
+        self.kv, self.kv_request = np.zeros(0, schema.KV), -1  # /kv rows of the request being analysed
+        cfg = checked_config(trace, trace.layers[:] if trace.has("layers") else None)  # bounded sizes (exit 1)
         self.cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
         self.contents = ContentsAssembler(trace, index)  # K/V/latents at a step, increments joined
         self.rows_by: dict[tuple[int, int, int, int], int] = {}
@@ -147,8 +147,10 @@ class _Analysis:
         return p, self.k.tensor(p.to_float32())
 
     def kv_row(self, request: int, step: int, layer: int) -> np.void | None:
+        if request != self.kv_request:  # requests come in order: each one's rows are read once, by its runs
+            self.kv, self.kv_request = self.trace.kv.where(request=request), request
         k = self.kv
-        sel = k[(k["request"] == request) & (k["step"] == step) & (k["layer"] == layer)]
+        sel = k[(k["step"] == step) & (k["layer"] == layer)]
         return sel[0] if sel.size else None
 
     def layer_type(self, layer: int, kvrow: np.void | None) -> LT:

@@ -32,16 +32,15 @@ def trace_notes(trace: Any) -> tuple[list[dict[str, Any]], int]:
     """(entries in time order of their first event, NOTE events not listed). An entry: {"text",
     "count", "first_t_ns", "requests"} (requests: the first MAX_REQUESTS ids >= 0). Not listed: the
     events of texts past MAX_LISTED distinct ones, and those past the first MAX_READ events (each
-    text is one read of /text). ``trace``: a reader Trace or a TraceView."""
-    reader = getattr(trace, "trace", trace)  # TraceView keeps the reader as .trace
-    rows = reader.events(EventKind.NOTE) if reader.has("events") else None
+    text is one read of /text). ``trace``: an open Trace."""
+    rows = trace.events.where(kind=EventKind.NOTE) if trace.has("events") else None
     if rows is None or not rows.size:
         return [], 0
     rows = np.sort(rows, order="t_ns", kind="stable")
     unlisted = max(rows.size - MAX_READ, 0)
     by_text: dict[str, dict[str, Any]] = {}
     for e in rows[:MAX_READ]:
-        text = reader.text(int(e["text_off"]), int(e["text_len"]))
+        text = trace.text(int(e["text_off"]), int(e["text_len"]))
         if text.startswith(DATA_NOTES):
             continue
         if len(text) > MAX_TEXT:

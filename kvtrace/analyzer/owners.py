@@ -178,7 +178,7 @@ def gen_args(ctx: ReplayContext, request: int) -> dict[str, Any]:
     if request in cache:
         return cache[request]
     value: Any = {}
-    for r in ctx.view.requests:
+    for r in ctx.trace.requests[:]:
         if int(r["request"]) == request:
             try:
                 value = json.loads(ctx.trace.text(int(r["gen_args_off"]), int(r["gen_args_len"])) or "{}")

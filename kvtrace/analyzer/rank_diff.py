@@ -50,19 +50,18 @@ def diff_rank_sets(paths: tuple[str, ...]) -> RankSetDiff:
     """Diff the two tensor-parallel runs the rank traces in ``paths`` belong to. Raises BadOption
     when the traces are not the ranks of exactly two runs, BrokenRankSet (exit 1) when a run's rank
     traces contradict each other (a rank given twice...)."""
-    from kvtrace.analyzer import TraceView, analyze
+    from kvtrace.analyzer import analyze
     from kvtrace.format.reader import Trace
 
     collector = RankCollector()
     reports: dict[str, dict[str, Any]] = {}
     for path in paths:
         with Trace(path) as t:
-            view = TraceView(t)
-            report = analyze(view)
-            if collector.add(view, report) is None:
+            report = analyze(t)
+            if collector.add(t, report) is None:
                 raise BadOption(f"{path} is not a tensor-parallel rank trace: diff takes two traces, or the rank "
                                 "traces of two runs (kvtrace diff a.rank*.kvt.h5 b.rank*.kvt.h5)")
-            reports[str(view.path)] = report.to_dict()
+            reports[str(t.path)] = report.to_dict()
     results = collector.finish()
     refuse_broken(results, repeats=False)  # rank traces that contradict each other: exit 1 naming it
     runs = [r.ranks.run_id for r in results]

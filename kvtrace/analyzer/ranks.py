@@ -116,15 +116,14 @@ class RankTrace:
         }
 
 
-def rank_trace(view: Any) -> RankTrace | None:
-    """The rank summary of an open TraceView of a tensor-parallel rank trace, else None."""
-    par = parallel_of(view.meta)
+def rank_trace(trace: Any) -> RankTrace | None:
+    """The rank summary of an open trace of a tensor-parallel rank trace, else None."""
+    par = parallel_of(trace.meta)
     if par is None or par.get("mode") != TP or _int(par, "rank") is None:
         return None
-    trace = view.trace
-    steps = trace.steps()
-    retention = trace.retention()
-    kv_head = view.kv_head(256)
+    steps = trace.steps[:]
+    retention = trace.retention[:]
+    kv_head = trace.kv[:256]
     heads = None
     itemsize = 2
     if kv_head.size:
@@ -136,12 +135,12 @@ def rank_trace(view: Any) -> RankTrace | None:
             except (ValueError, KeyError):
                 pass
     out = RankTrace(
-        path=view.path, rank=int(par["rank"]), world_size=_int(par, "world_size"),
+        path=str(trace.path), rank=int(par["rank"]), world_size=_int(par, "world_size"),
         run_id=str(par.get("run_id") or ""), backend=str(par.get("backend") or ""),
         kv_heads_local=_int(par, "kv_heads_local"), kv_heads_total=_int(par, "kv_heads_total"),
-        kv_heads_recorded=heads, config=_bounded_config(view), itemsize=itemsize,
+        kv_heads_recorded=heads, config=_bounded_config(trace), itemsize=itemsize,
     )
-    for r in view.requests:
+    for r in trace.requests[:]:
         rid = int(r["request"])
         s = steps[steps["request"] == rid]
         s = s[np.argsort(s["step"], kind="stable")]
@@ -161,11 +160,11 @@ def rank_trace(view: Any) -> RankTrace | None:
             int(s["kv_bytes_unique"][-1]) if s.size else 0, int(s["kv_bytes_unique"].max()) if s.size else 0,
             alive_bytes,
         )
-    alloc = trace.allocator()
+    alloc = trace.allocator[:]
     alloc = alloc[alloc["allocated_bytes"] >= 0] if alloc.size else alloc
     if alloc.size:
         out.max_allocated_bytes = int(alloc["allocated_bytes"].max())
-    out.devices = sorted({int(d["device"]) for d in view.devices})
+    out.devices = sorted({int(d["device"]) for d in trace.devices[:]})
     return out
 
 
@@ -296,12 +295,12 @@ def group(members: Sequence[RankTrace]) -> list[RankSet]:
     return out
 
 
-def _bounded_config(view: Any) -> dict[str, Any]:
+def _bounded_config(trace: Any) -> dict[str, Any]:
     """The rank's model config, or {} when its sizes are out of bounds (the per-rank sums are then
     not checked; analyze and report refuse such a trace, info still summarises it)."""
     from kvtrace.geometry.bounds import config_problems
 
-    config = view.meta.model_config or {}
+    config = trace.meta.model_config or {}
     return {} if config_problems(config) else dict(config)
 
 

@@ -1,7 +1,7 @@
 """Several rank traces of one tensor-parallel run, analysed as one recording.
 
 The commands (analyze, report, info, diff) open each trace once as usual; for every trace that is a
-tensor-parallel rank they hand its open view to :meth:`RankCollector.add`, and at the end
+tensor-parallel rank they hand its open trace to :meth:`RankCollector.add`, and at the end
 :meth:`RankCollector.finish` groups the ranks by run (analyzer/ranks.py) and runs the
 ``rank_balance`` detector on every run given with two or more ranks. A run given with one rank is
 not a set: it is analysed as one trace and :attr:`RankCollector.notes` says what else to pass.
@@ -66,15 +66,15 @@ class RankCollector:
     members: list[RankTrace] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def add(self, view: Any, report: Any = None) -> RankTrace | None:
+    def add(self, trace: Any, report: Any = None) -> RankTrace | None:
         """Note the trace if it is a tensor-parallel rank; tag ``report`` (an AnalysisReport) with
         its rank so that each rank's findings are attributed to it."""
-        member = rank_trace(view)
+        member = rank_trace(trace)
         if member is None:
             return None
         self.members.append(member)
         if report is not None:
-            par = parallel_of(view.meta) or {}
+            par = parallel_of(trace.meta) or {}
             report.trace["parallel"] = {k: par.get(k) for k in ("mode", "rank", "world_size", "run_id")}
         return member
 

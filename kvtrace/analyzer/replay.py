@@ -15,7 +15,6 @@ import numpy as np
 
 from kvtrace.analyzer.expect import Expectation, build_expectation
 from kvtrace.analyzer.ranks import shard_config
-from kvtrace.analyzer.view import TraceView
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
 from kvtrace.geometry.bounds import checked_config
@@ -169,30 +168,29 @@ def _by_request(rows: np.ndarray, key: str = "request") -> dict[int, np.ndarray]
 class ReplayContext:
     """Everything detectors read, built from an open Trace."""
 
-    def __init__(self, source: TraceView | Trace) -> None:
-        self.view = view = TraceView.of(source)
-        trace = self.trace = view.trace
+    def __init__(self, source: Trace) -> None:
+        trace = self.trace = source
         self.meta = trace.meta
         self.path = str(trace.path)
-        self.layers_table = view.layers
-        view.kv_runs  # noqa: B018 - index /kv first: a damaged /kv is reported before the other tables
-        steps = trace.steps()
-        events = trace.events()
-        readings = trace.readings()
-        retention = trace.retention()
+        self.layers_table = trace.layers[:]
+        trace.kv.runs  # noqa: B018 - index /kv first: a damaged /kv is reported before the other tables
+        steps = trace.steps[:]
+        events = trace.events[:]
+        readings = trace.readings[:]
+        retention = trace.retention[:]
         self.events = events[np.argsort(events["t_ns"], kind="stable")] if events.size else events
-        self.kv_rows = view.nrows("kv")
-        checked_config(view, self.layers_table)  # sizes within bounds before they size anything (exit 1)
-        self.expectation: Expectation = build_expectation(shard_config(self.meta), self.layers_table, view.kv_head(64))
+        self.kv_rows = trace.nrows("kv")
+        checked_config(trace, self.layers_table)  # sizes within bounds before they size anything (exit 1)
+        self.expectation: Expectation = build_expectation(shard_config(self.meta), self.layers_table, trace.kv[:64])
         steps_by = _by_request(steps)
         ev_by = _by_request(self.events[self.events["request"] >= 0]) if events.size else {}
         rd_by = _by_request(readings[readings["request"] >= 0]) if readings.size else {}
         ret_by = _by_request(retention)
-        state = _state_by_request(view)  # hybrid models' /state (format 1.5)
+        state = _state_by_request(trace)  # hybrid models' /state (format 1.5)
         self.requests: list[RequestTimeline] = []
-        for r in view.requests:
+        for r in trace.requests[:]:
             rid = int(r["request"])
-            krows = view.kv(rid)  # this request's runs of /kv, not the table read whole and masked
+            krows = trace.kv.where(request=rid)  # this request's runs of /kv, not the table read whole and masked
             krows = krows[np.lexsort((krows["layer"], krows["step"]))]
             srows = steps_by.get(rid, steps[:0])
             srows = srows[np.argsort(srows["step"], kind="stable")]
@@ -219,22 +217,22 @@ class ReplayContext:
 
     @cached_property
     def allocator(self) -> np.ndarray:
-        return _sorted(self.trace.allocator())
+        return _sorted(self.trace.allocator[:])
 
     @cached_property
     def nvml(self) -> np.ndarray:
-        return _sorted(self.trace.nvml())
+        return _sorted(self.trace.nvml[:])
 
     @cached_property
     def process(self) -> np.ndarray:
-        return _sorted(self.trace.process())
+        return _sorted(self.trace.process[:])
 
     @cached_property
     def devices(self) -> list[dict[str, Any]]:
         return [
             {"index": int(d["device"]), "name": d["name"].decode(errors="replace"),
              "total_memory_bytes": int(d["total_memory_bytes"])}
-            for d in self.view.devices
+            for d in self.trace.devices[:]
         ]
 
     def device_total(self, device: int) -> int | None:
@@ -328,14 +326,14 @@ class ReplayContext:
         return ", ".join(device_text(d["index"], d["name"]) for d in self.devices)
 
 
-def _state_by_request(view: TraceView) -> dict[int, tuple[dict[int, int], dict[int, int]]]:
+def _state_by_request(trace: Trace) -> dict[int, tuple[dict[int, int], dict[int, int]]]:
     """request -> (step -> state bytes, layer -> state bytes at the request's largest step), from
     the /state rows read once (empty for attention-only traces)."""
     by_step: dict[int, dict[int, int]] = {}
-    for (rid, step), (unique, _) in view.state_steps.items():
+    for (rid, step), (unique, _) in trace.state_steps.items():
         by_step.setdefault(rid, {})[step] = unique
     out: dict[int, tuple[dict[int, int], dict[int, int]]] = {}
-    rows = view.state
+    rows = trace.state_rows
     for rid, steps in by_step.items():
         top = max(steps, key=lambda k: (steps[k], k))
         at = rows[(rows["request"] == rid) & (rows["step"] == top)]

@@ -49,8 +49,8 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
     --json prints the report as JSON (spec/analysis-json.md) instead of the terminal view;
     --json-out FILE also writes it to FILE. Sizes are printed in binary units (KiB = 1024 bytes).
     """
-    from kvtrace.analyzer import TraceView, detector_names, document, get_detectors, rankset
     from kvtrace.analyzer import analyze as run_analysis
+    from kvtrace.analyzer import detector_names, document, get_detectors, rankset
     from kvtrace.analyzer.base import Severity
     from kvtrace.analyzer.terminal import console_for, render
     from kvtrace.format.reader import Trace
@@ -83,9 +83,8 @@ def analyze(traces: tuple[str, ...], as_json: bool, json_out: str | None, fail_o
     for path in traces:
         try:
             with Trace(path) as t:  # opened once: the detectors and the content analyses read it
-                view = TraceView(t)
-                report = run_analysis(view, detectors or None)
-                ranks.add(view, report)
+                report = run_analysis(t, detectors or None)
+                ranks.add(t, report)
                 if gpu or contents:
                     report.contents = _contents(t, gpu)
         except TraceError as exc:

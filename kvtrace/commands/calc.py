@@ -15,7 +15,7 @@ from kvtrace.commands.outputs import check_json_out, json_options, write_json
 
 if TYPE_CHECKING:  # `kvtrace calc` without --trace loads no reader
     from kvtrace.analyzer.report import AnalysisReport
-    from kvtrace.analyzer.view import TraceView
+    from kvtrace.format.reader import Trace
 
 MAX_TOKENS = (1 << 63) - 1
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -123,7 +123,7 @@ def calc(preset: str | None, config_path: str | None, trace_paths: tuple[str, ..
         raise click.UsageError("give exactly one of --preset, --config, --trace")
     check_json_out(json_out, [s for s in (config_path, *trace_paths) if s is not None])
     check = None
-    # each trace is opened once: the first one's calc --trace reading comes from the same view
+    # each trace is opened once: the first one's calc --trace reading comes from the same trace
     ranks, first = _rank_traces(trace_paths)  # ranks: None unless the traces are tensor-parallel ranks
     if tp is None:
         tp = ranks.world_size or len(ranks.members) if ranks is not None else 1
@@ -180,9 +180,9 @@ def _known_preset(name: str | None) -> str | None:
         return None
 
 
-def render(view: TraceView, report: AnalysisReport | None) -> tuple[dict[str, Any], str, int, dict[str, Any]]:
+def render(trace: Trace, report: AnalysisReport | None) -> tuple[dict[str, Any], str, int, dict[str, Any]]:
     """The ``calc --trace`` renderer: the model config, label and cache element size a trace's
-    view holds, and its last step's recorded KV bytes against kvtrace.geometry's prediction.
+    trace holds, and its last step's recorded KV bytes against kvtrace.geometry's prediction.
     ``report`` is taken for the renderers' common shape and not read: the check compares the
     recording with the geometry, not with the analyser's findings. Raises click.UsageError
     for a trace without a model config."""
@@ -192,17 +192,17 @@ def render(view: TraceView, report: AnalysisReport | None) -> tuple[dict[str, An
     del report  # see the docstring
     from kvtrace.geometry.bounds import checked_config
 
-    config = checked_config(view, view.layers)  # sizes within bounds before they size anything (exit 1)
+    config = checked_config(trace, trace.layers[:])  # sizes within bounds before they size anything (exit 1)
     if not config:
-        raise click.UsageError(f"{view.path}: the trace stores no model config; use --preset or --config")
-    first = view.kv_head(1)
+        raise click.UsageError(f"{trace.path}: the trace stores no model config; use --preset or --config")
+    first = trace.kv[:1]
     itemsize = 2
     if first.size:
         try:
             itemsize = schema.DTYPE_ITEMSIZE[schema.CacheDType(int(first[0]["k_dtype"]))]
         except (ValueError, KeyError):
             pass
-    kc = check_kv(view, "last")
+    kc = check_kv(trace, "last")
     last = kc.steps[-1] if kc.steps else None
     check = {
         "note": kc.note,
@@ -215,13 +215,13 @@ def render(view: TraceView, report: AnalysisReport | None) -> tuple[dict[str, An
         "mismatched_layers": [] if last is None else [
             {"layer": a, "measured_bytes": b, "predicted_bytes": c} for a, b, c in last.mismatches[:32]],
     }
-    state = _state_check(view, config, check["request"], check["step"], itemsize)
+    state = _state_check(trace, config, check["request"], check["step"], itemsize)
     if state is not None:  # hybrid models only: attention-only documents keep their keys
         check["state"] = state
-    return dict(config), view.meta.model_id, itemsize, check
+    return dict(config), trace.meta.model_id, itemsize, check
 
 
-def _state_check(view: TraceView, config: dict[str, Any], request: int | None, step: int | None,
+def _state_check(trace: Trace, config: dict[str, Any], request: int | None, step: int | None,
                  itemsize: int) -> dict[str, Any] | None:
     """A hybrid trace's recorded state (format 1.5 /state) at the checked step against
     kvtrace.geometry.hybrid's prediction (batch x per-sequence bytes, layer by layer); None when the
@@ -229,18 +229,18 @@ def _state_check(view: TraceView, config: dict[str, Any], request: int | None, s
     from kvtrace.format import schema
     from kvtrace.geometry.hybrid import state_geometry
 
-    rows = view.state
+    rows = trace.state_rows
     if not rows.size:
         return None
     if request is None or step is None:  # no KV step checked (a pure-SSM model): the last state step
-        request, step = max(view.state_steps)
+        request, step = max(trace.state_steps)
     at = rows[(rows["request"] == request) & (rows["step"] == step)]
     measured: dict[int, int] = {}
     for layer, nbytes in zip(at["layer"].tolist(), at["bytes_valid"].tolist(), strict=True):
         measured[int(layer)] = measured.get(int(layer), 0) + int(nbytes)
     model_dtype = at[at["kind"] != int(schema.StateKind.RECURRENT)]["dtype"]
     size = schema.DTYPE_ITEMSIZE.get(schema.CacheDType(int(model_dtype[0])), itemsize) if model_dtype.size else itemsize
-    req = view.requests[view.requests["request"] == request]
+    req = trace.requests[:][trace.requests[:]["request"] == request]
     batch = int(req["batch_size"][0]) if req.size and int(req["batch_size"][0]) > 0 else 1
     out: dict[str, Any] = {"request": int(request), "step": int(step), "batch_size": batch,
                            "measured_bytes": sum(measured.values()), "predicted_bytes": None, "equal": None,
@@ -299,17 +299,15 @@ def _rank_traces(paths: tuple[str, ...]) -> tuple[Any, Any]:
     the ``render`` of the first trace, else None). Several traces that are not the ranks of one run:
     a usage error. Each trace is opened once."""
     from kvtrace.analyzer.ranks import group, rank_trace
-    from kvtrace.analyzer.view import TraceView
     from kvtrace.format.reader import Trace
 
     members = []
     first = None
     for i, path in enumerate(paths):
         with Trace(path) as t:
-            view = TraceView(t)
-            member = rank_trace(view)
+            member = rank_trace(t)
             if i == 0:
-                first = render(view, None)
+                first = render(t, None)
         if member is None and len(paths) > 1:
             raise click.UsageError(f"{path} is not a tensor-parallel rank trace: several --trace must be the rank "
                                    "traces of one run")

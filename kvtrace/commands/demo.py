@@ -115,7 +115,7 @@ def show(trace_path: Path) -> None:
 
     with Trace(trace_path) as t:
         s = summarize(t)
-        kv, steps = t.kv(0), t.steps(0)
+        kv, steps = t.kv.where(request=0), t.steps.where(request=0)
     click.echo(f"  {s['requests']['count']} requests, {s['requests']['new_tokens']} new tokens "
                f"(one step each), cache structure read at {s['rows']['steps']} steps "
                f"({s['rows']['kv']} per-layer rows), file {format_bytes(s['file_bytes'])}")

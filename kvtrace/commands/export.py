@@ -159,7 +159,6 @@ def prometheus_textfile(trace: str, output: str, quiet: bool, as_json: bool, jso
     Examples:
       kvtrace export prometheus-textfile run.kvt.h5 -o /var/lib/node_exporter/textfile/kvtrace.prom
     """
-    from kvtrace.analyzer.view import TraceView
     from kvtrace.export import prometheus
     from kvtrace.format.reader import Trace
 
@@ -167,7 +166,7 @@ def prometheus_textfile(trace: str, output: str, quiet: bool, as_json: bool, jso
     check_json_out(json_out, (trace,))
     with Trace(trace) as t:
         try:
-            exp = prometheus.render(TraceView(t), None, out)
+            exp = prometheus.render(t, None, out)
         except ImportError as exc:  # prometheus_client is in the record extra, not the base install
             raise Unavailable(str(exc)) from None
     try:

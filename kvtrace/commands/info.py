@@ -37,7 +37,6 @@ def info(traces: tuple[str, ...], as_json: bool, json_out: str | None) -> None:
     """
     from kvtrace.analyzer.notes import trace_notes
     from kvtrace.analyzer.ranks import group, parallel_of, rank_trace
-    from kvtrace.analyzer.view import TraceView
     from kvtrace.format.reader import Trace
     from kvtrace.format.summary import summarize
 
@@ -54,7 +53,7 @@ def info(traces: tuple[str, ...], as_json: bool, json_out: str | None) -> None:
             par = parallel_of(t.meta)
             if par is not None:  # spec §3.1; absent: one process, the devices of the rows
                 summary["parallel"] = par
-                member = rank_trace(TraceView(t))
+                member = rank_trace(t)
                 if member is not None:
                     members.append(member)
         summaries.append(summary)

@@ -312,7 +312,7 @@ def print_summary(path: str) -> None:
     from kvtrace.format.reader import Trace
 
     with Trace(path) as t:
-        steps = t.steps()
+        steps = t.steps[:]
         peak = int(steps["kv_bytes_unique"].max()) if len(steps) else 0
         n_req = t.nrows("requests")
     click.echo(f"trace   {path}: {n_req} request(s), {len(steps)} steps, peak KV cache {format_bytes(peak)} "

@@ -115,7 +115,6 @@ def _whatif_options(policies: tuple[str, ...], ratio_text: str | None, off: bool
 def _rank_set(traces: tuple[str, ...], output: str, figures_dir: str | None, no_analysis: bool, quiet: bool,
               as_json: bool, json_out: str | None) -> None:
     """One page per rank (each trace opened once) and the run's index page at ``output``."""
-    from kvtrace.analyzer import TraceView
     from kvtrace.analyzer.rankset import RankCollector, refuse_claimed_twice
     from kvtrace.format.reader import Trace
     from kvtrace.report import build, rank_page
@@ -126,7 +125,7 @@ def _rank_set(traces: tuple[str, ...], output: str, figures_dir: str | None, no_
     opened: list[tuple[str, int]] = []
     for path in traces:
         with Trace(path) as t:
-            member = collector.add(TraceView(t))
+            member = collector.add(t)
         if member is None:
             raise click.UsageError(f"{path} is not a tensor-parallel rank trace: report takes one trace, or the "
                                    "rank traces of one run")
@@ -147,7 +146,7 @@ def _rank_set(traces: tuple[str, ...], output: str, figures_dir: str | None, no_
         if figs is not None:
             check_output_dir(figs, option="--figures", inputs=traces)
         with Trace(path) as t:
-            result = build.render(TraceView(t), None, page, figs, run_analyzer=not no_analysis)
+            result = build.render(t, None, page, figs, run_analyzer=not no_analysis)
         pages[rank] = result.html
         written_figures += [str(p) for p in result.figures]
     index = rank_page.render(results[0], pages, output)

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from kvtrace.analyzer.report import AnalysisReport
-from kvtrace.analyzer.view import TraceView
 from kvtrace.errors import CannotWrite
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
@@ -69,17 +68,15 @@ def _thread(pid: int, tid: int, name: str) -> dict[str, Any]:
     return {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
 
 
-def trace_events(source: TraceView | Trace, findings: list[FindingRow] | None = None) -> dict[str, Any]:
+def trace_events(trace: Trace, findings: list[FindingRow] | None = None) -> dict[str, Any]:
     """The whole JSON document as a dict (see the module docstring for its layout)."""
-    view = TraceView.of(source)
-    trace = view.trace
     t0 = data.time_zero_ns(trace)
     meta = trace.meta
     events: list[dict[str, Any]] = _meta(HOST_PID, f"kvtrace host: {meta.model_id}", 0)
     events += [_thread(HOST_PID, REQUESTS_TID, "requests"), _thread(HOST_PID, PHASES_TID, "phases"),
                _thread(HOST_PID, FINDINGS_TID, "findings")]
-    devices = {int(d["device"]) for d in trace.devices()}
-    timelines = data.memory_timelines(view)
+    devices = {int(d["device"]) for d in trace.devices[:]}
+    timelines = data.memory_timelines(trace)
     devices |= {tl.device for tl in timelines}
     for dev in sorted(devices):
         events += _meta(device_pid(dev), data.device_label(trace, dev), 10 + dev)
@@ -109,8 +106,8 @@ def trace_events(source: TraceView | Trace, findings: list[FindingRow] | None = 
 def _request_spans(trace: Trace, t0: int) -> list[dict[str, Any]]:
     """Request spans, and within them prefill and decode spans from PREFILL_START/END and EOS."""
     out = []
-    events = trace.events()
-    for r in trace.requests():
+    events = trace.events[:]
+    for r in trace.requests[:]:
         start, end = int(r["start_ns"]), int(r["end_ns"])
         if start == 0:
             continue
@@ -141,7 +138,7 @@ def _request_spans(trace: Trace, t0: int) -> list[dict[str, Any]]:
 
 
 def _instants(trace: Trace, t0: int, devices: set[int]) -> list[dict[str, Any]]:
-    events = trace.events()
+    events = trace.events[:]
     keep = events[np.isin(events["kind"], [int(k) for k in INSTANT_KINDS])]
     out = []
     for e in keep:
@@ -165,10 +162,10 @@ def _finding_instants(trace: Trace, findings: list[FindingRow], t0: int) -> list
     """Findings at their first step, else at the end of their request, else at the trace end."""
     if not findings:
         return []
-    requests = {int(r["request"]): int(r["end_ns"]) or int(r["start_ns"]) for r in trace.requests()}
+    requests = {int(r["request"]): int(r["end_ns"]) or int(r["start_ns"]) for r in trace.requests[:]}
     ends = [v for v in requests.values() if v]
     trace_end = max(ends) if ends else t0
-    steps = trace.steps()
+    steps = trace.steps[:]
     step_t = {(int(s["request"]), int(s["step"])): int(s["t_ns"]) for s in steps} if any(
         f.steps for f in findings) else {}
     out = []
@@ -201,13 +198,13 @@ def write_perfetto(
     progress: Callable[[str], None] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Write the trace-event JSON; returns (path, {"events": n, "findings": n or None, "note": ...})."""
-    with Trace(trace_path) as trace:  # opened once: the analyser and the events read the same view
-        return render(TraceView(trace), None, out_json, findings=findings, run_analyzer=run_analyzer,
+    with Trace(trace_path) as trace:  # opened once: the analyser and the events read the same trace
+        return render(trace, None, out_json, findings=findings, run_analyzer=run_analyzer,
                       progress=progress)
 
 
 def render(
-    view: TraceView,
+    trace: Trace,
     analysis: AnalysisReport | None,
     out_json: str | os.PathLike[str],
     *,
@@ -215,8 +212,8 @@ def render(
     run_analyzer: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
-    """The Perfetto renderer: trace events of an open trace's view, with the analysis's findings as
-    instants (`analysis`, else `findings` rows, else kvtrace.analyze on the same view unless
+    """The Perfetto renderer: trace events of an open trace's trace, with the analysis's findings as
+    instants (`analysis`, else `findings` rows, else kvtrace.analyze on the same trace unless
     `run_analyzer` is False)."""
     from kvtrace.report import findings as fmod
 
@@ -226,12 +223,12 @@ def render(
         findings = fmod.flatten(analysis)
     elif findings is None and run_analyzer:
         step("analyse")
-        analysis, note = fmod.run_analysis(view)
+        analysis, note = fmod.run_analysis(trace)
         findings = None if analysis is None else fmod.flatten(analysis)
     elif findings is None:
         note = "analysis skipped"
     step("read")
-    doc = trace_events(view, findings)
+    doc = trace_events(trace, findings)
     step("write")
     out = Path(out_json)
 

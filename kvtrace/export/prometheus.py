@@ -58,7 +58,7 @@ from kvtrace._version import __version__
 
 if TYPE_CHECKING:  # the live exporter is built while recording: no reader import at module load
     from kvtrace.analyzer.report import AnalysisReport
-    from kvtrace.analyzer.view import TraceView
+    from kvtrace.format.reader import Trace
 
 
 @dataclass(frozen=True)
@@ -618,20 +618,18 @@ def observers_for(options: Any) -> list[PrometheusExporter]:
 
 
 def exporter_from_trace(trace: Any, textfile: str | os.PathLike[str]) -> PrometheusExporter:
-    """:func:`render` of an open Trace (or its TraceView) with no analysis."""
-    from kvtrace.analyzer.view import TraceView
-
-    return render(TraceView.of(trace), None, textfile)
+    """:func:`render` of an open Trace with no analysis."""
+    return render(trace, None, textfile)
 
 
-def render(view: TraceView, report: AnalysisReport | None, textfile: str | os.PathLike[str]) -> PrometheusExporter:
-    """The Prometheus renderer: replay a finished trace's view into a textfile-only exporter, the
+def render(trace: Trace, report: AnalysisReport | None, textfile: str | os.PathLike[str]) -> PrometheusExporter:
+    """The Prometheus renderer: replay a finished trace's trace into a textfile-only exporter, the
     state at the trace's end by the live exporter's rules (request counts by outcome, steps, tokens,
     dropped samples, recorder errors, last memory sample per device, last RSS). KV and token gauges
     hold the last recorded step only when the trace ended with its last request still running;
     otherwise every layer is at 0, as the live endpoint shows after a request ends.
 
-    ``report`` is taken for the renderers' common ``render(view, report, ...)`` shape and not read:
+    ``report`` is taken for the renderers' common ``render(trace, report, ...)`` shape and not read:
     the live endpoint has no finding metrics, and the replay shows what the endpoint showed."""
     import numpy as np
 
@@ -639,11 +637,10 @@ def render(view: TraceView, report: AnalysisReport | None, textfile: str | os.Pa
     from kvtrace.labels import layer_type_name
 
     del report  # see the docstring: the replay has nothing to draw from an analysis
-    trace = view.trace
     exp = PrometheusExporter(None, None, textfile=textfile, linger_s=0)
     exp.textfile = None  # no file writes while replaying; the caller writes once
     exp.set_info(trace.meta.model_id, trace.meta.model_type)
-    requests = view.requests
+    requests = trace.requests[:]
     running = int(schema.Outcome.RUNNING)
     for r in requests[np.argsort(requests["start_ns"], kind="stable")]:
         exp.on_request_start()
@@ -653,8 +650,8 @@ def render(view: TraceView, report: AnalysisReport | None, textfile: str | os.Pa
                                int(r["new_tokens"]))
     # Counted from the per-step events when the trace has them: with structure_every > 1 not every
     # step has a /steps row. A trace without those events (another writer) falls back to rows.
-    steps = trace.steps()
-    events = trace.events()
+    steps = trace.steps[:]
+    events = trace.events[:]
     kinds = events["kind"]
     for phase, kind in ((schema.Phase.PREFILL, schema.EventKind.PREFILL_END),
                         (schema.Phase.DECODE, schema.EventKind.DECODE_STEP)):
@@ -663,7 +660,7 @@ def render(view: TraceView, report: AnalysisReport | None, textfile: str | os.Pa
     if requests.size:
         last = requests[np.argmax(requests["start_ns"])]
         still_running = int(last["outcome"]) == running
-        rows = view.kv(int(last["request"]))
+        rows = trace.kv.where(request=int(last["request"]))
         if rows.size:
             rows = rows[rows["step"] == rows["step"].max()]
             for row in rows:
@@ -672,7 +669,7 @@ def render(view: TraceView, report: AnalysisReport | None, textfile: str | os.Pa
         mine = steps[steps["request"] == last["request"]] if steps.size else steps
         if still_running and mine.size:
             exp._metrics["kvtrace_kv_cache_tokens"].set(int(mine["tokens_seen"][-1]))
-    nvml, alloc = trace.nvml(), trace.allocator()
+    nvml, alloc = trace.nvml[:], trace.allocator[:]
     for dev in np.unique(nvml["device"]):
         row = nvml[nvml["device"] == dev][-1]
         exp.on_memory(int(dev), int(row["used_bytes"]))
@@ -683,10 +680,10 @@ def render(view: TraceView, report: AnalysisReport | None, textfile: str | os.Pa
                       allocated_bytes=int(row["allocated_bytes"]),
                       inactive_split_bytes=int(row["inactive_split_bytes"]),
                       num_alloc_retries=int(rows["num_alloc_retries"].max()), num_ooms=int(rows["num_ooms"].max()))
-    for d in view.devices:
+    for d in trace.devices[:]:
         if int(d["total_memory_bytes"]) >= 0 and int(d["device"]) >= 0:
             exp.on_memory(int(d["device"]), total_bytes=int(d["total_memory_bytes"]))
-    process = trace.process()
+    process = trace.process[:]
     if process.size and int(process["rss_bytes"][-1]) >= 0:
         exp.on_rss(int(process["rss_bytes"][-1]))
     dropped = events[kinds == int(schema.EventKind.DROPPED_SAMPLES)]
@@ -697,7 +694,7 @@ def render(view: TraceView, report: AnalysisReport | None, textfile: str | os.Pa
         exp._metrics["kvtrace_recorder_errors_total"].inc(n_errors)
     from kvtrace.export.prometheus_serving import replay
 
-    replay(exp, view)  # a serving trace: the kvtrace_serving_* end state (nothing without /sched)
+    replay(exp, trace)  # a serving trace: the kvtrace_serving_* end state (nothing without /sched)
     # "last update" is when the trace's last row was stamped, not when this replay ran
     last_ns = max([int(requests["end_ns"].max()) if requests.size else 0,
                    *(int(t["t_ns"].max()) for t in (nvml, alloc, process) if t.size)])

@@ -345,23 +345,23 @@ def vllm_mapping() -> list[tuple[str, str, str]]:
     return [(name, kind, vllm) for name, (kind, _, _, vllm) in SERVING_METRICS.items()]
 
 
-def replay(exporter: PrometheusExporter, view: Any) -> ServingMetrics | None:
-    """The serving metrics of a finished trace (a TraceView), as the live endpoint showed them at its
+def replay(exporter: PrometheusExporter, trace: Any) -> ServingMetrics | None:
+    """The serving metrics of a finished trace (a Trace), as the live endpoint showed them at its
     end: its /sched rows and serving events fed in time order, arrivals from /requests start_ns.
     None for a trace without /sched (nothing served, nothing added to the exporter)."""
-    sched = view.sched
+    sched = trace.sched[:]
     if not sched.size:
         return None
-    exporter.set_info(view.trace.meta.model_id, view.trace.meta.model_type)  # the series' model_name
+    exporter.set_info(trace.meta.model_id, trace.meta.model_type)  # the series' model_name
     sm = ServingMetrics(exporter)
     by_step: dict[tuple[int, int], list[Any]] = {}
-    for g in view.sched_groups:
+    for g in trace.sched_groups[:]:
         by_step.setdefault((int(g["manager"]), int(g["step"])), []).append(schema.SchedGroupRow(*g.tolist()))
-    events = view.serving_events
+    events = trace.serving_events
     # e2e latency: the live endpoint hears the end of continuous-batching requests only
-    cb = {int(r) for r in view.cb_requests["request"]}
+    cb = {int(r) for r in trace.cb_requests["request"]}
     events = events[(events["kind"] != int(E.REQUEST_END)) | np.isin(events["request"], list(cb))]
-    reqs = view.requests
+    reqs = trace.requests[:]
     sm._arrival = {int(r["request"]): int(r["start_ns"]) for r in reqs}
     order = sorted([(int(t), 1, i) for i, t in enumerate(sched["t_ns"])]
                    + [(int(t), 0, j) for j, t in enumerate(events["t_ns"])])

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any, cast
 import yaml
 
 from kvtrace._version import __version__
-from kvtrace.analyzer.view import TraceView
 from kvtrace.errors import BundleError, ContentRefused  # noqa: F401 - z.BundleError is part of this API
 from kvtrace.format.reader import Trace
 from kvtrace.format.summary import summarize
@@ -162,19 +161,19 @@ def content_problems(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
     out = []
     for p in paths:
         with Trace(p) as t:
-            out.extend(_content_problem(TraceView(t)))
+            out.extend(_content_problem(t))
     return out
 
 
-def _content_problem(view: TraceView) -> list[str]:
+def _content_problem(trace: Trace) -> list[str]:
     """The content line of one open trace ([] when it holds neither prompt text nor tensors)."""
-    held = view.trace.stored_contents()
+    held = trace.stored_contents()
     what = []
-    if held["prompt_text"] or view.meta.contains_prompt_text:
+    if held["prompt_text"] or trace.meta.contains_prompt_text:
         what.append(f"prompt text ({held['prompt_text'] or 'meta.contains_prompt_text'})")
-    if held["tensor_payloads"] or view.meta.contains_tensor_payloads:
+    if held["tensor_payloads"] or trace.meta.contains_tensor_payloads:
         what.append(f"tensor contents ({held['tensor_payloads'] or 'meta.contains_tensor_payloads'})")
-    return [f"{view.path}: holds {' and '.join(what)}"] if what else []
+    return [f"{trace.path}: holds {' and '.join(what)}"] if what else []
 
 
 @dataclass
@@ -189,15 +188,15 @@ class _Read:
     steps: int = 0
 
 
-def render(view: TraceView, report: AnalysisReport | None) -> _Read:
-    """The data-card renderer of one trace's view: its content, validity, summary, data quality
+def render(trace: Trace, report: AnalysisReport | None) -> _Read:
+    """The data-card renderer of one trace's trace: its content, validity, summary, data quality
     and step count. ``report`` is taken for the renderers' common shape and not read: the card
     describes the recording, and findings are not archived."""
     del report  # see the docstring
-    validation = validate_open(view.trace)
-    out = _Read(view.meta.model_id, _content_problem(view), validation)
+    validation = validate_open(trace)
+    out = _Read(trace.meta.model_id, _content_problem(trace), validation)
     if validation.valid:  # an invalid trace is refused; its summary is never shown
-        out.summary, out.quality, out.steps = summarize(view.trace), quality.assess(view.trace), view.nrows("steps")
+        out.summary, out.quality, out.steps = summarize(trace), quality.assess(trace), trace.nrows("steps")
     return out
 
 
@@ -206,7 +205,7 @@ def read_traces(paths: Sequence[Path]) -> list[_Read]:
     out = []
     for p in paths:
         with Trace(p) as t:
-            out.append(render(TraceView(t), None))
+            out.append(render(t, None))
     return out
 
 

@@ -1,10 +1,10 @@
 """The one adapter between fleet code and kvtrace's read side.
 
 Everything the fleet exports is read here, through the public entry points only: ``kvtrace.open``
-(a :class:`kvtrace.format.Trace`) and ``kvtrace.analyze`` with its stable JSON form
-(spec/analysis-json.md). The reader is being redesigned (two read paths with the same names); when
-it is, this module is the only one to re-point. It returns plain numpy structured arrays and
-dicts, nothing that holds an open HDF5 file, so its result can be built inside any worker process.
+(a :class:`kvtrace.format.Trace`, whose tables are read whole: the fleet exports every row) and
+``kvtrace.analyze`` on that same open trace, with its stable JSON form (spec/analysis-json.md). It
+returns plain numpy structured arrays and dicts, nothing that holds an open HDF5 file, so its
+result can be built inside any worker process.
 """
 
 from __future__ import annotations
@@ -103,12 +103,12 @@ def read_trace(path: str | os.PathLike[str], *, analyze: bool = True) -> TraceDa
             "contains_tensor_payloads": m.contains_tensor_payloads,
             "payload_tokens": m.payload_tokens,
         }
-        tables = {name: t.table(src) if t.has(src) else np.zeros(0, schema.TABLES[src][0])
+        tables = {name: t[src][:] if t.has(src) else np.zeros(0, schema.TABLES[src][0])
                   for name, src in TABLES.items()}
         ev = tables["events"]
         event_text = [t.text(int(o), int(n)) for o, n in zip(ev["text_off"], ev["text_len"], strict=True)]
         devices = [{"device": int(d["device"]), "name": _text(d["name"]),
-                    "total_memory_bytes": int(d["total_memory_bytes"])} for d in t.devices()]
+                    "total_memory_bytes": int(d["total_memory_bytes"])} for d in t.devices[:]]
         analysis, error = None, ""
         if analyze:
             # Damage the analyser reads (a TraceError) fails the trace as it fails analyze and report

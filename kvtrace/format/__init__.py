@@ -18,6 +18,7 @@ from kvtrace.format.schema import (
     Phase,
     ReadingLabel,
 )
+from kvtrace.format.tables import Table
 from kvtrace.format.writer import DeviceInfo, EncodedPayload, TraceWriter, encode_payload, monotonic_ns
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "PayloadKind",
     "Phase",
     "ReadingLabel",
+    "Table",
     "Trace",
     "TraceError",
     "TraceMeta",

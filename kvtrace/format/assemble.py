@@ -29,7 +29,7 @@ class ContentsAssembler:
         self.trace = trace
         self.incremental = trace.meta.payload_tokens == "new"
         if index is None:
-            index = trace.payload_index()
+            index = trace.payload_index[:]
         self._rows: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # -> [(step, row)]
         for i, r in enumerate(index):
             key = (int(r["request"]), int(r["layer"]), int(r["kind"]))

@@ -105,9 +105,7 @@ def trace_columns(trace: Trace, name: str, request: int | None = None) -> tuple[
     path = table_path(name)
     if request is not None and path not in BY_REQUEST:
         raise ValueError(f"table {name!r} has no request column: call it without request=")
-    rows = trace.optional_table(path)
-    if request is not None:
-        rows = rows[rows["request"] == request]
+    rows = trace[path][:] if request is None else trace[path].where(request=request)
     cols = columns(path, rows)
     if path == "kv":
         cols["bytes_per_token"] = kv_bytes_per_token(rows)

@@ -29,10 +29,10 @@ def owner_block_problems(rows: np.ndarray) -> set[str]:
 def checked_owners(trace: object) -> np.ndarray:
     """/owners of an open :class:`kvtrace.format.reader.Trace` (empty for traces before 1.5),
     refused with InvalidTrace when a row breaks §7 or names a request absent from /requests."""
-    rows = trace.optional_table("owners")  # type: ignore[attr-defined]
+    rows = trace["owners"][:]  # type: ignore[attr-defined]
     problems = owner_block_problems(rows)
     if not problems and rows.size:
-        known = trace.requests()["request"].astype(np.int64)  # type: ignore[attr-defined]
+        known = trace.requests[:]["request"].astype(np.int64)  # type: ignore[attr-defined]
         named = np.unique(rows["request"][rows["request"] >= 0].astype(np.int64))
         orphans = np.setdiff1d(named, known)
         if orphans.size:

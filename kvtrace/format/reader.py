@@ -31,10 +31,12 @@ from kvtrace.format.errors import (
     NotATrace,
     TraceError,
 )
+from kvtrace.format.joins import TraceJoins
 from kvtrace.format.numeric import to_float32
 from kvtrace.format.serving_rules import TABLES as SERVING_TABLES
 from kvtrace.format.serving_rules import serving_problems
 from kvtrace.format.skipped import Skipped, notify_skipped, skipped_note
+from kvtrace.format.tables import Table
 from kvtrace.format.trace_rules import (
     ENUM_COLUMNS,
     IndexScan,
@@ -171,8 +173,19 @@ def _open_h5(path: Path) -> tuple[h5py.File, bool]:
             raise NotATrace(f"{path}: HDF5 cannot open it, truncated or corrupt ({exc})") from None
 
 
-class Trace:
-    """An open trace. Use as a context manager or call close().
+def _table(path: str, doc: str) -> property:
+    return property(lambda self: self[path], doc=doc)
+
+
+class Trace(TraceJoins):
+    """An open trace, read on demand (h5py's model). Use as a context manager or call close().
+
+    Each table is an attribute (``trace.kv``, ``trace.steps``, ``trace.nvml``, ...) or
+    ``trace[path]``: a :class:`~kvtrace.format.tables.Table` that reads nothing until rows are
+    asked for (``trace.kv[:]``, ``trace.kv[a:b]``, ``trace.kv.where(request=r, step=s)``, which
+    reads only that request's rows). Payloads are decoded one at a time by their index row
+    (:meth:`payload`). What several tables join to (state bytes per step, continuous-batching
+    requests) is computed once per open trace (:class:`~kvtrace.format.joins.TraceJoins`).
 
     Opening checks the structure every reader relies on (``/meta``, every table with its fields,
     ``/text``, ``/status``, the payload carriers) and raises :class:`InvalidTrace` naming the first
@@ -181,6 +194,7 @@ class Trace:
 
     def __init__(self, path: str | os.PathLike[str], *, check: bool = True) -> None:
         self.path = Path(path)
+        self._tables: dict[str, Table] = {}
         self.skipped: dict[str, Skipped] = {}  # table -> rows skipped for codes a newer minor added
         self._positions: dict[str, np.ndarray | None] = {}  # table -> file positions of the rows shown
         self._file, self._flags_clean = _open_h5(self.path)
@@ -317,7 +331,9 @@ class Trace:
         return int(ds.shape[0]) if known is None else int(known.size)
 
     def table(self, name: str, rows: slice | None = None, *, check_codes: bool = True) -> np.ndarray:
-        """Read a table (or a slice of rows) as a structured array, known fields only.
+        """Read a table (or a slice of rows) as a structured array, known fields only: the primitive
+        every :class:`~kvtrace.format.tables.Table` reads through (consumers use ``trace.kv[a:b]``,
+        ``trace[path][:]``, ``trace.kv.where(request=r)``).
 
         Fields a newer minor version added are dropped; the array has this reader's dtype
         where the file has every field, else the file's fields that this reader knows. Enumerated
@@ -426,61 +442,31 @@ class Trace:
             raise InvalidTrace(f"{self.path}: /{name} is not a dataset")
         return obj
 
-    def requests(self) -> np.ndarray:
-        return self.table("requests")
+    def __getitem__(self, path: str) -> Table:
+        """The table at ``path`` ("kv", "telemetry/nvml", "payloads/index", ...), read on demand
+        (:class:`~kvtrace.format.tables.Table`); KeyError for a name the format does not define."""
+        table = self._tables.get(path)
+        if table is None:
+            table = self._tables[path] = Table(self, path)
+        return table
 
-    def layers(self) -> np.ndarray:
-        return self.table("layers")
-
-    def devices(self) -> np.ndarray:
-        return self.table("devices")
-
-    def kv(self, request: int | None = None) -> np.ndarray:
-        rows = self.table("kv")
-        return rows if request is None else rows[rows["request"] == request]
-
-    def steps(self, request: int | None = None) -> np.ndarray:
-        rows = self.table("steps")
-        return rows if request is None else rows[rows["request"] == request]
-
-    def events(self, kind: schema.EventKind | None = None) -> np.ndarray:
-        rows = self.table("events")
-        return rows if kind is None else rows[rows["kind"] == int(kind)]
-
-    def readings(self, request: int | None = None) -> np.ndarray:
-        rows = self.table("readings")
-        return rows if request is None else rows[rows["request"] == request]
-
-    def retention(self, request: int | None = None) -> np.ndarray:
-        rows = self.table("retention")
-        return rows if request is None else rows[rows["request"] == request]
-
-    def nvml(self) -> np.ndarray:
-        return self.table("telemetry/nvml")
-
-    def allocator(self) -> np.ndarray:
-        return self.table("telemetry/allocator")
-
-    def process(self) -> np.ndarray:
-        return self.table("telemetry/process")
-
-    def optional_table(self, name: str) -> np.ndarray:
-        """An optional table (e.g. the 1.4 continuous-batching tables), empty with this reader's dtype
-        when the trace predates it."""
-        return self.table(name) if self.has(name) else np.zeros(0, schema.TABLES[name][0])
-
-    def sched(self) -> np.ndarray:
-        """/sched: one row per continuous-batching scheduler step (1.4; empty for older traces)."""
-        return self.optional_table("sched")
-
-    def sched_groups(self) -> np.ndarray:
-        """/sched_groups: per step and cache group (1.4; empty for older traces)."""
-        return self.optional_table("sched_groups")
-
-    def blocks(self, request: int | None = None) -> np.ndarray:
-        """/blocks: per step, running request and cache group (1.4; empty for older traces)."""
-        rows = self.optional_table("blocks")
-        return rows if request is None else rows[rows["request"] == request]
+    requests = _table("requests", "/requests: one row per request")
+    layers = _table("layers", "/layers: one row per layer")
+    devices = _table("devices", "/devices: one row per device the run used")
+    kv = _table("kv", "/kv: one row per layer and recorded step (``kv.where(request=r)`` reads only r's rows)")
+    steps = _table("steps", "/steps: one row per recorded step")
+    events = _table("events", "/events: events in time order")
+    readings = _table("readings", "/readings: labelled memory readings")
+    retention = _table("retention", "/retention: what outlived each request")
+    nvml = _table("telemetry/nvml", "/telemetry/nvml: NVML samples")
+    allocator = _table("telemetry/allocator", "/telemetry/allocator: allocator samples")
+    process = _table("telemetry/process", "/telemetry/process: process RSS samples")
+    payload_index = _table("payloads/index", "/payloads/index: one row per sampled tensor (see :meth:`payload`)")
+    sched = _table("sched", "/sched: one row per continuous-batching scheduler step (1.4; empty before)")
+    sched_groups = _table("sched_groups", "/sched_groups: per step and cache group (1.4; empty before)")
+    blocks = _table("blocks", "/blocks: per step, running request and cache group (1.4; empty before)")
+    state = _table("state", "/state: hybrid caches' conv/recurrent state (1.5; empty before)")
+    owners = _table("owners", "/owners: memory by owner (1.5; empty before)")
 
     def to_pandas(self, table: str, request: int | None = None) -> Any:
         """One table as a pandas DataFrame, with the Parquet export's column names and values:
@@ -562,9 +548,6 @@ class Trace:
         return out
 
     # ---- payloads -------------------------------------------------------------------------------
-
-    def payload_index(self) -> np.ndarray:
-        return self.table("payloads/index")
 
     def payload(self, index_row: int | np.void) -> Payload:
         self._payload_index_checked  # noqa: B018 - the whole-index limits, once per trace

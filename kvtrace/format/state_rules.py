@@ -55,7 +55,7 @@ def state_block_problems(rows: np.ndarray) -> set[str]:
 def checked_state(trace: object) -> np.ndarray:
     """/state of an open :class:`kvtrace.format.reader.Trace` (empty for traces before 1.5),
     refused with InvalidTrace when a row breaks §7."""
-    rows = trace.optional_table("state")  # type: ignore[attr-defined]
+    rows = trace["state"][:]  # type: ignore[attr-defined]
     problems = state_block_problems(rows)
     if problems:
         raise InvalidTrace(f"{trace.path}: {'; '.join(sorted(problems))}")  # type: ignore[attr-defined]

@@ -55,10 +55,10 @@ def state(trace: Trace) -> dict[str, Any] | None:
     request, step = int(keys[top] >> 32), int(keys[top] & 0xFFFFFFFF)
     by_kind = {schema.StateKind(int(k)).name.lower(): int(at["bytes_unique"][at["kind"] == k].sum(dtype=np.uint64))
                for k in np.unique(at["kind"])}
-    req = trace.requests()
+    req = trace.requests[:]
     batch = req["batch_size"][req["request"] == request]
     batch_size = int(batch[0]) if batch.size and int(batch[0]) > 0 else 1
-    steps = trace.steps(request)
+    steps = trace.steps.where(request=request)
     kv = steps["kv_bytes_unique"][steps["step"] == step]
     total = int(at["bytes_unique"].sum(dtype=np.uint64))
     return {
@@ -73,12 +73,12 @@ def state(trace: Trace) -> dict[str, Any] | None:
 def _summary(trace: Trace) -> dict[str, Any]:
     meta = trace.meta
     held = trace.stored_contents()
-    requests = trace.requests()
+    requests = trace.requests[:]
     outcomes: dict[str, int] = {}
     for code in requests["outcome"]:
         name = schema.Outcome(int(code)).name.lower()
         outcomes[name] = outcomes.get(name, 0) + 1
-    layers = trace.layers()
+    layers = trace.layers[:]
     layer_types: dict[str, int] = {}
     for code in layers["layer_type"]:
         name = schema.LayerType(int(code)).name.lower()
@@ -87,7 +87,7 @@ def _summary(trace: Trace) -> dict[str, Any]:
     devices = [
         {"index": int(d["device"]), "name": d["name"].decode(errors="replace"),
          "total_memory_bytes": int(d["total_memory_bytes"])}
-        for d in trace.devices()
+        for d in trace.devices[:]
     ]
     return {
         "path": str(trace.path),
@@ -124,8 +124,8 @@ def serving(trace: Trace) -> dict[str, Any] | None:
     """Continuous batching at a glance (1.4 tables, spec §4.15), or None when the trace has none:
     steps, the pool, peak block- and token-level use, peak running/waiting, preemptions, prefix
     hits, evictions, and the load-test phases named in /events."""
-    sched = trace.sched()
-    phase_rows = trace.events(schema.EventKind.PHASE) if trace.has("events") else np.zeros(0, schema.EVENTS)
+    sched = trace.sched[:]
+    phase_rows = trace.events.where(kind=schema.EventKind.PHASE) if trace.has("events") else np.zeros(0, schema.EVENTS)
     phases = [trace.text(int(e["text_off"]), int(e["text_len"])) for e in np.sort(phase_rows, order="t_ns")]
     if not sched.size and not phases:
         return None

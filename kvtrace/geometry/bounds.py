@@ -151,7 +151,7 @@ def recorded_problems(config: Any, layers: Any) -> list[str]:
 
 
 def checked_config(trace: Any, layers: Any = None) -> dict[str, Any]:
-    """The model config of ``trace`` (an open Trace or TraceView: ``meta.model_config``), once its
+    """The model config of ``trace`` (an open Trace: ``meta.model_config``), once its
     sizes are within bounds (:func:`config_problems`; :func:`recorded_problems` against ``layers``,
     its /layers rows, when given); else InvalidTrace (exit 1) naming the first problem."""
     config = trace.meta.model_config

@@ -16,7 +16,6 @@ import numpy as np
 
 from kvtrace._version import __version__
 from kvtrace.analyzer.report import AnalysisReport
-from kvtrace.analyzer.view import TraceView
 from kvtrace.errors import CannotWrite
 from kvtrace.format.reader import Trace
 from kvtrace.format.summary import summarize
@@ -101,9 +100,8 @@ class _FigureFiles:
 
 
 class _Builder:
-    def __init__(self, view: TraceView, figure_files: _FigureFiles | None, progress: Progress | None) -> None:
-        self.view = view  # shared with the analyser: one /kv request index per report
-        self.trace = view.trace
+    def __init__(self, trace: Trace, figure_files: _FigureFiles | None, progress: Progress | None) -> None:
+        self.trace = trace  # shared with the analyser: one /kv request index per report
         self.figure_files = figure_files
         self.progress = progress or (lambda _stage: None)
         self.sections: list[html.Section] = []
@@ -156,7 +154,7 @@ class _Builder:
     def memory_timeline(self) -> None:
         s = self.section("memory-timeline", "Memory timeline per device")
         t0 = data.time_zero_ns(self.trace)
-        timelines = data.memory_timelines(self.view)
+        timelines = data.memory_timelines(self.trace)
         markers = data.phase_markers(self.trace)
         if not timelines:
             self.none(s, "the trace has no memory telemetry and no KV rows")
@@ -178,7 +176,7 @@ class _Builder:
 
     def layer_footprint(self) -> None:
         s = self.section("layer-footprint", "Per-layer KV footprint")
-        fp = data.layer_footprint(self.view)
+        fp = data.layer_footprint(self.trace)
         if fp is None:
             self.none(s, "the trace has no KV rows")
             return
@@ -202,7 +200,7 @@ class _Builder:
 
     def growth(self) -> None:
         s = self.section("growth-curves", "Growth against the analytical expectation")
-        gc = data.growth_curves(self.view)
+        gc = data.growth_curves(self.trace)
         if gc is None:
             self.none(s, "the trace has no step rows")
             return
@@ -411,7 +409,7 @@ def build_report(
     try:
         figures._plt()  # fail early, before reading the trace, when matplotlib is missing
         with Trace(trace_path) as trace:
-            return render(TraceView(trace), analysis, out, fig_dir, run_analyzer=run_analyzer, progress=progress,
+            return render(trace, analysis, out, fig_dir, run_analyzer=run_analyzer, progress=progress,
                           whatif=whatif)
     except BaseException:  # the figures directory this call made goes with its failure (render empties it)
         if made is not None:
@@ -421,7 +419,7 @@ def build_report(
 
 
 def render(
-    view: TraceView,
+    trace: Trace,
     analysis: AnalysisReport | None,
     out_html: str | os.PathLike[str],
     figures_dir: str | os.PathLike[str] | None = None,
@@ -430,8 +428,8 @@ def render(
     progress: Progress | None = None,
     whatif: WhatIf = None,
 ) -> ReportResult:
-    """The HTML renderer: the page of an open trace's view and its analysis. Without `analysis`,
-    kvtrace.analyze runs on the same view (unless `run_analyzer` is False). `whatif`: the what-if
+    """The HTML renderer: the page of an open trace's trace and its analysis. Without `analysis`,
+    kvtrace.analyze runs on the same trace (unless `run_analyzer` is False). `whatif`: the what-if
     section's policies and ratios, True for the defaults, False for none; None: the defaults when
     the trace holds sampled contents."""
     out = Path(out_html)
@@ -440,8 +438,7 @@ def render(
     figures._plt()
     figure_files = _FigureFiles(fig_dir) if fig_dir is not None else None
     try:
-        trace = view.trace
-        b = _Builder(view, figure_files, progress)
+        b = _Builder(trace, figure_files, progress)
         b.progress("overview")
         summary = summarize(trace)
         b.overview(summary)
@@ -459,7 +456,7 @@ def render(
         b.progress("findings")
         note = ""
         if analysis is None and run_analyzer:
-            analysis, note = findings.run_analysis(view)
+            analysis, note = findings.run_analysis(trace)
             note = "" if analysis is not None else note  # the table is the analyser's; no caption
         elif analysis is None:
             note = "analysis skipped (--no-analysis)"

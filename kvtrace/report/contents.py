@@ -69,7 +69,7 @@ def _pick_request(index: np.ndarray) -> int | None:
 
 def sampled_requests(trace: Trace) -> list[int]:
     """Requests with sampled keys, values or latents, in id order (the heatmaps' selection)."""
-    index = trace.payload_index()
+    index = trace.payload_index[:]
     kinds = [int(k) for k in (schema.PayloadKind.KEY, schema.PayloadKind.VALUE, schema.PayloadKind.LATENT)]
     return sorted({int(r) for r in index["request"][np.isin(index["kind"], kinds)]})
 
@@ -95,7 +95,7 @@ def _head_ids(row: np.void, n: int) -> list[int]:
 
 def head_norm_heatmaps(trace: Trace, request: int | None = None) -> list[Heatmap]:
     """Key/value/latent head norms of `request` (default: the one with the most sampled keys)."""
-    index = trace.payload_index()
+    index = trace.payload_index[:]
     request = _pick_request(index) if request is None else request
     if request is None:
         return []
@@ -125,18 +125,18 @@ def entropy_heatmap(trace: Trace, num_attention_heads: int | None = None, reques
                     ) -> Heatmap | None:
     """Normalised attention entropy per (layer, query head) of `request` (default: the one with
     the most sampled keys); None without sampled queries."""
-    index = trace.payload_index()
+    index = trace.payload_index[:]
     request = _pick_request(index) if request is None else request
     if request is None:
         return None
     queries = _latest(index, request, schema.PayloadKind.QUERY)
     if not queries:
         return None
-    kv_heads = {int(r["layer"]): int(r["num_kv_heads"]) for r in trace.layers()}
+    kv_heads = {int(r["layer"]): int(r["num_kv_heads"]) for r in trace.layers[:]}
     if num_attention_heads is None:
         from kvtrace.geometry.bounds import checked_config
 
-        heads = checked_config(trace, trace.layers()).get("num_attention_heads")  # bounded sizes (exit 1)
+        heads = checked_config(trace, trace.layers[:]).get("num_attention_heads")  # bounded sizes (exit 1)
         num_attention_heads = heads if isinstance(heads, int) and heads > 0 else None  # a list: vision configs
     cells: dict[tuple[int, int], float] = {}
     for layer, qi in sorted(queries.items()):

@@ -8,24 +8,15 @@ callers say it is absent instead of drawing zeros.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtrace.analyzer.view import SCAN_ROWS, TraceView
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
 from kvtrace.labels import device_text, layer_type_name  # noqa: F401 - re-exported for renderers
 from kvtrace.params import split_list
 from kvtrace.report.kvcheck import Unpredictable, predictor
-
-# The renderer's TraceView (its /kv request index is shared with the analyser), or a bare Trace.
-Source = TraceView | Trace
-
-
-def _trace(src: Source) -> Trace:
-    return src.trace if isinstance(src, TraceView) else src
 
 # Events drawn as phase markers on the memory timeline.
 MARKER_KINDS = (
@@ -63,11 +54,6 @@ class DeviceTimeline:
     series: list[Series] = field(default_factory=list)
 
 
-def iter_rows(src: Source, table: str, rows: int = SCAN_ROWS) -> Iterator[np.ndarray]:
-    """Read a table slice by slice so that memory stays bounded on long traces."""
-    return TraceView.of(src).iter_rows(table, rows)
-
-
 def time_zero_ns(trace: Trace) -> int:
     """The instant every plotted time is measured from: the writer's clock anchor, or an
     earlier row if a recorder stamped one before it (clocks of other threads)."""
@@ -75,14 +61,14 @@ def time_zero_ns(trace: Trace) -> int:
     for table, col in (("requests", "start_ns"), ("telemetry/nvml", "t_ns"),
                        ("telemetry/allocator", "t_ns"), ("events", "t_ns"), ("steps", "t_ns")):
         if trace.has(table) and trace.nrows(table):
-            first = trace.table(table, slice(0, 1))[col]
+            first = trace[table][0:1][col]
             if first.size and int(first[0]) > 0:
                 candidates.append(int(first[0]))
     return min(candidates)
 
 
 def device_label(trace: Trace, device: int) -> str:
-    for row in trace.devices():
+    for row in trace.devices[:]:
         if int(row["device"]) == device:
             return device_text(device, row["name"].decode(errors="replace"))
     return device_text(device)
@@ -93,9 +79,8 @@ def _valid(values: np.ndarray) -> np.ndarray:
     return values >= 0
 
 
-def memory_timelines(src: Source) -> list[DeviceTimeline]:
+def memory_timelines(trace: Trace) -> list[DeviceTimeline]:
     """Every memory series of every device, sorted by time, NA readings dropped."""
-    trace = _trace(src)
     by_device: dict[int, DeviceTimeline] = {}
 
     def add(device: int, name: str, t: np.ndarray, v: np.ndarray, source: str) -> None:
@@ -107,12 +92,12 @@ def memory_timelines(src: Source) -> list[DeviceTimeline]:
         tl.series.append(Series(name, t[keep][order].astype(np.int64),
                                 v[keep][order].astype(np.int64), source))
 
-    nvml = trace.nvml()
+    nvml = trace.nvml[:]
     for dev in np.unique(nvml["device"]):
         rows = nvml[nvml["device"] == dev]
         add(int(dev), "nvml_used", rows["t_ns"], rows["used_bytes"], "telemetry/nvml")
         add(int(dev), "nvml_process_used", rows["t_ns"], rows["process_used_bytes"], "telemetry/nvml")
-    alloc = trace.allocator()
+    alloc = trace.allocator[:]
     for dev in np.unique(alloc["device"]):
         rows = alloc[alloc["device"] == dev]
         add(int(dev), "allocator_reserved", rows["t_ns"], rows["reserved_bytes"], "telemetry/allocator")
@@ -121,12 +106,12 @@ def memory_timelines(src: Source) -> list[DeviceTimeline]:
             "telemetry/allocator")
     # Process RSS is host memory, so it belongs to the CPU timeline (device -1): on a CPU trace
     # it is the only device-level memory signal there is.
-    proc = trace.process()
+    proc = trace.process[:]
     add(-1, "process_rss", proc["t_ns"], proc["rss_bytes"], "telemetry/process")
-    totals = kv_totals_by_device(src)
+    totals = kv_totals_by_device(trace)
     for dev, (t, v) in totals.items():
         add(dev, "kv_bytes", t, v, "kv")
-    events = trace.events()
+    events = trace.events[:]
     last_event = int(events["t_ns"].max()) if events.size else 0
     for dev, (t, v) in retained_by_device(trace).items():
         if dev in totals:  # drawn to the trace's last event (the check at close): alive as far as it knows
@@ -148,7 +133,7 @@ class Retained:
 
 def retained_kv(trace: Trace) -> list[Retained]:
     """Every (request, device) with KV storage alive after the request, storages counted once."""
-    rows = trace.retention()
+    rows = trace.retention[:]
     out: dict[tuple[int, int], Retained] = {}
     seen: set[tuple[int, int, int]] = set()
     for r in rows:
@@ -167,7 +152,7 @@ def retained_kv(trace: Trace) -> list[Retained]:
 
 def retention_checked(trace: Trace) -> set[int]:
     """Requests the recorder ran its retention check for (its NOTE "retention checked at ...")."""
-    notes = trace.events(schema.EventKind.NOTE)
+    notes = trace.events.where(kind=schema.EventKind.NOTE)
     return {int(e["request"]) for e in notes
             if trace.text(int(e["text_off"]), int(e["text_len"])).startswith("retention checked")}
 
@@ -176,7 +161,7 @@ def retained_by_device(trace: Trace) -> dict[int, tuple[np.ndarray, np.ndarray]]
     """Per device, the KV proved alive after finished requests, summed: a step up at each such
     request's end by what it left alive. The recorder proves the storages alive at its retention
     check and records no release after it, so what a request left stays drawn to the trace's end."""
-    ends = {int(r["request"]): int(r["end_ns"]) for r in trace.requests() if int(r["end_ns"]) > 0}
+    ends = {int(r["request"]): int(r["end_ns"]) for r in trace.requests[:] if int(r["end_ns"]) > 0}
     steps: dict[int, list[tuple[int, int]]] = {}
     for item in retained_kv(trace):
         if item.request in ends and item.nbytes > 0:
@@ -197,7 +182,7 @@ def _retained_at(retained: tuple[np.ndarray, np.ndarray] | None, t: np.ndarray) 
     return np.where(at > 0, retained[1][np.maximum(at - 1, 0)], 0).astype(np.int64)
 
 
-def kv_totals_by_device(src: Source) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def kv_totals_by_device(trace: Trace) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Total unique KV bytes alive per (request, step), split by the device holding each layer.
 
     One point per step, stamped with the last layer's time of that step, plus one at each finished
@@ -206,7 +191,7 @@ def kv_totals_by_device(src: Source) -> dict[int, tuple[np.ndarray, np.ndarray]]
     counted in every later point (:func:`retained_by_device`): a retention bug reads as the steps
     it is, never as a cache that was released."""
     sums: dict[tuple[int, int, int], list[int]] = {}
-    for rows in iter_rows(src, "kv"):
+    for rows in trace.kv.slices():  # memory stays bounded on long traces
         if not rows.size:
             continue
         keys = np.stack([rows["device"].astype(np.int64), rows["request"].astype(np.int64),
@@ -221,8 +206,7 @@ def kv_totals_by_device(src: Source) -> dict[int, tuple[np.ndarray, np.ndarray]]
             acc = sums.setdefault(key, [0, 0])
             acc[0] += int(round(total))
             acc[1] = max(acc[1], int(tmax))
-    trace = _trace(src)
-    ends = {int(r["request"]): int(r["end_ns"]) for r in trace.requests() if int(r["end_ns"]) > 0}
+    ends = {int(r["request"]): int(r["end_ns"]) for r in trace.requests[:] if int(r["end_ns"]) > 0}
     retained = retained_by_device(trace) if sums else {}
     out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for dev in sorted({k[0] for k in sums}):
@@ -237,7 +221,7 @@ def kv_totals_by_device(src: Source) -> dict[int, tuple[np.ndarray, np.ndarray]]
 
 
 def phase_markers(trace: Trace) -> list[Marker]:
-    events = trace.events()
+    events = trace.events[:]
     wanted = np.isin(events["kind"], [int(k) for k in MARKER_KINDS])
     return [
         Marker(int(e["t_ns"]), schema.EventKind(int(e["kind"])).name.lower(), int(e["request"]),
@@ -287,33 +271,27 @@ class LayerFootprint:
 
 def peak_step(trace: Trace) -> tuple[int, int] | None:
     """(request, step) with the largest unique KV total, from /steps (no kv scan needed)."""
-    steps = trace.steps()
+    steps = trace.steps[:]
     if not steps.size:
         return None
     i = int(np.argmax(steps["kv_bytes_unique"]))
     return int(steps["request"][i]), int(steps["step"][i])
 
 
-def kv_rows_of(src: Source, request: int, step: int | None = None) -> np.ndarray:
-    """kv rows of one request (and step), in file order: the view's runs of that request."""
-    return TraceView.of(src).kv(request, step)
-
-
-def layer_footprint(src: Source) -> LayerFootprint | None:
-    trace = _trace(src)
+def layer_footprint(trace: Trace) -> LayerFootprint | None:
     where = peak_step(trace)
     if where is None:
         # No /steps: fall back to the last kv row's (request, step).
         n = trace.nrows("kv")
         if n == 0:
             return None
-        last = trace.table("kv", slice(n - 1, n))[0]
+        last = trace.kv[n - 1 : n][0]
         where = (int(last["request"]), int(last["step"]))
-    rows = kv_rows_of(src, *where)
+    rows = trace.kv.where(request=where[0], step=where[1])  # only that request's runs
     if not rows.size:
         return None
     rows = rows[np.argsort(rows["layer"], kind="stable")]
-    state = TraceView.of(src).state
+    state = trace.state_rows
     state = state[(state["request"] == where[0]) & (state["step"] == where[1]) & (state["layer"] >= 0)]
     state_layers, inverse = np.unique(state["layer"].astype(np.int64), return_inverse=True)
     state_bytes = np.bincount(inverse, weights=state["bytes_allocated"].astype(np.float64)).astype(np.int64) \
@@ -341,10 +319,8 @@ class GrowthCurves:
     all_requests: dict[int, tuple[np.ndarray, np.ndarray]]  # request -> (tokens, valid bytes)
 
 
-def growth_curves(src: Source) -> GrowthCurves | None:
-    view = TraceView.of(src)  # one view: the longest request's rows and the prediction share it
-    trace = view.trace
-    steps = trace.steps()
+def growth_curves(trace: Trace) -> GrowthCurves | None:
+    steps = trace.steps[:]
     if not steps.size:
         return None
     all_requests: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -353,7 +329,7 @@ def growth_curves(src: Source) -> GrowthCurves | None:
         s = s[np.argsort(s["step"], kind="stable")]
         all_requests[int(r)] = (s["tokens_seen"].astype(np.int64), s["kv_bytes_valid"].astype(np.int64))
     longest = max(all_requests, key=lambda r: int(all_requests[r][0].max(initial=0)))
-    rows = view.kv(longest)
+    rows = trace.kv.where(request=longest)  # only the longest request's runs
     if not rows.size:
         return GrowthCurves(longest, all_requests[longest][0], {"total": all_requests[longest][1]},
                             None, "the kv table has no rows for this request", all_requests)
@@ -368,16 +344,16 @@ def growth_curves(src: Source) -> GrowthCurves | None:
             pos[sel], weights=rows["bytes_valid"][sel].astype(np.float64), minlength=step_ids.size
         ).round().astype(np.int64)
     measured["total"] = np.sum(list(measured.values()), axis=0).astype(np.int64)
-    expected, note = _expected_valid(view, rows, pos, step_ids.size)
+    expected, note = _expected_valid(trace, rows, pos, step_ids.size)
     return GrowthCurves(longest, tokens, measured, expected, note, all_requests)
 
 
 def _expected_valid(
-    view: TraceView, rows: np.ndarray, pos: np.ndarray, n_steps: int
+    trace: Trace, rows: np.ndarray, pos: np.ndarray, n_steps: int
 ) -> tuple[dict[str, np.ndarray] | None, str]:
     """Valid bytes kvtrace.geometry predicts for every kv row, grouped like the measurement."""
     try:
-        predict = predictor(view)
+        predict = predictor(trace)
         per_row = np.array([predict(row, 1)[1] for row in rows], dtype=np.int64)
     except ImportError:
         return None, "kvtrace.geometry is not available"
@@ -455,12 +431,12 @@ def _opt(value: int) -> int | None:
 
 
 def request_memory(trace: Trace) -> list[RequestMemory]:
-    readings = trace.readings()
-    steps = trace.steps()
-    alloc = trace.allocator()
-    ends = {int(r["request"]): int(r["end_ns"]) for r in trace.requests()}
+    readings = trace.readings[:]
+    steps = trace.steps[:]
+    alloc = trace.allocator[:]
+    ends = {int(r["request"]): int(r["end_ns"]) for r in trace.requests[:]}
     out: list[RequestMemory] = []
-    requests = sorted({int(r) for r in trace.requests()["request"]} |
+    requests = sorted({int(r) for r in trace.requests[:]["request"]} |
                       {int(r) for r in readings["request"] if r >= 0})
     # None where no retention check ran for the request (nothing can be said), 0 where one ran and
     # nothing survived

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace.analyzer.report import AnalysisReport
-from kvtrace.analyzer.view import TraceView
 from kvtrace.format.errors import TraceError
 from kvtrace.format.reader import Trace
 from kvtrace.jsonable import plain
@@ -93,7 +92,7 @@ def detector_statuses(analysis: AnalysisReport) -> list[DetectorStatus]:
     return [DetectorStatus(r.name, r.status, r.reason, len(r.findings)) for r in analysis.results]
 
 
-def run_analysis(trace: TraceView | Trace) -> tuple[AnalysisReport | None, str]:
+def run_analysis(trace: Trace) -> tuple[AnalysisReport | None, str]:
     """(analysis report or None, note) of a trace the caller already opened (one open per command).
     None when the analyser is missing or failed (a bug); note says why. Damage the analyser reads
     raises TraceError: the report refuses the trace as analyze does (spec §9.1)."""

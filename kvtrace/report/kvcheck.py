@@ -19,7 +19,6 @@ import numpy as np
 
 from kvtrace.analyzer.expect import STATIC_TYPES, recorded_k_heads
 from kvtrace.analyzer.ranks import shard_config
-from kvtrace.analyzer.view import TraceView
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
 
@@ -63,18 +62,17 @@ class Unpredictable(Exception):
     """The trace holds something the geometry cannot size (reason in the message)."""
 
 
-def predictor(source: TraceView | Trace) -> Callable[[np.void, int], tuple[int, int]]:
+def predictor(trace: Trace) -> Callable[[np.void, int], tuple[int, int]]:
     """A function (kv row, tokens of the last forward) -> predicted (allocated, valid) bytes.
     Raises Unpredictable (here or when called) for what geometry cannot size."""
     from kvtrace import geometry
     from kvtrace.geometry.bounds import checked_config
 
-    view = TraceView.of(source)
-    checked_config(view, view.layers)  # sizes within bounds before they size anything (exit 1)
-    config = shard_config(view.meta)  # a tensor-parallel rank holds its share of the KV heads
+    checked_config(trace, trace.layers[:])  # sizes within bounds before they size anything (exit 1)
+    config = shard_config(trace.meta)  # a tensor-parallel rank holds its share of the KV heads
     if not config:
         raise Unpredictable("the trace stores no model config")
-    sample = view.kv_head(_MLA_SAMPLE_ROWS) if view.has("kv") and view.nrows("kv") else None
+    sample = trace.kv[:_MLA_SAMPLE_ROWS] if trace.has("kv") and trace.nrows("kv") else None
     try:
         geo = geometry.model_geometry(config, mla_cache=geometry.mla_cache_mode(config, recorded_k_heads(sample)))
     except (ValueError, TypeError, KeyError) as exc:
@@ -82,7 +80,7 @@ def predictor(source: TraceView | Trace) -> Callable[[np.void, int], tuple[int, 
     # The recorder numbers cache layers in cache order: decoder layers, then cross-attention ones
     # (geometry restarts its index for those), so the position in geo.layers is the trace's layer.
     layers = list(geo.layers)
-    prompt_tokens = {int(r["request"]): int(r["prompt_tokens"]) for r in view.requests}
+    prompt_tokens = {int(r["request"]): int(r["prompt_tokens"]) for r in trace.requests[:]}
     memo: dict[tuple, tuple[int, int]] = {}
 
     def predict(row: np.void, last_step_tokens: int) -> tuple[int, int]:
@@ -118,23 +116,22 @@ def predictor(source: TraceView | Trace) -> Callable[[np.void, int], tuple[int, 
     return predict
 
 
-def check_kv(source: TraceView | Trace, which: Literal["all", "last"] = "all") -> KVCheck:
+def check_kv(trace: Trace, which: Literal["all", "last"] = "all") -> KVCheck:
     """Compare every step (or only the last step of the longest request), reading /kv through the
-    view: the longest request's rows by its request index, or every row slice by slice."""
-    view = TraceView.of(source)
-    steps = view.trace.steps()
+    trace: the longest request's rows by its request index, or every row slice by slice."""
+    steps = trace.steps[:]
     if not steps.size:
         return KVCheck([], "the trace has no step rows")
     phase = {(int(s["request"]), int(s["step"])): int(s["phase"]) for s in steps}
     try:
-        predict = predictor(view)
+        predict = predictor(trace)
     except Unpredictable as exc:
         return KVCheck([], str(exc))
     if which == "last":
         longest = steps[np.argmax(steps["tokens_seen"])]
-        chunks = [view.kv(int(longest["request"]), int(longest["step"]))]
+        chunks = [trace.kv.where(request=int(longest["request"]), step=int(longest["step"]))]
     else:
-        chunks = view.iter_rows("kv")
+        chunks = trace.kv.slices()
     out: dict[tuple[int, int], StepCheck] = {}
     try:
         for rows in chunks:

@@ -73,7 +73,7 @@ class Quality:
 
 def assess(trace: Trace) -> Quality:
     q = Quality(str(trace.path), trace.complete)
-    events = trace.events()
+    events = trace.events[:]
     dropped = events[events["kind"] == int(schema.EventKind.DROPPED_SAMPLES)]
     q.dropped_sample_events = int(dropped.size)
     # value holds the number of samples dropped; an event without a count stands for one.
@@ -94,7 +94,7 @@ def assess(trace: Trace) -> Quality:
             q.clock_gaps += 1
             if len(q.clock_gap_list) < MAX_LISTED:
                 q.clock_gap_list.append(gap)
-    for code in trace.requests()["outcome"]:
+    for code in trace.requests[:]["outcome"]:
         try:
             name = schema.Outcome(int(code)).name.lower()
         except ValueError:
@@ -108,7 +108,7 @@ def clock_gaps(trace: Trace, table: str, factor: float = GAP_FACTOR) -> list[Clo
     stream's median period. Streams with fewer than 3 samples have no period to judge by."""
     if not trace.has(table) or trace.nrows(table) < 3:
         return []
-    rows = trace.table(table)
+    rows = trace[table][:]
     devices = np.unique(rows["device"]) if "device" in (rows.dtype.names or ()) else np.array([-1])
     out: list[ClockGap] = []
     for dev in devices:

@@ -182,9 +182,9 @@ def phase_markers(trace: Any) -> list[tuple[str, int]]:
     out: list[tuple[str, int]] = []
     kind = getattr(EventKind, "PHASE", None)
     if kind is not None:
-        for e in trace.events(kind):
+        for e in trace.events.where(kind=kind):
             out.append((trace.text(int(e["text_off"]), int(e["text_len"])), int(e["t_ns"])))
-    for e in trace.events(EventKind.NOTE):
+    for e in trace.events.where(kind=EventKind.NOTE):
         text = trace.text(int(e["text_off"]), int(e["text_len"]))
         if text.startswith(PHASE_NOTE_PREFIX):
             out.append((text[len(PHASE_NOTE_PREFIX):], int(e["t_ns"])))
@@ -193,9 +193,9 @@ def phase_markers(trace: Any) -> list[tuple[str, int]]:
 
 def _occupancy_rows(trace: Any) -> tuple[str | None, list[dict[str, Any]], list[Group]]:
     """(source, samples with t_ns/pool/free/running/waiting, pool groups)."""
-    sched = trace.sched() if hasattr(trace, "sched") and trace.has("sched") else None
+    sched = trace.sched[:] if hasattr(trace, "sched") and trace.has("sched") else None
     if sched is not None and len(sched):
-        groups_rows = trace.sched_groups()
+        groups_rows = trace.sched_groups[:]
         groups: list[Group] = []
         if len(groups_rows):
             last = groups_rows[groups_rows["step"] == groups_rows["step"].max()]
@@ -205,7 +205,7 @@ def _occupancy_rows(trace: Any) -> tuple[str | None, list[dict[str, Any]], list[
                 groups.append(Group(LayerType(int(g["layer_type"])).name.lower(), int(g["blocks_total"]),
                                     int(g["tokens_per_block"]), int(g["bytes_per_block"]), int(g["window"])))
         cached = np.zeros(sched.size)
-        all_groups = trace.sched_groups()
+        all_groups = trace.sched_groups[:]
         for m in np.unique(sched["manager"]):
             mine = sched["manager"] == m
             cached[mine] = cached_bytes_of(all_groups[all_groups["manager"] == m], sched[mine])
@@ -214,7 +214,7 @@ def _occupancy_rows(trace: Any) -> tuple[str | None, list[dict[str, Any]], list[
                    for r, c in zip(sched, cached, strict=True)]
         return "/sched", samples, groups
     samples, groups = [], []
-    for e in trace.events(EventKind.NOTE):
+    for e in trace.events.where(kind=EventKind.NOTE):
         text = trace.text(int(e["text_off"]), int(e["text_len"]))
         if not text.startswith(OCCUPANCY_PREFIX):
             continue
@@ -235,7 +235,7 @@ def _pool_room(trace: Any, source: str | None, samples: list[dict[str, Any]]) ->
     """(t_ns, room bytes) in time order, room = free + evictable cached blocks: the detector's
     pool_room over /sched, else from the first floor's occupancy NOTE samples; None without a pool."""
     if source == "/sched":
-        t, room = pool_room(trace.sched(), trace.sched_groups())
+        t, room = pool_room(trace.sched[:], trace.sched_groups[:])
         return (t, room) if t.size else None
     known = sorted((s for s in samples if s["pool"] > 0 and s["free"] >= 0), key=lambda s: s["t_ns"])
     if not known:
@@ -263,12 +263,12 @@ def phase_facts(trace: Any) -> list[PhaseFacts]:
 
     markers = phase_markers(trace)
     source, samples, groups = _occupancy_rows(trace)
-    nvml = trace.nvml() if trace.nrows("telemetry/nvml") else None
+    nvml = trace.nvml[:] if trace.nrows("telemetry/nvml") else None
     if nvml is not None:
         nvml = nvml[(nvml["total_bytes"] > 0) & (nvml["used_bytes"] >= 0)]
     devices = int(np.unique(nvml["device"]).size) if nvml is not None else 0
     room = _pool_room(trace, source, samples)
-    alloc = trace.allocator() if trace.nrows("telemetry/allocator") else None
+    alloc = trace.allocator[:] if trace.nrows("telemetry/allocator") else None
     out = []
     for i, (name, t0) in enumerate(markers):
         if name == END_MARKER:

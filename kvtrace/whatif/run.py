@@ -152,9 +152,7 @@ STATE_NOTE = ("conv/recurrent state of a hybrid model's linear-attention / Mamba
 
 def _state_steps(trace: Trace) -> dict[tuple[int, int], int]:
     """(request, step) -> state bytes the cache held beside its KV (empty: attention-only trace)."""
-    from kvtrace.analyzer.view import TraceView
-
-    return {k: u for k, (u, _) in TraceView(trace).state_steps.items()}
+    return {k: u for k, (u, _) in trace.state_steps.items()}
 
 
 def _with_state(sz: source.Sizes, per_row: np.ndarray, state: dict[tuple[int, int], int]) -> tuple[float, float]:

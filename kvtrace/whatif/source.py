@@ -1,8 +1,7 @@
 """The one adapter between the what-if replay and a trace: recorded sizes from /kv and sampled
-K/V/Q through the public read side (``Trace`` and ``ContentsAssembler``, as
-kvtrace.analyzer.contents reads them). The read side is to be redesigned (two read paths, Trace
-and analyzer.view.TraceView, with the same names and different costs); only this module should
-need to follow it.
+K/V/Q through the reader (``Trace`` tables and ``ContentsAssembler``, as kvtrace.analyzer.contents
+reads them). /kv is read whole once for the sizes (every row is used); a unit's own /kv rows are
+read by its request.
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ def _itemsize(codes: np.ndarray) -> np.ndarray:
 
 
 def sizes(trace: Trace) -> Sizes:
-    kv = trace.kv() if trace.has("kv") else np.zeros(0, schema.KV)
+    kv = trace.kv[:]
     ks, vs = kv["k_shape"].astype(np.int64), kv["v_shape"].astype(np.int64)
     return Sizes(kv["request"].astype(np.int64), kv["step"].astype(np.int64), kv["layer"].astype(np.int64),
                  ks[:, 0] if len(kv) else np.zeros(0, np.int64), ks[:, 1] if len(kv) else np.zeros(0, np.int64),
@@ -112,15 +111,15 @@ def units(trace: Trace, steps: str = "last") -> Iterator[Unit]:
     holds no payloads."""
     if not trace.has("payloads/index"):
         return
-    index = trace.payload_index()
+    index = trace.payload_index[:]
     if index.size == 0:
         return
-    table = trace.layers() if trace.has("layers") else None
+    table = trace.layers[:] if trace.has("layers") else None
     cfg = checked_config(trace, table)  # sizes within bounds before they size anything (exit 1)
     cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     layers = {int(r["layer"]): r for r in table} if table is not None else {}
-    kv = trace.kv() if trace.has("kv") else np.zeros(0, schema.KV)
     asm = ContentsAssembler(trace, index)
+    kv, kv_request = np.zeros(0, schema.KV), None  # /kv rows of the request being read
     rows: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
     for i, r in enumerate(index):
         rows.setdefault((int(r["request"]), int(r["layer"]), int(r["kind"])), []).append((int(r["step"]), i))
@@ -133,8 +132,10 @@ def units(trace: Trace, steps: str = "last") -> Iterator[Unit]:
         both = sorted(ksteps & vsteps)
         if not both:
             continue
+        if request != kv_request:  # units come in request order: its rows are read once, by its runs
+            kv, kv_request = trace.kv.where(request=request), request
         for step in _chosen(both, steps):
-            u = _unit(trace, asm, kv, layers, rows, cfg, request, layer, step, kk, vk)
+            u = _unit(asm, kv, layers, rows, cfg, request, layer, step, kk, vk)
             if u is not None:
                 yield u
         asm.clear()
@@ -149,10 +150,11 @@ def _chosen(both: list[int], steps: str) -> list[int]:
     return [both[i] for i in picks]
 
 
-def _unit(trace: Trace, asm: ContentsAssembler, kv: np.ndarray, layers: dict, rows: dict, cfg: dict,
+def _unit(asm: ContentsAssembler, kv: np.ndarray, layers: dict, rows: dict, cfg: dict,
           request: int, layer: int, step: int, kk: PK, vk: PK) -> Unit | None:
-    """The unit of (request, layer) at ``step``: what the cache held then and the queries."""
-    sel = kv[(kv["request"] == request) & (kv["step"] == step) & (kv["layer"] == layer)]
+    """The unit of (request, layer) at ``step``: what the cache held then and the queries.
+    ``kv``: the request's /kv rows."""
+    sel = kv[(kv["step"] == step) & (kv["layer"] == layer)]
     first = int(sel[0]["tokens_seen"]) - int(sel[0]["tokens_kept"]) if sel.size else None
     code = int(sel[0]["layer_type"]) if sel.size else int(layers[layer]["layer_type"]) if layer in layers else 0
     lt = LT(code) if code in LT._value2member_map_ else LT.UNKNOWN
@@ -168,7 +170,7 @@ def _unit(trace: Trace, asm: ContentsAssembler, kv: np.ndarray, layers: dict, ro
     u = Unit(request, layer, step, lt.name.lower(), k, v, kp.token_start + np.arange(k.shape[2]),
              [kp.head_start + i * kp.head_stride for i in range(k.shape[1])], window,
              _scale(cfg, k.shape[3]), latent)
-    _queries(trace, u, rows.get((request, layer, int(PK.QUERY)), []), cfg, layers.get(layer))
+    _queries(asm.trace, u, rows.get((request, layer, int(PK.QUERY)), []), cfg, layers.get(layer))
     return u
 
 

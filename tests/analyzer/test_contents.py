@@ -52,7 +52,7 @@ def traces(tmp_path_factory):
 
 def _payloads(path, kind, layer):
     with Trace(path) as t:
-        idx = t.payload_index()
+        idx = t.payload_index[:]
         rows = [i for i, r in enumerate(idx) if int(r["kind"]) == int(kind) and int(r["layer"]) == layer]
         return [t.payload(i) for i in rows]
 
@@ -65,7 +65,7 @@ def _at(path, kind, layer, step):
 
 def _kv_row(path, step, layer):
     with Trace(path) as t:
-        kv = t.kv()
+        kv = t.kv[:]
     return kv[(kv["step"] == step) & (kv["layer"] == layer)][0]
 
 
@@ -175,8 +175,8 @@ def test_incremental_and_whole_samples_give_the_same_analysis(tmp_path, traces, 
     b = analyze_contents(whole, heavy=3, recent=2, sinks=2, window=5).to_dict()
     with Trace(traces[name]) as t_new, Trace(whole) as t_all:
         assert (t_new.meta.payload_tokens, t_all.meta.payload_tokens) == ("new", "all")
-        new_elems = int(t_new.payload_index()["n_elements"].sum())
-        all_elems = int(t_all.payload_index()["n_elements"].sum())
+        new_elems = int(t_new.payload_index[:]["n_elements"].sum())
+        all_elems = int(t_all.payload_index[:]["n_elements"].sum())
     assert new_elems < all_elems
     for key in ("dead_heads", "entropy", "eviction", "mla", "skipped"):
         assert a[key] == b[key], key

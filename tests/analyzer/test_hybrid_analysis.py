@@ -76,7 +76,7 @@ def test_capacity_counts_state_per_sequence(tmp_path):
     total, resident = 1 << 20, 1 << 19
     trace = _on_a_gpu(HYBRID / "qwen3_next.kvt.h5", tmp_path / "gpu.kvt.h5", total, resident)
     with Trace(trace) as t:
-        kv = int(t.steps(1)["kv_bytes_unique"].max())
+        kv = int(t.steps.where(request=1)["kv_bytes_unique"].max())
         report = kvtrace.analyze(t)
     cap = next(f for f in report.findings if f.detector == "capacity")
     per_seq = kv / 2 + QWEN_STATE / 2
@@ -150,7 +150,7 @@ def test_fleet_exports_state(tmp_path, capsys):
     got = json.loads(text)
     rows = got["result"]
     with Trace(HYBRID / "minimax.kvt.h5") as t:
-        state = t.optional_table("state")
+        state = t["state"][:]
     assert rows[0]["n"] == state.size and rows[0]["k"] == "other"
     rc, text, err = run_main(["fleet", str(out), "--sql", "SELECT request, state_bytes FROM requests ORDER BY request",
                               "--json"], capsys)

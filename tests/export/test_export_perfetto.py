@@ -80,7 +80,7 @@ def test_counters_equal_trace_values(two_devices):
     with Trace(two_devices) as t:
         doc = trace_events(t)
         t0 = data.time_zero_ns(t)
-        nvml = t.nvml()
+        nvml = t.nvml[:]
         kv_by_dev = data.kv_totals_by_device(t)
     ev = doc["traceEvents"]
     for dev in (0, 1):
@@ -103,8 +103,8 @@ def test_phases_spans_and_findings(two_devices):
                          evidence={"residual_bytes": 1024})
     with Trace(two_devices) as t:
         doc = trace_events(t, [finding])
-        eos = t.events(EventKind.EOS)
-        requests = t.requests()
+        eos = t.events.where(kind=EventKind.EOS)
+        requests = t.requests[:]
     ev = doc["traceEvents"]
     check_trace_event_format(doc)
     assert len([e for e in ev if e["ph"] == "i" and e["name"] == "eos"]) == eos.size == 2

@@ -199,7 +199,7 @@ def test_replay_of_a_trace(tmp_path):
     path = write_synthetic_trace(tmp_path / "t.kvt.h5", requests=2, dropped_samples=5, recorder_error="x")
     with Trace(path) as t:
         exp = exporter_from_trace(t, tmp_path / "out.prom")
-        nvml = t.nvml()
+        nvml = t.nvml[:]
     exp.write_textfile()
     s = parse((tmp_path / "out.prom").read_text())
     for layer in range(4):  # every request finished: each layer's series is there, at its idle 0
@@ -240,17 +240,18 @@ class _LastRequestRunning:
     def __getattr__(self, name: str):
         return getattr(self._trace, name)
 
+    @property
     def requests(self):
-        rows = self._trace.requests().copy()
+        rows = self._trace.requests[:].copy()
         rows["outcome"][-1] = int(Outcome.RUNNING)
-        return rows
+        return rows  # read as the table is: requests[:]
 
 
 def test_replay_of_a_trace_that_ended_mid_request(tmp_path):
     path = write_synthetic_trace(tmp_path / "t.kvt.h5", requests=2)
     with Trace(path) as t:
         s = parse(exporter_from_trace(_LastRequestRunning(t), tmp_path / "out.prom").render())
-        last_seen = int(t.steps()["tokens_seen"][-1])
+        last_seen = int(t.steps[:]["tokens_seen"][-1])
     assert s[("kvtrace_requests_in_flight", ())] == 1
     assert s[("kvtrace_requests_total", (("outcome", "ok"),))] == 1
     for layer in range(4):  # the request in flight holds its last recorded step's KV

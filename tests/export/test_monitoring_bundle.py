@@ -197,7 +197,7 @@ def test_real_prometheus_from_the_bundle_fills_the_kv_panels_under_serving(tmp_p
     assert any(v > 0 for got in serving_kv for v in got.values())
     assert list(models) == ["model_name=tiny-llama-under-test"]  # one model, on every serving series
     with open_trace(path) as t:
-        sched, ends = t.sched(), t.events(schema.EventKind.REQUEST_END)
+        sched, ends = t.sched[:], t.events.where(kind=schema.EventKind.REQUEST_END)
     assert totals["kvtrace_serving_e2e_request_latency_seconds_count"] == {"model_name=tiny-llama-under-test": ends.size}
     assert totals["kvtrace_serving_prompt_tokens_total"] == {"model_name=tiny-llama-under-test":
                                                              int(sched["prefill_tokens"].sum())}

@@ -85,7 +85,7 @@ def test_scrape_while_recording(tmp_path):
     kv_mid = {dict(k[1])["layer"]: v for k, v in mid.items() if k[0] == "kvtrace_kv_cache_bytes"}
     with Trace(path) as t:
         n_layers = t.nrows("layers")
-        kv = t.kv()
+        kv = t.kv[:]
         cuda = t.meta.source_available("nvml")
     assert len(kv_mid) == n_layers and all(v > 0 for v in kv_mid.values())
     assert mid[("kvtrace_requests_in_flight", ())] == 1

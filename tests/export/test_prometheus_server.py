@@ -155,7 +155,7 @@ def test_real_prometheus_sees_the_final_state_and_first_events(tmp_path):
         prom.wait_for('up{job="kvtrace"} == 0')  # a failed scrape: the series are stale from here on
 
         with Trace(path) as t:
-            requests, n_layers, process = t.requests(), t.nrows("layers"), t.process()
+            requests, n_layers, process = t.requests[:], t.nrows("layers"), t.process[:]
         outcomes = sorted(Outcome(int(o)).name.lower() for o in requests["outcome"])
         assert outcomes == ["error", "ok", "oom"]
 

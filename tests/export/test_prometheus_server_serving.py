@@ -64,7 +64,7 @@ def test_real_prometheus_answers_the_serving_panels(tmp_path):
     empty = [expr for expr, got in answers.items() if not got]
     assert not empty, empty
     with open_trace(path) as t:
-        sched, pre = t.sched(), t.events(schema.EventKind.PREEMPTED)
+        sched, pre = t.sched[:], t.events.where(kind=schema.EventKind.PREEMPTED)
         model = f"model_name={t.meta.model_id}"  # every serving series names the model (vLLM's label)
     assert totals["kvtrace_serving_scheduler_steps_total"] == {model: sched.size}
     assert totals["kvtrace_serving_preemptions_total"] == {model: pre.size}

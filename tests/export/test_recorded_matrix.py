@@ -42,7 +42,7 @@ def recorded(tmp_path_factory):
 def test_predicted_equals_measured_every_step(recorded, name):
     with Trace(recorded[name]) as t:
         check = check_kv(t)
-        steps = t.steps()
+        steps = t.steps[:]
         gc = data.growth_curves(t)
         config = t.meta.model_config
     assert check.checked == NEW, check.note

@@ -1,5 +1,5 @@
 """The Prometheus replay, the Zenodo data card and ``calc --trace`` open each trace once and read
-it through one TraceView (one /kv request index), like the HTML report and Perfetto
+it through that one open Trace (one /kv request index), like the HTML report and Perfetto
 (tests/report/test_one_open.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pytest
 from click.testing import CliRunner
 from open_count import count_kv_indexes, count_opens
 
-from kvtrace.analyzer.view import TraceView
 from kvtrace.cli import cli
 from kvtrace.format import reader
 
@@ -36,19 +35,18 @@ def test_prometheus_textfile_opens_the_trace_once(tmp_path, opens, indexes):
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["series"] > 0 and out.stat().st_size > 0
     assert opens == [str(TRACE)]
-    assert len(indexes) <= 1  # the last request's rows come from the view's one index
+    assert len(indexes) <= 1  # the last request's rows come from the trace's one index
 
 
-def test_prometheus_render_reads_kv_through_the_view(tmp_path, opens, indexes):
+def test_prometheus_render_reads_kv_through_the_trace_index(tmp_path, opens, indexes):
     pytest.importorskip("prometheus_client")
     from kvtrace.export import prometheus
 
     with reader.Trace(TRACE) as t:
-        view = TraceView(t)
-        exp = prometheus.render(view, None, tmp_path / "k.prom")
-        # control: the bare-Trace entry gives the same exposition
+        exp = prometheus.render(t, None, tmp_path / "k.prom")
+        # control: the no-analysis entry gives the same exposition
         assert prometheus.exporter_from_trace(t, tmp_path / "k2.prom").render() == exp.render()
-    assert indexes and indexes[0] == id(view)
+    assert indexes == [id(t)]  # the second render reuses the open trace's index
     assert len(opens) == 1
 
 
@@ -58,18 +56,17 @@ def test_calc_trace_opens_the_trace_once(opens, indexes):
     check = json.loads(result.output)["trace_check"]
     assert check["equal"] is not None and check["measured_bytes"] > 0, check
     assert opens == [str(TRACE)]
-    assert len(indexes) == 1  # the last step's rows through the one view's request index
+    assert len(indexes) == 1  # the last step's rows through the open trace's request index
 
 
-def test_kvcheck_reads_through_the_view_it_is_given(indexes):
+def test_kvcheck_reads_through_the_trace_it_is_given(indexes):
     from kvtrace.report.kvcheck import check_kv
 
     with reader.Trace(TRACE) as t:
-        view = TraceView(t)
-        last = check_kv(view, "last")
-        assert indexes == [id(view)]
-        # control: a bare Trace gets its own view and the same answer
-        assert check_kv(t, "last") == last and len(indexes) == 2
+        last = check_kv(t, "last")
+        assert indexes == [id(t)]
+        # a second check of the same open trace reuses its index, with the same answer
+        assert check_kv(t, "last") == last and indexes == [id(t)]
 
 
 def test_zenodo_opens_each_trace_once(tmp_path, opens):

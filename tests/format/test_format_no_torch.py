@@ -30,7 +30,7 @@ def test_info_and_validate_without_torch(tmp_path):
         import kvtrace, kvtrace.format, kvtrace.format.validate, kvtrace.cli
         from kvtrace.commands import info, validate
         t = kvtrace.open({str(path)!r})
-        assert t.requests().shape == (1,)
+        assert t.requests[:].shape == (1,)
         sys.argv = ["kvtrace", "info", "--json", {str(path)!r}]
         try:
             kvtrace.cli.main()

@@ -19,7 +19,7 @@ TRACE = Path(__file__).resolve().parent.parent / "data" / "gpu_gemma3_tiny.kvt.h
 
 def test_kv_as_a_data_frame_with_enum_names_and_shape_lists():
     with kvtrace.open(TRACE) as t:
-        rows = t.kv()
+        rows = t.kv[:]
         df = t.to_pandas("kv")
         with pytest.raises(ValueError):  # why the helper exists: the structured array's shape columns
             pd.DataFrame(rows)

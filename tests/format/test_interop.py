@@ -25,7 +25,7 @@ def test_hdf5plugin_reads_same_bytes(tmp_path):
             w.write_payload(encode_payload(0, 0, 1, PayloadKind.VALUE, code, a))
     with Trace(path) as t, h5py.File(path, "r") as f:
         assert t.payload_filters(2) == [schema.FILTER_SHUFFLE, schema.FILTER_ZSTD]
-        for i, row in enumerate(t.payload_index()):
+        for i, row in enumerate(t.payload_index[:]):
             ours = t.payload(i).data
             ds = f[schema.payload_dataset_name(int(row["itemsize"]))]
             start = int(row["first_chunk"]) * ds.chunks[0]

@@ -106,13 +106,13 @@ def test_other_damage_in_a_newer_minor_is_still_refused(serving, tmp_path, capsy
 
 def test_kv_rows_of_a_new_dtype_are_left_out_of_counts_and_slices(serving, tmp_path):
     with Trace(serving) as t:
-        before = t.kv()
+        before = t.kv[:]
     trace = H.damaged(serving, tmp_path / "kv.kvt.h5",
                       lambda f: (H.version("1.6")(f), H.set_rows("kv", "k_dtype", 40, [3, 4, 10])(f)))
     keep = np.setdiff1d(np.arange(before.size), [3, 4, 10])
     with Trace(trace) as t:
         assert t.nrows("kv") == keep.size and t.nrows("kv", check_codes=False) == before.size
-        assert np.array_equal(t.kv(), before[keep])
+        assert np.array_equal(t.kv[:], before[keep])
         for a, b in ((0, 3), (2, 6), (3, 4), (5, 21), (20, 40), (7, 7)):
             assert np.array_equal(t.table("kv", slice(a, b)), before[keep][a:b]), (a, b)
         assert t.skipped["kv"].rows == 3 and t.skipped["kv"].codes == {"k_dtype": [40]}
@@ -124,7 +124,7 @@ def test_a_trace_of_this_minor_with_the_same_rows_is_refused_where_read(serving,
     with Trace(trace) as t:
         assert t.nrows("kv") == t.nrows("kv", check_codes=False)
         with pytest.raises(InvalidTrace, match=r"/kv k_dtype has unknown codes \[40\]"):
-            t.kv()
+            t.kv[:]
         assert not t.skipped
 
 
@@ -153,7 +153,7 @@ def test_payloads_of_a_new_kind_are_skipped_and_the_rest_numbered_in_order(tmp_p
     raws = payload_trace(p)
     set_payload_kind(p, 1, 9, "1.6")
     with Trace(p) as t:
-        index = t.payload_index()
+        index = t.payload_index[:]
         assert index.size == 2 and list(index["step"]) == [0, 2]
         assert np.array_equal(t.payload(1).data.reshape(raws[2].shape), raws[2])  # payload 1 is the third row
         assert np.array_equal(t.payload(-1).data.reshape(raws[2].shape), raws[2])
@@ -180,12 +180,12 @@ def test_skipped_notes_name_each_file_once(serving, tmp_path):
     with collect_skipped() as seen:
         for _ in range(2):  # a command that opens the trace twice (report does)
             with Trace(trace) as t:
-                t.events()
+                t.events[:]
         with Trace(serving) as t:
-            t.events()  # nothing skipped: not collected
+            t.events[:]  # nothing skipped: not collected
     assert len(seen) == 2
     assert skipped_notes(seen) == [f"{trace}: note: {EVENTS} were skipped (written by format 1.6); a newer kvtrace reads them"]
     with Trace(trace) as t:  # outside a collector: counted on the trace alone
-        t.events()
+        t.events[:]
         assert t.skipped["events"].rows == 2
     assert schema.FORMAT_VERSION == "1.5"  # the messages above name this reader's version

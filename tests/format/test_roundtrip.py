@@ -46,7 +46,7 @@ def test_every_table_round_trips(tmp_path_factory, data):
             got = t.table(table, check_codes=False)  # raw bits, random codes included
             assert got.dtype == arr.dtype
             assert got.tobytes() == arr.tobytes(), table
-        dev = t.devices()
+        dev = t.devices[:]
         assert dev["name"][0] == b"GPU-x" and int(dev["total_memory_bytes"][0]) == 1 << 34
 
 
@@ -71,7 +71,7 @@ def test_requests_update_before_and_after_flush(tmp_path):
         w.update_request(0, outcome=int(schema.Outcome.OK), new_tokens=17, eos_step=16)
         w.update_request(1, outcome=int(schema.Outcome.OOM))
     with Trace(path) as t:
-        r = t.requests()
+        r = t.requests[:]
         assert r["outcome"].tolist() == [schema.Outcome.OK, schema.Outcome.OOM]
         assert r["new_tokens"][0] == 17 and r["eos_step"][0] == 16
 
@@ -117,7 +117,7 @@ def test_payload_spanning_many_chunks_and_odd_sizes(tmp_path):
         for i, a in enumerate(arrays):
             w.write_payload(encode_payload(0, i, 0, PayloadKind.VALUE, CacheDType.BFLOAT16, a))
     with Trace(path) as t:
-        assert [int(r["n_chunks"]) for r in t.payload_index()] == [1, 1, 1, 2, 4]
+        assert [int(r["n_chunks"]) for r in t.payload_index[:]] == [1, 1, 1, 2, 4]
         for i, a in enumerate(arrays):
             assert np.array_equal(t.payload(i).data, a)
 
@@ -171,7 +171,7 @@ def test_newer_minor_with_unknown_fields_and_attrs_is_readable(tmp_path):
         f.create_dataset("future_table", data=np.arange(3))
     with Trace(path) as t:
         assert t.version == "1.7"
-        r = t.requests()
+        r = t.requests[:]
         assert r.dtype.names == schema.REQUESTS.names
         assert int(r["new_tokens"][0]) == 3
         assert t.meta.extra["some_future_attr"] == "x"

@@ -1,6 +1,6 @@
 """Format 1.4 continuous-batching tables (/sched, /sched_groups, /blocks) and serving event kinds:
 optional (older traces read as empty), validated (free <= pool, shared <= blocks, /blocks requests
-exist), summarised by `kvtrace info`, and read by TraceView (sched, blocks, phases, cb_requests)."""
+exist), summarised by `kvtrace info`, and read through the Trace (sched, blocks, phases, cb_requests)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from cli_run import run_main
 from fmt_helpers import request_row
 
-from kvtrace.analyzer.view import CB_REQUESTS, TraceView
 from kvtrace.format import DeviceInfo, TraceWriter, schema
+from kvtrace.format.joins import CB_REQUESTS
 from kvtrace.format.reader import Trace
 from kvtrace.format.summary import summarize
 from kvtrace.format.validate import validate
@@ -57,27 +57,25 @@ def _write(path: Path, *, free: int = POOL - 3 * BLOCK, shared: int = 0, orphan:
 def test_older_traces_have_none_and_read_as_empty() -> None:
     with Trace(OLD) as t:
         assert not t.has("sched")
-        for rows, dtype in ((t.sched(), schema.SCHED), (t.sched_groups(), schema.SCHED_GROUPS),
-                            (t.blocks(), schema.BLOCKS)):
+        for rows, dtype in ((t.sched[:], schema.SCHED), (t.sched_groups[:], schema.SCHED_GROUPS),
+                            (t.blocks[:], schema.BLOCKS)):
             assert rows.shape == (0,) and rows.dtype == dtype
-        view = TraceView(t)
-        assert view.sched.size == view.blocks().size == view.phases.size == 0
-        assert view.cb_requests.size == 0 and view.cb_requests.dtype == CB_REQUESTS
+        assert len(t.sched) == t.blocks.where().size == t.phases.size == 0
+        assert t.cb_requests.size == 0 and t.cb_requests.dtype == CB_REQUESTS
         s = summarize(t)
         assert "serving" not in s and "sched" not in s["rows"]  # info --json of old traces unchanged
     assert validate(OLD).valid
 
 
-def test_tables_roundtrip_validate_and_view(tmp_path: Path) -> None:
+def test_tables_roundtrip_validate_and_read(tmp_path: Path) -> None:
     path = _write(tmp_path / "cb.kvt.h5")
     report = validate(path)
     assert report.valid, report.problems
     with Trace(path) as t:
-        view = TraceView(t)
-        assert view.sched["step"].tolist() == [0, 1] and view.sched["prefix_hit_tokens"].tolist() == [16, 0]
-        assert view.blocks(request=1).shape == (2,) and view.blocks(step=1, request=0)["tokens_valid"].tolist() == [6]
-        assert view.phases["name"].tolist() == ["baseline", "concurrent"] and view.phases["index"].tolist() == [0, 1]
-        cb = view.cb_requests
+        assert t.sched[:]["step"].tolist() == [0, 1] and t.sched[:]["prefix_hit_tokens"].tolist() == [16, 0]
+        assert t.blocks.where(request=1).shape == (2,) and t.blocks.where(step=1, request=0)["tokens_valid"].tolist() == [6]
+        assert t.phases["name"].tolist() == ["baseline", "concurrent"] and t.phases["index"].tolist() == [0, 1]
+        cb = t.cb_requests
         assert cb["request"].tolist() == [0, 1]
         assert cb["arrival_ns"].tolist() == [100, 101] and cb["admitted_ns"].tolist() == [200, 201]
         assert cb["first_token_ns"].tolist() == [300, 301] and cb["end_ns"].tolist() == [900, 900]

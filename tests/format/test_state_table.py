@@ -32,7 +32,7 @@ def test_recorded_state_is_valid_and_consistent(path):
     with Trace(path) as t:
         assert t.version == "1.5"
         rows = checked_state(t)
-        steps = t.steps()
+        steps = t.steps[:]
     assert rows.size and not state_block_problems(rows)
     # a row at every structure step, the same bytes at each (the state does not grow)
     keys = {(int(r), int(s)) for r, s in zip(steps["request"], steps["step"], strict=True)}

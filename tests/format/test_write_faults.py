@@ -113,12 +113,12 @@ def _check(path, good: int) -> Trace:
     assert report.valid, report.problems
     t = Trace(path)
     assert not t.complete
-    rows = t.process()
+    rows = t.process[:]
     n = rows.shape[0]
     assert n >= good, (n, good)
     assert np.array_equal(rows["t_ns"], np.arange(n))
     assert np.array_equal(rows["rss_bytes"], np.arange(n) * 7)
-    index = t.payload_index()
+    index = t.payload_index[:]
     for k in range(index.shape[0]):
         p = t.payload(k)
         assert np.array_equal(p.data, PAYLOADS[int(index["step"][k])][0])
@@ -140,7 +140,7 @@ def _fault_free(tmp_path, kind: str, code: int) -> tuple[int, list[int]]:
     assert w is not None and w.failure is None and not faults
     with Trace(path) as t:  # the control: the same workload without a fault is complete
         assert t.complete and stopped(t) is None
-        assert t.process().shape[0] == ROUNDS * 10
+        assert t.process[:].shape[0] == ROUNDS * 10
     inside = [(a + b) // 2 for a, b in growth if b > a + 1]
     assert inside  # flushes write something (rows, metadata): a fault can hit one
     return _used(raw, path), inside[:3]
@@ -213,7 +213,7 @@ def test_fault_after_rewriting_a_flushed_request_row(tmp_path):
     w.close()
     assert [f.errno for f in faults] == [errno.EIO]
     with _check(path, 0) as t:
-        assert t.requests()["outcome"].tolist() == [0]  # running: the rewrite never reached the disk
+        assert t.requests[:]["outcome"].tolist() == [0]  # running: the rewrite never reached the disk
 
 
 def test_an_error_inside_hdf5_is_not_called_a_storage_error(tmp_path):
@@ -273,7 +273,7 @@ def test_forked_child_never_writes_to_the_parents_trace(tmp_path):
     assert "Traceback" not in proc.stderr
     with Trace(path) as t:
         assert t.complete
-        rows = t.process()
+        rows = t.process[:]
         assert np.array_equal(rows["t_ns"], np.arange(20)) and np.array_equal(rows["rss_bytes"], np.arange(20) * 7)
 
 

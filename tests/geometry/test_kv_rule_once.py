@@ -36,7 +36,7 @@ def test_kv_check_reads_the_mla_layout_like_the_analyser(tmp_path, mode):
     path = _mla_trace(tmp_path / f"{mode}.kvt.h5", mode)
     with open_trace(path) as t:
         check = check_kv(t)
-        exp = build_expectation(t.meta.model_config, t.layers(), t.kv()[:64])
+        exp = build_expectation(t.meta.model_config, t.layers[:], t.kv[:][:64])
     # Both layouts predicted exactly (before the KV check used the latent layout only, and the
     # expanded recording mismatched on every step); the analyser picks the same layout.
     assert check.checked == 4 and check.equal == 4, check.first_mismatch

@@ -51,7 +51,7 @@ def _gen(m, prompt=32, new=64, **kw):
 
 def _owner_rows(path):
     with open_trace(path) as tr:
-        return tr.optional_table("owners")
+        return tr["owners"][:]
 
 
 def _active(segments) -> int:

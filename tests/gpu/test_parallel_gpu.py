@@ -49,7 +49,7 @@ def _record(model, path, device):
     with kvtrace.record(model, path):
         model.generate(tiny_prompt(12).to(device), max_new_tokens=6, min_new_tokens=6, do_sample=False)
     with Trace(path) as t:
-        kv = t.kv()
+        kv = t.kv[:]
         return t.meta.extra.get("parallel"), {int(r["layer"]): int(r["device"]) for r in kv}
 
 
@@ -96,7 +96,7 @@ def test_device_map_over_two_gpus(tmp_path):
     assert where == {0: 0, 1: 0, 2: 1, 3: 1}
     assert par["device_map"]["model.layers.2"] == "cuda:1"
     with Trace(tmp_path / "two.kvt.h5") as t:
-        assert sorted({int(r["device"]) for r in t.readings()} - {-1}) == [0, 1]  # readings per GPU
+        assert sorted({int(r["device"]) for r in t.readings[:]} - {-1}) == [0, 1]  # readings per GPU
     rep = analyze(tmp_path / "two.kvt.h5")
     cap = [f for f in rep.findings if f.detector == "capacity"]
     assert cap and cap[0].evidence["devices_judged"].value == 2

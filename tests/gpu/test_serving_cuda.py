@@ -28,7 +28,6 @@ from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 
 import kvtrace  # noqa: E402
-from kvtrace.analyzer.view import TraceView  # noqa: E402
 from kvtrace.format.reader import open_trace  # noqa: E402
 from kvtrace.format.schema import EventKind, LayerType, Outcome  # noqa: E402
 from kvtrace.testing_models import tiny_model  # noqa: E402
@@ -69,7 +68,7 @@ def _model(name: str):
 
 
 def _manager_notes(t) -> list[str]:
-    notes = t.events(EventKind.NOTE)
+    notes = t.events.where(kind=EventKind.NOTE)
     return [t.text(int(n["text_off"]), int(n["text_len"])) for n in notes
             if "per-layer" in t.text(int(n["text_off"]), int(n["text_len"]))]
 
@@ -79,16 +78,15 @@ def _check_requests(t, prompts: list[list[int]], new: int, lag: bool) -> None:
     with one first token; every step a /sched row numbered 0, 1, 2, ... ``lag``: async batching,
     where step N+1 is scheduled before step N's tokens are read, so requests that all end at step N
     also run in step N+1 (seen on an H200: one wasted decode token per request; the probe agrees)."""
-    view = TraceView(t)
-    reqs = view.requests
+    reqs = t.requests[:]
     assert len(reqs) == len(prompts)
     by_cb = {json.loads(t.text(r["gen_args_off"], r["gen_args_len"]))["cb_request_id"]: r for r in reqs}
     assert {k: int(r["prompt_tokens"]) for k, r in by_cb.items()} == {f"req_{i}": len(p) for i, p in enumerate(prompts)}
     assert all(r["outcome"] == Outcome.OK and r["new_tokens"] == new for r in reqs)
     ids = sorted(int(r["request"]) for r in reqs)
     for kind in (EventKind.REQUEST_START, EventKind.SCHEDULED, EventKind.FIRST_TOKEN, EventKind.REQUEST_END):
-        assert sorted(t.events(kind)["request"].tolist()) == ids, kind
-    sched = t.sched()
+        assert sorted(t.events.where(kind=kind)["request"].tolist()) == ids, kind
+    sched = t.sched[:]
     assert sched["step"].tolist() == list(range(sched.size))
     # every output token of every request came out of a recorded step: decode tokens + one per prefill
     # (with async batching, plus the one scheduled step whose tokens were thrown away)
@@ -119,15 +117,15 @@ def test_generate_batch_on_cuda_matches_the_cache(name, graphs, async_batching, 
     t = open_trace(path)
     _check_requests(t, PROMPTS, NEW, lag=async_batching)
     # no per-layer rows for continuous batching, graphs or not, and the trace says so with the settings
-    assert t.kv().size == 0 and t.steps().size == 0
+    assert t.kv[:].size == 0 and t.steps[:].size == 0
     notes = _manager_notes(t)
     assert len(notes) == 1 and f"CUDA graphs (varlen, decode): {(graphs, graphs)}" in notes[0], notes
     assert ("async batching on" if async_batching else "async batching off") in notes[0]
     if name == "gemma3_text":
-        groups = t.sched_groups()
+        groups = t.sched_groups[:]
         sliding = groups[groups["layer_type"] == int(LayerType.SLIDING)]
         assert sliding.size and set(sliding["window"].tolist()) == {model.config.sliding_window}
-        blocks = t.blocks()
+        blocks = t.blocks[:]
         by_group = {int(g["group"]): int(g["layer_type"]) for g in groups}
         kinds = np.array([by_group[int(g)] for g in blocks["group"]])
         assert int(blocks["tokens_valid"][kinds == int(LayerType.SLIDING)].max()) == model.config.sliding_window
@@ -148,7 +146,7 @@ def test_prefix_hit_and_eviction_under_cuda_graphs(monkeypatch, tmp_path):
     assert rec.recorder_errors == 0 and replays.replays > 0
     assert_equal_to_cache(path, probe)
     t = open_trace(path)
-    hits = t.events(EventKind.PREFIX_HIT)
+    hits = t.events.where(kind=EventKind.PREFIX_HIT)
     assert hits["request"].tolist() == [1] and hits["value"].tolist() == [48]
-    assert t.events(EventKind.BLOCK_EVICTED)["value"].tolist() == [3]
-    assert set(TraceView(t).cb_requests["outcome"].tolist()) == {Outcome.OK}
+    assert t.events.where(kind=EventKind.BLOCK_EVICTED)["value"].tolist() == [3]
+    assert set(t.cb_requests["outcome"].tolist()) == {Outcome.OK}

@@ -92,7 +92,7 @@ def test_thread_rate_and_costs(tmp_path) -> None:
     print(f"\ncosts (us): telemetry tick {tick:.0f}, step_reading {step:.0f}, reading {full:.0f}, "
           f"torch.cuda.memory_stats {flat:.0f}")
     with open_trace(path) as trace:
-        nvml, alloc = trace.nvml(), trace.allocator()
+        nvml, alloc = trace.nvml[:], trace.allocator[:]
     expected = rate * duration
     for rows in (nvml, alloc):
         assert 0.6 * expected <= len(rows) <= 1.2 * expected + 2, len(rows)
@@ -175,7 +175,7 @@ def test_pinned_async_copy_is_bit_exact(tmp_path, dtype) -> None:
     assert picked_stats["own_device_bytes"] == max(own["strided"], own["gather"])
     assert picked.own_device_bytes_on(torch.cuda.current_device()) == picked_stats["own_device_bytes"]
     with open_trace(path) as trace:
-        index = trace.payload_index()
+        index = trace.payload_index[:]
         payloads = {int(trace.payload(i).layer): trace.payload(i) for i in range(len(index))}
     rows = {int(r["layer"]): r for r in index}
     for layer, name in enumerate(("full", "strided", "gather", "long", "exact")):

@@ -50,7 +50,7 @@ def test_device_map_cpu_and_disk_offload(tmp_path):
         m.generate(tiny_prompt(6), max_new_tokens=4, min_new_tokens=4, do_sample=False)
     with Trace(path) as t:
         par = t.meta.extra["parallel"]
-        kv = t.kv()
+        kv = t.kv[:]
     assert par["mode"] == "device_map"
     assert par["device_map"]["model.layers.1"] == "disk" and par["device_map"]["model.layers.0"] == "cpu"
     assert sorted(set(kv["layer"].tolist())) == [0, 1]

@@ -35,8 +35,8 @@ def _check_ranks(out: Path, heads_total: int, capsys: pytest.CaptureFixture[str]
     for r, path in enumerate(ranks):
         with Trace(path) as t:
             par = t.meta.extra["parallel"]
-            kv = t.kv()
-            assert len(t.requests()) == 2 and t.meta.recorder_settings["cli"]["tp_plan"] == "auto"
+            kv = t.kv[:]
+            assert len(t.requests[:]) == 2 and t.meta.recorder_settings["cli"]["tp_plan"] == "auto"
         assert (par["mode"], par["rank"], par["world_size"], par["backend"]) == ("tensor_parallel", r, 2, "gloo")
         assert par["run_id"] == f"tp-cli-{out.name}"
         assert (par["kv_heads_total"], par["kv_heads_local"]) == (heads_total, heads_total // 2)

@@ -24,7 +24,7 @@ def test_each_rank_records_its_shard(tp_run):
     for r, path in enumerate(_ranks(tp_run)):
         with Trace(path) as t:
             par = t.meta.extra["parallel"]
-            kv = t.kv()
+            kv = t.kv[:]
         metas.append(par)
         assert par["mode"] == "tensor_parallel" and par["rank"] == r and par["world_size"] == 2
         assert par["backend"] == "gloo" and par["run_id"] == "tp-cpu-test"

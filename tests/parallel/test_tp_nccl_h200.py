@@ -23,8 +23,8 @@ def test_each_rank_file_is_its_own_gpu_and_shard():
             assert par["mode"] == "tensor_parallel" and par["backend"] == "nccl"
             assert (par["rank"], par["world_size"]) == (rank, 2)
             assert (par["kv_heads_local"], par["kv_heads_total"]) == (2, 4)
-            assert set(t.kv()["device"].tolist()) == {rank}  # each rank's KV lives on its own GPU
-            assert t.nvml().size and t.allocator().size  # real per-GPU telemetry
+            assert set(t.kv[:]["device"].tolist()) == {rank}  # each rank's KV lives on its own GPU
+            assert t.nvml[:].size and t.allocator[:].size  # real per-GPU telemetry
     with Trace(RANKS[0]) as a, Trace(RANKS[1]) as b:
         assert parallel_of(a.meta)["run_id"] == parallel_of(b.meta)["run_id"]
 

@@ -78,7 +78,7 @@ def check(path: Path, probe: Probe) -> int:
     from kvtrace.format.validate import validate
 
     with open_trace(path) as t:
-        sched, groups, blocks, reqs = t.sched(), t.sched_groups(), t.blocks(), t.requests()
+        sched, groups, blocks, reqs = t.sched[:], t.sched_groups[:], t.blocks[:], t.requests[:]
         cb_of = {int(r["request"]): json.loads(t.text(r["gen_args_off"], r["gen_args_len"]))["cb_request_id"]
                  for r in reqs}
     assert sched.size == len(probe.steps) > 0, (sched.size, len(probe.steps))
@@ -131,9 +131,9 @@ def run(name: str, device: str, work: Path, body: Any) -> dict[str, Any]:
     assert rec.recorder_errors == 0, rec.errors
     steps = check(path, probe)
     with open_trace(path) as t:
-        kinds = {k.name.lower(): int(len(t.events(k))) for k in _kinds()}
-        readings, pool = t.readings(), int(t.sched()["pool_bytes"].max())
-        first = sorted(int(s) for s in t.events(_kinds()[1])["step"])
+        kinds = {k.name.lower(): int(len(t.events.where(kind=k))) for k in _kinds()}
+        readings, pool = t.readings[:], int(t.sched[:]["pool_bytes"].max())
+        first = sorted(int(s) for s in t.events.where(kind=_kinds()[1])["step"])
     # the manager's loop: BASELINE before it builds the pool, AFTER_RETURN after its last step (pool held)
     labels = readings["label"][readings["request"] == -1].tolist()
     assert labels[0] == 1 and labels[-1] == 3, labels

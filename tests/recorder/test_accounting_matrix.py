@@ -74,7 +74,7 @@ def test_per_layer_bytes_match_geometry(tmp_path, name, cache_kind, batch):
     max_len = geometry.generate_static_max_cache_len(PROMPT, NEW, is_encoder_decoder=enc_dec)
 
     with Trace(path) as t:
-        kv, steps, layers = t.kv(), t.steps(), t.layers()
+        kv, steps, layers = t.kv[:], t.steps[:], t.layers[:]
         names = [text(t, r["module_off"], r["module_len"]) for r in layers]
 
     n_layers = len(geo.layers)
@@ -141,7 +141,7 @@ def test_sliding_storage_exceeds_view_after_prefill(tmp_path):
     a DynamicSlidingWindowLayer keeps window-1 tokens as a view into the whole-prompt tensor."""
     path, _ = record_run(tmp_path, "mistral", new=2)
     with Trace(path) as t:
-        r = t.kv()[0]
+        r = t.kv[:][0]
     assert r["tokens_kept"] == 7 and r["k_shape"][2] == 7
     per_token = 2 * 16 * 4  # kv heads x head dim x fp32
     assert r["k_storage_bytes"] == PROMPT * per_token
@@ -159,7 +159,7 @@ def test_dtype_and_device_columns(tmp_path):
     with kvtrace.record(m, path):
         generate(m, new=3)
     with Trace(path) as t:
-        kv = t.kv()
+        kv = t.kv[:]
     assert set(kv["k_dtype"].tolist()) == {3} and set(kv["v_dtype"].tolist()) == {3}  # BFLOAT16
     assert set(kv["device"].tolist()) == {-1}
     g = geometry.model_geometry(m.config.to_dict()).layers[0]

@@ -34,5 +34,5 @@ def test_selection_in_range_stores_what_it_claims(tmp_path):
         m.generate(tiny_prompt(6), max_new_tokens=4, min_new_tokens=4, do_sample=False)
     with Trace(path) as t:
         assert t.meta.contains_tensor_payloads
-        idx = t.payload_index()
+        idx = t.payload_index[:]
         assert len(idx) > 0 and set(idx["layer"].tolist()) == {1}

@@ -22,7 +22,7 @@ def test_record_preset_writes_a_valid_trace(tmp_path, capsys):
     assert "peak KV cache" in err and "KiB" in err
     assert validate(out).valid
     with Trace(out) as t:
-        req = t.requests()
+        req = t.requests[:]
         assert req["prompt_tokens"].tolist() == [2, 5]  # UTF-8 bytes of "hi", "there"
         assert req["new_tokens"].tolist() == [3, 3]
         assert t.text(int(req[1]["prompt_text_off"]), int(req[1]["prompt_text_len"])) == "there"
@@ -30,7 +30,7 @@ def test_record_preset_writes_a_valid_trace(tmp_path, capsys):
         cli = t.meta.recorder_settings["cli"]
         assert cli["layers"] == 2 and cli["max_new_tokens"] == 3
         # the kept layers have Llama-3.1-8B's KV geometry: 8 KV heads x 128
-        assert {tuple(s[:2]) + (s[3],) for s in t.kv()["k_shape"].tolist()} == {(1, 8, 128)}
+        assert {tuple(s[:2]) + (s[3],) for s in t.kv[:]["k_shape"].tolist()} == {(1, 8, 128)}
 
 
 def test_record_unwritable_output_exits_73_before_loading(tmp_path, capsys, monkeypatch):

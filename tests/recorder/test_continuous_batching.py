@@ -48,10 +48,10 @@ ATTENTION_TYPES = {"llama": {"full_attention"}, "gemma3_text": {"full_attention"
 def _occupancy(trace) -> list[dict]:
     """Per /sched row: its fields, and its /sched_groups rows (a release may cut one attention type
     into several groups: 5.17 does for gemma3's full layers)."""
-    groups = trace.sched_groups()
+    groups = trace.sched_groups[:]
     names = {1: "full_attention", 2: "sliding_attention"}
     out = []
-    for row in trace.sched():
+    for row in trace.sched[:]:
         mine = groups[(groups["manager"] == row["manager"]) & (groups["step"] == row["step"])]
         out.append({"row": row, **{k: int(row[k]) for k in row.dtype.names},
                     "groups": [{"type": names[int(g["layer_type"])], **{k: int(g[k]) for k in g.dtype.names}}
@@ -79,8 +79,8 @@ def test_generate_batch_is_recorded_request_by_request(name, llama, tmp_path):
                              "requests; their paged KV cache is in /sched, /sched_groups and /blocks, read from the "
                              "scheduler and cache every step. CUDA graphs (varlen, decode): (False, False); async "
                              "batching off"]
-    assert t.kv().size == 0 and t.steps().size == 0
-    reqs = t.requests()
+    assert t.kv[:].size == 0 and t.steps[:].size == 0
+    reqs = t.requests[:]
     assert len(reqs) == len(PROMPTS)
     by_cb = {}
     for r in reqs:
@@ -89,16 +89,16 @@ def test_generate_batch_is_recorded_request_by_request(name, llama, tmp_path):
         assert r["outcome"] == Outcome.OK and r["new_tokens"] == NEW and r["end_ns"] > r["start_ns"]
     # the manager's ids req_0.. follow the inputs: each row has its own prompt's length
     assert {k: int(r["prompt_tokens"]) for k, r in by_cb.items()} == {f"req_{i}": len(p) for i, p in enumerate(PROMPTS)}
-    assert sorted(t.events(EventKind.REQUEST_START)["request"].tolist()) == [0, 1, 2]
-    assert sorted(t.events(EventKind.REQUEST_END)["request"].tolist()) == [0, 1, 2]
-    scheduled = t.events(EventKind.SCHEDULED)
+    assert sorted(t.events.where(kind=EventKind.REQUEST_START)["request"].tolist()) == [0, 1, 2]
+    assert sorted(t.events.where(kind=EventKind.REQUEST_END)["request"].tolist()) == [0, 1, 2]
+    scheduled = t.events.where(kind=EventKind.SCHEDULED)
     assert sorted(scheduled["request"].tolist()) == [0, 1, 2] and set(scheduled["value"].tolist()) == {1}
 
     steps = _occupancy(t)
     # one forward for the three prefills together, then one per further token
     assert [s["step"] for s in steps] == list(range(NEW))
     # first token: once per request, produced by step 0's forward (after step 0's NOTE, before step 1's)
-    firsts = t.events(EventKind.FIRST_TOKEN)
+    firsts = t.events.where(kind=EventKind.FIRST_TOKEN)
     assert sorted(firsts["request"].tolist()) == [0, 1, 2] and set(firsts["step"].tolist()) == {0}
     for e in firsts:
         r = reqs[reqs["request"] == e["request"]][0]
@@ -116,7 +116,7 @@ def test_generate_batch_is_recorded_request_by_request(name, llama, tmp_path):
         assert s["tokens_cached"] == total_prompt + 3 * s["step"]
         for a in allocs:  # each request's <= 10 tokens fit in one block of each group
             assert a["blocks_in_use"] == 3 and a["tokens_per_block"] >= 10 and a["blocks_total"] > 3
-        assert len(t.blocks()[t.blocks()["step"] == s["step"]]) == 3 * len(allocs)  # per request and group
+        assert len(t.blocks[:][t.blocks[:]["step"] == s["step"]]) == 3 * len(allocs)  # per request and group
 
         # the batch: the three prompts together, then one decode token per request
         expect = (total_prompt, 0) if s["step"] == 0 else (0, 3)
@@ -159,7 +159,7 @@ def test_cancelled_request_and_unrecorded_model(llama, tmp_path):
         finally:
             manager.stop(block=True)
     t = open_trace(path)
-    reqs = t.requests()
+    reqs = t.requests[:]
     assert len(reqs) == 1  # the other model's request is not in this trace
     r = reqs[0]
     assert r["prompt_tokens"] == 3 and r["outcome"] == Outcome.INTERRUPTED
@@ -179,11 +179,11 @@ def test_generate_paged_is_recorded_as_cb_requests(llama, tmp_path):
                              cache_implementation="paged", continuous_batching_config=cb)
     assert rec.recorder_errors == 0
     t = open_trace(path)
-    reqs = t.requests()
+    reqs = t.requests[:]
     assert out.shape[-1] == 4 + NEW
     assert len(reqs) == 2 and set(reqs["batch_size"].tolist()) == {1}
     assert set(reqs["prompt_tokens"].tolist()) == {4} and set(reqs["new_tokens"].tolist()) == {NEW}
-    assert len(_occupancy(t)) == NEW and len(t.events(EventKind.GENERATE_RETURN)) == 0
+    assert len(_occupancy(t)) == NEW and len(t.events.where(kind=EventKind.GENERATE_RETURN)) == 0
 
 
 def open_requests(rec) -> int:
@@ -217,7 +217,7 @@ def test_missing_hook_is_said_not_half_patched(llama, tmp_path, monkeypatch, cap
 
 def t_notes(path) -> list[str]:
     t = open_trace(path)
-    return [t.text(e["text_off"], e["text_len"]) for e in t.events(EventKind.NOTE)]
+    return [t.text(e["text_off"], e["text_len"]) for e in t.events.where(kind=EventKind.NOTE)]
 
 
 def test_preemption_is_an_event_not_an_end(llama, tmp_path):
@@ -232,15 +232,15 @@ def test_preemption_is_an_event_not_an_end(llama, tmp_path):
         llama.generate_batch(inputs=prompts, generation_config=gc, continuous_batching_config=cb, warmup=False)
     assert rec.recorder_errors == 0
     t = open_trace(path)
-    reqs = t.requests()
+    reqs = t.requests[:]
     assert len(reqs) == 4 and set(reqs["outcome"].tolist()) == {Outcome.OK} and set(reqs["new_tokens"].tolist()) == {60}
-    assert sorted(t.events(EventKind.REQUEST_END)["request"].tolist()) == [0, 1, 2, 3]
-    preempted = t.events(EventKind.PREEMPTED)
-    scheduled = t.events(EventKind.SCHEDULED)
+    assert sorted(t.events.where(kind=EventKind.REQUEST_END)["request"].tolist()) == [0, 1, 2, 3]
+    preempted = t.events.where(kind=EventKind.PREEMPTED)
+    scheduled = t.events.where(kind=EventKind.SCHEDULED)
     assert preempted.size and len(scheduled) == 4 + len(preempted)  # each preemption is followed by a re-admission
-    assert sorted(t.events(EventKind.FIRST_TOKEN)["request"].tolist()) == [0, 1, 2, 3]  # once, even if recomputed
+    assert sorted(t.events.where(kind=EventKind.FIRST_TOKEN)["request"].tolist()) == [0, 1, 2, 3]  # once, even if recomputed
     assert all(t.text(e["text_off"], e["text_len"]).startswith("soft reset") for e in preempted)  # no CPU pool here
-    assert int(t.sched()["preempted"].sum()) == len(preempted)
+    assert int(t.sched[:]["preempted"].sum()) == len(preempted)
     steps = _occupancy(t)
     assert max(s["waiting"] for s in steps) > 0  # requeued requests wait while the pool is full
     for s in steps:
@@ -278,10 +278,10 @@ def test_failed_batch_is_an_error_row(tmp_path):
         handle.remove()
     assert rec.recorder_errors == 0
     t = open_trace(path)
-    reqs = t.requests()
+    reqs = t.requests[:]
     assert len(reqs) == 3 and set(reqs["outcome"].tolist()) == {Outcome.ERROR}
     assert {t.text(r["error_off"], r["error_len"]) for r in reqs} == {"RuntimeError: planted failure"}
-    assert sorted(t.events(EventKind.REQUEST_END)["request"].tolist()) == [0, 1, 2]
+    assert sorted(t.events.where(kind=EventKind.REQUEST_END)["request"].tolist()) == [0, 1, 2]
     assert set(reqs["new_tokens"].tolist()) == {2}  # the two forwards before the failure
 
 
@@ -299,6 +299,6 @@ def test_two_sessions_closed_out_of_order(llama, tmp_path):
     llama.generate_batch(inputs=PROMPTS[:1], generation_config=gc, continuous_batching_config=cb, warmup=False)
     second.close()
     assert continuous_api.ContinuousBatchingManager.__dict__["add_request"] is original
-    assert len(open_trace(tmp_path / "a.kvt.h5").requests()) == 0
-    b = open_trace(tmp_path / "b.kvt.h5").requests()
+    assert len(open_trace(tmp_path / "a.kvt.h5").requests) == 0
+    b = open_trace(tmp_path / "b.kvt.h5").requests[:]
     assert len(b) == 3 and set(b["outcome"].tolist()) == {Outcome.OK}

@@ -54,7 +54,7 @@ def test_allocated_memory_identical_with_and_without_recorder(tmp_path):
         assert rec.recorder_errors == 0
     assert with_rec == without, (with_rec, without)
     with Trace(tmp_path / "r0.kvt.h5") as t:
-        assert len(t.retention()) == 0
+        assert len(t.retention[:]) == 0
 
 
 def test_real_cuda_oom_closes_the_trace_and_reraises(tmp_path):
@@ -79,11 +79,11 @@ def test_real_cuda_oom_closes_the_trace_and_reraises(tmp_path):
     assert validate(path).valid
     with Trace(path) as t:
         assert t.complete
-        r = t.requests()[0]
+        r = t.requests[:][0]
         assert r["outcome"] == int(Outcome.OOM)
-        ev = t.events(EventKind.OOM)
+        ev = t.events.where(kind=EventKind.OOM)
         assert len(ev) == 1 and ev[0]["step"] == 3 and ev[0]["device"] == 0
-        at = t.readings(0)
+        at = t.readings.where(request=0)
         at = at[at["label"] == int(ReadingLabel.AT_OOM)]
         assert len(at) == 1 and at[0]["allocated_bytes"] > 0 and at[0]["reserved_bytes"] >= at[0]["allocated_bytes"]
 
@@ -100,20 +100,20 @@ def test_telemetry_and_labelled_readings_on_gpu(tmp_path, empty_cache):
         meta = t.meta
         assert meta.source_available("allocator")
         assert meta.cuda_version != "unavailable"
-        steps = t.steps()
+        steps = t.steps[:]
         assert (steps["allocated_bytes"] > 0).all() and (steps["reserved_bytes"] >= steps["allocated_bytes"]).all()
-        labels = set(t.readings(0)["label"].tolist())
+        labels = set(t.readings.where(request=0)["label"].tolist())
         assert {int(x) for x in (ReadingLabel.BASELINE, ReadingLabel.PEAK, ReadingLabel.AFTER_RETURN)} <= labels
-        gcs, empties = len(t.events(EventKind.GC)), len(t.events(EventKind.EMPTY_CACHE))
+        gcs, empties = len(t.events.where(kind=EventKind.GC)), len(t.events.where(kind=EventKind.EMPTY_CACHE))
         if empty_cache:
             assert {int(ReadingLabel.AFTER_GC), int(ReadingLabel.AFTER_EMPTY_CACHE)} <= labels
             assert gcs == empties == 1
         else:  # the output was dropped: nothing survived a collection, so no empty_cache
             assert int(ReadingLabel.AFTER_EMPTY_CACHE) not in labels and empties == 0
             assert (int(ReadingLabel.AFTER_GC) in labels) == (gcs == 1) and gcs <= 1
-            assert len(t.retention(0)) == 0
+            assert len(t.retention.where(request=0)) == 0
         assert t.nrows("telemetry/allocator") > 0
-        assert set(t.kv()["device"].tolist()) == {0}
+        assert set(t.kv[:]["device"].tolist()) == {0}
         if meta.source_available("nvml"):
             assert t.nrows("telemetry/nvml") > 0
 
@@ -129,7 +129,7 @@ def test_offloaded_caches_exact_and_cpu_resident(tmp_path, impl):
     kind = "static" if impl == "offloaded_static" else "dynamic"
     max_len = geometry.generate_static_max_cache_len(PROMPT, NEW)
     with Trace(path) as t:
-        kv = t.kv()
+        kv = t.kv[:]
     assert -1 in set(kv["device"].tolist())  # some layers live on the CPU between uses
     for row in kv:
         g = geo.layers[int(row["layer"])]
@@ -149,7 +149,7 @@ def test_offloaded_samples_match_cache_contents(tmp_path):
         out = _gen(m, cache_implementation="offloaded", return_dict_in_generate=True)
     cache = output_cache(out)
     with Trace(path) as t:
-        last = int(t.payload_index()["step"].max())
+        last = int(t.payload_index[:]["step"].max())
     assert last == NEW - 1
     for layer_idx, layer in enumerate(cache.layers):  # incremental samples, joined: the cache, bit for bit
         for kind, src in ((PayloadKind.KEY, layer.keys), (PayloadKind.VALUE, layer.values)):
@@ -165,8 +165,8 @@ def test_static_cache_with_auto_compile(tmp_path):
         out = _gen(m, new=6, cache_implementation="static")
     assert torch.equal(out, ref)
     with Trace(tmp_path / "c.kvt.h5") as t:
-        assert t.requests()[0]["outcome"] == int(Outcome.OK)
-        n_steps = len(set(t.steps()["step"].tolist()))
+        assert t.requests[:][0]["outcome"] == int(Outcome.OK)
+        n_steps = len(set(t.steps[:]["step"].tolist()))
     assert n_steps == 6, f"{n_steps} steps recorded ({rec.recorder_errors} recorder errors: {dict(rec.errors)})"
 
 
@@ -181,8 +181,8 @@ def test_device_map_split_records_every_device(tmp_path):
     with kvtrace.record(m, path, telemetry_hz=50):
         _gen(m, new=4)
     with Trace(path) as t:
-        assert set(t.devices()["device"].tolist()) == {0, 1}
-        assert set(t.kv()["device"].tolist()) == {0, 1}
-        assert set(t.readings(0)["device"].tolist()) == {0, 1}
-        assert set(t.allocator()["device"].tolist()) == {0, 1}
-        assert set(t.nvml()["device"].tolist()) == {0, 1}
+        assert set(t.devices[:]["device"].tolist()) == {0, 1}
+        assert set(t.kv[:]["device"].tolist()) == {0, 1}
+        assert set(t.readings.where(request=0)["device"].tolist()) == {0, 1}
+        assert set(t.allocator[:]["device"].tolist()) == {0, 1}
+        assert set(t.nvml[:]["device"].tolist()) == {0, 1}

@@ -70,7 +70,7 @@ def test_state_rows_are_the_cache_tensors(tmp_path, name):
     live = live_states(cache)
     assert live, f"{name}: the reference found no state (the test would prove nothing)"
     with Trace(path) as t:
-        state, steps, kv = checked_state(t), t.steps(), t.kv()
+        state, steps, kv = checked_state(t), t.steps[:], t.kv[:]
         assert sorted(set(state["step"].tolist())) == sorted(steps["step"].tolist())  # every structure step
         last = state[state["step"] == steps["step"].max()]
         assert len(last) == len(live)
@@ -115,7 +115,7 @@ def test_state_is_read_only_at_structure_steps(tmp_path):
     path, _ = record(tmp_path, "qwen3_next", structure_every=4)
     with Trace(path) as t:
         state_steps = sorted(set(checked_state(t)["step"].tolist()))
-        kv_steps = sorted(set(t.kv()["step"].tolist()))
+        kv_steps = sorted(set(t.kv[:]["step"].tolist()))
     assert state_steps == kv_steps == [0, 4, NEW - 1]
 
 
@@ -132,7 +132,7 @@ def test_retained_state_is_reported_as_retention(tmp_path):
     cache = getattr(kept, "cache", None) or kept.past_key_values
     states = {t.untyped_storage().data_ptr() for _, _, t in live_states(cache)}
     with Trace(path) as t:
-        retained = {int(r["storage"]) for r in t.retention(0)}
+        retained = {int(r["storage"]) for r in t.retention.where(request=0)}
     assert states <= retained
     del kept, cache
     gc.collect()
@@ -159,7 +159,7 @@ def test_continuous_batching_on_a_hybrid_says_what_transformers_did(tmp_path, na
         except ValueError as exc:
             refused = exc
     with Trace(path) as t:
-        notes = [text(t, e["text_off"], e["text_len"]) for e in t.events(EventKind.NOTE)]
+        notes = [text(t, e["text_off"], e["text_len"]) for e in t.events.where(kind=EventKind.NOTE)]
         requests, sched = t.nrows("requests"), t.nrows("sched")
     if refused is None:
         assert requests == 2 and sched > 0

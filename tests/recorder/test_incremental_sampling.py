@@ -48,7 +48,7 @@ def test_a_dropped_sample_is_retried_at_the_next_sampling_step(tmp_path):
         rec.sampler.submit = flaky
         model.generate(tiny_prompt(6), max_new_tokens=6, min_new_tokens=6, do_sample=False)
     with kvtrace.open(str(path)) as trace:
-        index = trace.payload_index()
+        index = trace.payload_index[:]
         keys0 = sorted((trace.payload(i) for i in range(len(index))
                         if int(index[i]["layer"]) == 0 and int(index[i]["kind"]) == int(PayloadKind.KEY)),
                        key=lambda p: p.step)

@@ -81,7 +81,7 @@ def test_cache_built_from_tuples(tmp_path):
     path, rec = record_run(tmp_path, "llama", prompt_len=10, new=3, **cache_kwargs(m, cache))
     assert rec.recorder_errors == 0
     with Trace(path) as t:
-        kv = t.kv()
+        kv = t.kv[:]
     per_token = 2 * 16 * 4 * 2  # heads x dim x fp32 x (K+V)
     first = kv[kv["step"] == 0]
     # generate only forwards the 4 uncached tokens, but the cache then holds all 10

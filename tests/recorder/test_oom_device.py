@@ -88,11 +88,11 @@ def test_recorded_oom_is_stamped_on_the_named_device(tmp_path, message, devices,
     exc = torch.OutOfMemoryError(message)
     path = _record_failure(tmp_path, exc, devices)
     with Trace(path) as t:
-        assert t.requests()[0]["outcome"] == int(Outcome.OOM)
-        (e,) = t.events(EventKind.OOM)
+        assert t.requests[:][0]["outcome"] == int(Outcome.OOM)
+        (e,) = t.events.where(kind=EventKind.OOM)
         assert (int(e["device"]), int(e["value"]), int(e["step"])) == (device, value, 3)
         assert message[:100] in text(t, e["text_off"], e["text_len"])
-        notes = [text(t, n["text_off"], n["text_len"]) for n in t.events(EventKind.NOTE)]
+        notes = [text(t, n["text_off"], n["text_len"]) for n in t.events.where(kind=EventKind.NOTE)]
         said = [n for n in notes if n.startswith("oom: the error names no device")]
         assert len(said) == (1 if noted else 0), notes
 
@@ -100,7 +100,7 @@ def test_recorded_oom_is_stamped_on_the_named_device(tmp_path, message, devices,
 def test_host_oom_is_stamped_on_the_cpu(tmp_path):
     path = _record_failure(tmp_path, RuntimeError(HOST), [0, 1])
     with Trace(path) as t:
-        (e,) = t.events(EventKind.OOM)
+        (e,) = t.events.where(kind=EventKind.OOM)
         assert int(e["device"]) == -1 and int(e["value"]) == 1099511627776
 
 
@@ -110,4 +110,4 @@ def test_analyzer_names_the_recorded_device(tmp_path):
     (f,) = [f for f in analyze(path).findings if f.detector == "oom"]
     assert f.evidence["requested_bytes"].value == 2 * GiB
     with Trace(path) as t:
-        assert int(t.events(EventKind.OOM)[0]["device"]) == 1
+        assert int(t.events.where(kind=EventKind.OOM)[0]["device"]) == 1

@@ -118,8 +118,8 @@ def test_structure_every_4_reads_prefill_multiples_and_last_step(tmp_path, name)
     assert validate(path).valid
     want = sorted({0, NEW - 1} | set(range(0, NEW, 4)))  # 0, 4, 8, 11
     with Trace(path) as t:
-        kv, steps = t.kv(), t.steps()
-        decode = t.events(EventKind.DECODE_STEP)["step"].tolist()
+        kv, steps = t.kv[:], t.steps[:]
+        decode = t.events.where(kind=EventKind.DECODE_STEP)["step"].tolist()
         settings = t.meta.recorder_settings
     assert sorted(set(kv["step"].tolist())) == want
     assert steps["step"].tolist() == want
@@ -154,9 +154,9 @@ def test_early_stop_still_records_the_last_step(tmp_path, keep_cache):
         del out
     assert rec.recorder_errors == 0, dict(rec.errors)
     with Trace(path) as t:
-        kv, steps = t.kv(), t.steps()
-        notes = len(t.events(EventKind.NOTE))
-        requests = t.requests()
+        kv, steps = t.kv[:], t.steps[:]
+        notes = len(t.events.where(kind=EventKind.NOTE))
+        requests = t.requests[:]
     assert int(requests[0]["new_tokens"]) == 7
     assert steps["step"].tolist() == [0, 4, 6]
     assert sorted(set(kv["step"].tolist())) == [0, 4, 6]
@@ -173,8 +173,8 @@ def test_without_the_death_read_the_missing_last_step_is_said_not_invented(tmp_p
         m.generate(tiny_prompt(PROMPT), max_new_tokens=20, do_sample=False,
                    stopping_criteria=StoppingCriteriaList([_StopAfter(7)]))
     with Trace(path) as t:
-        assert t.steps()["step"].tolist() == [0, 4]
-        notes = [t.text(int(e["text_off"]), int(e["text_len"])) for e in t.events(EventKind.NOTE)]
+        assert t.steps[:]["step"].tolist() == [0, 4]
+        notes = [t.text(int(e["text_off"]), int(e["text_len"])) for e in t.events.where(kind=EventKind.NOTE)]
     assert any("last step (6) not recorded" in n for n in notes), notes
 
 
@@ -188,5 +188,5 @@ def test_cli_structure_every(tmp_path, capsys):
         raise SystemExit(0)
     assert int(info.value.code or 0) == 0, capsys.readouterr().err
     with Trace(out) as t:
-        assert t.steps()["step"].tolist() == [0, 3, 5]
+        assert t.steps[:]["step"].tolist() == [0, 3, 5]
         assert json.loads(json.dumps(t.meta.recorder_settings))["structure_every"] == 3

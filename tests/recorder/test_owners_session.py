@@ -38,7 +38,7 @@ def _gen(m, **kw):
 
 def _notes(t: Trace) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
-    for e in t.events(schema.EventKind.NOTE):
+    for e in t.events.where(kind=schema.EventKind.NOTE):
         out.setdefault(int(e["request"]), []).append(t.text(int(e["text_off"]), int(e["text_len"])))
     return out
 
@@ -53,7 +53,7 @@ def test_exception_leaving_the_with_block_is_not_judged(tmp_path):
     with Trace(path) as t:
         assert t.nrows("retention") == 0
         assert any("still propagating" in n for n in _notes(t)[0])
-        (req,) = t.requests()
+        (req,) = t.requests[:]
         assert int(req["outcome"]) == int(schema.Outcome.ERROR)
     assert not [f for f in kvtrace.analyze(path).findings if f.severity >= Severity.LOW]
 
@@ -84,11 +84,11 @@ def test_effective_settings_and_owner_rows_are_recorded_and_valid(tmp_path):
             kept.append(_gen(m, return_dict_in_generate=True, output_scores=True, num_beams=2))
             _gen(m)
     with Trace(path) as t:
-        args = json.loads(t.text(int(t.requests()[0]["gen_args_off"]), int(t.requests()[0]["gen_args_len"])))
+        args = json.loads(t.text(int(t.requests[:][0]["gen_args_off"]), int(t.requests[:][0]["gen_args_len"])))
         eff = args["_effective"]
         assert eff["output_scores"] is True and eff["num_beams"] == 2 and eff["return_dict_in_generate"] is True
         assert not eff.get("output_logits") and eff.get("num_return_sequences", 1) == 1  # defaults
-        rows = t.optional_table("owners")
+        rows = t["owners"][:]
         end = rows[(rows["request"] == 0) & (rows["moment"] == int(schema.OwnerMoment.REQUEST_END))]
         owners = {schema.Owner(int(o)) for o in end["owner"]}
         assert {schema.Owner.KV_REQUEST, schema.Owner.WEIGHTS, schema.Owner.GENERATE_OUTPUT} <= owners

@@ -87,10 +87,10 @@ def test_an_observer_sees_what_the_trace_holds(tmp_path):
     assert ("request_start", 0) in spy.calls and ("request_end", "ok", 4) in spy.calls
     assert names.count("step") == 4  # every forward, structure read or not
     with Trace(path) as t:
-        kv = t.kv()
+        kv = t.kv[:]
         last = kv[kv["step"] == kv["step"].max()]
         want = {(int(r["layer"]), int(r["bytes_unique"])) for r in last}
-        recorded = sorted(set(t.steps()["step"].tolist()))
+        recorded = sorted(set(t.steps[:]["step"].tolist()))
     kv_calls = [c for c in spy.calls if c[0] == "kv"]
     assert len(kv_calls) == len(recorded) * len(want)  # one per layer per structure read
     assert {(c[1], c[3]) for c in kv_calls[-len(want):]} == want
@@ -107,7 +107,7 @@ def test_a_failing_observer_is_a_recorder_error_not_the_models(tmp_path):
     assert rec.recorder_errors == 3
     assert ("recorder_error",) in spy.calls
     with Trace(path) as t:
-        ev = t.events(EventKind.RECORDER_ERROR)
+        ev = t.events.where(kind=EventKind.RECORDER_ERROR)
         assert "spy: RuntimeError: step broke" in t.text(int(ev[0]["text_off"]), int(ev[0]["text_len"]))
 
 

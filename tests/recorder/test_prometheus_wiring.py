@@ -56,7 +56,7 @@ def run(argv: list[str], capsys) -> tuple[int, str]:
 
 
 def last_step_kv(t: Trace) -> dict[str, float]:
-    kv = t.kv()
+    kv = t.kv[:]
     kv = kv[kv["request"] == kv["request"].max()]
     kv = kv[kv["step"] == kv["step"].max()]
     return {str(int(r["layer"])): float(r["bytes_unique"]) for r in kv}
@@ -72,8 +72,8 @@ def test_cli_textfile_mirrors_the_trace(tmp_path, capsys):
     assert code == 0, err
     got = read_metrics(prom)
     with Trace(out) as t:
-        kv, steps, nvml = last_step_kv(t), t.steps(), t.meta.source_available("nvml")
-        t_events = t.events()
+        kv, steps, nvml = last_step_kv(t), t.steps[:], t.meta.source_available("nvml")
+        t_events = t.events[:]
         n_layers = t.nrows("layers")
         replay = parse(exporter_from_trace(t, tmp_path / "replay.prom").render())
     assert got[("kvtrace_requests_total", (("outcome", "ok"),))] == 2
@@ -188,7 +188,7 @@ def test_exporter_failure_never_reaches_the_model(tmp_path, monkeypatch):
     assert got[("kvtrace_recorder_errors_total", ())] == 4
     assert got[("kvtrace_requests_total", (("outcome", "ok"),))] == 1
     with Trace(path) as t:
-        ev = t.events(EventKind.RECORDER_ERROR)
+        ev = t.events.where(kind=EventKind.RECORDER_ERROR)
         assert "prometheus: RuntimeError: exporter bug" in t.text(int(ev[0]["text_off"]), int(ev[0]["text_len"]))
 
 
@@ -224,7 +224,7 @@ def test_dropped_samples_are_counted_live(tmp_path, monkeypatch):
                         sampling={"every_n_steps": 1, "queue_size": 1}):
         generate(m, new=4)
     with Trace(path) as t:
-        recorded = int(t.events(EventKind.DROPPED_SAMPLES)["value"].sum())
+        recorded = int(t.events.where(kind=EventKind.DROPPED_SAMPLES)["value"].sum())
     assert recorded > 0
     assert read_metrics(prom)[("kvtrace_dropped_samples_total", ())] == recorded
 
@@ -236,7 +236,7 @@ def test_layer_types_are_labelled(tmp_path):
         generate(m, new=3)
     got = read_metrics(prom)
     with Trace(path) as t:
-        types = {str(int(r["layer"])): LayerType(int(r["layer_type"])).name.lower() for r in t.layers()}
+        types = {str(int(r["layer"])): LayerType(int(r["layer_type"])).name.lower() for r in t.layers[:]}
     assert {dict(k[1])["layer"]: dict(k[1])["layer_type"] for k in got if k[0] == "kvtrace_kv_cache_bytes"} == types
     assert set(types.values()) == {"sliding", "full"}
 
@@ -296,7 +296,7 @@ def test_telemetry_listeners_see_each_reading_and_cannot_stop_it(tmp_path, one_g
         time.sleep(0.2)
         tel.stop()
     with Trace(tmp_path / "t.kvt.h5") as t:
-        rows = t.nvml()
+        rows = t.nvml[:]
     assert len(rows) == len(seen) > 5  # every row written also reached the listener, and vice versa
     assert [m.used for _, m, _ in seen] == rows["used_bytes"].tolist()
     assert {(d, a) for d, _, a in seen} == {(0, None)}  # no CUDA allocator here: None, not zeros
@@ -313,7 +313,7 @@ def test_gpu_memory_reaches_the_endpoint(tmp_path, one_gpu, monkeypatch):
         generate(m, new=3)
     got = read_metrics(prom)
     with Trace(path) as t:
-        last = t.nvml()[-1]
+        last = t.nvml[:][-1]
     assert got[("kvtrace_gpu_memory_used_bytes", (("device", "0"),))] == int(last["used_bytes"])
     assert got[("kvtrace_gpu_memory_total_bytes", (("device", "0"),))] == 80 << 30
     assert not any(k[0].startswith("kvtrace_allocator_") for k in got)  # no allocator: absent

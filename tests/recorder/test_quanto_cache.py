@@ -62,7 +62,7 @@ def test_quantized_layers_counted_byte_for_byte(tmp_path, backend, nbits):
     assert rec.recorder_errors == 0, dict(rec.errors)
     assert validate(path).valid
     with Trace(path) as t:
-        kv = t.kv()
+        kv = t.kv[:]
     assert set(kv["layer_type"].tolist()) == {int(LayerType.QUANTIZED)}
     steps = sorted(set(kv["step"].tolist()))
     assert steps == list(range(NEW))

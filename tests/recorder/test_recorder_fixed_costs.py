@@ -58,7 +58,7 @@ def test_first_tick_waits_one_period(tmp_path):
         assert tel.latest_rss() > 0  # read at start: early steps still get an RSS
         tel.stop()
     with open_trace(path) as trace:
-        assert len(trace.process()) == 1
+        assert len(trace.process[:]) == 1
 
 
 def test_default_rate_is_five_hz():
@@ -84,5 +84,5 @@ def test_request_end_flushes_off_the_callers_thread(tmp_path, monkeypatch):
     assert caller not in during  # the request ends woke the flusher instead
     assert "kvtrace-flush" in during
     with open_trace(tmp_path / "f.kvt.h5") as trace:
-        assert len(trace.requests()) == 2
+        assert len(trace.requests[:]) == 2
 

@@ -41,8 +41,8 @@ def test_generate_returns_while_a_sample_write_is_stuck_and_close_completes_it(t
     assert stats["written"] > 0 and stats["failed"] == stats["dropped"] == 0
     with kvtrace.open(str(path)) as trace:
         assert trace.complete
-        assert len(trace.payload_index()) == stats["written"]  # close() joined every write
-        assert int(trace.requests()[0]["outcome"]) == int(Outcome.OK)
+        assert len(trace.payload_index[:]) == stats["written"]  # close() joined every write
+        assert int(trace.requests[:][0]["outcome"]) == int(Outcome.OK)
 
 
 class _GatedEvent:

@@ -42,11 +42,11 @@ def test_begin_and_update_never_take_the_hdf5_lock(tmp_path):
     assert _while_hdf5_lock_is_held(w, lambda: w.begin_request(_row(1)))
     assert _while_hdf5_lock_is_held(w, lambda: w.update_request(1, outcome=int(Outcome.OOM), end_ns=9))
     with Trace(path) as t:  # SWMR: the file as of the last flush still shows request 0 running
-        assert t.requests()["outcome"].tolist() == [int(Outcome.RUNNING)]
+        assert t.requests[:]["outcome"].tolist() == [int(Outcome.RUNNING)]
     w.update_request(0, end_ns=55)  # a second update of a flushed row merges with the first
     w.close()
     with Trace(path) as t:
-        rows = t.requests()
+        rows = t.requests[:]
         assert rows["outcome"].tolist() == [int(Outcome.OK), int(Outcome.OOM)]
         assert rows["new_tokens"].tolist() == [7, 0]
         assert rows["end_ns"].tolist() == [55, 9]
@@ -73,4 +73,4 @@ def test_update_taken_between_flushes_lands_after_its_row(tmp_path):
     del w._write_rows
     w.close()
     with Trace(path) as t:
-        assert updated and t.requests()["outcome"].tolist() == [int(Outcome.OK)]
+        assert updated and t.requests[:]["outcome"].tolist() == [int(Outcome.OK)]

@@ -66,7 +66,7 @@ def test_blocked_writer_drops_and_counts_while_generation_runs(tmp_path) -> None
     assert stats["dropped"] == len(results) - 1
     with open_trace(path) as trace:
         assert trace.nrows("payloads/index") == 1
-        (event,) = trace.events(EventKind.DROPPED_SAMPLES)
+        (event,) = trace.events.where(kind=EventKind.DROPPED_SAMPLES)
         assert event["value"] == stats["dropped"]
 
 
@@ -83,5 +83,5 @@ def test_slots_free_up_after_writing(tmp_path) -> None:
         assert not sampler.submit(0, 9, 0, PayloadKind.KEY, t)  # closed: refused, not queued
     assert accepted == 6 and stats["written"] == 6 and stats["dropped"] == 0
     with open_trace(tmp_path / "s.kvt.h5") as trace:
-        assert sorted(trace.payload_index()["step"].tolist()) == list(range(6))
-        assert len(trace.events(EventKind.DROPPED_SAMPLES)) == 0
+        assert sorted(trace.payload_index[:]["step"].tolist()) == list(range(6))
+        assert len(trace.events.where(kind=EventKind.DROPPED_SAMPLES)) == 0

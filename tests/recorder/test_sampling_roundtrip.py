@@ -44,8 +44,8 @@ def _record(tmp_path, settings: SamplingSettings, submits) -> tuple[list, dict]:
         stats = sampler.close()
     with open_trace(path) as trace:
         payloads = [trace.payload(i) for i in range(trace.nrows("payloads/index"))]
-        events = trace.events()
-        readings = trace.readings()
+        events = trace.events[:]
+        readings = trace.readings[:]
     payloads.sort(key=lambda p: (p.step, p.layer, int(p.kind)))
     return payloads, {"accepted": accepted, "stats": stats, "events": events, "readings": readings}
 
@@ -179,7 +179,7 @@ def test_failed_writes_are_counted_and_recorded(tmp_path) -> None:
         del writer.write_payload
     assert stats["failed"] == 1 and stats["written"] == 0
     with open_trace(path) as trace:
-        errors = trace.events(EventKind.RECORDER_ERROR)
+        errors = trace.events.where(kind=EventKind.RECORDER_ERROR)
         assert len(errors) == 1 and errors[0]["value"] == 1
         assert "disk full" in trace.text(int(errors[0]["text_off"]), int(errors[0]["text_len"]))
 

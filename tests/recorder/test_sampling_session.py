@@ -31,7 +31,7 @@ def test_session_samples_cache_and_queries(tmp_path) -> None:
     last = NEW - 1  # step 0 is the prefill, step k the k-th decode forward
     with kvtrace.open(str(path)) as trace:
         assert trace.meta.contains_tensor_payloads and trace.meta.payload_tokens == "all"
-        index = trace.payload_index()
+        index = trace.payload_index[:]
         assert sorted(set(index["step"].tolist())) == [0, 3, last]
         payloads = [trace.payload(i) for i in range(len(index))]
     n_layers = model.config.num_hidden_layers
@@ -65,7 +65,7 @@ def test_query_positions_exact_when_structure_is_read_sparsely(tmp_path) -> None
     with kvtrace.record(model, str(path), sampling=settings, structure_every=4), torch.no_grad():
         model.generate(tiny_prompt(PROMPT), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     with kvtrace.open(str(path)) as trace:
-        index = trace.payload_index()
+        index = trace.payload_index[:]
         queries = [trace.payload(i) for i in range(len(index)) if int(index[i]["kind"]) == int(PayloadKind.QUERY)]
     by_step = {p.step: p.token_start for p in queries}
     # step 0 (prefill) feeds positions 0..PROMPT-1; decode step s feeds position PROMPT + s - 1
@@ -74,7 +74,7 @@ def test_query_positions_exact_when_structure_is_read_sparsely(tmp_path) -> None
 
 def _kv_payloads(path):
     with kvtrace.open(str(path)) as trace:
-        index = trace.payload_index()
+        index = trace.payload_index[:]
         meta = trace.meta
         payloads = [trace.payload(i) for i in range(len(index)) if int(index[i]["kind"]) != int(PayloadKind.QUERY)]
     return meta, payloads

@@ -23,7 +23,6 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import continuous_api  # noqa: E402
 
 import kvtrace  # noqa: E402
-from kvtrace.analyzer.view import TraceView  # noqa: E402
 from kvtrace.format.reader import open_trace  # noqa: E402
 from kvtrace.format.schema import EventKind, LayerType, Outcome  # noqa: E402
 from kvtrace.format.validate import validate  # noqa: E402
@@ -68,15 +67,14 @@ class Probe:
 
 
 def _cb_ids(t) -> dict[int, str]:
-    view = TraceView(t)
     return {int(r["request"]): json.loads(t.text(r["gen_args_off"], r["gen_args_len"]))["cb_request_id"]
-            for r in view.requests}
+            for r in t.requests[:]}
 
 
 def assert_equal_to_cache(path, probe: Probe) -> None:
     """Every /sched, /sched_groups and /blocks row against the probe's reading of the same step."""
     t = open_trace(path)
-    sched, groups, blocks = t.sched(), t.sched_groups(), t.blocks()
+    sched, groups, blocks = t.sched[:], t.sched_groups[:], t.blocks[:]
     assert sched.size == len(probe.steps) and sched["step"].tolist() == list(range(len(probe.steps)))
     cb_of = _cb_ids(t)
     for row, live in zip(sched, probe.steps, strict=True):
@@ -145,11 +143,11 @@ def test_events_without_a_request_name_their_manager(tmp_path):
             prefix_scenario(llama, ContinuousBatchingConfig(page_size=PAGE, num_blocks=8, max_batch_tokens=128))
     assert rec.recorder_errors == 0
     t = open_trace(path)
-    evicted = t.events(EventKind.BLOCK_EVICTED)
+    evicted = t.events.where(kind=EventKind.BLOCK_EVICTED)
     texts = [t.text(e["text_off"], e["text_len"]) for e in evicted]
     assert texts == [f"manager {i}: cached prefix blocks returned to the pool" for i in (0, 1)]
     assert evicted["request"].tolist() == [-1, -1]
-    sched = t.sched()
+    sched = t.sched[:]
     for i, e in enumerate(evicted):
         row = sched[(sched["manager"] == i) & (sched["step"] == e["step"])]
         assert row["evicted_blocks"].tolist() == [int(e["value"])] == [3]
@@ -165,15 +163,15 @@ def test_llama_prefix_hit_and_eviction_match_the_cache(monkeypatch, tmp_path):
     assert rec.recorder_errors == 0
     assert_equal_to_cache(path, probe)
     t = open_trace(path)
-    hits = t.events(EventKind.PREFIX_HIT)
+    hits = t.events.where(kind=EventKind.PREFIX_HIT)
     assert hits["request"].tolist() == [1] and hits["value"].tolist() == [48]
-    sched = t.sched()
+    sched = t.sched[:]
     assert sched["prefix_hit_tokens"].sum() == 48 and sched["prefix_hit_blocks"].sum() == 48 // PAGE
-    evicted = t.events(EventKind.BLOCK_EVICTED)
+    evicted = t.events.where(kind=EventKind.BLOCK_EVICTED)
     assert evicted["value"].tolist() == [3] and sched["evicted_blocks"].sum() == 3
     # the eviction is counted in the row of the step whose scheduling made it
     assert sched["evicted_blocks"][sched["step"] == evicted["step"][0]].tolist() == [3]
-    cb_rows = TraceView(t).cb_requests
+    cb_rows = t.cb_requests
     assert cb_rows["prefix_hit_tokens"].tolist() == [0, 48, 0] and set(cb_rows["outcome"].tolist()) == {Outcome.OK}
     assert np.all(cb_rows["arrival_ns"] < cb_rows["admitted_ns"]) and np.all(cb_rows["admitted_ns"] < cb_rows["first_token_ns"])
     assert np.all(cb_rows["first_token_ns"] <= cb_rows["end_ns"])
@@ -192,11 +190,11 @@ def test_gemma3_sliding_and_full_groups_match_the_cache(monkeypatch, tmp_path):
     assert rec.recorder_errors == 0
     assert_equal_to_cache(path, probe)
     t = open_trace(path)
-    groups = t.sched_groups()
+    groups = t.sched_groups[:]
     sliding = groups[groups["layer_type"] == int(LayerType.SLIDING)]
     full = groups[groups["layer_type"] == int(LayerType.FULL)]
     assert set(sliding["window"].tolist()) == {gemma.config.sliding_window} and set(full["window"].tolist()) == {-1}
-    blocks = t.blocks()
+    blocks = t.blocks[:]
     window = gemma.config.sliding_window
     for b in blocks:
         kind = int(groups[(groups["step"] == b["step"]) & (groups["group"] == b["group"])]["layer_type"][0])
@@ -221,15 +219,15 @@ def test_preemption_accounting(monkeypatch, tmp_path):
     assert rec.recorder_errors == 0
     assert_equal_to_cache(path, probe)
     t = open_trace(path)
-    preempted = t.events(EventKind.PREEMPTED)
-    sched = t.sched()
+    preempted = t.events.where(kind=EventKind.PREEMPTED)
+    sched = t.sched[:]
     assert preempted.size and int(sched["preempted"].sum()) == preempted.size
     for step in set(preempted["step"].tolist()):
         assert sched["preempted"][sched["step"] == step].tolist() == [int(np.sum(preempted["step"] == step))]
     assert np.all(preempted["value"] > 0)  # the positions each held
-    cb_rows = TraceView(t).cb_requests
+    cb_rows = t.cb_requests
     assert int(cb_rows["preemptions"].sum()) == preempted.size
-    assert sorted(t.events(EventKind.SCHEDULED)["value"].tolist())[-1] >= 2  # a re-admission counts up
+    assert sorted(t.events.where(kind=EventKind.SCHEDULED)["value"].tolist())[-1] >= 2  # a re-admission counts up
 
 
 def test_mark_phase(tmp_path):
@@ -244,7 +242,7 @@ def test_mark_phase(tmp_path):
     rec.close()
     with pytest.raises(RuntimeError, match="not open"):
         rec.mark_phase("late")
-    phases = TraceView(open_trace(path)).phases
+    phases = open_trace(path).phases
     assert phases["name"].tolist() == ["baseline", "single", "long"] and phases["index"].tolist() == [0, 1, 7]
 
 
@@ -264,19 +262,19 @@ def test_unknown_cache_layout_is_said_not_recorded_as_zeros(monkeypatch, tmp_pat
     lines = [line for line in err.splitlines() if "unsupported transformers version" in line]
     assert len(lines) == 1 and lines[0].startswith("kvtrace: warning: continuous batching is recorded without its paged cache")
     t = open_trace(path)
-    notes = [t.text(e["text_off"], e["text_len"]) for e in t.events(EventKind.NOTE)]
+    notes = [t.text(e["text_off"], e["text_len"]) for e in t.events.where(kind=EventKind.NOTE)]
     assert [n for n in notes if UNSUPPORTED in n] == [lines[0][len("kvtrace: warning: "):]]
-    assert len(t.requests()) == 1 and t.requests()["outcome"][0] == Outcome.OK
-    sched = t.sched()
+    assert len(t.requests[:]) == 1 and t.requests[:]["outcome"][0] == Outcome.OK
+    sched = t.sched[:]
     assert sched.size == 3 and sched["running"].tolist() == [1, 1, 1]  # the scheduler's side is version-free
     for column in ("pool_bytes", "free_bytes", "valid_bytes", "blocks_in_use", "blocks_cached"):
         assert set(sched[column].tolist()) == {-1}, column
-    assert t.sched_groups().size == 0 and t.blocks().size == 0
+    assert t.sched_groups[:].size == 0 and t.blocks[:].size == 0
 
 
 def _notes(path) -> list[str]:
     t = open_trace(path)
-    return [t.text(e["text_off"], e["text_len"]) for e in t.events(EventKind.NOTE)]
+    return [t.text(e["text_off"], e["text_len"]) for e in t.events.where(kind=EventKind.NOTE)]
 
 
 def test_no_known_generation_is_said_when_used_once_per_process(monkeypatch, tmp_path, capfd):
@@ -323,14 +321,14 @@ def test_eos_step_and_the_managers_readings(tmp_path):
         llama.generate_batch(inputs=[prompt], generation_config=gc, continuous_batching_config=cb, warmup=False)
     assert rec.recorder_errors == 0
     t = open_trace(path)
-    r = t.requests()[0]
+    r = t.requests[:][0]
     assert (int(r["eos_step"]), int(r["new_tokens"]), int(r["outcome"])) == (eos_at, eos_at + 1, Outcome.OK)
-    eos = t.events(EventKind.EOS)
+    eos = t.events.where(kind=EventKind.EOS)
     assert eos["value"].tolist() == [eos_at] and eos["step"].tolist() == [eos_at]
-    readings = t.readings()
+    readings = t.readings[:]
     assert readings["request"].tolist() == [-1, -1]
     assert readings["label"].tolist() == [ReadingLabel.BASELINE, ReadingLabel.AFTER_RETURN]  # no PEAK without CUDA
-    sched = t.sched()
+    sched = t.sched[:]
     assert readings["t_ns"][0] < sched["t_ns"].min() and readings["t_ns"][1] > sched["t_ns"].max()
     assert np.all(readings["rss_bytes"] > 0)
 
@@ -340,7 +338,7 @@ def test_eos_step_and_the_managers_readings(tmp_path):
     with kvtrace.record(llama, path):
         llama.generate_batch(inputs=[prompt], generation_config=gc, continuous_batching_config=cb, warmup=True)
     t = open_trace(path)
-    assert t.readings()["label"].tolist() == [ReadingLabel.BASELINE, ReadingLabel.AFTER_RETURN]
+    assert t.readings[:]["label"].tolist() == [ReadingLabel.BASELINE, ReadingLabel.AFTER_RETURN]
 
 
 def test_cpu_offload_accounting(monkeypatch, tmp_path):
@@ -367,17 +365,17 @@ def test_cpu_offload_accounting(monkeypatch, tmp_path):
     assert rec.recorder_errors == 0
     assert_equal_to_cache(path, probe)
     t = open_trace(path)
-    preempted, offloaded = t.events(EventKind.PREEMPTED), t.events(EventKind.OFFLOADED)
+    preempted, offloaded = t.events.where(kind=EventKind.PREEMPTED), t.events.where(kind=EventKind.OFFLOADED)
     assert offloaded.size and offloaded.size == preempted.size
     assert {t.text(e["text_off"], e["text_len"]) for e in preempted} == {"offloaded to the CPU swap pool, requeued"}
-    blocks, groups = t.blocks(), t.sched_groups()
+    blocks, groups = t.blocks[:], t.sched_groups[:]
     for e in offloaded:
         step, rid = int(e["step"]), int(e["request"])
         assert preempted[(preempted["request"] == rid) & (preempted["step"] == step)].size == 1
         held = blocks[(blocks["step"] == step - 1) & (blocks["request"] == rid)]
         per_block = int(groups[groups["step"] == step - 1]["bytes_per_block"][0])
         assert int(e["value"]) == int(held["blocks"].sum()) * per_block > 0
-    reqs = t.requests()
+    reqs = t.requests[:]
     assert set(reqs["outcome"].tolist()) == {Outcome.OK} and set(reqs["new_tokens"].tolist()) == {40}
 
 
@@ -415,10 +413,10 @@ def test_live_observers_see_the_rows_and_events_written(tmp_path):
                              warmup=False)
     assert rec.recorder_errors == 0
     t = open_trace(path)
-    assert [tuple(s) for s, _ in listener.steps] == [tuple(r) for r in t.sched().tolist()]
+    assert [tuple(s) for s, _ in listener.steps] == [tuple(r) for r in t.sched[:].tolist()]
     assert [len(g) for _, g in listener.steps] == [1, 1, 1]
     kinds = [EventKind.PHASE, EventKind.SCHEDULED, EventKind.FIRST_TOKEN, EventKind.REQUEST_END]  # END: e2e latency
-    written = t.events()
+    written = t.events[:]
     written = written[np.isin(written["kind"], [int(k) for k in kinds])]
     assert sorted(listener.events) == sorted((int(e["kind"]), int(e["request"]), int(e["value"]), int(e["t_ns"]))
                                              for e in written)
@@ -439,13 +437,13 @@ def test_forked_parallel_sequences_are_requests_sharing_blocks(monkeypatch, tmp_
     assert rec.recorder_errors == 0 and len(out) == 3
     assert_equal_to_cache(path, probe)
     t = open_trace(path)
-    reqs = t.requests()
+    reqs = t.requests[:]
     args = [json.loads(t.text(r["gen_args_off"], r["gen_args_len"])) for r in reqs]
     assert [a.get("forked_from") for a in args] == [None, 0, 0]
     assert set(reqs["outcome"].tolist()) == {Outcome.OK} and set(reqs["new_tokens"].tolist()) == {5}
-    last = t.blocks()[t.blocks()["step"] == t.sched()["step"].max()]
+    last = t.blocks[:][t.blocks[:]["step"] == t.sched[:]["step"].max()]
     assert sorted(last["request"].tolist()) == [0, 1, 2] and set(last["blocks_shared"].tolist()) == {1}
-    assert sorted(t.events(EventKind.FIRST_TOKEN)["request"].tolist()) == [0, 1, 2]
+    assert sorted(t.events.where(kind=EventKind.FIRST_TOKEN)["request"].tolist()) == [0, 1, 2]
 
 
 def test_managers_numbered_and_steps_unique_across_calls(tmp_path):
@@ -463,10 +461,10 @@ def test_managers_numbered_and_steps_unique_across_calls(tmp_path):
                                  warmup=False, persistent_manager=persistent)
     assert rec.recorder_errors == 0
     t = open_trace(path)
-    sched = t.sched()
+    sched = t.sched[:]
     pairs = list(zip(sched["manager"].tolist(), sched["step"].tolist(), strict=True))
     assert len(set(pairs)) == len(pairs) == 9
-    cb_rows = TraceView(t).cb_requests
+    cb_rows = t.cb_requests
     assert len(cb_rows) == 6
     by_manager = {int(m): sorted(int(s) for mm, s in pairs if mm == m) for m in set(sched["manager"].tolist())}
     # every request's manager has steps; the reused manager's second run continues its step count
@@ -494,7 +492,7 @@ def test_manager_started_before_the_recording_is_taken_on(monkeypatch, tmp_path)
         manager.stop(block=True)
     assert rec.recorder_errors == 0
     t = open_trace(path)
-    reqs = t.requests()
+    reqs = t.requests[:]
     assert len(reqs) == 1 and reqs["outcome"][0] == Outcome.OK and reqs["new_tokens"][0] == 3
-    assert t.sched().size == 3  # the prefill step and two decode steps
+    assert t.sched[:].size == 3  # the prefill step and two decode steps
     assert_equal_to_cache(path, probe)

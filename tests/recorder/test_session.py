@@ -56,7 +56,7 @@ def test_requests_events_and_readings(tmp_path):
     assert rec.requests == 3
     assert validate(path).valid
     with Trace(path) as t:
-        req = t.requests()
+        req = t.requests[:]
         assert req["request"].tolist() == [0, 1, 2]
         assert set(req["outcome"].tolist()) == {int(Outcome.OK)}
         assert req["prompt_tokens"].tolist() == [PROMPT] * 3 and req["new_tokens"].tolist() == [NEW] * 3
@@ -68,7 +68,7 @@ def test_requests_events_and_readings(tmp_path):
         assert not t.meta.contains_prompt_text and not t.meta.contains_tensor_payloads
         gen_args = json.loads(text(t, req[0]["gen_args_off"], req[0]["gen_args_len"]))
         assert gen_args["max_new_tokens"] == NEW and "input_ids" not in gen_args
-        ev = t.events()
+        ev = t.events[:]
         for rid in range(3):
             kinds = [int(k) for k in ev[ev["request"] == rid]["kind"]]
             order = [EventKind.REQUEST_START, EventKind.PREFILL_START, EventKind.PREFILL_END]
@@ -78,11 +78,11 @@ def test_requests_events_and_readings(tmp_path):
             assert [k for k in kinds if k in {int(x) for x in tail}] == [int(x) for x in tail]
             # no KV storage outlived its request: no collection, nothing to empty (each costs time)
             assert int(EventKind.GC) not in kinds and int(EventKind.EMPTY_CACHE) not in kinds
-            labels = t.readings(rid)["label"].tolist()
+            labels = t.readings.where(request=rid)["label"].tolist()
             assert labels == [ReadingLabel.BASELINE, ReadingLabel.AFTER_RETURN]
-            r = t.readings(rid)
+            r = t.readings.where(request=rid)
             assert (r["allocated_bytes"] == -1).all() and (r["rss_bytes"] > 0).all()  # no invented values
-        steps = t.steps()
+        steps = t.steps[:]
         assert (steps["allocated_bytes"] == -1).all() and (steps["rss_bytes"] > 0).all()
         meta = t.meta
         assert meta.sources["cache_structure"]["available"]
@@ -100,16 +100,16 @@ def test_prompt_hash_is_salted_per_session(tmp_path):
     with kvtrace.record(m, p2):
         generate(m, new=2)
     with Trace(p1) as a, Trace(p2) as b:
-        assert a.requests()["prompt_sha256"][0] != b.requests()["prompt_sha256"][0]
+        assert a.requests[:]["prompt_sha256"][0] != b.requests[:]["prompt_sha256"][0]
     raw = tiny_prompt(PROMPT).numpy().astype("<i8").tobytes()
     with Trace(p1) as a:
-        assert a.requests()["prompt_sha256"][0] != hashlib.sha256(raw).hexdigest().encode()
+        assert a.requests[:]["prompt_sha256"][0] != hashlib.sha256(raw).hexdigest().encode()
 
 
 def test_store_prompts_opt_in(tmp_path):
     path, _ = record_run(tmp_path, "llama", new=2, record_kwargs={"store_prompts": True})
     with Trace(path) as t:
-        r = t.requests()[0]
+        r = t.requests[:][0]
         stored = text(t, r["prompt_text_off"], r["prompt_text_len"])
         assert t.meta.contains_prompt_text
     assert stored == "token ids: " + " ".join(map(str, tiny_prompt(PROMPT)[0].tolist()))
@@ -125,10 +125,10 @@ def test_eos_step_recorded(tmp_path):
         out = m.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=eos)
     first = (out[0, PROMPT:] == eos).nonzero()[0, 0].item()
     with Trace(path) as t:
-        r = t.requests()[0]
+        r = t.requests[:][0]
         assert r["eos_step"] == first
         assert r["new_tokens"] == out.shape[1] - PROMPT
-        ev = t.events(EventKind.EOS)
+        ev = t.events.where(kind=EventKind.EOS)
         assert ev["step"].tolist() == [first]
 
 
@@ -148,11 +148,11 @@ def test_recorder_error_never_reaches_the_model(tmp_path, monkeypatch):
     assert rec.recorder_errors == 10  # 5 steps x 2 requests, every one counted
     assert validate(path).valid
     with Trace(path) as t:
-        ev = t.events(EventKind.RECORDER_ERROR)
+        ev = t.events.where(kind=EventKind.RECORDER_ERROR)
         texts = [text(t, e["text_off"], e["text_len"]) for e in ev]
         assert all("injected failure" in s for s in texts)
         assert sorted(ev["value"].tolist()) == [1, 1, 5, 5]  # first occurrence + per-request count
-        assert set(t.requests()["outcome"].tolist()) == {int(Outcome.OK)}
+        assert set(t.requests[:]["outcome"].tolist()) == {int(Outcome.OK)}
 
 
 class _Raise:
@@ -193,14 +193,14 @@ def test_failures_inside_generate(tmp_path, exc, outcome, kind):
     assert report.valid, report.problems
     with Trace(path) as t:
         assert t.complete
-        r = t.requests()[0]
+        r = t.requests[:][0]
         assert r["outcome"] == int(outcome)
         assert r["new_tokens"] == 3 and r["end_ns"] > 0
-        assert sorted(set(t.steps()["step"].tolist())) == [0, 1, 2]
-        ev = t.events(kind)
+        assert sorted(set(t.steps[:]["step"].tolist())) == [0, 1, 2]
+        ev = t.events.where(kind=kind)
         assert len(ev) == 1 and ev[0]["step"] == 3
-        assert int(EventKind.REQUEST_END) in t.events()["kind"].tolist()
-        labels = t.readings(0)["label"].tolist()
+        assert int(EventKind.REQUEST_END) in t.events[:]["kind"].tolist()
+        labels = t.readings.where(request=0)["label"].tolist()
         if outcome == Outcome.OOM:
             assert labels[-1] == ReadingLabel.AT_OOM
         if outcome != Outcome.INTERRUPTED:
@@ -257,8 +257,8 @@ def test_retention_reports_what_the_caller_keeps(tmp_path):
         kept = generate(m, new=4, return_dict_in_generate=True)  # keeps its cache alive
     cache = output_cache(kept)
     with Trace(path) as t:
-        assert len(t.retention(0)) == 0
-        ret = t.retention(1)
+        assert len(t.retention.where(request=0)) == 0
+        ret = t.retention.where(request=1)
         ptrs = sorted(ret["storage"].tolist())
         expect = sorted(layouts.storage_of(x)[0][1] for layer in cache.layers
                         for x in (layer.keys, layer.values))

@@ -39,7 +39,7 @@ def _gen(m, **kw):
 
 
 def _baseline(t: Trace, request: int) -> int:
-    r = t.readings(request)
+    r = t.readings.where(request=request)
     return int(r[r["label"] == int(ReadingLabel.BASELINE)]["allocated_bytes"][0])
 
 
@@ -62,9 +62,9 @@ def test_deferred_verdict_agrees_with_the_next_baseline(tmp_path):
         del kept
     assert rec.recorder_errors == 0
     with Trace(path) as t:
-        assert len(t.retention(0)) == len(t.retention(1)) == len(t.retention(3)) == 0
-        assert int(t.retention(2)["nbytes"].sum()) == kv_bytes
-        notes = [int(e["request"]) for e in t.events(EventKind.NOTE)]
+        assert len(t.retention.where(request=0)) == len(t.retention.where(request=1)) == len(t.retention.where(request=3)) == 0
+        assert int(t.retention.where(request=2)["nbytes"].sum()) == kv_bytes
+        notes = [int(e["request"]) for e in t.events.where(kind=EventKind.NOTE)]
         assert notes == [0, 1, 2, 3]
         # BASELINE of request N+1 is taken after the deferred gc: it sees what request N left.
         # Dropped outputs leave nothing. Request 0 may even end lower than it started (on an
@@ -81,9 +81,9 @@ def test_live_gauges_come_from_the_allocator_and_nvml(tmp_path):
     got = read_metrics(prom)
     dev = str(torch.cuda.current_device())
     with Trace(path) as t:
-        alloc = t.allocator()
+        alloc = t.allocator[:]
         nvml_ok = t.meta.source_available("nvml")
-        nvml = t.nvml()
+        nvml = t.nvml[:]
     assert got[("kvtrace_allocator_allocated_bytes", (("device", dev),))] == int(alloc["allocated_bytes"][-1])
     assert got[("kvtrace_allocator_reserved_bytes", (("device", dev),))] == int(alloc["reserved_bytes"][-1])
     if nvml_ok:
@@ -103,8 +103,8 @@ def test_dynamic_layer_samples_equal_the_cache(tmp_path, name):
     last = NEW - 1
     with Trace(path) as t:
         assert t.meta.payload_tokens == "new"
-        steps = sorted(set(t.payload_index()["step"].tolist()))
-        r = t.readings(0)
+        steps = sorted(set(t.payload_index[:]["step"].tolist()))
+        r = t.readings.where(request=0)
         r = r[r["label"] == int(ReadingLabel.RECORDER_OWN)]
     assert steps[-1] == last and len(steps) > 2
     for layer_idx, layer in enumerate(cache.layers):  # incremental samples, joined: the cache, bit for bit

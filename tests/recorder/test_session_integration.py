@@ -46,7 +46,7 @@ def test_recorder_own_is_read_per_device(tmp_path, monkeypatch):
         rec.devices = [0, 1]  # no CUDA call is made with peak reset and empty_cache off
         generate(m, new=3)
     with Trace(path) as t:
-        r = t.readings(0)
+        r = t.readings.where(request=0)
         r = r[r["label"] == int(ReadingLabel.RECORDER_OWN)]
         assert sorted(zip(r["device"].tolist(), r["allocated_bytes"].tolist(), strict=True)) == sorted(own.items())
 
@@ -62,7 +62,7 @@ def test_query_group_size_is_the_one_the_capture_saw(tmp_path, submits):
     assert groups == {(layer, hq // hkv) for layer in range(m.config.num_hidden_layers)}
     assert seen == {layer: hq // hkv for layer in range(m.config.num_hidden_layers)}
     with Trace(path) as t:  # KV head 1 serves query heads 2..3 (group of 2)
-        idx = t.payload_index()
+        idx = t.payload_index[:]
         qs = [t.payload(i) for i in range(len(idx)) if int(idx[i]["kind"]) == int(PayloadKind.QUERY)]
     assert qs and {(p.head_start, p.shape[1]) for p in qs} == {(hq // hkv, hq // hkv)}
 
@@ -130,7 +130,7 @@ def test_encoder_decoder_captures_decoder_self_attention_queries_only(tmp_path):
             h.remove()
     assert rec.recorder_errors == 0
     with Trace(path) as t:
-        idx = t.payload_index()
+        idx = t.payload_index[:]
         qs = [t.payload(i) for i in range(len(idx)) if int(idx[i]["kind"]) == int(PayloadKind.QUERY)]
     per = collections.Counter((p.step, p.layer) for p in qs)
     n_dec = m.config.num_decoder_layers

@@ -21,7 +21,7 @@ NEW = 4
 
 def notes(t: Trace) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
-    for e in t.events(EventKind.NOTE):
+    for e in t.events.where(kind=EventKind.NOTE):
         out.setdefault(int(e["request"]), []).append(text(t, e["text_off"], e["text_len"]))
     return out
 
@@ -29,7 +29,7 @@ def notes(t: Trace) -> dict[int, list[str]]:
 def holders(t: Trace, request: int) -> set[str]:
     """The holder types of each retained storage (the path to a root, an entry holding " < ", apart)."""
     return {",".join(x for x in text(t, r["referrers_off"], r["referrers_len"]).split(",") if " < " not in x)
-            for r in t.retention(request)}
+            for r in t.retention.where(request=request)}
 
 
 def cache_storages(cache) -> list[int]:
@@ -50,7 +50,7 @@ class CountCollect:
 
 
 def gc_events(t: Trace) -> list[int]:
-    return [int(e["request"]) for e in t.events(EventKind.GC)]
+    return [int(e["request"]) for e in t.events.where(kind=EventKind.GC)]
 
 
 def test_plain_generate_retains_nothing(tmp_path, monkeypatch):
@@ -69,7 +69,7 @@ def test_plain_generate_retains_nothing(tmp_path, monkeypatch):
         assert gc_events(t) == []
         assert notes(t) == {0: ["retention checked at next request"], 1: ["retention checked at close"]}
         for rid in (0, 1):  # the immediate readings are still taken as generate returns
-            labels = set(t.readings(rid)["label"].tolist())
+            labels = set(t.readings.where(request=rid)["label"].tolist())
             assert {int(ReadingLabel.BASELINE), int(ReadingLabel.AFTER_RETURN)} <= labels
             assert int(ReadingLabel.AFTER_GC) not in labels
 
@@ -87,7 +87,7 @@ def test_full_measurement_when_asked(tmp_path, monkeypatch):
     with Trace(path) as t:
         assert gc_events(t) == [0, 1]
         for rid in (0, 1):
-            assert int(ReadingLabel.AFTER_GC) in set(t.readings(rid)["label"].tolist())
+            assert int(ReadingLabel.AFTER_GC) in set(t.readings.where(request=rid)["label"].tolist())
 
 
 def test_cycle_freed_by_the_collection_is_not_retained(tmp_path, monkeypatch):
@@ -110,7 +110,7 @@ def test_cycle_freed_by_the_collection_is_not_retained(tmp_path, monkeypatch):
     with Trace(path) as t:
         assert t.nrows("retention") == 0
         assert gc_events(t) == [0]
-        assert int(ReadingLabel.AFTER_GC) in set(t.readings(0)["label"].tolist())
+        assert int(ReadingLabel.AFTER_GC) in set(t.readings.where(request=0)["label"].tolist())
 
 
 @pytest.mark.slow
@@ -125,17 +125,17 @@ def test_output_kept_past_the_next_request_is_retained(tmp_path):
                      for x in (layer.keys, layer.values))
     assert rec.recorder_errors == 0
     with Trace(path) as t:
-        ret = t.retention(0)
+        ret = t.retention.where(request=0)
         assert sorted(ret["storage"].tolist()) == expect
         assert int(ret["nbytes"].sum()) == nbytes
         assert holders(t, 0) == {"DynamicLayer,DynamicCache,GenerateDecoderOnlyOutput"}
         # the request whose storage survived paid a collection, and the next one, once, to prove
         # whether that retention persists (issue 29: accumulating retention is critical)
         assert gc_events(t) == [0, 1]
-        assert int(ReadingLabel.AFTER_GC) in set(t.readings(0)["label"].tolist())
-        assert len(t.retention(1)) == 0  # the second output was dropped before close
+        assert int(ReadingLabel.AFTER_GC) in set(t.readings.where(request=0)["label"].tolist())
+        assert len(t.retention.where(request=1)) == 0  # the second output was dropped before close
         assert notes(t)[0] == ["retention checked at next request"]
-        (note,) = [e for e in t.events(EventKind.NOTE) if int(e["request"]) == 0]
+        (note,) = [e for e in t.events.where(kind=EventKind.NOTE) if int(e["request"]) == 0]
         assert int(note["value"]) == len(expect)
     del out
 
@@ -146,7 +146,7 @@ def test_output_kept_until_close_is_retained(tmp_path):
     with kvtrace.record(m, path):
         out = generate(m, new=NEW, return_dict_in_generate=True)
     with Trace(path) as t:
-        assert sorted(t.retention(0)["storage"].tolist()) == cache_storages(out.past_key_values)
+        assert sorted(t.retention.where(request=0)["storage"].tolist()) == cache_storages(out.past_key_values)
         assert holders(t, 0) == {"DynamicLayer,DynamicCache,GenerateDecoderOnlyOutput"}
         assert notes(t) == {0: ["retention checked at close"]}
 
@@ -171,7 +171,7 @@ def test_cache_kept_without_the_output(tmp_path):
     with kvtrace.record(m, path):
         cache = generate(m, new=NEW, return_dict_in_generate=True).past_key_values
     with Trace(path) as t:
-        assert sorted(t.retention(0)["storage"].tolist()) == cache_storages(cache)
+        assert sorted(t.retention.where(request=0)["storage"].tolist()) == cache_storages(cache)
         assert holders(t, 0) == {"DynamicLayer,DynamicCache"}
 
 
@@ -183,7 +183,7 @@ def test_one_tensor_kept(tmp_path):
         keys = generate(m, new=NEW, return_dict_in_generate=True).past_key_values.layers[1].keys
         gc.collect()
     with Trace(path) as t:
-        ret = t.retention(0)
+        ret = t.retention.where(request=0)
         assert ret["storage"].tolist() == [layouts.storage_of(keys)[0][1]]
         assert ret["layer"].tolist() == [1]
         assert int(ret["nbytes"][0]) == keys.untyped_storage().nbytes()
@@ -196,5 +196,5 @@ def test_retention_off_writes_no_verdict(tmp_path):
     with kvtrace.record(m, path, retention=False):
         out = generate(m, new=NEW, return_dict_in_generate=True)
     with Trace(path) as t:
-        assert t.nrows("retention") == 0 and len(t.events(EventKind.NOTE)) == 0
+        assert t.nrows("retention") == 0 and len(t.events.where(kind=EventKind.NOTE)) == 0
     assert isinstance(out.sequences, torch.Tensor)

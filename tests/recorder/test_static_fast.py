@@ -39,7 +39,7 @@ def _record(path, model, batch=1, user_cache=False, general=False, monkeypatch=N
                        disable_compile=True, **kw)
     monkeypatch.undo()
     with kvtrace.open(path) as t:
-        return t.kv(), t.steps(), len(calls)
+        return t.kv[:], t.steps[:], len(calls)
 
 
 def _same(a, b):
@@ -112,6 +112,6 @@ def test_swapped_layers_fall_back_to_the_general_reader(tmp_path):
     finally:
         handle.remove()
     with kvtrace.open(path) as t:
-        kv = t.kv()
+        kv = t.kv[:]
     layer0 = kv[kv["layer"] == 0]
     assert len(set(layer0["k_storage"].tolist())) == 2  # the clone's storage is recorded after the swap

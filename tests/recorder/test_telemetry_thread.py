@@ -80,9 +80,9 @@ def test_thread_writes_rows_per_device_at_the_rate(tmp_path, two_gpus) -> None:
     assert [t.name for t in started] == ["kvtrace-telemetry"]
     assert not started[0].is_alive()
     with open_trace(path) as trace:
-        nvml, process = trace.nvml(), trace.process()
-        alloc = trace.allocator()
-        errors = trace.events(EventKind.RECORDER_ERROR)
+        nvml, process = trace.nvml[:], trace.process[:]
+        alloc = trace.allocator[:]
+        errors = trace.events.where(kind=EventKind.RECORDER_ERROR)
     ticks = len(process)
     expected = rate * duration
     assert 0.5 * expected <= ticks <= 1.5 * expected + 2  # start tick + final tick at stop

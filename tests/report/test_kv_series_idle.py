@@ -17,7 +17,7 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 def test_kv_series_drops_to_zero_at_each_request_end():
     with Trace(DATA / "gpu" / "gpu_clean.kvt.h5") as t:
-        ends = [int(e) for e in t.requests()["end_ns"]]
+        ends = [int(e) for e in t.requests[:]["end_ns"]]
         (ts, values), = data.kv_totals_by_device(t).values()
     assert len(ends) == 2
     for end in ends:  # a 0 exactly at each end, after the request's own nonzero points

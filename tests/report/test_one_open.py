@@ -36,40 +36,30 @@ def test_perfetto_opens_the_trace_once(tmp_path, opens):
 
 def test_report_and_analyser_share_one_kv_index(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    from kvtrace.analyzer.view import TraceView
     from kvtrace.report import build_report
 
     built = count_kv_indexes(monkeypatch)
-    views: list[int] = []
-    init = TraceView.__init__
-
-    def counted_init(self, trace):
-        views.append(id(self))
-        init(self, trace)
-
-    monkeypatch.setattr(TraceView, "__init__", counted_init)
+    opened = count_opens(monkeypatch)
     result = build_report(DATA / "gpu_duplication.kvt.h5", tmp_path / "r.html")
     assert result.findings and "layer-footprint" not in result.absent
-    # One view and one /kv index for the whole page: the footprint, the growth curves and the
-    # analyser read their requests' rows through it (a bare Trace handed on would make a second).
-    assert len(views) == 1 and built == views
+    # One open trace and one /kv index for the whole page: the footprint, the growth curves and
+    # the analyser read their requests' rows through it.
+    assert len(opened) == 1 and len(built) == 1
 
 
-def test_renderers_take_one_view_and_one_report(tmp_path, opens, monkeypatch):
-    """render(view, report, ...): the HTML page and Perfetto drawn from one open trace and one
+def test_renderers_take_one_trace_and_one_report(tmp_path, opens, monkeypatch):
+    """render(trace, report, ...): the HTML page and Perfetto drawn from one open trace and one
     analysis, which neither renderer recomputes."""
     pytest.importorskip("matplotlib")
     import kvtrace.analyzer as analyzer_mod
     from kvtrace.analyzer import analyze
-    from kvtrace.analyzer.view import TraceView
     from kvtrace.export import perfetto
     from kvtrace.report import build
 
     with reader.Trace(DATA / "gpu_duplication.kvt.h5") as t:
-        view = TraceView(t)
-        report = analyze(view)
+        report = analyze(t)
         monkeypatch.setattr(analyzer_mod, "analyze", lambda *a, **k: pytest.fail("analysed twice"))
-        page = build.render(view, report, tmp_path / "r.html")
-        _, info = perfetto.render(view, report, tmp_path / "p.json")
+        page = build.render(t, report, tmp_path / "r.html")
+        _, info = perfetto.render(t, report, tmp_path / "p.json")
     assert page.findings == info["findings"] == len(report.findings) > 0
     assert len(opens) == 1

@@ -46,8 +46,8 @@ def retention(tmp_path_factory):
     kept = _script().record_retention(trace)
     del kept
     with kvtrace.open(trace) as t:
-        rows = t.retention()
-        ends = [int(e) for e in t.requests()["end_ns"]]
+        rows = t.retention[:]
+        ends = [int(e) for e in t.requests[:]["end_ns"]]
     per_request = {}
     for r in sorted({int(x) for x in rows["request"]}):
         mine = rows[rows["request"] == r]
@@ -96,7 +96,7 @@ def test_a_clean_trace_still_falls_to_zero_and_alive_after_is_zero(tmp_path):
             model.generate(torch.ones(1, 8, dtype=torch.long), max_new_tokens=6, min_new_tokens=6, do_sample=False)
     with kvtrace.open(path) as t:
         (ts, values), = data.kv_totals_by_device(t).values()
-        ends = [int(e) for e in t.requests()["end_ns"]]
+        ends = [int(e) for e in t.requests[:]["end_ns"]]
         mems = data.request_memory(t)
         assert not [s for tl in data.memory_timelines(t) for s in tl.series if s.name == "kv_retained"]
     assert [int(values[ts == e][-1]) for e in ends] == [0, 0]

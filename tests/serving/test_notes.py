@@ -74,7 +74,7 @@ def test_notes_are_grouped_bounded_and_data_notes_left_out(tmp_path, capsys):
     from kvtrace.format.reader import Trace
 
     with Trace(trace) as t:  # the recorder's own bookkeeping note is there, and left out below
-        written = [t.text(int(e["text_off"]), int(e["text_len"])) for e in t.events(EventKind.NOTE)]
+        written = [t.text(int(e["text_off"]), int(e["text_len"])) for e in t.events.where(kind=EventKind.NOTE)]
     assert any(w.startswith("retention checked at ") for w in written), written
     code, out = _info(trace, capsys, "--json")
     listed = json.loads(out)["notes"]

@@ -57,4 +57,4 @@ def test_four_phases_on_a_gpu(tmp_path):
     v = subprocess.run(kvtrace_cmd("validate", str(trace)), capture_output=True, text=True, env=server_env())
     assert v.returncode == 0, v.stdout + v.stderr
     with Trace(trace) as t:
-        assert t.complete and len(t.requests()) == 1 + 1 + 10 + 1  # warm-up, single, concurrent, long
+        assert t.complete and len(t.requests[:]) == 1 + 1 + 10 + 1  # warm-up, single, concurrent, long

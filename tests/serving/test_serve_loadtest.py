@@ -112,14 +112,14 @@ def test_kvtrace_serve_continuous_batching_loadtest_then_sigterm(model_dir, tmp_
     assert v.returncode == 0, v.stdout + v.stderr
     with Trace(trace) as t:
         assert t.complete
-        reqs = t.requests()[1:]  # the first is the load test's warm-up request (8 words, 2 tokens)
-        assert t.requests()[0]["prompt_tokens"] == 8 and t.requests()[0]["new_tokens"] == 2
+        reqs = t.requests[:][1:]  # the first is the load test's warm-up request (8 words, 2 tokens)
+        assert t.requests[:][0]["prompt_tokens"] == 8 and t.requests[:][0]["new_tokens"] == 2
         assert len(reqs) == N_REQUESTS
         assert set(reqs["outcome"].tolist()) == {int(Outcome.OK)}
         assert sorted(reqs["prompt_tokens"].tolist()) == [32, 32, 32, 32, 128]
         assert reqs["new_tokens"].tolist() == [4] * N_REQUESTS
         assert _phase_names(t) == ["baseline", "single", "concurrent", "long", "end"]
-        assert len(t.events(EventKind.REQUEST_END)) == N_REQUESTS + 1
+        assert len(t.events.where(kind=EventKind.REQUEST_END)) == N_REQUESTS + 1
 
     # kvtrace analyze on the same trace agrees with the verdict: the long phase's request is the load
     # test's own probe (132 tokens, 3.7x the typical 36), info while the pool holds it (was critical)
@@ -251,8 +251,8 @@ def test_kvtrace_serve_preset_without_continuous_batching_records_generate_and_s
     assert "no continuous-batching cache" in checks["kv_pool_use"]["source"]  # said, not guessed
     with Trace(trace) as t:
         assert t.complete
-        (req,) = t.requests()
+        (req,) = t.requests[:]
         assert req["outcome"] == int(Outcome.OK) and req["new_tokens"] == 4
         assert t.meta.model_id == "preset:llama-3.1-8b"
-        assert len(t.steps(0)) > 0  # generate's per-step rows
+        assert len(t.steps.where(request=0)) > 0  # generate's per-step rows
         assert _phase_names(t) == ["single", "end"]

@@ -53,5 +53,5 @@ def test_sigterm_before_uvicorn_handlers_stops_with_a_complete_trace(tmp_path):
     # uvicorn took the signal as its own: it started and shut down gracefully
     assert "Finished server process" in run.stderr, run.stderr
     with Trace(trace) as t:
-        assert t.complete and len(t.requests()) == 0
+        assert t.complete and len(t.requests[:]) == 0
     assert validate(trace).valid

@@ -382,7 +382,7 @@ def _probe_pool(percent: float, arch: str, **cb: Any) -> tuple[int, int]:
     with tempfile.TemporaryDirectory() as d:
         path = batch(Path(d) / "probe.kvt.h5", [4], 1, arch=arch, max_memory_percent=percent, **cb)
         with kvtrace.open(path) as t:
-            pools, groups = t.sched()["pool_bytes"], t.sched_groups()
+            pools, groups = t.sched[:]["pool_bytes"], t.sched_groups[:]
     pools = pools[pools > 0]
     if not len(pools) or not len(groups):
         raise RuntimeError(f"no paged pool recorded at max_memory_percent={percent:.3g}")
@@ -440,8 +440,8 @@ def plant_prefix_evicted(path: Path) -> Path:
     others = [p + [60, 61] for p in prompts([48, 48, 48], start=90)]
     sequential(path, [first, *others, first], 4, page_size=16, num_blocks=8, max_batch_tokens=128)
     _require_fault(path, "the repeated prompt (the last request) found no cached block",
-                   lambda t: not any(e["value"] > 0 and e["request"] == t.requests()["request"].max()
-                                     for e in t.events(EventKind.PREFIX_HIT)))
+                   lambda t: not any(e["value"] > 0 and e["request"] == t.requests[:]["request"].max()
+                                     for e in t.events.where(kind=EventKind.PREFIX_HIT)))
     return path
 
 

@@ -108,13 +108,13 @@ def test_live_serving_metrics_match_the_trace(tmp_path):
         handle.remove()
 
     with open_trace(path) as t:
-        sched = t.sched()
-        pre = t.events(schema.EventKind.PREEMPTED)
-        first = t.events(schema.EventKind.FIRST_TOKEN)
-        reqs = t.requests()
-        groups = t.sched_groups()
+        sched = t.sched[:]
+        pre = t.events.where(kind=schema.EventKind.PREEMPTED)
+        first = t.events.where(kind=schema.EventKind.FIRST_TOKEN)
+        reqs = t.requests[:]
+        groups = t.sched_groups[:]
         model_id = t.meta.model_id
-        end_events = t.events(schema.EventKind.REQUEST_END)
+        end_events = t.events.where(kind=schema.EventKind.REQUEST_END)
     by_start = {int(r["request"]): int(r["start_ns"]) for r in reqs}
     assert _value(mid, "model_name") == _value(after, "model_name") == model_id  # vLLM's label, the trace's model
     # mid-run: the gauges are the last scheduled step's row, the counters the sums up to it
@@ -197,7 +197,6 @@ def test_replay_of_a_served_trace_equals_the_live_end_state(tmp_path):
     showed them at its end (what the textfile renderer can add), checked against a live textfile."""
     from prometheus_client import generate_latest
 
-    from kvtrace.analyzer.view import TraceView
     from kvtrace.export.prometheus_serving import replay
 
     live = tmp_path / "live.prom"
@@ -221,7 +220,7 @@ def test_replay_of_a_served_trace_equals_the_live_end_state(tmp_path):
 
     exp = PrometheusExporter(None, None, textfile=tmp_path / "replay.prom", linger_s=0)
     with open_trace(path) as t:
-        assert replay(exp, TraceView(t)) is not None
+        assert replay(exp, t) is not None
     got, want = serving(generate_latest(exp.registry).decode()), serving(live.read_text())
     assert got == want and any(name == "kvtrace_serving_scheduler_steps_total" for name, _ in got)
     assert {dict(labels)["model_name"] for _, labels in got} == {"LlamaForCausalLM"}  # the trace's model

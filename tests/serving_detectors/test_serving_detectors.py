@@ -16,7 +16,6 @@ import serving_scenarios as S  # noqa: E402
 import kvtrace  # noqa: E402
 from kvtrace.analyzer.base import Severity  # noqa: E402
 from kvtrace.analyzer.detectors._serving import NO_SCHED  # noqa: E402
-from kvtrace.analyzer.view import TraceView  # noqa: E402
 from kvtrace.format import schema  # noqa: E402
 from kvtrace.format.reader import open_trace  # noqa: E402
 
@@ -72,14 +71,14 @@ def test_budget_queueing_is_told_apart_from_memory(recorded):
     f = _one(report, "queueing")
     assert f.kind == "queued_on_budget" and f.score == 0.0 and "token budget" in f.message
     with open_trace(path) as t:
-        assert int(t.sched()["waiting"].max()) == f.evidence["max_waiting"].value > 0
+        assert int(t.sched[:]["waiting"].max()) == f.evidence["max_waiting"].value > 0
 
 
 def test_pool_too_small_is_named_by_capacity_concurrency_and_queueing(recorded):
     path, report = recorded("plant_pool_too_small")
     cap, conc, queue = (_one(report, d) for d in ("serving_capacity", "concurrency_headroom", "queueing"))
     with open_trace(path) as t:
-        sched, groups = t.sched(), t.sched_groups()
+        sched, groups = t.sched[:], t.sched_groups[:]
     usage = (sched["pool_bytes"] - sched["free_bytes"]) / sched["pool_bytes"]
     # held: without the cached blocks the release keeps for prefix reuse (5.17 does; they are free
     # on demand)
@@ -102,7 +101,7 @@ def test_large_pages_waste_the_pool_and_smaller_pages_are_computed(recorded):
     f = _one(report, "block_waste")
     assert f.severity == Severity.CRITICAL and f.evidence["tokens_per_block"].value == 128
     with open_trace(path) as t:
-        groups, blocks = t.sched_groups(), t.blocks()
+        groups, blocks = t.sched_groups[:], t.blocks[:]
     step = f.steps[0]
     g = groups[groups["step"] == step][0]
     b = blocks[blocks["step"] == step]
@@ -117,7 +116,7 @@ def test_large_pages_waste_the_pool_and_smaller_pages_are_computed(recorded):
 def _preemptions(path):
     """The trace's PREEMPTED events and /sched rows."""
     with open_trace(path) as t:
-        return t.events(schema.EventKind.PREEMPTED), t.sched()
+        return t.events.where(kind=schema.EventKind.PREEMPTED), t.sched[:]
 
 
 def test_preemption_counts_recomputed_tokens_and_names_requests(recorded):
@@ -146,7 +145,7 @@ def test_context_spike_against_the_median(recorded):
     path, report = recorded("plant_context_spike")
     f = _one(report, "context_spike")
     with open_trace(path) as t:
-        cb = TraceView(t).cb_requests
+        cb = t.cb_requests
     context = cb["prompt_tokens"].astype(int) + cb["new_tokens"].astype(int)
     assert f.evidence["context_tokens"].value == context.max() == 100
     assert f.evidence["typical_context_tokens"].value == np.median(context) == 10
@@ -190,7 +189,7 @@ def test_a_long_tail_is_typical_traffic_not_a_spike(recorded):
     path, report = recorded("clean_long_tail")
     f = _one(report, "context_spike")
     with open_trace(path) as t:
-        cb = TraceView(t).cb_requests
+        cb = t.cb_requests
     context = np.sort(cb["prompt_tokens"].astype(int) + cb["new_tokens"].astype(int))
     assert f.evidence["median_context_tokens"].value == np.median(context) == 16
     assert f.evidence["typical_context_tokens"].value == context[-3] == 40
@@ -202,7 +201,7 @@ def test_a_well_used_pool_sits_under_the_knees(recorded):
     path, report = recorded("clean_well_used")
     cap, conc = _one(report, "serving_capacity"), _one(report, "concurrency_headroom")
     with open_trace(path) as t:
-        sched = t.sched()
+        sched = t.sched[:]
     usage = (sched["pool_bytes"] - sched["free_bytes"]) / sched["pool_bytes"]
     assert cap.evidence["peak_block_usage"].value == pytest.approx(usage.max(), abs=1e-4) == pytest.approx(12 / 22, abs=1e-4)
     assert conc.evidence["requests_that_fit"].value == 11 and conc.evidence["offered_at_once"].value == 6
@@ -219,7 +218,7 @@ def test_shared_prefix_hits_are_counted(recorded):
     path, report = recorded("clean_prefix_hits")
     f = _one(report, "prefix_cache")
     with open_trace(path) as t:
-        sched = t.sched()
+        sched = t.sched[:]
     assert f.kind == "hit_rate" and f.evidence["hit_tokens"].value == int(sched["prefix_hit_tokens"].sum()) == 4 * 48
 
 
@@ -238,7 +237,7 @@ def test_cached_prefix_blocks_count_as_free(recorded):
     path, report = recorded("plant_prefix_evicted")
     f = _one(report, "serving_capacity")
     with open_trace(path) as t:
-        sched = t.sched()
+        sched = t.sched[:]
     raw = (sched["pool_bytes"] - sched["free_bytes"]) / sched["pool_bytes"]
     # the cached blocks raise raw usage (to 7/8 on 5.23, to 8/8 on 5.17) but not the held usage
     assert raw.max() >= 7 / 8 and int(sched["blocks_cached"].max()) >= 3
@@ -259,7 +258,7 @@ def test_deepseek_mla_fails_under_523_paged_cache_and_the_trace_says_so(recorded
     detectors raise nothing above info on it."""
     path, report = recorded("unsupported_deepseek_v3")
     with open_trace(path) as t:
-        req = t.requests()
+        req = t.requests[:]
         errors = {t.text(int(r["error_off"]), int(r["error_len"])) for r in req}
     assert [q["outcome"] for q in report.requests] == ["error"] * 6
     assert len(errors) == 1 and "index_copy_" in errors.pop()
@@ -282,7 +281,7 @@ def test_budget_below_the_prompt_queues(recorded):
     path, report = recorded("plant_budget_starved")
     f = _one(report, "queueing")
     with open_trace(path) as t:
-        sched = t.sched()
+        sched = t.sched[:]
     assert f.kind == "queued_on_budget" and f.evidence["max_batch_tokens"].value == 8
     assert f.evidence["median_prompt_tokens"].value == 24
     assert f.evidence["steps_waiting"].value == int(np.sum(sched["waiting"] > 0)) >= 0.1 * sched.size
@@ -318,6 +317,6 @@ def test_burst_into_a_busy_pool_queues_on_memory(recorded):
     path, report = recorded("plant_burst_queue")
     f = _one(report, "queueing")
     with open_trace(path) as t:
-        sched = t.sched()
+        sched = t.sched[:]
     assert f.kind == "queued_on_memory" and f.score >= 0.5 and int(sched["preempted"].sum()) == 0
     assert f.evidence["max_waiting"].value == int(sched["waiting"].max()) >= 4

@@ -30,7 +30,7 @@ def _result(doc, label_prefix, ratio=None):
 def test_ratio_zero_is_a_clean_control_and_half_keeps_half_the_bytes():
     doc = _run(LLAMA, EVICT, (0.0, 0.5))
     with Trace(LLAMA) as t:
-        kv = t.kv()
+        kv = t.kv[:]
     per_step = {}
     for r in kv:  # int(T / 2) tokens of each layer at each step, times bytes per token
         bpt = r["bytes_valid"] / r["tokens_kept"]
@@ -77,7 +77,7 @@ def test_ratio_zero_saves_exactly_nothing_and_layout_effects_are_their_own_line(
     # for 896 B held): the old allocated baseline credited that to every policy, ratio 0 included
     doc = _run(GEMMA, EVICT + ["kivi:nbits=4", "paging:page_size=16"], (0.0, 0.5))
     with Trace(GEMMA) as t:
-        kv = t.kv()
+        kv = t.kv[:]
     b = doc["baseline"]
     assert b["bytes_peak"] == 5888 and b["recorded"]["allocated_peak"] == 9216
     assert b["recorded"]["layout_peak"] == 9216 - 5888

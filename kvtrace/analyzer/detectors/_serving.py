@@ -47,7 +47,7 @@ class ServingDetector(Detector):
     needs: ClassVar[tuple[str, ...]] = ()
 
     def skip_reason(self, ctx: ReplayContext) -> str | None:
-        return None if ctx.view.sched.size else NO_SCHED
+        return None if len(ctx.trace.sched) else NO_SCHED
 
     def run(self, ctx: ReplayContext) -> list[Finding]:
         """One finding at most per continuous-batching manager (per_manager)."""
@@ -59,14 +59,14 @@ class ServingDetector(Detector):
 
 
 def admitted(ctx: ReplayContext) -> np.ndarray:
-    """The continuous-batching requests (TraceView.cb_requests) that were admitted at least once."""
-    cb = ctx.view.cb_requests
+    """The continuous-batching requests (Trace.cb_requests) that were admitted at least once."""
+    cb = ctx.trace.cb_requests
     return cb[cb["admitted_ns"] > 0]
 
 
 def managers(ctx: ReplayContext) -> dict[int, np.ndarray]:
     """/sched rows by manager, in step order."""
-    rows = ctx.view.sched
+    rows = ctx.trace.sched[:]
     out: dict[int, np.ndarray] = {}
     for m in np.unique(rows["manager"]):
         mine = rows[rows["manager"] == m]
@@ -149,14 +149,14 @@ def token_usage(rows: np.ndarray) -> np.ndarray:
 
 def groups(ctx: ReplayContext, manager: int) -> np.ndarray:
     """/sched_groups rows of one manager."""
-    g = ctx.view.sched_groups
+    g = ctx.trace.sched_groups[:]
     return g[g["manager"] == manager]
 
 
 def block_rows(ctx: ReplayContext, manager: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One manager's /blocks rows with, per row, its group's tokens per block and bytes per token
     (0 where the group row is missing)."""
-    b = ctx.view.blocks(manager=manager)
+    b = ctx.trace.blocks.where(manager=manager)
     g = groups(ctx, manager)
     tpb = np.zeros(b.shape[0], dtype=np.int64)
     bpt = np.zeros(b.shape[0], dtype=np.float64)
@@ -195,7 +195,7 @@ def phase_window(ctx: ReplayContext, t_ns: int) -> tuple[str, int, int] | None:
     """(name, start, end) of the load-test phase marker in force at `t_ns` (kvtrace loadtest,
     Recorder.mark_phase): from its marker to the next one (the load test's closing "end" marker), or
     to the end of time for the last; None when the trace has no marker before `t_ns`."""
-    phases = ctx.view.phases
+    phases = ctx.trace.phases
     i = int(np.searchsorted(phases["t_ns"], t_ns, side="right")) - 1 if phases.size else -1
     if i < 0:
         return None

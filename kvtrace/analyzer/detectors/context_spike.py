@@ -174,7 +174,8 @@ def _kv(ctx: ReplayContext, cb: np.ndarray, i: int) -> tuple[int | None, float |
     """Request i's largest block tables (bytes) and their share of its manager's pool."""
     rid, manager = int(cb["request"][i]), int(cb["manager"][i])
     kv = request_peak_bytes(ctx, manager).get(rid)
-    pools = ctx.view.sched["pool_bytes"][ctx.view.sched["manager"] == manager]
+    sched = ctx.trace.sched[:]
+    pools = sched["pool_bytes"][sched["manager"] == manager]
     pool = int(pools.max()) if pools.size else -1
     return kv, (kv / pool if kv is not None and pool > 0 else None)
 
@@ -182,7 +183,7 @@ def _kv(ctx: ReplayContext, cb: np.ndarray, i: int) -> tuple[int | None, float |
 def _phase_memory(ctx: ReplayContext, manager: int, t0: int, t1: int) -> tuple[float | None, float | None]:
     """(KV pool use, device memory outside the pool's room) held over the phase [t0, t1): the
     serving_capacity rules (in_use: cached prefix blocks count as free; device_outside over NVML)."""
-    rows = known_pool(managers(ctx).get(manager, ctx.view.sched[:0]))
+    rows = known_pool(managers(ctx).get(manager, ctx.trace.sched[:0]))
     rows = rows[(rows["t_ns"] >= t0) & (rows["t_ns"] < t1)]
     pool_held = held(in_use(ctx, manager, rows)) if rows.size else None
     nvml = ctx.nvml
@@ -191,7 +192,7 @@ def _phase_memory(ctx: ReplayContext, manager: int, t0: int, t1: int) -> tuple[f
     mine = nvml[(nvml["t_ns"] >= t0) & (nvml["t_ns"] < t1)]
     if not mine.size:
         return pool_held, None
-    room = pool_room(ctx.view.sched, ctx.view.sched_groups)
+    room = pool_room(ctx.trace.sched[:], ctx.trace.sched_groups[:])
     outside, _, _ = device_outside(mine["t_ns"], mine["used_bytes"], mine["total_bytes"], room, devices)
     return pool_held, held(outside)
 

@@ -32,9 +32,9 @@ class Preemption(ServingDetector):
     summary = "preemptions (soft resets and offloads), tokens recomputed, requests preempted"
 
     def run(self, ctx: ReplayContext) -> list[Finding]:
-        ev_rows = ctx.view.serving_events
+        ev_rows = ctx.trace.serving_events
         pre = ev_rows[ev_rows["kind"] == int(E.PREEMPTED)]
-        sched = ctx.view.sched
+        sched = ctx.trace.sched[:]
         counted = int(sched["preempted"].sum())
         if not pre.size and not counted:
             return []

@@ -41,12 +41,12 @@ class PrefixCache(ServingDetector):
         cb = admitted(ctx)
         if not cb.size:
             return []
-        sched = ctx.view.sched
+        sched = ctx.trace.sched[:]
         # Looked up = prefilled + served from cache, per scheduled step (a prompt recomputed after a
         # soft reset is looked up again), as the live kvtrace_serving_prefix_cache_* counters count.
         hits = int(sched["prefix_hit_tokens"].clip(min=0).sum())
         lookups = int(sched["prefill_tokens"].sum()) + hits
-        sha = {int(r["request"]): bytes(r["prompt_sha256"]) for r in ctx.view.requests}
+        sha = {int(r["request"]): bytes(r["prompt_sha256"]) for r in ctx.trace.requests[:]}
         evicted = int(sched["evicted_blocks"].clip(min=0).sum())
         expected = missed = repeats = 0
         repeat_ids: list[int] = []

@@ -94,12 +94,12 @@ class ServingCapacity(ServingDetector):
         )
 
     def _gpu(self, ctx: ReplayContext) -> Finding | None:
-        sched = ctx.view.sched
+        sched = ctx.trace.sched[:]
         rows, source = _device_samples(ctx, int(sched["t_ns"].min()), int(sched["t_ns"].max()))
         if rows is None:
             return None
         devices = sorted({int(d) for d in rows["device"]})
-        pool_t, room = pool_room(sched, ctx.view.sched_groups)  # free + evictable cached blocks, per row
+        pool_t, room = pool_room(sched, ctx.trace.sched_groups[:])  # free + evictable cached blocks, per row
         best: tuple[float, int, np.ndarray, np.ndarray] | None = None
         for dev in devices:
             mine = rows[rows["device"] == dev]
