@@ -212,7 +212,7 @@ def render(
     run_analyzer: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
-    """The Perfetto renderer: trace events of an open trace's trace, with the analysis's findings as
+    """The Perfetto renderer: trace events of an open trace, with the analysis's findings as
     instants (`analysis`, else `findings` rows, else kvtrace.analyze on the same trace unless
     `run_analyzer` is False)."""
     from kvtrace.report import findings as fmod

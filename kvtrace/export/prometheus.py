@@ -623,7 +623,7 @@ def exporter_from_trace(trace: Any, textfile: str | os.PathLike[str]) -> Prometh
 
 
 def render(trace: Trace, report: AnalysisReport | None, textfile: str | os.PathLike[str]) -> PrometheusExporter:
-    """The Prometheus renderer: replay a finished trace's trace into a textfile-only exporter, the
+    """The Prometheus renderer: replay a finished open trace into a textfile-only exporter, the
     state at the trace's end by the live exporter's rules (request counts by outcome, steps, tokens,
     dropped samples, recorder errors, last memory sample per device, last RSS). KV and token gauges
     hold the last recorded step only when the trace ended with its last request still running;

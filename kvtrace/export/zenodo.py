@@ -189,7 +189,7 @@ class _Read:
 
 
 def render(trace: Trace, report: AnalysisReport | None) -> _Read:
-    """The data-card renderer of one trace's trace: its content, validity, summary, data quality
+    """The data-card renderer of one open trace: its content, validity, summary, data quality
     and step count. ``report`` is taken for the renderers' common shape and not read: the card
     describes the recording, and findings are not archived."""
     del report  # see the docstring

@@ -428,7 +428,7 @@ def render(
     progress: Progress | None = None,
     whatif: WhatIf = None,
 ) -> ReportResult:
-    """The HTML renderer: the page of an open trace's trace and its analysis. Without `analysis`,
+    """The HTML renderer: the page of an open trace and its analysis. Without `analysis`,
     kvtrace.analyze runs on the same trace (unless `run_analyzer` is False). `whatif`: the what-if
     section's policies and ratios, True for the defaults, False for none; None: the defaults when
     the trace holds sampled contents."""
