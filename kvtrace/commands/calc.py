@@ -96,12 +96,17 @@ class _Tokens(click.ParamType):
               help="Encoder tokens held by cross-attention layers (encoder-decoder models).")
 @click.option("--mla-cache", type=click.Choice(["latent", "expanded"]), default="latent", show_default=True,
               help="How MLA layers are cached (transformers 5.x: latent).")
+@click.option("--engine", type=click.Choice(["vllm"]), default=None,
+              help="Predict a serving engine's KV pool instead: vLLM's 'KV cache size' line, with --gpu-memory the "
+                   "KV budget (--kv-cache-memory-bytes) and --context the max model length; with an engine --trace "
+                   "(kvtrace attach) checked against the engine's cache_config_info.")
 @json_options
 @click.option("--quiet", "-q", is_flag=True, help="Print only FITS / DOES NOT FIT.")
 @guarded
 def calc(preset: str | None, config_path: str | None, trace_paths: tuple[str, ...], context: int, gpu_memory: int,
          tp: int | None, kv_dtype: str | None, weight_dtype: str | None, batch: int | None, reserve: float, cache_kind: str,
-         encoder_len: int | None, mla_cache: str, as_json: bool, json_out: str | None, quiet: bool) -> None:
+         encoder_len: int | None, mla_cache: str, engine: str | None, as_json: bool, json_out: str | None,
+         quiet: bool) -> None:
     """Plan capacity: exact KV bytes per token and per request (windows, MLA latents, KV
     sharing, fp8 KV), weight bytes, and for a context length, GPU memory and tensor-parallel
     degree: does it fit, the headroom, and the largest number of concurrent requests.
@@ -114,7 +119,13 @@ def calc(preset: str | None, config_path: str | None, trace_paths: tuple[str, ..
       kvtrace calc --preset gpt-oss-120b --context 128k --gpu-memory 80GiB
       kvtrace calc --config ./llama/config.json --context 8192 --gpu-memory 80GiB --tp 4 --kv-dtype fp8
       kvtrace calc --trace run.kvt.h5 --context 32k --gpu-memory 141GB --json
+      kvtrace calc --engine vllm --trace engine.kvt.h5 --context 512 --gpu-memory 1MiB
     """
+    if engine is not None:  # an engine's pool (kvtrace/commands/calc_engine.py)
+        from kvtrace.commands.calc_engine import run as run_engine
+
+        run_engine(preset, config_path, trace_paths, context, gpu_memory, kv_dtype, as_json, json_out)
+        return
     from kvtrace import calc as planner
 
     trace_path = trace_paths[0] if trace_paths else None

@@ -201,3 +201,16 @@ def test_replay_endpoint_of_the_real_engine(recording: dict[str, Any], vllm_serv
     got, _ = replay(zmq.Context.instance(), vllm_server.replay, first, last, wait_s=10)
     assert sorted(got) == list(range(first, last + 1))
     assert sum(len(decode_batch(p).events) for p in got.values()) == summary["kv_events"]["events"]
+
+
+def test_calc_engine_vllm_predicts_the_engines_kv_cache_line(recording: dict[str, Any],
+                                                             vllm_server: VllmServer) -> None:
+    """The prediction equals what the engine reported (cache_config_info in the trace) and the line vLLM
+    logged at start, to the character."""
+    run = subprocess.run([*KVTRACE, "calc", "--engine", "vllm", "--trace", str(recording["path"]), "--context", "512",
+                          "--gpu-memory", str(POOL_BYTES), "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)
+    assert doc["check"]["blocks_match"] and doc["check"]["tokens_match"], doc
+    assert doc["num_blocks"] == POOL_BYTES // (BLOCK * 2 * 2 * 64 * 2) // 2 == 32
+    assert doc["line"] in vllm_server.log.read_text(errors="replace")
