@@ -21,12 +21,38 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["top_index", "rank_mask"]
+__all__ = ["NEAR_TIE", "near_tie", "rank_mask", "top_index"]
+
+# Scores closer than this (relative) at a keep-set's boundary are a near tie: a float32 model's
+# rounding (one forward per token or one pass, CPU or GPU) can order them either way, so the
+# policy did not decide which of them stays (e.g. knorm on a model whose keys are RMS-normed:
+# every key norm is sqrt(head_dim) up to the norm's epsilon).
+NEAR_TIE = 1e-6
 
 
 def top_index(scores: torch.Tensor, n: int, cand: torch.Tensor | None = None) -> torch.Tensor:
     """Indices [..., n] (ascending) of the ``n`` tokens each row of ``scores`` [..., T] keeps, in
     the order of the module docstring; ``cand`` [..., T] bool (None: every token a candidate)."""
+    return _ranked(scores, n, cand)[0]
+
+
+def near_tie(scores: torch.Tensor, n: int, cand: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+    """:func:`top_index` and whether some row's last kept and first dropped candidates score
+    within :data:`NEAR_TIE` of each other (both finite)."""
+    idx, order = _ranked(scores, n, cand)
+    import torch
+
+    if n == 0 or n >= order.shape[-1]:
+        return idx, False
+    s = scores.detach().to(torch.float64)
+    a, b = s.gather(-1, order[..., n - 1:n]), s.gather(-1, order[..., n:n + 1])
+    close = torch.isfinite(a) & torch.isfinite(b) & ((a - b).abs() <= NEAR_TIE * torch.maximum(a.abs(), b.abs()))
+    if cand is not None:
+        close &= cand.to(s.device).gather(-1, order[..., n:n + 1])
+    return idx, bool(close.any())
+
+
+def _ranked(scores: torch.Tensor, n: int, cand: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     s = scores.detach().to(torch.float64)
@@ -38,7 +64,7 @@ def top_index(scores: torch.Tensor, n: int, cand: torch.Tensor | None = None) ->
     if cand is not None:
         tier = tier + 2 * (~cand.to(device=s.device, dtype=torch.bool)).to(torch.int8)
     order = order.gather(-1, torch.sort(tier.gather(-1, order), dim=-1, stable=True).indices)
-    return torch.sort(order[..., :n], dim=-1).values
+    return torch.sort(order[..., :n], dim=-1).values, order
 
 
 def rank_mask(keep: torch.Tensor, pos: torch.Tensor, cand: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
