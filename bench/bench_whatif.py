@@ -40,6 +40,7 @@ Exits 69 (EX_UNAVAILABLE) with one line when there is no CUDA device or triton (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -212,18 +213,21 @@ def keep_inputs(torch, dev: str, heads: tuple[int, int, int], T: int, Tq: int, g
     return q, k, v, keep_sets(torch, k), torch.arange(T - Tq, T, device=dev)
 
 
-def bench_keep(torch, W, dev: str, sz: dict, T: int, Tq: int, grid: str = "bf16") -> dict[str, Any]:
+def bench_keep(torch, W, dev: str, sz: dict, T: int, Tq: int, grid: str = "bf16",
+               kernels: dict | None = None) -> dict[str, Any]:
     """``grid`` bf16: fp32 tensors holding bf16 values (a bf16 model's recorded K/V/Q, as the
-    replay reads them; the kernels then run bf16 dots exactly); fp32: full fp32 mantissas (3xTF32)."""
+    replay reads them; the kernels then run bf16 dots exactly); fp32: full fp32 mantissas (3xTF32).
+    ``kernels``: the kernel calls' ``config`` and ``fallbacks`` (kernels/whatif_config.py)."""
     cuda = dev == "cuda"
     Hq, Hk, D = sz["heads"]
     row: dict[str, Any] = {"kind": "keep", "keys": T, "queries": Tq, "q_heads": Hq, "kv_heads": Hk, "head_dim": D,
                            "sets": 3 * len(RATIOS), "dtype": "float32", "values_on": grid}
     q, k, v, keep, pos = keep_inputs(torch, dev, (Hq, Hk, D), T, Tq, grid)
     kw = dict(q_positions=pos)
+    kkw = dict(kw, **(kernels or {}))
 
     def kern():
-        return W.keep_measures_triton(q, k, v, keep, **kw)
+        return W.keep_measures_triton(q, k, v, keep, **kkw)
 
     def eager():
         return W.keep_measures_reference(q, k, v, keep, **kw, dtype=torch.float32)
@@ -241,10 +245,10 @@ def bench_keep(torch, W, dev: str, sz: dict, T: int, Tq: int, grid: str = "bf16"
             row["device_error"] = _error_text(exc)
         try:
             prepared = [W.as_bf16_if_exact(x) for x in (q, k, v)]  # what the replay's unit cache passes
-            row["kernel_prepared_ms"], _ = time_ms(torch, lambda: W.keep_measures_triton(*prepared, keep, **kw), cuda,
+            row["kernel_prepared_ms"], _ = time_ms(torch, lambda: W.keep_measures_triton(*prepared, keep, **kkw), cuda,
                                                    sz["budget_ms"], sz["max_reps"])
             del prepared
-            row["kernels_only_ms"], _ = time_ms(torch, W.keep_kernels_only(q, k, v, keep, **kw), cuda,
+            row["kernels_only_ms"], _ = time_ms(torch, W.keep_kernels_only(q, k, v, keep, **kkw), cuda,
                                                 sz["budget_ms"], sz["max_reps"])
         except Exception as exc:
             row["breakdown_error"] = _error_text(exc)
@@ -311,7 +315,7 @@ def bench_quant(torch, W, dev: str, sz: dict, T: int, name: str, spec_kw: dict) 
     return row
 
 
-def float64_check(torch, W, dev: str, sz: dict) -> dict[str, Any]:
+def float64_check(torch, W, dev: str, sz: dict, kernels: dict | None = None) -> dict[str, Any]:
     """Kernel against the float64 reference (the exact numbers) on the smallest case."""
     Hq, Hk, D = sz["heads"]
     T, Tq = sz["keys"][0], min(64, max(sz["queries"]))
@@ -322,7 +326,7 @@ def float64_check(torch, W, dev: str, sz: dict) -> dict[str, Any]:
     keep = keep_sets(torch, k)
     out: dict[str, Any] = {"keys": T, "queries": Tq}
     try:
-        got = W.keep_measures_triton(q, k, v, keep, q_positions=torch.arange(T - Tq, T, device=dev))
+        got = W.keep_measures_triton(q, k, v, keep, q_positions=torch.arange(T - Tq, T, device=dev), **(kernels or {}))
         ref = W.keep_measures_reference(q, k, v, keep, q_positions=torch.arange(T - Tq, T, device=dev))
         out["keep_max_diff_recall"] = _max_diff(torch, got[0], ref[0])
         out["keep_max_diff_error"] = _max_diff(torch, got[1], ref[1])
@@ -415,6 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rerun-tokens", type=int, default=160, help="--cpu rerun: text length (default 160)")
     ap.add_argument("--runs", type=int, default=5, help="--cpu replay: runs at --tokens (default 5)")
     ap.add_argument("--cache-dir", default="/tmp/kvtrace-bench", help="--cpu: where the recorded traces are kept")
+    ap.add_argument("--pieces", choices=("auto", "on", "off"), default="auto",
+                    help="the signature-pieces path for 16+ query rows per KV head (default auto: where it pays)")
+    ap.add_argument("--no-exact-decode", action="store_true",
+                    help="decode steps with fp32 K/V on the packed kernel after the grid check, not the exact kernel")
+    ap.add_argument("--no-direct-launch", action="store_true", help="every launch through Triton's call path")
     args = ap.parse_args(argv)
     if args.cpu:
         from whatif_cpu import main_cpu
@@ -440,6 +449,11 @@ def main(argv: list[str] | None = None) -> int:
         return EX_UNAVAILABLE
     from kvtrace.kernels import whatif as W
 
+    config = W.KernelConfig(exact_decode=not args.no_exact_decode,
+                            pieces={"auto": "auto", "on": True, "off": False}[args.pieces],
+                            direct_launch=not args.no_direct_launch)
+    kernels = dict(config=config, fallbacks=W.KernelFallbacks())  # one record for the whole run
+
     torch.backends.cuda.matmul.allow_tf32 = False  # the eager reference is fp32; keep it honest
     dev = "cuda" if cuda else "cpu"
     sz = dict(SIZES["smoke" if args.smoke else "quick" if args.quick else "full"])
@@ -450,13 +464,11 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "triton": triton.__version__, "commit": _git_commit(),
         "sizes": "smoke" if args.smoke else "quick" if args.quick else "full",
         "selection": {"only": args.only, "keys": args.keys, "queries": args.queries, "pairs": sz["pairs"]}, "rows": [], "float64_check": {},
-        "goal": [],
+        "goal": [], "kernel_config": dataclasses.asdict(config),
     }
 
     def save() -> None:
-        from kvtrace.kernels import _triton_whatif as tw
-
-        doc["kernel_fallbacks"] = list(tw.FALLBACKS)  # a kernel replaced by another (compiler trouble)
+        doc["kernel_fallbacks"] = list(kernels["fallbacks"].notes)  # a kernel replaced by another (compiler trouble)
         if args.json_out:
             args.json_out.parent.mkdir(parents=True, exist_ok=True)
             args.json_out.write_text(json.dumps(doc, indent=2))
@@ -465,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     for T in sz["keys"] if args.only != "quant" else ():
         for Tq in sz["queries"]:
             for grid in ("bf16", "fp32") if T == goal_keys else ("bf16",):
-                doc["rows"].append(bench_keep(torch, W, dev, sz, T, Tq, grid))
+                doc["rows"].append(bench_keep(torch, W, dev, sz, T, Tq, grid, kernels))
                 _release(torch, cuda)
                 r = doc["rows"][-1]
                 print(f"keep T={T} Tq={Tq} {grid}: kernel {r.get('kernel_ms')} ms, eager {r.get('eager_ms')} ms "
@@ -476,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             doc["rows"].append(bench_quant(torch, W, dev, sz, T, name, kw))
             _release(torch, cuda)
             save()
-    doc["float64_check"] = float64_check(torch, W, dev, sz) if args.only is None else {"skipped": f"--only {args.only}"}
+    doc["float64_check"] = float64_check(torch, W, dev, sz, kernels) if args.only is None else {"skipped": f"--only {args.only}"}
     for r in doc["rows"]:
         if r["kind"] == "keep" and r["keys"] == goal_keys:
             ci = r.get("speedup_ci95")

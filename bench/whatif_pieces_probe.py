@@ -70,16 +70,13 @@ def probe(torch, W, P, T: int, Tq: int, grid: str, rounds: int) -> dict:
     kw = dict(q_positions=pos)
     row: dict = {"keys": T, "queries": Tq, "values_on": grid, "sets": int(keep.shape[0])}
 
+    on, off = W.KernelConfig(pieces=True), W.KernelConfig(pieces=False)
+
     def pieces():
-        P.PIECES = True
-        return W.keep_measures_triton(q, k, v, keep, **kw)
+        return W.keep_measures_triton(q, k, v, keep, **kw, config=on)
 
     def shared():
-        P.PIECES = False
-        try:
-            return W.keep_measures_triton(q, k, v, keep, **kw)
-        finally:
-            P.PIECES = True
+        return W.keep_measures_triton(q, k, v, keep, **kw, config=off)
 
     def eager():
         return W.keep_measures_reference(q, k, v, keep, **kw, dtype=torch.float32)

@@ -54,7 +54,7 @@ def main() -> int:
         print("whatif_replay_gpu_check: no CUDA device", file=sys.stderr)
         return 69
     import kvtrace
-    from kvtrace.kernels import whatif_pieces
+    from kvtrace.kernels.whatif_config import KernelConfig
     from kvtrace.recorder.sampling import SamplingSettings
     from kvtrace.testing_models import tiny_model
     from kvtrace.whatif import parse_policy
@@ -73,13 +73,12 @@ def main() -> int:
             exact = run_whatif(path, pols, [0.25, 0.5, 0.75], device="cpu", steps="all")
             res = {}
             for mode in (True, "auto"):
-                whatif_pieces.PIECES = mode
-                gpu = run_whatif(path, pols, [0.25, 0.5, 0.75], device="cuda", steps="all")
+                gpu = run_whatif(path, pols, [0.25, 0.5, 0.75], device="cuda", steps="all",
+                                 kernel_config=KernelConfig(pieces=mode))
                 worst: dict = {}
                 _walk(gpu, exact, "", worst)
                 res[str(mode)] = {"numerics": gpu["numerics"], "worst": worst}
                 bad += sum(w["over"] for w in worst.values())
-            whatif_pieces.PIECES = "auto"
             out["models"][name] = res
             print(name, json.dumps(res), flush=True)
     if a.json_out:

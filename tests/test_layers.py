@@ -92,6 +92,26 @@ def test_the_kernels_entry_imports_torch_only_when_called():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_kernel_config_imports_nothing_heavy():
+    # kvtrace.kernels.whatif_config is loaded with the kernels entry (compute.py) and named by the
+    # replay (whatif/): no torch, no triton, nothing of kvtrace -- the kernels read it, not the reverse.
+    found = imported(PKG / "kernels" / "whatif_config.py")
+    assert not any(n.split(".")[0] in ("torch", "triton") or n.startswith("kvtrace") for n in found), found
+
+
+def test_triton_modules_are_private_to_the_kernels():
+    # kvtrace/kernels/_triton_*.py are reached through the kernels' public modules (whatif.py,
+    # compute.py, ...), which take the configuration; nothing else launches them.
+    found = {}
+    for path in sorted(PKG.rglob("*.py")):
+        if path.parent == PKG / "kernels":
+            continue
+        bad = sorted(n for n in imported(path) if n.startswith("kvtrace.kernels._triton"))
+        if bad:
+            found[str(path.relative_to(PKG.parent))] = bad
+    assert found == {}
+
+
 def test_model_loading_is_a_library_module():
     # kvtrace/loading.py (record, demo) raises kvtrace.errors; the CLI is the commands' business.
     bad = sorted(n for n in imported(PKG / "loading.py")

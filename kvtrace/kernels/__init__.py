@@ -13,6 +13,8 @@ Modules:
     spectrum   spectral summary of a Gram matrix                    (numpy only)
     analyses   dead heads, entropy classes, eviction what-ifs       (numpy; torch only if given tensors)
     whatif     keep-set attention measures and quantisation error   (torch; Triton on CUDA)
+    whatif_config  how the what-if kernels run (KernelConfig) and what
+               a run replaced (KernelFallbacks)                     (no torch)
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ import triton.language as tl
 
 from kvtrace.kernels._env import interpreting
 from kvtrace.kernels._triton_attention import _scaled
-from kvtrace.kernels._triton_whatif import _launch, _load_kv, _load_q, _pv, _rows, _softmax_step, _visible
+from kvtrace.kernels._triton_whatif import _load_kv, _load_q, _pv, _rows, _softmax_step, _visible
+from kvtrace.kernels._triton_whatif_launch import Launcher
 
 INTERP_BLOCK_M = 16
 INTERP_BLOCK_N = 16
@@ -231,7 +232,8 @@ def _tuned():
 
 
 def run_pieces(q, k, v, perm, work, qpos, pm, pl, pacc, *, group: int, scale: float, k_start: int,
-               window: int | None, causal: bool, rows_h: int, cast_q: bool, cast_k: bool, cast_v: bool) -> None:
+               window: int | None, causal: bool, rows_h: int, cast_q: bool, cast_k: bool, cast_v: bool,
+               launch: Launcher | None = None) -> None:
     """Launch ``_piece_kernel`` over the ``work`` rows (int32 [pieces, 4]); q [B, Hq, Tq, D], k/v
     [B, Hk, T, D/Dv] contiguous, perm int32 [rows, T] (sorted key indices), qpos int64 [Tq];
     pm/pl fp32 [pieces * rows_h], pacc fp32 [... * Dv] outputs."""
@@ -254,50 +256,52 @@ def run_pieces(q, k, v, perm, work, qpos, pm, pl, pacc, *, group: int, scale: fl
         grid = (n_pieces, triton.cdiv(rows_h, INTERP_BLOCK_M))
         _piece_kernel[grid](*args, **flags, BLOCK_M=INTERP_BLOCK_M, BLOCK_N=INTERP_BLOCK_N)
         return
-    _launch("pieces", _tuned(), lambda meta: (n_pieces, triton.cdiv(rows_h, meta["BLOCK_M"])), args, flags)
+    (launch or Launcher())("pieces", _tuned(), lambda meta: (n_pieces, triton.cdiv(rows_h, meta["BLOCK_M"])), args, flags)
 
 
-def run_fold(pm, pl, pacc, psig, first, csets, recall, err, *, rows_h: int, n_heads: int, dv: int) -> None:
+def run_fold(pm, pl, pacc, psig, first, csets, recall, err, *, rows_h: int, n_heads: int, dv: int,
+             launch: Launcher | None = None) -> None:
     """Launch ``_fold_kernel``: recall and err [S, R] fp32 (R = n_heads * rows_h) from the piece
     states; first int32 [chunks * n_heads + 1] (the first piece of each (chunk, head), then the
     piece count), csets int32 [chunks, slots], psig int64 [pieces]."""
     R = n_heads * rows_h
     n_chunks, slots = csets.shape
     # The weights x piece outputs product in fp32 (FMA: "ieee"); slots padded to a dot's 16 rows.
-    _launch("fold", _fold_kernel, (R, n_chunks),
-            (pm, pl, pacc, psig, first, csets, recall, err, R, rows_h, n_heads, dv),
-            dict(SLOTS=slots, BLOCK_P=16, BLOCK_DV=max(16, triton.next_power_of_2(dv)), DOT_PREC="ieee",
-                 num_warps=4))
+    (launch or Launcher())("fold", _fold_kernel, (R, n_chunks),
+                           (pm, pl, pacc, psig, first, csets, recall, err, R, rows_h, n_heads, dv),
+                           dict(SLOTS=slots, BLOCK_P=16, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+                                DOT_PREC="ieee", num_warps=4))
 
 
-def run_cuts(ss, cut, runs, seen, total, *, per: int) -> None:
+def run_cuts(ss, cut, runs, seen, total, *, per: int, launch: Launcher | None = None) -> None:
     """Launch ``_cuts_kernel`` over ss [rows, T] int64 (sorted); cut int8 [rows, T]; runs, seen
     int32 [rows] and total int32 [1] zeroed counters."""
     rows, T = ss.shape
     block = INTERP_BLOCK_N if interpreting() else 1024
-    _launch("cuts", _cuts_kernel, (rows, triton.cdiv(T, block)), (ss, cut, runs, seen, total, T, int(per)),
-            dict(BLOCK=block, num_warps=4))
+    (launch or Launcher())("cuts", _cuts_kernel, (rows, triton.cdiv(T, block)),
+                           (ss, cut, runs, seen, total, T, int(per)), dict(BLOCK=block, num_warps=4))
 
 
-def run_piece_rows(at, ss, work, psig, first, *, heads: int) -> None:
+def run_piece_rows(at, ss, work, psig, first, *, heads: int, launch: Launcher | None = None) -> None:
     """Launch ``_piece_rows_kernel``: work int32 [pieces, 4], psig int64 [pieces], first int32
     [rows + 1] from the cut positions ``at`` (int64, ascending flat indices into ss [rows, T])."""
     n = at.numel()
     block = INTERP_BLOCK_N if interpreting() else 256
-    _launch("piece_rows", _piece_rows_kernel, (triton.cdiv(n, block),), (at, ss, work, psig, first, ss.shape[1],
-                                                                         heads, n), dict(BLOCK=block, num_warps=4))
+    (launch or Launcher())("piece_rows", _piece_rows_kernel, (triton.cdiv(n, block),),
+                           (at, ss, work, psig, first, ss.shape[1], heads, n), dict(BLOCK=block, num_warps=4))
 
 
 def run_signatures(keep8, qpos, sig, *, first: int, n_sets: int, k_start: int, window: int | None,
-                   causal: bool) -> None:
+                   causal: bool, launch: Launcher | None = None) -> None:
     """Launch ``_signature_kernel``: sig [heads, T] int64 of sets first .. first + n_sets of keep8
     [S, heads, T] int8 (contiguous)."""
     heads, T = keep8.shape[1] * keep8.shape[2], keep8.shape[3]
     block = INTERP_BLOCK_N if interpreting() else 1024
-    _launch("signatures", _signature_kernel, (heads, triton.cdiv(T, block)),
-            (keep8, qpos, sig, T, qpos.numel(), int(k_start), int(window or 0), int(first), int(n_sets)),
-            dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, BLOCK=block,
-                 BLOCK_Q=16 if interpreting() else 256, num_warps=4))
+    (launch or Launcher())("signatures", _signature_kernel, (heads, triton.cdiv(T, block)),
+                           (keep8, qpos, sig, T, qpos.numel(), int(k_start), int(window or 0), int(first),
+                            int(n_sets)),
+                           dict(CAUSAL=bool(causal), HAS_WINDOW=window is not None, BLOCK=block,
+                                BLOCK_Q=16 if interpreting() else 256, num_warps=4))
 
 
 def unit() -> int:

@@ -8,12 +8,14 @@ neither torch nor triton.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kvtrace.kernels._env import cuda_available, resolve_backend, torch_available
+from kvtrace.kernels.whatif_config import DEFAULT_CONFIG, KernelConfig, KernelFallbacks
 
 
 def select_device(device: str = "auto") -> tuple[str, str]:
@@ -36,7 +38,9 @@ def select_device(device: str = "auto") -> tuple[str, str]:
 
 
 class Compute:
-    """torch on one device with the kernels bound to one backend (auto | triton | torch)."""
+    """torch on one device with the kernels bound to one backend (auto | triton | torch). The
+    what-if kernels run with ``kernel_config`` and record the kernels they had to replace in
+    ``kernel_fallbacks``, one record for this object's lifetime (a run)."""
 
     head_norms: Callable[..., Any]
     attention_stats: Callable[..., Any]
@@ -49,7 +53,8 @@ class Compute:
     output_error: Callable[..., Any]
     quant_error: Callable[..., Any]
 
-    def __init__(self, device: str, backend: str, device_note: str = "") -> None:
+    def __init__(self, device: str, backend: str, device_note: str = "",
+                 kernel_config: KernelConfig = DEFAULT_CONFIG) -> None:
         import torch
 
         from kvtrace.kernels import analyses, attention, mla, norms, whatif
@@ -60,8 +65,11 @@ class Compute:
             norms.head_norms, attention.attention_stats, mla.mla_spectrum)
         self.kv_head_report, self.classify_entropy = analyses.kv_head_report, analyses.classify_entropy
         self.h2o_eviction, self.streaming_eviction = analyses.h2o_eviction, analyses.streaming_eviction
-        self.keep_measures, self.output_error, self.quant_error = (
-            whatif.keep_measures, whatif.output_error, whatif.quant_error)
+        self.kernel_config, self.kernel_fallbacks = kernel_config, KernelFallbacks()
+        run = dict(config=kernel_config, fallbacks=self.kernel_fallbacks)
+        self.keep_measures = functools.partial(whatif.keep_measures, **run)
+        self.output_error = functools.partial(whatif.output_error, **run)
+        self.quant_error = whatif.quant_error
 
     @property
     def label(self) -> str:
@@ -76,11 +84,12 @@ class Compute:
         return self._torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
 
-def open_compute(device: str = "auto", backend: str = "auto") -> Compute | str:
-    """A :class:`Compute` on ``device`` (see :func:`select_device`), or why torch cannot run here.
-    Raises ValueError for an unknown device name."""
+def open_compute(device: str = "auto", backend: str = "auto",
+                 kernel_config: KernelConfig = DEFAULT_CONFIG) -> Compute | str:
+    """A :class:`Compute` on ``device`` (see :func:`select_device`) whose what-if kernels run with
+    ``kernel_config``, or why torch cannot run here. Raises ValueError for an unknown device name."""
     ok, why = torch_available()
     if not ok:
         return why
     dev, note = select_device(device)
-    return Compute(dev, backend, note)
+    return Compute(dev, backend, note, kernel_config)

@@ -17,41 +17,36 @@ Backends: ``triton`` (one pass over the keys for all sets, memory O(rows * sets)
 rows x keys matrix; with 16+ query rows per KV head, where it pays, the signature-pieces path of
 whatif_pieces.py: one attention pass whatever the number of sets, memory O(rows * pieces)), ``torch`` (materialises the ``[B, Hq, Tq, T]`` scores once and a softmax per
 set; float64 by default, the exact reference). ``auto``: triton for CUDA tensors, else torch.
+
+The Triton path's choices (exact decode kernel, signature pieces, direct launches) come from the
+caller's ``KernelConfig`` (kvtrace/kernels/whatif_config.py; the defaults are the measured
+winners); a kernel a compiler rejects is recorded in the caller's ``KernelFallbacks`` (one per
+run: ``kernels.compute.Compute`` holds one).
 """
 
 from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvtrace.kernels._env import resolve_backend
+from kvtrace.kernels.whatif_config import DEFAULT_CONFIG, KernelConfig, KernelFallbacks
+
+if TYPE_CHECKING:
+    from kvtrace.kernels._triton_whatif_launch import Launcher
 
 __all__ = [
-    "QuantSpec", "as_bf16_if_exact", "keep_measures", "keep_measures_reference", "keep_measures_triton", "output_error",
-    "quant_error", "quant_error_reference", "quant_error_triton", "quant_roundtrip",
+    "KernelConfig", "KernelFallbacks", "QuantSpec", "as_bf16_if_exact", "keep_measures", "keep_measures_reference",
+    "keep_measures_triton", "output_error", "quant_error", "quant_error_reference", "quant_error_triton",
+    "quant_roundtrip",
 ]
 
 _LIMIT = 2**29  # the kernels add positions and windows in int32
-# fp32 K/V holding bf16 values: converted to bf16 copies for the shared-scores kernel (many reads
-# of each key block), read as bf16 in registers by the packed one (one read). A switch for the
-# benchmark's comparison of the two.
-CONVERT_SHARED = True
-# fp32 q, k, v of a decode step (the packed kernel): the bf16 grid decided per key block inside the
-# kernel, no check pass over K/V and no host sync before the launch (the position bound is read
-# after the merge launch). Off: on the H200 (32k keys, q = 1) the branchy key pass cost more GPU
-# time than the check and the sync it saves (0.410 vs 0.298 ms device, 0.593 vs 0.491 ms a call
-# with bf16 values; 0.716 vs 0.509 / 1.096 vs 0.871 with fp32 values). Kept as a tested switch.
-GRID_IN_KERNEL = False
-# Fewer than 16 query rows per KV head (a decode step) with fp32 K or V: the exact fp32 CUDA-core
-# kernel (``_keep_fma_kernel``), on the bf16 grid or not -- no grid check pass over K/V, no
-# position check (the kernel clamps positions) and no host sync in the call. Off: the packed
-# kernel after the grid check and its sync (tensor cores: bf16 dots on the bf16 grid, 3xTF32 off
-# it). docs/benchmarks.md "Decode-step rows (q = 1), fourth pass" has the numbers.
-EXACT_DECODE = True
 
 
 @dataclass(frozen=True)
@@ -201,9 +196,17 @@ def _sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _split_plan(g: _Attn, n_sets: int, device: torch.device, num_splits: int | None) -> tuple[int, int]:
-    """(key splits, keys per split): enough programs for ~4 per SM (a decode step's few rows
-    would otherwise leave most SMs idle), at least 256 keys a split."""
+@dataclass(frozen=True)
+class SplitPlan:
+    """How a keep-set call cuts the keys: ``n_splits`` splits of ``keys_per_split`` keys."""
+
+    n_splits: int
+    keys_per_split: int
+
+
+def _split_plan(g: _Attn, n_sets: int, device: torch.device, num_splits: int | None) -> SplitPlan:
+    """Enough programs for ~4 per SM (a decode step's few rows would otherwise leave most SMs
+    idle), at least 256 keys a split."""
     from kvtrace.kernels._triton_whatif import packed, split_unit
 
     unit = split_unit()
@@ -215,7 +218,7 @@ def _split_plan(g: _Attn, n_sets: int, device: torch.device, num_splits: int | N
         num_splits = max(1, min(want, g.T // 256))
     per = -(-g.T // max(1, num_splits))
     per = max(unit, -(-per // unit) * unit)
-    return -(-g.T // per), per
+    return SplitPlan(-(-g.T // per), per)
 
 
 def _keep_arg(keep: torch.Tensor) -> torch.Tensor:
@@ -229,24 +232,59 @@ def _keep_arg(keep: torch.Tensor) -> torch.Tensor:
     return keep if keep.stride(-1) == 1 else keep.contiguous()
 
 
-def _partials_triton(q, k, v, keep, g: _Attn, num_splits: int | None):
+def _launcher(config: KernelConfig, fallbacks: KernelFallbacks | None) -> Launcher:
+    from kvtrace.kernels._triton_whatif_launch import Launcher
+
+    return Launcher(config.direct_launch, fallbacks)
+
+
+@dataclass
+class KeepPlan:
+    """One keep-set call made ready by ``_keep_plan``: inputs checked and converted, the partial
+    states allocated -- (pm, pl) ``[S + 1, rows, n_splits]`` and pacc ``x dv`` fp32 for set 0
+    (every key) and each keep-set -- and what is left as callables."""
+
+    key_pass: Callable[[], None]  # the keep kernel's launch (sets finish_args["check"]: which one ran)
+    pm: torch.Tensor
+    pl: torch.Tensor
+    pacc: torch.Tensor
+    n_splits: int
+    rows: int  # B * Hq * Tq
+    dv: int
+    finish_args: dict[str, Any]  # what run_keep_finish needs besides the buffers
+    verify: Callable[[], None]  # after the launches: raises what a check left on the device found
+    launch: Launcher
+
+    def measures_into(self, recall: torch.Tensor, err: torch.Tensor) -> None:
+        """The key pass, the split merge into recall and err ``[S, ...]`` fp32, then the checks."""
+        from kvtrace.kernels._triton_whatif_finish import run_keep_finish
+
+        self.key_pass()
+        run_keep_finish(self.pm, self.pl, self.pacc, recall, err, rows=self.rows, dv=self.dv, n_splits=self.n_splits,
+                        launch=self.launch, **self.finish_args)
+        self.verify()
+
+
+def _partials_triton(q, k, v, keep, g: _Attn, num_splits: int | None, config: KernelConfig,
+                     launch: Launcher) -> KeepPlan | None:
     """Per key split, the softmax states (m, l, acc) of set 0 (every key) and of each set in
-    ``keep`` [S, B, Hk, T] (over the keys it keeps): (pm, pl [S+1, R, n_splits], pacc
-    [... x Dv], n_splits), R = B * Hq * Tq; None when there are no rows or keys."""
-    plan = _keep_plan(q, k, v, keep, g, num_splits)
+    ``keep`` [S, B, Hk, T] (over the keys it keeps), in the returned plan's buffers after its key
+    pass; None when there are no rows or keys."""
+    plan = _keep_plan(q, k, v, keep, g, num_splits, config, launch)
     if plan is None:
         return None
-    plan[0]()
-    plan[6]()
-    return plan[1:5]
+    plan.key_pass()
+    plan.verify()
+    return plan
 
 
-def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
-    """Checks, conversions and output buffers of ``_partials_triton``, and the launch as a
-    callable: (launch, pm, pl, pacc, n_splits, finish_kw, verify), or None. ``finish_kw``: what
-    ``run_keep_finish`` needs besides the buffers (set after the launch: which kernel ran);
-    ``verify()``, called after the launches, raises what a check left on the device found."""
+def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None, config: KernelConfig,
+               launch: Launcher) -> KeepPlan | None:
+    """Checks, conversions and output buffers of a keep-set call, and its launch: a
+    :class:`KeepPlan`, or None when there are no rows or keys."""
     from kvtrace.kernels import _triton_whatif as tw
+    from kvtrace.kernels._triton_whatif_check import run_grid_check
+    from kvtrace.kernels._triton_whatif_keep import run_keep
 
     window = None if g.window is None else min(g.window, _LIMIT)
     if abs(g.k_start) >= _LIMIT or g.T >= _LIMIT:
@@ -257,20 +295,19 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
     fp32 = [x if x.dtype == torch.float32 else None for x in (q, k, v)]
     # fp32 K or V of a decode step: the exact kernel (16-bit K and V: the packed kernel's tensor
     # cores, exact on them; on the H200 the exact kernel took 4-7 ms reading bf16 tensors).
-    exact = EXACT_DECODE and tw.packed(g.group, g.Tq) and (fp32[1] is not None or fp32[2] is not None)
-    grid_auto = not exact and GRID_IN_KERNEL and tw.packed(g.group, g.Tq) \
-        and q.dtype == k.dtype == v.dtype == torch.float32
+    exact = config.exact_decode and tw.packed(g.group, g.Tq) and (fp32[1] is not None or fp32[2] is not None)
     if exact:  # no grid to check, and the kernel clamps positions itself: no check at all
         off = [True, True, True]
-    elif grid_auto or fp32 == [None, None, None]:
+    elif fp32 == [None, None, None]:
         # The position bound checked on the device and read after the launches: no host sync
-        # before them (16-bit tensors have no grid to check, grid_auto decides it per key block).
-        verify = _bound_verifier(tw.run_grid_check(None, None, None, positions, _LIMIT, _sms(q.device), sync=False))
+        # before them (16-bit tensors have no grid to check).
+        verify = _bound_verifier(run_grid_check(None, None, None, positions, _LIMIT, _sms(q.device), launch,
+                                                sync=False))
         off = [True, True, True]
     else:
         # One launch and one host sync for every check the launch depends on: the position bound
         # and, for fp32 tensors, whether they hold bf16 values (each a read of the whole tensor).
-        big, *off = tw.run_grid_check(*fp32, positions, _LIMIT, _sms(q.device))
+        big, *off = run_grid_check(*fp32, positions, _LIMIT, _sms(q.device), launch)
         if big:
             raise ValueError("positions and lengths must be below 2**29 for the Triton path")
     if g.B * g.Hq * g.Tq == 0 or g.T == 0:
@@ -282,7 +319,7 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
         cast_q = cast_k = cast_v = False
     else:
         q, k, v, cast_q, cast_k, cast_v = _operands(q, k, v, off)
-    if CONVERT_SHARED and not tw.packed(g.group, g.Tq) and (cast_k or cast_v):
+    if not tw.packed(g.group, g.Tq) and (cast_k or cast_v):
         # The shared-scores kernel reads each key block once per block of rows and sets (~20-40
         # times at 64 queries): there a bf16 copy (one pass, half the inputs' size in memory)
         # halves that traffic and lets the loads go straight to shared memory.
@@ -290,19 +327,19 @@ def _keep_plan(q, k, v, keep, g: _Attn, num_splits: int | None):
         cast_k = cast_v = False
     S1, Dv = keep.shape[0] + 1, v.shape[3]
     rows = g.B * g.Hq * g.Tq
-    n_splits, per = _split_plan(g, S1, q.device, num_splits)
-    pm, pl, pacc = _partial_buffers(S1 * rows * n_splits, Dv, q.device)
+    split = _split_plan(g, S1, q.device, num_splits)
+    pm, pl, pacc = _partial_buffers(S1 * rows * split.n_splits, Dv, q.device)
     keep8, qpos = _keep_arg(keep), positions  # int64, read as int32 (bounded above)
-    finish_kw = dict(q=q, k=k, v=v, keep=keep8, qpos=qpos, group=g.group, scale=g.scale, k_start=g.k_start,
-                     window=window, causal=g.causal)
+    finish_args: dict[str, Any] = dict(q=q, k=k, v=v, keep=keep8, qpos=qpos, group=g.group, scale=g.scale,
+                                       k_start=g.k_start, window=window, causal=g.causal)
 
-    def launch() -> None:
-        finish_kw["check"] = tw.run_keep(q, k, v, keep8, qpos, pm, pl, pacc, group=g.group, scale=g.scale,
-                                         k_start=g.k_start, window=window, causal=g.causal, keys_per_split=per,
-                                         n_splits=n_splits, n_sets=S1, cast_q=cast_q, cast_k=cast_k, cast_v=cast_v,
-                                         grid_auto=grid_auto, exact=exact)
+    def key_pass() -> None:
+        finish_args["check"] = run_keep(q, k, v, keep8, qpos, pm, pl, pacc, group=g.group, scale=g.scale,
+                                        k_start=g.k_start, window=window, causal=g.causal,
+                                        keys_per_split=split.keys_per_split, n_splits=split.n_splits, n_sets=S1,
+                                        launch=launch, cast_q=cast_q, cast_k=cast_k, cast_v=cast_v, exact=exact)
 
-    return launch, pm, pl, pacc, n_splits, finish_kw, verify
+    return KeepPlan(key_pass, pm, pl, pacc, split.n_splits, rows, Dv, finish_args, verify, launch)
 
 
 def _operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, off: Sequence[bool]):
@@ -345,15 +382,15 @@ def _bound_verifier(flags: torch.Tensor):
     return verify
 
 
-def _merged_states(parts, g: _Attn, S1: int, Dv: int, device: torch.device):
+def _merged_states(plan: KeepPlan | None, g: _Attn, S1: int, Dv: int, device: torch.device):
     """Merged per-set states (m, l, o) ``[S1, B, Hq, Tq]`` (o: ``x Dv``) from ``_partials_triton``."""
-    if parts is None:
+    if plan is None:
         z = torch.zeros(S1, g.B, g.Hq, g.Tq, dtype=torch.float32, device=device)
         return z - float("inf"), z, torch.zeros(*z.shape, Dv, dtype=torch.float32, device=device)
-    pm, pl, pacc, n_splits = parts
-    pm = pm.view(S1, g.B, g.Hq, g.Tq, n_splits)
-    pl = pl.view_as(pm)
-    pacc = pacc.view(S1, g.B, g.Hq, g.Tq, n_splits, Dv)
+    n_splits = plan.n_splits
+    pm = plan.pm.view(S1, g.B, g.Hq, g.Tq, n_splits)
+    pl = plan.pl.view_as(pm)
+    pacc = plan.pacc.view(S1, g.B, g.Hq, g.Tq, n_splits, Dv)
     m = pm.amax(dim=-1)
     m_use = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     w = torch.exp(pm - m_use[..., None])  # 0 for splits that used no key (pm = -inf)
@@ -364,37 +401,34 @@ def _merged_states(parts, g: _Attn, S1: int, Dv: int, device: torch.device):
     return m, lsum, o
 
 
-def _pieces_runner(q, k, v, keep, g: _Attn, num_splits: int | None):
+def _pieces_runner(q, k, v, keep, g: _Attn, num_splits: int | None, config: KernelConfig, launch: Launcher):
     """The signature-pieces path (kernels/whatif_pieces.py) for a KV head of 16+ query rows, as a
-    callable; None where it does not apply or its kernels failed to compile here before."""
+    callable; None where the config or its cost model leaves the call to the shared-max kernel,
+    or its kernels failed in this run before."""
     from kvtrace.kernels import _triton_whatif as tw
     from kvtrace.kernels import whatif_pieces
 
-    if not whatif_pieces.PIECES or not keep.shape[0] or tw.packed(g.group, g.Tq) or _PIECES_FAILED:
+    fb = launch.fallbacks
+    if not config.pieces or not keep.shape[0] or tw.packed(g.group, g.Tq) or fb.off(fb.PIECES):
         return None
-    return whatif_pieces.runner(q, k, v, keep, g, num_splits)
+    return whatif_pieces.runner(q, k, v, keep, g, num_splits, pieces=config.pieces, launch=launch)
 
 
-_PIECES_FAILED: list[str] = []
-
-
-def _pieces_measures(q, k, v, keep, g: _Attn, num_splits: int | None):
+def _pieces_measures(q, k, v, keep, g: _Attn, num_splits: int | None, config: KernelConfig, launch: Launcher):
     """(recall, error) from the signature-pieces path, or None where it does not apply; a compiler
-    that rejects its kernels turns it off for the process (FALLBACKS says so) and the shared-max
-    kernel, which computes the same, answers instead."""
-    from kvtrace.kernels import _triton_whatif as tw
-
+    that rejects its kernels turns it off for the run (the fallbacks record says so) and the
+    shared-max kernel, which computes the same, answers instead."""
     try:
-        run = _pieces_runner(q, k, v, keep, g, num_splits)
+        run = _pieces_runner(q, k, v, keep, g, num_splits, config, launch)
         return None if run is None else run()
     except ValueError:
         raise
     except Exception as exc:
         if "out of memory" in str(exc).lower():
             raise
-        msg = f"signature-pieces kernels unavailable ({type(exc).__name__}: {str(exc)[:200]}); the shared-max kernel"
-        _PIECES_FAILED.append(msg)
-        tw.FALLBACKS.append(msg)
+        fb = launch.fallbacks
+        fb.turn_off(fb.PIECES, f"signature-pieces kernels unavailable ({type(exc).__name__}: {str(exc)[:200]}); "
+                               "the shared-max kernel")
         return None
 
 
@@ -402,52 +436,46 @@ def keep_measures_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
     q_positions: torch.Tensor | Sequence[int] | None = None, k_start: int = 0, window: int | None = None,
     scale: float | None = None, causal: bool = True, num_splits: int | None = None,
+    config: KernelConfig = DEFAULT_CONFIG, fallbacks: KernelFallbacks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(recall, error) ``[S, B, Hq, Tq]`` fp32 from one Triton pass over the keys for all sets and
-    one launch merging the key splits into the measures."""
-    from kvtrace.kernels import _triton_whatif as tw
-
+    one launch merging the key splits into the measures. ``config``: which kernels
+    (whatif_config.py); ``fallbacks``: the run's record of kernels replaced (None: this call's own)."""
     g = _geometry(q, k, v, q_positions, k_start, window, scale, causal)
     keep = _keep_sets(keep, g)
+    launch = _launcher(config, fallbacks)
     shape = (keep.shape[0], g.B, g.Hq, g.Tq)
-    measured = _pieces_measures(q, k, v, keep, g, num_splits)
+    measured = _pieces_measures(q, k, v, keep, g, num_splits, config, launch)
     if measured is not None:
         return measured
-    plan = _keep_plan(q, k, v, keep, g, num_splits) if keep.shape[0] else None
+    plan = _keep_plan(q, k, v, keep, g, num_splits, config, launch) if keep.shape[0] else None
     if plan is None:  # no sets, queries or keys: recall 0, error NaN (||o|| = 0)
         recall = torch.zeros(shape, dtype=torch.float32, device=q.device)
         return recall, torch.full_like(recall, float("nan"))
-    launch, pm, pl, pacc, n_splits, finish_kw, verify = plan
-    launch()
     recall = torch.empty(shape, dtype=torch.float32, device=q.device)
     err = torch.empty_like(recall)
-    tw.run_keep_finish(pm, pl, pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3], n_splits=n_splits,
-                       **finish_kw)
-    verify()
+    plan.measures_into(recall, err)
     return recall, err
 
 
 def keep_kernels_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, **kw):
     """For benchmarks: a callable running only the two launches of ``keep_measures_triton`` (key
     pass, split merge) on inputs checked, converted and buffers allocated once, here."""
-    from kvtrace.kernels import _triton_whatif as tw
-
     num_splits = kw.pop("num_splits", None)
+    config = kw.pop("config", DEFAULT_CONFIG)
+    launch = _launcher(config, kw.pop("fallbacks", None))
     g = _geometry(q, k, v, kw.pop("q_positions", None), kw.pop("k_start", 0), kw.pop("window", None),
                   kw.pop("scale", None), kw.pop("causal", True))
     keep = _keep_sets(keep, g)
-    pieces = _pieces_runner(q, k, v, keep, g, num_splits)
+    pieces = _pieces_runner(q, k, v, keep, g, num_splits, config, launch)
     if pieces is not None:
         return pieces
-    launch, pm, pl, pacc, n_splits, finish_kw, verify = _keep_plan(q, k, v, keep, g, num_splits)
+    plan = _keep_plan(q, k, v, keep, g, num_splits, config, launch)
     recall = torch.empty(keep.shape[0], g.B, g.Hq, g.Tq, dtype=torch.float32, device=q.device)
     err = torch.empty_like(recall)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        launch()
-        tw.run_keep_finish(pm, pl, pacc, recall, err, rows=g.B * g.Hq * g.Tq, dv=v.shape[3], n_splits=n_splits,
-                           **finish_kw)
-        verify()
+        plan.measures_into(recall, err)
         return recall, err
 
     return run
@@ -457,11 +485,13 @@ def keep_measures(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
     q_positions: torch.Tensor | Sequence[int] | None = None, k_start: int = 0, window: int | None = None,
     scale: float | None = None, causal: bool = True, backend: str = "auto",
+    config: KernelConfig = DEFAULT_CONFIG, fallbacks: KernelFallbacks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(recall, error) ``[S, B, Hq, Tq]`` for S keep-sets (module docstring)."""
+    """(recall, error) ``[S, B, Hq, Tq]`` for S keep-sets (module docstring); ``config`` and
+    ``fallbacks`` as :func:`keep_measures_triton`'s (the torch path ignores them)."""
     kw = dict(q_positions=q_positions, k_start=k_start, window=window, scale=scale, causal=causal)
     if resolve_backend(backend, q) == "triton":
-        return keep_measures_triton(q, k, v, keep, **kw)
+        return keep_measures_triton(q, k, v, keep, **kw, config=config, fallbacks=fallbacks)
     return keep_measures_reference(q, k, v, keep, **kw)
 
 
@@ -469,16 +499,20 @@ def output_error(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor, *,
     q_positions: torch.Tensor | Sequence[int] | None = None, k_start: int = 0, window: int | None = None,
     scale: float | None = None, causal: bool = True, backend: str = "auto",
+    config: KernelConfig = DEFAULT_CONFIG, fallbacks: KernelFallbacks | None = None,
 ) -> torch.Tensor:
     """``||o' - o|| / ||o||`` ``[B, Hq, Tq]`` of attention over (k2, v2) (e.g. dequantised)
-    against (k, v), every visible key kept."""
+    against (k, v), every visible key kept; ``config`` and ``fallbacks`` as
+    :func:`keep_measures_triton`'s."""
     g = _geometry(q, k, v, q_positions, k_start, window, scale, causal)
     if k2.shape != k.shape or v2.shape != v.shape:
         raise ValueError("k2, v2 must have the shapes of k, v")
     if resolve_backend(backend, q) == "triton":
+        launch = _launcher(config, fallbacks)
         none = torch.zeros(0, g.B, g.Hk, g.T, dtype=torch.int8, device=q.device)  # set 0 (every key) only
-        o = _merged_states(_partials_triton(q, k, v, none, g, None), g, 1, v.shape[3], q.device)[2][0]
-        o2 = _merged_states(_partials_triton(q, k2, v2, none, g, None), g, 1, v2.shape[3], q.device)[2][0]
+        o = _merged_states(_partials_triton(q, k, v, none, g, None, config, launch), g, 1, v.shape[3], q.device)[2][0]
+        o2 = _merged_states(_partials_triton(q, k2, v2, none, g, None, config, launch), g, 1, v2.shape[3],
+                            q.device)[2][0]
         return _rel_error(o2, o)
     dt = torch.float64
     vis = _visible(g, q.device)
@@ -590,7 +624,7 @@ def quant_error_triton(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, 
     """(MSE, cosine) per head ``[H]`` float64 from the fused kernel: the dequantised tensor stays
     in registers, quantisation and error sums in float64 as numerics.py (only the summation order
     differs)."""
-    from kvtrace.kernels import _triton_whatif as tw
+    from kvtrace.kernels import _triton_whatif_quant as tq
 
     if x.dim() != 4:
         raise ValueError(f"x must be [B, H, T, D], got {tuple(x.shape)}")
@@ -599,11 +633,11 @@ def quant_error_triton(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, 
     n = T - min(spec.residual, T)
     # Few small ops after the launch: at 4k tokens they, not the kernel, were most of the time.
     if n > 0 and D > 0:
-        mode = tw.MODE_FP8 if spec.kind == "fp8" else tw.MODE_TOKEN_GROUPS if spec.axis == "token" else tw.MODE_CHANNEL_GROUPS
+        mode = tq.MODE_FP8 if spec.kind == "fp8" else tq.MODE_TOKEN_GROUPS if spec.axis == "token" else tq.MODE_CHANNEL_GROUPS
         sms = _sms(x.device)
-        n_prog, chunk = tw.quant_grid(n, mode, spec.group, lanes=B * H, sms=sms)
+        n_prog, chunk = tq.quant_grid(n, mode, spec.group, lanes=B * H, sms=sms)
         parts = torch.empty(3, B * H * n_prog, dtype=torch.float64, device=x.device)
-        tw.run_quant(x, parts[0], parts[1], parts[2], Tn=n, mode=mode, group=spec.group, chunk=chunk,
+        tq.run_quant(x, parts[0], parts[1], parts[2], Tn=n, mode=mode, group=spec.group, chunk=chunk,
                      bits=spec.bits, fp8=(spec.man, spec.emin, spec.top))
         sums = parts.view(3, B, H, n_prog).sum(dim=(1, 3))  # (sse, cosine sum, count) per head
     else:

@@ -1,6 +1,7 @@
 """Keep-set measures for many query rows by key signature (the kernels and why:
 kvtrace/kernels/_triton_whatif_pieces.py). kvtrace/kernels/whatif.py dispatches here when a KV
-head has 16 or more query rows (``_triton_whatif.packed`` is false) and ``PIECES`` is on.
+head has 16 or more query rows (``_triton_whatif.packed`` is false) and ``KernelConfig.pieces``
+asks for it (True: always; "auto": where :func:`pays` says it beats the shared-max kernel).
 
 The plan, on the device but for one host sync: each key's signature (bit j: chunk set j keeps
 it; -1: no query sees it), a stable sort of each head's keys by signature, the runs of one
@@ -16,9 +17,6 @@ from typing import Any
 
 import torch
 
-# True: every call with 16+ query rows per KV head takes this path; False: the shared-max kernel
-# (_triton_whatif._keep_shared_kernel) does; "auto": this path where it pays by the cost model below.
-PIECES: bool | str = "auto"
 # Per-call cost model, from the H200 probe at 55eada5 (bench/results/whatif_pieces_probe_h200_55eada5.json,
 # whole calls, host glue included, 9 sets + the full one): the shared-max kernel ~0.4 ms + 4.5 ps per
 # (set x query row x key) -- 3.87 ms at 32k keys x 64 queries, 1.25 at 32k x 16, 0.84 at 4k x 64 --; this
@@ -69,10 +67,11 @@ def _cached(key: tuple, make) -> torch.Tensor:
 
 
 def plan(keep8: torch.Tensor, g: Any, device: torch.device, *, piece_keys: int, unit: int,
-         extra: torch.Tensor | None = None) -> tuple[PiecePlan | None, list[int]]:
+         extra: torch.Tensor | None = None, launch: Any = None) -> tuple[PiecePlan | None, list[int]]:
     """The plan for keep-sets ``keep8`` [S, B, Hk, T] (int8, contiguous) and geometry ``g``, or
     None when no query sees any key; and ``extra`` (an int tensor on the device, e.g. check
-    flags) read in the same host sync, as a list. One host sync unless a chunk must be split."""
+    flags) read in the same host sync, as a list. One host sync unless a chunk must be split.
+    ``launch``: the call's ``_triton_whatif_launch.Launcher`` (None: a default one)."""
     from kvtrace.kernels import _triton_whatif_pieces as tp
 
     S, B, Hk, T = keep8.shape
@@ -85,11 +84,11 @@ def plan(keep8: torch.Tensor, g: Any, device: torch.device, *, piece_keys: int, 
         sig = torch.empty(rows, T, dtype=torch.int64, device=device)
         for i, c in enumerate(chunks):
             tp.run_signatures(keep8, g.positions, sig[i * HD:(i + 1) * HD], first=c[0], n_sets=len(c),
-                              k_start=g.k_start, window=g.window, causal=g.causal)
+                              k_start=g.k_start, window=g.window, causal=g.causal, launch=launch)
         ss, perm = torch.sort(sig, dim=-1, stable=True)  # stable: a run keeps its keys in position order
         cut = torch.empty(rows, T, dtype=torch.int8, device=device)
         counters = torch.zeros(2 * rows + 1, dtype=torch.int32, device=device)  # runs, seen keys, cuts
-        tp.run_cuts(ss, cut, counters[:rows], counters[rows:2 * rows], counters[2 * rows:], per=per)
+        tp.run_cuts(ss, cut, counters[:rows], counters[rows:2 * rows], counters[2 * rows:], per=per, launch=launch)
         parts = [counters[rows:rows + 1], counters[2 * rows:], counters[:rows].view(len(chunks), HD).amax(dim=1)]
         if extra is not None:
             parts.append(extra.to(torch.int32).reshape(-1))
@@ -103,11 +102,11 @@ def plan(keep8: torch.Tensor, g: Any, device: torch.device, *, piece_keys: int, 
         if not split:
             break
         chunks = [h for i, c in enumerate(chunks) for h in (_halves(c) if i in split else [c])]
-    return _pieces(chunks, ss, perm, cut, n_pieces, HD, device), extra_out
+    return _pieces(chunks, ss, perm, cut, n_pieces, HD, device, launch), extra_out
 
 
 def _pieces(chunks: list[list[int]], ss: torch.Tensor, perm: torch.Tensor, cut: torch.Tensor, n_pieces: int,
-            HD: int, device: torch.device) -> PiecePlan:
+            HD: int, device: torch.device, launch: Any) -> PiecePlan:
     """Pieces from the cut flags of the sorted keys [chunks * HD, T], on the device (no sync)."""
     from kvtrace.kernels import _triton_whatif_pieces as tp
 
@@ -116,7 +115,7 @@ def _pieces(chunks: list[list[int]], ss: torch.Tensor, perm: torch.Tensor, cut: 
     work = torch.empty(n_pieces, 4, dtype=torch.int32, device=device)
     psig = torch.empty(n_pieces, dtype=torch.int64, device=device)
     first = torch.empty(C * HD + 1, dtype=torch.int32, device=device)
-    tp.run_piece_rows(at, ss, work, psig, first, heads=HD)
+    tp.run_piece_rows(at, ss, work, psig, first, heads=HD, launch=launch)
     slots = max(16, 1 << (max(len(ch) for ch in chunks)).bit_length())  # the fold's dot: 16 rows at least
 
     def table() -> torch.Tensor:
@@ -148,15 +147,16 @@ def pays(rows: int, keys: int, sets: int) -> bool:
 
 
 def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, g: Any,
-           num_splits: int | None = None):
+           num_splits: int | None = None, *, pieces: bool | str = "auto", launch: Any = None):
     """Checks, conversions, the plan and the output buffers of one call, and the launches as a
-    callable returning (recall, error) ``[S, B, Hq, Tq]`` fp32; None where ``PIECES`` is "auto"
-    and the shared-max kernel would be faster. ``g``: whatif._geometry's."""
-    from kvtrace.kernels import _triton_whatif as tw
+    callable returning (recall, error) ``[S, B, Hq, Tq]`` fp32; None where ``pieces`` is "auto"
+    and the shared-max kernel would be faster. ``g``: whatif._geometry's; ``launch``: the call's
+    ``_triton_whatif_launch.Launcher``."""
+    from kvtrace.kernels import _triton_whatif_check as tc
     from kvtrace.kernels import _triton_whatif_pieces as tp
     from kvtrace.kernels import whatif as W
 
-    if PIECES == "auto" and not pays(g.B * g.Hq * g.Tq, g.T, keep.shape[0] + 1):
+    if pieces == "auto" and not pays(g.B * g.Hq * g.Tq, g.T, keep.shape[0] + 1):
         return None
     if abs(g.k_start) >= W._LIMIT or g.T >= W._LIMIT:
         raise ValueError("positions and lengths must be below 2**29 for the Triton path")
@@ -168,13 +168,13 @@ def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor
         return lambda: (recall, torch.full_like(recall, float("nan")))
     fp32 = [x if x.dtype == torch.float32 else None for x in (q, k, v)]
     # The position bound and whether fp32 tensors hold bf16 values, read in the plan's one sync.
-    flags = tw.run_grid_check(*fp32, positions, W._LIMIT, W._sms(q.device), sync=False)
+    flags = tc.run_grid_check(*fp32, positions, W._LIMIT, W._sms(q.device), launch, sync=False)
     keep8 = W._keep_arg(keep)
     rows_h = g.group * g.Tq
     unit = tp.unit()
     pk = piece_keys_for(g.T, g.B * g.Hk, rows_h, W._sms(q.device), unit, num_splits)
-    pl_, bits = plan(keep8, g, q.device, piece_keys=pk, unit=unit, extra=flags)
-    big, *off = tw.grid_flags(bits)
+    pl_, bits = plan(keep8, g, q.device, piece_keys=pk, unit=unit, extra=flags, launch=launch)
+    big, *off = tc.grid_flags(bits)
     if big:
         raise ValueError("positions and lengths must be below 2**29 for the Triton path")
     recall = torch.zeros(shape, dtype=torch.float32, device=q.device)
@@ -188,12 +188,12 @@ def runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor
     pm, pls, pacc = W._partial_buffers(n_pieces * rows_h, dv, q.device)
     window = None if g.window is None else min(g.window, W._LIMIT)
 
-    def launch() -> tuple[torch.Tensor, torch.Tensor]:
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
         tp.run_pieces(q, k, v, pl_.perm, pl_.work, positions, pm, pls, pacc, group=g.group, scale=g.scale,
                       k_start=g.k_start, window=window, causal=g.causal, rows_h=rows_h, cast_q=cast_q,
-                      cast_k=cast_k, cast_v=cast_v)
+                      cast_k=cast_k, cast_v=cast_v, launch=launch)
         tp.run_fold(pm, pls, pacc, pl_.psig, pl_.first, pl_.csets, recall, err, rows_h=rows_h,
-                    n_heads=g.B * g.Hk, dv=dv)
+                    n_heads=g.B * g.Hk, dv=dv, launch=launch)
         return recall, err
 
-    return launch
+    return run

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvtrace.whatif import numerics as N
 from kvtrace.whatif.policies import FP8, HQQ, KIVI, Quantizer, Quanto
+
+if TYPE_CHECKING:
+    from kvtrace.kernels.whatif_config import KernelConfig
 
 __all__ = ["Accelerated", "Exact", "open_numerics", "quant_spec"]
 
@@ -187,17 +190,20 @@ class Accelerated:
         return err.double().cpu().numpy()
 
 
-def open_numerics(device: str = "cpu", backend: str = "auto") -> Exact | Accelerated:
+def open_numerics(device: str = "cpu", backend: str = "auto",
+                  kernel_config: KernelConfig | None = None) -> Exact | Accelerated:
     """:class:`Exact` for ``device`` "cpu"; for "auto" or "cuda", :class:`Accelerated` when torch
     runs there on a CUDA device, else :class:`Exact` with ``note`` saying why (the numbers are
-    the same, only slower). Raises ValueError for another device name."""
+    the same, only slower). ``kernel_config``: how the Triton kernels run (None: the defaults,
+    kvtrace/kernels/whatif_config.py). Raises ValueError for another device name."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
     if device == "cpu":
         return Exact()
     from kvtrace.kernels.compute import open_compute
+    from kvtrace.kernels.whatif_config import DEFAULT_CONFIG
 
-    comp = open_compute(device, backend)
+    comp = open_compute(device, backend, kernel_config or DEFAULT_CONFIG)
     exact = Exact()
     if isinstance(comp, str):
         exact.note = f"{'GPU asked for but ' if device == 'cuda' else ''}{comp}: ran the exact numpy reference on the CPU"

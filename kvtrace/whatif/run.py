@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from kvtrace.whatif.policies import (
     Unsupported,
     descending,
 )
+
+if TYPE_CHECKING:
+    from kvtrace.kernels.whatif_config import KernelConfig
 
 __all__ = ["SCHEMA", "SCHEMA_MINOR", "NEEDS", "run_whatif"]
 
@@ -61,7 +64,8 @@ _Job = tuple[Policy, float | None, dict[str, Any]]
 
 def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ratios: list[float],
                device: str = "cpu", steps: str = "last", sliding: str = "auto",
-               progress: Callable[[int], AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
+               progress: Callable[[int], AbstractContextManager[Any]] | None = None, *,
+               kernel_config: KernelConfig | None = None) -> dict[str, Any]:
     """The what-if document (spec/whatif-json.md) for ``policies`` at compression ``ratios``;
     ``device`` cpu (numerics.py, float64) | cuda | auto (the Triton kernels where CUDA is, within
     the tolerances of whatif/accelerated.py; else cpu, said in ``numerics.note``). ``steps``: the
@@ -69,11 +73,12 @@ def run_whatif(trace: Trace | str | os.PathLike[str], policies: list[Policy], ra
     ("all"; one layer row per step). ``sliding``: whether eviction presses sliding-window layers
     (auto: kvpress's choice for the model, kvtrace.whatif.kvpress.presses_sliding; press; keep).
     ``progress(total)``: a context manager yielding a callable told each unit as it starts
-    (kvtrace.progress.progress_bar)."""
+    (kvtrace.progress.progress_bar). ``kernel_config``: how the Triton kernels run (None: the
+    defaults, kvtrace/kernels/whatif_config.py)."""
     if not isinstance(trace, Trace):
         with Trace(trace) as t:
-            return run_whatif(t, policies, ratios, device, steps, sliding, progress)
-    calc = open_numerics(device)
+            return run_whatif(t, policies, ratios, device, steps, sliding, progress, kernel_config=kernel_config)
+    calc = open_numerics(device, kernel_config=kernel_config)
     for r in ratios:
         if not 0 <= r < 1:
             raise PolicyError(f"ratio must be in [0, 1), got {r}")

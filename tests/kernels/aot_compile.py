@@ -26,8 +26,12 @@ from triton.compiler import ASTSource  # noqa: E402
 from kvtrace.kernels import _triton_attention as ta  # noqa: E402
 from kvtrace.kernels import _triton_mla as tm  # noqa: E402
 from kvtrace.kernels import _triton_norms as tn  # noqa: E402
-from kvtrace.kernels import _triton_whatif as tw  # noqa: E402
+from kvtrace.kernels import _triton_whatif_check as tc  # noqa: E402
+from kvtrace.kernels import _triton_whatif_decode as td  # noqa: E402
+from kvtrace.kernels import _triton_whatif_finish as tf  # noqa: E402
 from kvtrace.kernels import _triton_whatif_pieces as tp  # noqa: E402
+from kvtrace.kernels import _triton_whatif_quant as tq  # noqa: E402
+from kvtrace.kernels import _triton_whatif_shared as ts  # noqa: E402
 
 
 def _compile(fn, types: dict, consts: dict, cfg_opts: dict, target: GPUTarget):
@@ -95,36 +99,36 @@ def _keep_types(dt: str) -> dict:
 def whatif_jobs(all_configs: bool, smoke: bool = False):
     """The what-if kernels: keep-set attention (packed and shared-scores) and the quantisation error."""
     for dt in ("fp32", "bf16") if smoke else ("fp32", "bf16", "fp16"):
-        for fn, cfgs in ((tw._keep_packed_kernel, tw._packed_configs()), (tw._keep_shared_kernel, tw._shared_configs())):
+        for fn, cfgs in ((td._keep_packed_kernel, td._packed_configs()), (ts._keep_shared_kernel, ts._shared_configs())):
             for cfg in cfgs if all_configs else cfgs[:1]:
-                packed = fn is tw._keep_packed_kernel
-                # cast: fp32 K/V holding bf16 values, read as bf16 in registers (bf16 queries);
-                # auto: fp32 q, k, v whose grid the packed kernel decides per key block
-                for cast, auto in [(False, False), *([(True, False)] if dt == "bf16" else []),
-                                   *([(False, True)] if dt == "fp32" and packed else [])]:
+                packed = fn is td._keep_packed_kernel
+                # cast: fp32 holding bf16 values, read as bf16 in registers (bf16 queries; the shared
+                # kernel casts q only: it takes bf16 copies of K and V)
+                for cast in [False, *([True] if dt == "bf16" else [])]:
                     c = dict(CAUSAL=True, HAS_WINDOW=True, DOT_F32=False,
                              PREC_QK="tf32x3" if dt == "fp32" else "tf32", PREC_PV="tf32x3", PV_SPLIT=dt == "bf16",
-                             CAST_Q=cast, CAST_K=cast, CAST_V=cast, ROUNDED=True, BLOCK_D=128, BLOCK_DV=128,
-                             **({"GRID_AUTO": auto} if packed else {}), **cfg.kwargs)
-                    types = {**_keep_types(dt), **(dict(Q="*fp32", K="*fp32", V="*fp32") if cast else {})}
-                    yield (f"{fn.__name__} {dt}{' cast' if cast else ''}{' auto' if auto else ''} {cfg.kwargs} "
+                             CAST_Q=cast, ROUNDED=True, BLOCK_D=128, BLOCK_DV=128,
+                             **(dict(CAST_K=cast, CAST_V=cast) if packed else {}), **cfg.kwargs)
+                    cast_types = dict(Q="*fp32", K="*fp32", V="*fp32") if packed else dict(Q="*fp32")
+                    types = {**_keep_types(dt), **(cast_types if cast else {})}
+                    yield (f"{fn.__name__} {dt}{' cast' if cast else ''} {cfg.kwargs} "
                            f"w{cfg.num_warps}", fn, types, c, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         if smoke and dt != "fp32":
             continue
         if dt == "fp32":  # the split merge reads fp32 partial states (and, checking, the inputs)
             for check in (False, True):
-                yield (f"keep finish check={check}", tw._keep_finish_kernel,
+                yield (f"keep finish check={check}", tf._keep_finish_kernel,
                        dict(PM="*fp32", PL="*fp32", PACC="*fp32", RECALL="*fp32", ERR="*fp32", R="i32", S1="i32",
                             DV="i32", n_splits="i32", Q="*fp32", K="*fp32", V="*fp32", KEEP="*i8", QPOS="*i64",
                             Hq="i32",
                             Tq="i32", Tk="i32", GROUP="i32", D="i32", scale="fp32", k_start="i32", window="i32"),
-                       dict(CHECK=check, CAUSAL=True, HAS_WINDOW=True, ROUNDED=True, UNDER=tw.UNDERFLOW, BLOCK_S=32,
+                       dict(CHECK=check, CAUSAL=True, HAS_WINDOW=True, ROUNDED=True, UNDER=tf.UNDERFLOW, BLOCK_S=32,
                             BLOCK_N=32, BLOCK_D=128, BLOCK_DV=128), dict(num_warps=4))
-            yield ("grid check", tw._grid_check_kernel,
+            yield ("grid check", tc._grid_check_kernel,
                    dict(Q="*i32", K="*i32", V="*i32", POS="*i64", FLAGS="*i32", nq="i32", nk="i32", nv="i32",
                         n_pos="i32", chunk="i32"), dict(LIMIT=2**29, BLOCK=1024), dict(num_warps=4))
-        for mode in (tw.MODE_TOKEN_GROUPS,) if smoke else (tw.MODE_CHANNEL_GROUPS, tw.MODE_TOKEN_GROUPS, tw.MODE_FP8):
-            yield (f"quant {dt} mode {mode}", tw._quant_kernel,
+        for mode in (tq.MODE_TOKEN_GROUPS,) if smoke else (tq.MODE_CHANNEL_GROUPS, tq.MODE_TOKEN_GROUPS, tq.MODE_FP8):
+            yield (f"quant {dt} mode {mode}", tq._quant_kernel,
                    dict(X=f"*{dt}", SSE="*fp64", COS="*fp64", CNT="*fp64", Hn="i32", Tn="i32", D="i32", group="i32",
                         chunk="i32", sxb="i64", sxh="i64", sxt="i64"),
                    dict(LEVELS=3.0, MODE=mode, MAN=3, EMIN=-6, TOP=448.0, BLOCK_T=16, BLOCK_D=128), dict(num_warps=4))

@@ -20,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtrace.kernels import whatif as W  # noqa: E402
+from kvtrace.kernels.whatif_config import KernelConfig, KernelFallbacks  # noqa: E402
 from kvtrace.whatif import numerics as N  # noqa: E402
 from kvtrace.whatif.policies import FP8, HQQ, KIVI, Quanto  # noqa: E402
 
@@ -256,38 +257,35 @@ def test_dispatch_and_bad_input():
 
 def test_bf16_grid_fp32_kv_is_read_as_bf16_in_registers(tri_device, monkeypatch):
     """fp32 Q/K/V holding bf16 values are cast in the kernel (no converted copy); full fp32 values
-    are not. Both agree with numerics.py. (The grid decided on the host: with GRID_IN_KERNEL the
-    packed kernel decides it per key block, tested below.)"""
-    from kvtrace.kernels import _triton_whatif as tw
+    are not. Both agree with numerics.py."""
+    from kvtrace.kernels import _triton_whatif_keep as tk
 
-    monkeypatch.setattr(W, "GRID_IN_KERNEL", False)
-    monkeypatch.setattr(W, "EXACT_DECODE", False)  # the packed kernel after the grid check (the switch's other side)
+    packed_after_check = KernelConfig(exact_decode=False)  # the packed kernel after the grid check
     seen = []
-    real = tw.run_keep
+    real = tk.run_keep
 
     def spy(*a, **kw):
         seen.append((kw["cast_q"], kw["cast_k"], kw["cast_v"], a[0].dtype, a[1].dtype))
         return real(*a, **kw)
 
-    monkeypatch.setattr(tw, "run_keep", spy)
+    monkeypatch.setattr(tk, "run_keep", spy)
     q, k, v, keep, pos = _case(11, Tq=3)
     grid = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v)]
     for arrays in (grid, (q, k, v)):
         want_r, want_e = _numpy_sets(*arrays, keep, pos, 0, None, q.shape[-1] ** -0.5)
-        r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (*arrays, keep)), q_positions=pos)
+        r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (*arrays, keep)), q_positions=pos,
+                                      config=packed_after_check)
         _close(r.cpu().numpy(), want_r, RECALL)
         _close(e.cpu().numpy(), want_e, ERROR)
     assert seen[0] == (True, True, True, torch.float32, torch.float32)
     assert seen[1] == (False, False, False, torch.float32, torch.float32)
     # 2 x 9 query rows on the shared-max kernel (the signature-pieces path off; it reads each key
     # block many times): bf16 copies of K and V instead of casts; the same numbers.
-    from kvtrace.kernels import whatif_pieces
-
-    monkeypatch.setattr(whatif_pieces, "PIECES", False)
     q, k, v, keep, pos = _case(11, Tq=9)
     grid = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v)]
     want_r, want_e = _numpy_sets(*grid, keep, pos, 0, None, q.shape[-1] ** -0.5)
-    r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (*grid, keep)), q_positions=pos)
+    r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (*grid, keep)), q_positions=pos,
+                                  config=KernelConfig(pieces=False))
     _close(r.cpu().numpy(), want_r, RECALL)
     _close(e.cpu().numpy(), want_e, ERROR)
     assert seen[2] == (True, False, False, torch.float32, torch.bfloat16)
@@ -337,72 +335,37 @@ def test_direct_launch_repeats_the_triton_launch(tri_device, monkeypatch):
     always takes Triton's path)."""
     if tri_device != "cuda":
         pytest.skip("direct launches exist on CUDA only")
-    from kvtrace.kernels import _triton_whatif as tw
-    from kvtrace.kernels import whatif_pieces
+    from kvtrace.kernels import _triton_whatif_launch as tl_
 
-    monkeypatch.setattr(whatif_pieces, "PIECES", True)  # "auto" would leave this small call to the shared kernel
+    # pieces on: "auto" would leave this small call to the shared kernel
+    direct, triton_path = KernelConfig(pieces=True), KernelConfig(pieces=True, direct_launch=False)
+    monkeypatch.setattr(tl_, "_COMPILED", {})
     for tq in (1, 9):  # exact few-query and signature-pieces kernels
         q, k, v, keep, pos = _case(17, Tq=tq, T=300)
         grid = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v)]
         for arrays in ((q, k, v), grid):
             args = [_t(x, tri_device) for x in (*arrays, keep)]
-            monkeypatch.setattr(tw, "DIRECT_LAUNCH", False)
-            want = W.keep_measures_triton(*args, q_positions=pos)
-            monkeypatch.setattr(tw, "DIRECT_LAUNCH", True)
-            tw._COMPILED.clear()
-            first = W.keep_measures_triton(*args, q_positions=pos)  # Triton's path, fills the cache
-            assert {key[0] for key in tw._COMPILED} >= ({"finish", "fma"} if tq == 1
-                                                        else {"grid", "pieces", "fold"})
-            again = W.keep_measures_triton(*args, q_positions=pos)  # the compiled launchers
+            want = W.keep_measures_triton(*args, q_positions=pos, config=triton_path)
+            tl_._COMPILED.clear()
+            first = W.keep_measures_triton(*args, q_positions=pos, config=direct)  # Triton's path, fills the cache
+            assert {key[0] for key in tl_._COMPILED} >= ({"finish", "fma"} if tq == 1
+                                                         else {"grid", "pieces", "fold"})
+            again = W.keep_measures_triton(*args, q_positions=pos, config=direct)  # the compiled launchers
             for got in (first, again):
                 for a, b in zip(got, want, strict=True):
                     _close(a.cpu().numpy(), b.cpu().numpy(), EXACT)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("window", [None, 7])
-def test_grid_decided_per_key_block_in_the_packed_kernel(tri_device, monkeypatch, window):
-    """fp32 q, k, v of a decode step: the packed kernel tells bf16-valued key blocks from full fp32
-    ones itself (no check pass, no sync before the launch). K and V with some blocks on the bf16
-    grid and some not, q on it or not: every mix agrees with numerics.py; the host passed
-    grid_auto and no casts."""
-    from kvtrace.kernels import _triton_whatif as tw
-
-    monkeypatch.setattr(W, "GRID_IN_KERNEL", True)
-    monkeypatch.setattr(W, "EXACT_DECODE", False)  # grid_auto is the packed kernel's (the exact one needs no grid)
-    seen = []
-    real = tw.run_keep
-
-    def spy(*a, **kw):
-        seen.append((kw["grid_auto"], kw["cast_q"], kw["cast_k"], kw["cast_v"]))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(tw, "run_keep", spy)
-    q, k, v, keep, pos = _case(18, Tq=2, T=100, S=4)
-    bf = [torch.from_numpy(x).to(torch.bfloat16).float().numpy() for x in (q, k, v)]
-    k_mix, v_mix = bf[1].copy(), bf[2].copy()
-    k_mix[:, :, 40:50] = k[:, :, 40:50]  # full fp32 keys in one block (16-key blocks interpreted)
-    v_mix[:, :, 70:75] = v[:, :, 70:75]  # and values in another
-    for arrays in ((bf[0], k_mix, v_mix), (q, k_mix, v_mix), tuple(bf), (q, k, v)):
-        want_r, want_e = _numpy_sets(*arrays, keep, pos, 0, window, q.shape[-1] ** -0.5)
-        r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (*arrays, keep)), q_positions=pos, window=window)
-        _close(r.cpu().numpy(), want_r, RECALL)
-        _close(e.cpu().numpy(), want_e, ERROR)
-    assert seen and all(x == (True, False, False, False) for x in seen)
-    # The position bound, read after the launches on this path.
-    with pytest.raises(ValueError, match="below 2"):
-        W.keep_measures_triton(*(_t(x, tri_device) for x in (*bf, keep)), q_positions=[2**29, 2**29 + 1])
-
-
 def test_launch_cache_keys_and_fallback(monkeypatch):
-    """_launch's bookkeeping, against a stand-in Triton (runs anywhere): the first call of a
+    """Launcher's bookkeeping, against a stand-in Triton (runs anywhere): the first call of a
     specialisation goes through Triton, a repeat through the compiled launcher with the runtime
     arguments then the constexprs in signature order and the grid from them; another int class
     (16 is divisible by 16, 5 is not) is a new specialisation; a launcher that rejects the call
-    turns direct launches off, says so in FALLBACKS and launches through Triton."""
+    turns direct launches off for the run, says so in its fallbacks record and launches through
+    Triton; direct launches configured off always take Triton's path."""
     from types import SimpleNamespace
 
-    from kvtrace.kernels import _triton_whatif as tw
+    from kvtrace.kernels import _triton_whatif_launch as tl_
 
     calls = []
 
@@ -436,22 +399,29 @@ def test_launch_cache_keys_and_fallback(monkeypatch):
     fake = SimpleNamespace(knobs=SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)),
                            runtime=SimpleNamespace(Autotuner=type("Autotuner", (), {}),
                                                    driver=SimpleNamespace(active=active)))
-    for name, value in (("triton", fake), ("interpreting", lambda: False), ("_COMPILED", {}), ("FALLBACKS", []),
-                        ("DIRECT_LAUNCH", True)):
-        monkeypatch.setattr(tw, name, value)
+    for name, value in (("triton", fake), ("interpreting", lambda: False), ("_COMPILED", {})):
+        monkeypatch.setattr(tl_, name, value)
     x = torch.zeros(4)
     grid = lambda meta: (meta["BLOCK"] // 2,)  # noqa: E731
     fn = Fn(Compiled())
+    launch = tl_.Launcher(True, KernelFallbacks())
     for n in (5, 5, 16, 16):
-        tw._launch("t", fn, grid, (x, n), dict(BLOCK=8))
+        launch("t", fn, grid, (x, n), dict(BLOCK=8))
     assert [c[0] for c in calls] == ["triton", "direct", "triton", "direct"]
     assert calls[1][1] == (4, 1, 1, 7) and calls[1][2] == (x, 5, 8)
     calls.clear()
+    tl_.Launcher(False, KernelFallbacks())("t", fn, grid, (x, 5), dict(BLOCK=8))  # cached, but configured off
+    assert [c[0] for c in calls] == ["triton"]
+    calls.clear()
     bad = Fn(Compiled(fail=True))
+    fb = KernelFallbacks()
     for _ in range(3):
-        tw._launch("u", bad, grid, (x, 3), dict(BLOCK=4))
+        tl_.Launcher(True, fb)("u", bad, grid, (x, 3), dict(BLOCK=4))
     assert [c[0] for c in calls] == ["triton", "triton", "triton"]
-    assert tw.DIRECT_LAUNCH is False and len(tw.FALLBACKS) == 1 and "direct launches unavailable" in tw.FALLBACKS[0]
+    assert fb.off(fb.DIRECT_LAUNCH) and len(fb.notes) == 1 and "direct launches unavailable" in fb.notes[0]
+    calls.clear()
+    launch("t", fn, grid, (x, 5), dict(BLOCK=8))  # another run's record: still direct
+    assert [c[0] for c in calls] == ["direct"]
 
 
 def _bf16_grid(*xs):
@@ -460,29 +430,32 @@ def _bf16_grid(*xs):
 
 class _KernelSpy:
     """Which keep kernels a call launched and which tensors the grid check read: on CUDA through
-    _launch's tags, in the interpreter through the kernels themselves (launched there directly)."""
+    the launcher's tags, in the interpreter through the kernels themselves (launched there
+    directly)."""
 
     def __init__(self, monkeypatch, tri_device):
-        from kvtrace.kernels import _triton_whatif as tw
+        from kvtrace.kernels import _triton_whatif_check as tc
+        from kvtrace.kernels import _triton_whatif_keep as tk
+        from kvtrace.kernels._triton_whatif_launch import Launcher
 
         self.ran: list[str] = []
         self.grid_reads: list[tuple[bool, bool, bool]] = []
-        real_launch, real_check = tw._launch, tw.run_grid_check
+        real_launch, real_check = Launcher.__call__, tc.run_grid_check
 
-        def launch(tag, *a, **kw):
+        def launch(launcher, tag, *a, **kw):
             self.ran.append(tag)
-            return real_launch(tag, *a, **kw)
+            return real_launch(launcher, tag, *a, **kw)
 
         def check(q, k, v, *a, **kw):
             self.grid_reads.append((q is not None, k is not None, v is not None))
             return real_check(q, k, v, *a, **kw)
 
-        monkeypatch.setattr(tw, "run_grid_check", check)
+        monkeypatch.setattr(tc, "run_grid_check", check)
         if tri_device == "cuda":
-            monkeypatch.setattr(tw, "_launch", launch)
+            monkeypatch.setattr(Launcher, "__call__", launch)
             return
         for tag, name in (("fma", "_keep_fma_kernel"), ("packed", "_keep_packed_kernel")):
-            monkeypatch.setattr(tw, name, self._wrap(tag, getattr(tw, name)))
+            monkeypatch.setattr(tk, name, self._wrap(tag, getattr(tk, name)))
 
     def _wrap(self, tag, kernel):
         spy = self
@@ -514,10 +487,7 @@ def test_exact_decode_kernel_agrees_without_a_grid_check(case, values, tri_devic
     clamps positions itself) and the packed kernel does not run. 16-bit K/V take the packed
     kernel (tensor cores), with no grid to check either: the position bound only, read after the
     launches."""
-    from kvtrace.kernels import _triton_whatif as tw
-
-    monkeypatch.setattr(W, "EXACT_DECODE", True)
-    monkeypatch.setattr(tw, "FALLBACKS", [])
+    fb = KernelFallbacks()
     spy = _KernelSpy(monkeypatch, tri_device)
     case = dict(case)
     window = case.pop("window", None)
@@ -533,11 +503,12 @@ def test_exact_decode_kernel_agrees_without_a_grid_check(case, values, tri_devic
         args = [x.to(torch.bfloat16) for x in args]
     elif values == "bf16 q, fp32 k/v":
         args[0] = args[0].to(torch.bfloat16)
-    r, e = W.keep_measures_triton(*args, _t(keep, tri_device), q_positions=pos, k_start=ks, window=window)
+    r, e = W.keep_measures_triton(*args, _t(keep, tri_device), q_positions=pos, k_start=ks, window=window,
+                                  config=KernelConfig(exact_decode=True), fallbacks=fb)
     _close(r.cpu().numpy(), want_r, RECALL)
     _close(e.cpu().numpy(), want_e, ERROR)
     kernels = [t for t in spy.ran if t in ("fma", "packed")]
-    assert kernels == (["packed"] if values == "bf16 tensors" else ["fma"]) and not tw.FALLBACKS
+    assert kernels == (["packed"] if values == "bf16 tensors" else ["fma"]) and not fb.notes
     assert spy.grid_reads == ([(False, False, False)] if values == "bf16 tensors" else [])
     if "q_pos" in case:  # the query before the first key sees nothing
         assert np.all(r.cpu().numpy()[..., 0] == 0) and np.all(np.isnan(e.cpu().numpy()[..., 0]))
@@ -548,10 +519,7 @@ def test_exact_decode_kernel_planted_sets_far_below_the_max(split, tri_device, m
     """Sets keeping only keys ~120 and ~20 nats below the row max, one keeping a single key and one
     keeping the top key plus one far below: each (set, query) row has its own running max in the
     exact kernel, so no set underflows (key splits too: the merge rescales per split)."""
-    from kvtrace.kernels import _triton_whatif as tw
-
-    monkeypatch.setattr(W, "EXACT_DECODE", True)
-    monkeypatch.setattr(tw, "FALLBACKS", [])
+    fb = KernelFallbacks()
     spy = _KernelSpy(monkeypatch, tri_device)
     T, D, tq = 48, 16, 3
     rng = np.random.default_rng(33)
@@ -572,42 +540,40 @@ def test_exact_decode_kernel_planted_sets_far_below_the_max(split, tri_device, m
     pos = np.arange(T - tq, T)
     want_r, want_e = _numpy_sets(q, k, v, keep, pos, 0, None, 0.25)
     r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (q, k, v, keep)), q_positions=pos, scale=0.25,
-                                  num_splits=split)
+                                  num_splits=split, config=KernelConfig(exact_decode=True), fallbacks=fb)
     r, e = r.cpu().numpy(), e.cpu().numpy()
     assert np.all(r[1] < 1e-6) and np.all(want_e[1] > 0.1)  # the far-below set matters to the error
     _close(r, want_r, RECALL)
     _close(e, want_e, ERROR)
-    assert "fma" in spy.ran and "packed" not in spy.ran
+    assert "fma" in spy.ran and "packed" not in spy.ran and not fb.notes
 
 
 def test_exact_decode_kernel_takes_any_position_and_its_fallback_checks_them(tri_device, monkeypatch):
     """The exact kernel clamps positions itself (int64 -> +-2**30 relative to the keys, the same
     visibility): queries far beyond 2**29 agree with numerics.py, causal (every key visible) and
-    windowed (none), with no check launched. Where the compiler rejected it (its FALLBACKS entry)
+    windowed (none), with no check launched. Where the compiler rejected it (the run's fallbacks)
     the packed kernel runs instead, bf16 queries with fp32 K/V promoted for its score dot, with
     the same numbers; it takes int32 positions, so there the bound raises."""
-    from kvtrace.kernels import _triton_whatif as tw
-
-    monkeypatch.setattr(W, "EXACT_DECODE", True)
+    exact = KernelConfig(exact_decode=True)
     q, k, v, keep, pos = _case(34, Tq=2, T=50)
     q = _bf16_grid(q)[0]
     args = [_t(x, tri_device) for x in (q, k, v, keep)]
     args[0] = args[0].to(torch.bfloat16)
     far = np.array([2**33, 2**29 + 5])
     for positions, window in ((pos, None), (far, None), (far, 8), (np.array([-(2**40), 30]), 8)):
-        monkeypatch.setattr(tw, "FALLBACKS", [])
         spy = _KernelSpy(monkeypatch, tri_device)
         want_r, want_e = _numpy_sets(q, k, v, keep, positions, 0, window, q.shape[-1] ** -0.5)
-        r, e = W.keep_measures_triton(*args, q_positions=positions, window=window)
+        r, e = W.keep_measures_triton(*args, q_positions=positions, window=window, config=exact)
         _close(r.cpu().numpy(), want_r, RECALL)
         _close(e.cpu().numpy(), want_e, ERROR)
         assert [t for t in spy.ran if t in ("fma", "packed")] == ["fma"] and spy.grid_reads == []
-    monkeypatch.setattr(tw, "FALLBACKS", [tw.fma_tag(4) + " (test)"])
+    rejected = KernelFallbacks()
+    rejected.turn_off(rejected.exact_decode(4), "exact decode kernel rejected (test)")
     spy = _KernelSpy(monkeypatch, tri_device)
     want_r, want_e = _numpy_sets(q, k, v, keep, pos, 0, None, q.shape[-1] ** -0.5)
-    r, e = W.keep_measures_triton(*args, q_positions=pos)
+    r, e = W.keep_measures_triton(*args, q_positions=pos, config=exact, fallbacks=rejected)
     _close(r.cpu().numpy(), want_r, RECALL)
     _close(e.cpu().numpy(), want_e, ERROR)
     assert [t for t in spy.ran if t in ("fma", "packed")] == ["packed"]
     with pytest.raises(ValueError, match="below 2"):
-        W.keep_measures_triton(*args, q_positions=far)
+        W.keep_measures_triton(*args, q_positions=far, config=exact, fallbacks=rejected)

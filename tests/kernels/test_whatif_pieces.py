@@ -12,16 +12,13 @@ torch = pytest.importorskip("torch")
 
 from kvtrace.kernels import whatif as W  # noqa: E402
 from kvtrace.kernels import whatif_pieces as P  # noqa: E402
+from kvtrace.kernels.whatif_config import KernelConfig, KernelFallbacks  # noqa: E402
 from tests.kernels.test_whatif_kernels import _numpy_sets, _t  # noqa: E402
 
+# This path for every many-query call here ("auto" leaves test-sized calls to the shared-max
+# kernel, whose fixed costs are lower).
+PIECES_ON = KernelConfig(pieces=True)
 RECALL = dict(atol=1e-5, rtol=0)
-
-
-@pytest.fixture(autouse=True)
-def _pieces_on(monkeypatch):
-    """This path for every many-query call here ("auto" leaves test-sized calls to the shared-max
-    kernel, whose fixed costs are lower)."""
-    monkeypatch.setattr(P, "PIECES", True)
 ERROR = dict(atol=1e-5, rtol=1e-4)
 
 
@@ -92,8 +89,10 @@ def test_pieces_agree_with_numerics(case, grid, tri_device, monkeypatch):
     args = [_t(x, tri_device) for x in (q, k, v, keep)]
     if grid == "bf16-tensors":  # what the replay passes (whatif.as_bf16_if_exact): nothing to cast
         args[:3] = [x.to(torch.bfloat16) for x in args[:3]]
-    r, e = W.keep_measures_triton(*args, q_positions=pos, k_start=c["k_start"], window=c["window"], causal=causal)
-    assert len(calls) == 1 and not W._PIECES_FAILED  # the path ran, no silent fallback
+    fb = KernelFallbacks()
+    r, e = W.keep_measures_triton(*args, q_positions=pos, k_start=c["k_start"], window=c["window"], causal=causal,
+                                  config=PIECES_ON, fallbacks=fb)
+    assert len(calls) == 1 and not fb.notes  # the path ran, no silent fallback
     assert all(calls[0][f"cast_{x}"] == (grid == "bf16") for x in "qkv")
     np.testing.assert_allclose(r.cpu().numpy(), want_r, equal_nan=True, **RECALL)
     np.testing.assert_allclose(e.cpu().numpy(), want_e, equal_nan=True, **ERROR)
@@ -111,11 +110,15 @@ def test_chunks_and_piece_lengths_give_the_same_answer(tri_device, monkeypatch):
     pos = np.arange(32, 40)
     want_r, want_e = _numpy_sets(q, k, v, keep, pos, 0, None, 0.25)
     args = [_t(x, tri_device) for x in (q, k, v, keep)]
+    calls = _spy_pieces(monkeypatch)
     for min_run, splits in ((1, None), (10**6, None), (1, 3)):
         monkeypatch.setattr(P, "MIN_SEGMENT_KEYS", min_run)
-        r, e = W.keep_measures_triton(*args, q_positions=pos, num_splits=splits)
+        fb = KernelFallbacks()
+        r, e = W.keep_measures_triton(*args, q_positions=pos, num_splits=splits, config=PIECES_ON, fallbacks=fb)
         np.testing.assert_allclose(r.cpu().numpy(), want_r, **RECALL)
         np.testing.assert_allclose(e.cpu().numpy(), want_e, **ERROR)
+        assert not fb.notes  # the path ran, no silent fallback
+    assert len(calls) == 3
 
 
 def _plan(dev, keep, T, pos, window=None, k_start=0, piece_keys=1 << 20, unit=1):
@@ -185,14 +188,14 @@ def test_auto_takes_the_path_where_the_probe_measured_it_faster(tri_device, monk
     assert P.pays(32 * 64, 32768, 10) and P.pays(32 * 256, 32768, 10)
     assert not P.pays(32 * 16, 32768, 10) and not P.pays(32 * 64, 4096, 10)
     assert not P.pays(32 * 64, 32768, 2) or P.pays(32 * 64, 32768, 10)  # more sets only help this path
-    monkeypatch.setattr(P, "PIECES", "auto")
     calls = _spy_pieces(monkeypatch)
     rng = np.random.default_rng(2)
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((1, 2, 8, 16), (1, 1, 40, 16), (1, 1, 40, 8)))
     keep = rng.random((3, 1, 1, 40)) < 0.5
     pos = np.arange(32, 40)
     want_r, want_e = _numpy_sets(q, k, v, keep, pos, 0, None, 0.25)
-    r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (q, k, v, keep)), q_positions=pos)
+    r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (q, k, v, keep)), q_positions=pos,
+                                  config=KernelConfig(pieces="auto"))
     assert calls == []
     np.testing.assert_allclose(r.cpu().numpy(), want_r, **RECALL)
     np.testing.assert_allclose(e.cpu().numpy(), want_e, **ERROR)
@@ -207,7 +210,7 @@ def test_piece_states_over_the_memory_cap_go_to_the_shared_kernel(tri_device, mo
     want_r, want_e = _numpy_sets(q, k, v, keep, pos, 0, None, 0.25)
     monkeypatch.setattr(P, "PIECES_MAX_BYTES", 1024)
     calls = _spy_pieces(monkeypatch)
-    r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (q, k, v, keep)), q_positions=pos)
+    r, e = W.keep_measures_triton(*(_t(x, tri_device) for x in (q, k, v, keep)), q_positions=pos, config=PIECES_ON)
     assert calls == []
     np.testing.assert_allclose(r.cpu().numpy(), want_r, **RECALL)
     np.testing.assert_allclose(e.cpu().numpy(), want_e, **ERROR)

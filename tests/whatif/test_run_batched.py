@@ -132,7 +132,7 @@ def _plannable(pol: ScorerPolicy, ratio: float | None, u: source.Unit) -> bool:
 @pytest.mark.parametrize("path", [LLAMA, GEMMA], ids=["llama", "gemma3_text"])
 def test_one_call_per_unit_and_chunk_carries_every_policy_and_ratio(monkeypatch, path, one_query):
     spy = _Spy()
-    monkeypatch.setattr(run, "open_numerics", lambda device: spy)
+    monkeypatch.setattr(run, "open_numerics", lambda device, **kw: spy)
     if one_query:
         monkeypatch.setattr(run, "CHUNK_ELEMENTS", 1)
     doc = run.run_whatif(path, [parse_policy(n) for n in COUNTED], RATIOS, steps="all")
@@ -157,7 +157,7 @@ def test_the_torch_bridge_gives_the_exact_numbers_with_one_pass_per_unit(monkeyp
     for path in (LLAMA, GEMMA):
         exact = run.run_whatif(path, policies, RATIOS, steps="all")
         bridge, passes = _counting_bridge(Accelerated(open_compute("cpu", "torch")))
-        monkeypatch.setattr(run, "open_numerics", lambda device, b=bridge: b)
+        monkeypatch.setattr(run, "open_numerics", lambda device, b=bridge, **kw: b)
         doc = run.run_whatif(path, policies, RATIOS, device="cuda", steps="all")
         assert doc["numerics"]["backend"] == bridge.label
         want, got = _measures(exact), _measures(doc)

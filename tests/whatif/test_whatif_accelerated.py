@@ -146,7 +146,7 @@ def test_run_whatif_through_the_bridge_matches_the_exact_replay(monkeypatch):
         want = _measures(ex)
         assert any(k[4] == "attention_output_error" for k in want) and any(k[4] == "key_mse" for k in want)
         for label, bridge, tol in _bridges():
-            monkeypatch.setattr(run, "open_numerics", lambda device, b=bridge: b)
+            monkeypatch.setattr(run, "open_numerics", lambda device, b=bridge, **kw: b)
             doc = run.run_whatif(path, policies, [0.5], device="cuda")
             assert doc["numerics"]["backend"] == bridge.label
             got = _measures(doc)
