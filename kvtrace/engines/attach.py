@@ -204,14 +204,15 @@ def replay(ctx: Any, endpoint: str, first: int, last: int,
                 why = f"the replay endpoint did not finish within {wait_s:g} s"
                 break
             frames = sock.recv_multipart()
-            if len(frames) != 4 or frames[0] != b"":
+            # vLLM answers [b"", topic, seq, payload]; SGLang [b"", seq, payload]
+            if len(frames) not in (3, 4) or frames[0] != b"":
                 why = "the replay endpoint answered a malformed frame"
                 break
-            seq = decode_seq(frames[2])
+            seq = decode_seq(frames[-2])
             if seq is None or seq == END_SEQ:
                 break
             if first <= seq <= last:
-                got[seq] = frames[3]
+                got[seq] = frames[-1]
     except zmq.ZMQError as exc:
         why = f"replay failed: {exc}"
     finally:
@@ -475,6 +476,7 @@ class EngineRecorder:
             self.w.close()
             raise
         self.step = 0
+        self._phases = 0
         self.start_counters = counters(first)
         self.last = self.start_counters
         self.scrape_failures = 0
@@ -488,6 +490,29 @@ class EngineRecorder:
     def start(self) -> None:
         if self.sub is not None:
             self.sub.start()
+
+    def mark_phase(self, name: str) -> int:
+        """A load-test phase marker now (a PHASE event: value = its index, text = its name), as kvtrace
+        serve's recorder writes them: the phases of kvtrace loadtest --attach."""
+        index = self._phases
+        self._phases += 1
+        off, n = self.w.add_text(name[:200])
+        self.w.append("events", schema.EventRow(monotonic_ns(), int(K.PHASE), -1, -1, -1, -1, index, off, n))
+        return index
+
+    def run_in_thread(self) -> Callable[[], dict[str, Any]]:
+        """Scrape and subscribe on a thread until the returned function is called; it stops, closes the
+        trace and returns the summary (kvtrace loadtest --attach)."""
+        stop = threading.Event()
+        thread = threading.Thread(target=self.run, args=(stop.is_set,), name="kvtrace-attach", daemon=True)
+        thread.start()
+
+        def finish() -> dict[str, Any]:
+            stop.set()
+            thread.join(timeout=60)
+            return self.close()
+
+        return finish
 
     def _tick(self, page: prom.Page, t: int) -> None:
         c = counters(page)

@@ -8,8 +8,9 @@ ROUTER replay endpoint answers ``[b"", start_seq]`` with ``[b"", topic, seq, pay
 buffered batch from ``start_seq`` on, then ``[b"", b"", -1 (8 bytes, signed), b""]``.
 
 The structs below are kvtrace's own copy of that schema, only the fields kvtrace reads; unknown fields
-are ignored (msgspec's default), so newer vLLM fields do not break decoding. SGLang publishes the same
-schema (docs/vllm.md lists the differences read from its source). tests/engines/test_vllm_schema.py
+are ignored (msgspec's default), so newer vLLM fields do not break decoding. Events encoded as arrays
+(``[tag, field, ...]``: SGLang, and vLLM releases before the map form) are read too; docs/vllm.md lists
+SGLang's differences read from its source. tests/engines/test_vllm_schema.py
 encodes vLLM's own classes and decodes them here.
 """
 
@@ -59,7 +60,48 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     data_parallel_rank: int | None = None
 
 
+# The array form: each event an array [tag, field, ...] (msgspec ``array_like`` events), as SGLang
+# (python/sglang/srt/disaggregation/kv_events.py) and vLLM releases before the map form publish them.
+# Fields past those named here (SGLang's lora_id, vLLM's later additions) are ignored.
+class _StoredA(msgspec.Struct, tag="BlockStored", array_like=True, omit_defaults=True):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+
+
+class _RemovedA(msgspec.Struct, tag="BlockRemoved", array_like=True, omit_defaults=True):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+
+
+class _ClearedA(msgspec.Struct, tag="AllBlocksCleared", array_like=True, omit_defaults=True):
+    pass
+
+
+class _BatchA(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[_StoredA | _RemovedA | _ClearedA]
+    data_parallel_rank: int | None = None
+
+
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+_DECODER_A = msgspec.msgpack.Decoder(_BatchA)
+
+
+def _from_array(b: _BatchA) -> KVEventBatch:
+    events: list[Event] = []
+    for e in b.events:
+        if isinstance(e, _StoredA):
+            events.append(BlockStored(block_hashes=e.block_hashes, parent_block_hash=e.parent_block_hash,
+                                      token_ids=e.token_ids, block_size=e.block_size, medium=e.medium))
+        elif isinstance(e, _RemovedA):
+            events.append(BlockRemoved(block_hashes=e.block_hashes, medium=e.medium))
+        else:
+            events.append(AllBlocksCleared())
+    return KVEventBatch(ts=b.ts, events=events, data_parallel_rank=b.data_parallel_rank)
 
 
 class BadBatch(ValueError):
@@ -71,7 +113,10 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     try:
         batch = _DECODER.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise BadBatch(str(exc).splitlines()[0][:200]) from None
+        try:
+            batch = _from_array(_DECODER_A.decode(payload))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise BadBatch(str(exc).splitlines()[0][:200]) from None
     for ev in batch.events:
         hashes = ev.block_hashes if isinstance(ev, BlockStored | BlockRemoved) else []
         for h in hashes:

@@ -283,3 +283,32 @@ def test_a_gap_the_engine_cannot_replay_is_recorded_lost(engine: _Server, tmp_pa
     assert code == 0
     doc = json.loads(stdout)
     assert doc["accesses"] == 3 and doc["distinct_blocks"] == 3  # stores a, b, c; the lost reuse is not there
+
+
+def test_array_encoded_events_decode() -> None:
+    """Events as arrays [tag, field, ...]: SGLang's schema (its kv_events.py: int hashes, lora_id, no medium
+    or group) and vLLM releases before the map form."""
+
+    class Ev(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+        pass
+
+    class BlockStoredS(Ev, tag="BlockStored"):
+        block_hashes: list[int]
+        parent_block_hash: int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+
+    class BlockRemovedS(Ev, tag="BlockRemoved"):
+        block_hashes: list[int]
+
+    class Batch(msgspec.Struct, array_like=True, omit_defaults=True):
+        ts: float
+        events: list[BlockStoredS | BlockRemovedS]
+
+    raw = msgspec.msgpack.encode(Batch(ts=5.0, events=[BlockStoredS([11, 12], None, [1, 2], 16, None),
+                                                       BlockRemovedS([11])]))
+    batch = decode_batch(raw)
+    stored, removed = batch.events
+    assert isinstance(stored, BlockStored) and stored.block_hashes == [11, 12] and stored.block_size == 16
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [11]
