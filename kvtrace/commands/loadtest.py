@@ -88,6 +88,14 @@ def default_table(trace: str | None) -> str | None:
 @click.option("--trace", default=None, metavar="TRACE",
               help="The recording of this server (kvtrace serve -o TRACE): read after the run for the "
                    "recorder's numbers per phase (a running server's trace is read as of its last flush).")
+@click.option("--attach", "attach_out", default=None, type=click.Path(dir_okay=False), metavar="ENGINE_TRACE",
+              help="Record the engine (vLLM) while the phases run: kvtrace attach URL into ENGINE_TRACE, with a "
+                   "phase marker before each phase; the verdicts then read it as --trace. Never an existing file.")
+@click.option("--events", default=None, metavar="ENDPOINT",
+              help="With --attach: the engine's KV-event endpoint to bind (as kvtrace attach --events).")
+@click.option("--replay", default=None, metavar="ENDPOINT",
+              help="With --attach: the engine's replay endpoint (as kvtrace attach --replay).")
+@click.option("--topic", default="", help="With --attach: the engine's KV-event topic.")
 @click.option("-o", "--output", default=None, type=click.Path(dir_okay=False), metavar="LATENCY_CSV",
               help="Per-request latency table (CSV). Default: beside --trace (run.kvt.h5 -> run.latency.csv); "
                    "without --trace, none is written.")
@@ -98,6 +106,7 @@ def default_table(trace: str | None) -> str | None:
 def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: int, max_tokens: int,
              baseline_s: float, warmup: int, api: str, model: str | None, timeout_s: float, request_s: float,
              max_line_bytes: int, max_answer_bytes: int, max_in_flight: int, poll_s: float, trace: str | None,
+             attach_out: str | None, events: str | None, replay: str | None, topic: str,
              output: str | None, fail_on: str | None, as_json: bool, json_out: str | None) -> None:
     """Drive URL (an OpenAI-compatible server) through the four-phase KV-cache diagnosis.
 
@@ -144,7 +153,13 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
         raise click.BadParameter(str(exc), param_hint="--phases") from None
     if not plan:
         raise click.BadParameter("no phase named", param_hint="--phases")
-    table = output or default_table(trace)
+    if attach_out is not None and trace is not None:
+        raise click.UsageError("--attach records the trace the verdicts read: give it or --trace, not both")
+    if attach_out is None and (events or replay or topic):
+        raise click.UsageError("--events, --replay and --topic go with --attach")
+    if attach_out is not None:
+        check_output(attach_out, option="--attach", refuse_existing=True)
+    table = output or default_table(trace or attach_out)
     inputs = [trace] if trace else []
     if table is not None:
         check_output(table, option="-o", inputs=inputs, others=[("--json-out", json_out)])
@@ -167,10 +182,33 @@ def loadtest(url: str, phases: str, concurrency: int, tokens: int, long_tokens: 
                       warmup=warmup, on_progress=LiveProgress(steps, max_tokens))
     steps.say(f"loadtest {cfg_url}: {', '.join(p.name for p in plan)}; checking /health"
               + (f", then {warmup} warm-up request(s)" if warmup else ""))
+    finish = None
+    if attach_out is not None:  # the engine recorded beside the load (kvtrace attach), phases marked in it
+        try:
+            from kvtrace.engines.attach import AttachOptions, EngineRecorder
+        except ImportError as exc:
+            raise Unavailable(f"--attach needs pyzmq and msgspec ({exc}): pip install 'kvtrace[engines]'") from None
+        rec = EngineRecorder(attach_out, AttachOptions(url=cfg_url, events=events, replay=replay, topic=topic))
+        finish = rec.run_in_thread()
+        shown = cfg.on_progress
+
+        def marked(what: str, run: Any, result: Any) -> None:
+            if what == "phase_start" and run is not None:
+                rec.mark_phase(run.phase.name)
+            if shown is not None:
+                shown(what, run, result)
+
+        cfg.on_progress = marked
     try:
         result = asyncio.run(drive(cfg))
     except (ServerUnreachable, ServerUnhealthy) as exc:  # exit 69 (an Unavailable), said with the URL
         raise type(exc)(f"cannot load-test {cfg_url}: {exc}") from None
+    finally:
+        if finish is not None:
+            time.sleep(1.0)  # the last KV-event batches and a last scrape after the load
+            rec.mark_phase("end")
+            finish()
+            trace = attach_out
     facts = None
     if trace is not None:
         with steps.step(f"reading the recording {trace} for the phases' numbers"):

@@ -214,3 +214,27 @@ def test_calc_engine_vllm_predicts_the_engines_kv_cache_line(recording: dict[str
     assert doc["check"]["blocks_match"] and doc["check"]["tokens_match"], doc
     assert doc["num_blocks"] == POOL_BYTES // (BLOCK * 2 * 2 * 64 * 2) // 2 == 32
     assert doc["line"] in vllm_server.log.read_text(errors="replace")
+
+
+def test_loadtest_attach_records_the_phases(vllm_server: VllmServer, tmp_path: Path) -> None:
+    """kvtrace loadtest --attach: the four-phase protocol against vLLM, the engine recorded beside it with
+    a marker before each phase, and the verdicts read from that recording."""
+    srv = vllm_server
+    out = tmp_path / "load.kvt.h5"
+    idle(srv.url)
+    run = subprocess.run([*KVTRACE, "loadtest", srv.url, "--phases", "baseline,single,concurrent", "--baseline-s", "1",
+                          "--concurrency", "6", "--tokens", "200", "--max-tokens", "40", "--model", "tiny",
+                          "--attach", str(out), "--events", srv.events, "--replay", srv.replay, "--topic", srv.topic,
+                          "--json"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-800:]
+    doc = json.loads(run.stdout)
+    assert doc["trace"] == str(out)
+    with Trace(out) as t:
+        ev = t.table("events")
+        names = [t.text(int(r["text_off"]), int(r["text_len"])) for r in ev if int(r["kind"]) == K.PHASE]
+        sched = t.table("sched")
+    assert names == ["baseline", "single", "concurrent", "end"]
+    assert sched.size >= 2 and int(sched["decode_tokens"].sum()) >= 7 * 40  # 7 requests of 40 tokens, warm-up aside
+    assert (tmp_path / "load.latency.csv").is_file()
+    check = subprocess.run([*KVTRACE, "validate", str(out)], capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr
