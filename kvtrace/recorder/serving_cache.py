@@ -179,8 +179,7 @@ def batch_tokens(batch: Any) -> dict[str, int]:
         # status is DECODING as soon as the whole prompt is scheduled, so it cannot say the phase; the
         # scheduler has already advanced position_offset by n: past = position_offset - n. Tokens of
         # initial_tokens (the prompt, plus earlier output after a soft reset) are prefill (or recompute).
-        past = int(getattr(state, "position_offset", 0)) - n
-        if past >= len(getattr(state, "initial_tokens", ())):
+        if getattr(state, "position_offset", 0) - n >= len(getattr(state, "initial_tokens", ())):
             decode += n
         else:
             prefill += n

@@ -45,7 +45,7 @@ class V523:
                 layers=int(alloc.pages_per_block), window=window if window > 0 else -1,
                 tokens_per_block=int(alloc.tokens_per_page), bytes_per_block=int(alloc.bytes_per_block),
                 blocks_total=int(alloc.num_blocks),
-                blocks_in_use=len({b for blocks in tables.values() for b in blocks}),
+                blocks_in_use=_distinct_blocks(tables, shared),
                 blocks_cached=len(ledger.cached_blocks) if ledger is not None else -1,
                 blocks_free=int(cache.pool.count_free_blocks(alloc.index)),
                 tables=tables, shared=shared))
@@ -69,6 +69,14 @@ class V523:
     def offloaded_bytes(self, offloader: Any, cache: Any, request_id: str) -> int:
         cpu = getattr(offloader, "_request_id_to_cpu_blocks", {}).get(request_id) or {}
         return sum(len(ids) * int(cache.cache_allocators[name].bytes_per_block) for name, ids in cpu.items())
+
+
+def _distinct_blocks(tables: dict[str, list[int]], shared: set[int]) -> int:
+    """Blocks referenced by the tables, each once. With no block referenced twice (the ledger's
+    shared set is empty) that is the tables' total length, without building a set of every block."""
+    if not shared:
+        return sum(map(len, tables.values()))
+    return len({b for blocks in tables.values() for b in blocks})
 
 
 def load() -> V523 | None:
