@@ -37,7 +37,7 @@ the fallback, with the reason in ``pass_note``, for a model the one pass cannot 
 holding other tensors than the attention reads -- an MLA latent --, non-tensor masks such as
 flex attention's, attention outside the interface). The two agree to float32 rounding of
 batched matmuls (logits within 1e-5, the same keep-sets) except where a policy's scores tie to
-that rounding; ``steps_near_tie`` counts those steps (kvtrace.whatif.rerun_select.NEAR_TIE).
+that rounding; ``steps_near_tie`` counts those steps (kvtrace.whatif.rerun_select.NEAR_TIE_ULPS).
 
 Masks in the per-token loop: a layer's kept keys are presented to the mask builder as the most
 recent contiguous positions (``get_mask_sizes``), so with one query per step every kept key is
@@ -62,7 +62,7 @@ from kvtrace.errors import BadOption, Unavailable
 from kvtrace.modelspec import preset_name, tiny_shrink
 from kvtrace.whatif import policies as P
 from kvtrace.whatif.policies import Observed, Policy, PolicyError
-from kvtrace.whatif.rerun_select import near_tie, rank_mask, top_index
+from kvtrace.whatif.rerun_select import near_tie, near_tie_tolerance, rank_mask, top_index
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -194,7 +194,7 @@ def _layer_class() -> type:
             self.kept_log: list[int] = []
             self.unscored: set[int] = set()  # steps (tokens seen) over budget the policy could not score
             self.over_budget: set[int] = set()  # steps that ended over budget (sinks, or unscored)
-            self.near_ties: set[int] = set()  # steps whose keep-set boundary was a near tie (rerun_select.NEAR_TIE)
+            self.near_ties: set[int] = set()  # steps whose keep-set boundary was a near tie (rerun_select)
             self.mode, self.mode_note = "per_token", ""  # how the pass was computed (teacher_forced_logprobs)
             self._done = -1  # seen at the last after_attention: a step's hooks may fire twice
             # observed_attention (H2O): attention each held key has received [B, Hq, T] and from how
@@ -344,7 +344,7 @@ def _layer_class() -> type:
             if forced > n:
                 raise P.Unsupported(f"{pol.name}: {forced} {pol.forced_facts(None)} are always kept, more than the "
                                     f"budget of {n}")
-            idx, tied = near_tie(scores, n, cand)
+            idx, tied = near_tie(scores, n, cand, near_tie_tolerance(self.keys.dtype))
             if tied:
                 self.near_ties.add(self.seen)
             self._select(idx)

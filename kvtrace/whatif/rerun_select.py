@@ -21,13 +21,21 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["NEAR_TIE", "near_tie", "rank_mask", "top_index"]
+__all__ = ["NEAR_TIE_ULPS", "near_tie", "near_tie_tolerance", "rank_mask", "top_index"]
 
-# Scores closer than this (relative) at a keep-set's boundary are a near tie: a float32 model's
-# rounding (one forward per token or one pass, CPU or GPU) can order them either way, so the
-# policy did not decide which of them stays (e.g. knorm on a model whose keys are RMS-normed:
-# every key norm is sqrt(head_dim) up to the norm's epsilon).
-NEAR_TIE = 1e-6
+# Scores closer than this many units in the last place of the cache's dtype (relative) at a
+# keep-set's boundary are a near tie: the model's rounding (one forward per token or one pass,
+# CPU or GPU) can order them either way, so the policy did not decide which of them stays (e.g.
+# knorm on a model whose keys are RMS-normed: every key norm is sqrt(head_dim) up to the norm's
+# epsilon). 4 ulps: 4.8e-7 in float32, 3.9e-3 in float16, 3.1e-2 in bfloat16.
+NEAR_TIE_ULPS = 4
+
+
+def near_tie_tolerance(dtype: torch.dtype) -> float:
+    """The relative gap below which two scores of keys held in ``dtype`` are a near tie."""
+    import torch
+
+    return NEAR_TIE_ULPS * float(torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
 
 
 def top_index(scores: torch.Tensor, n: int, cand: torch.Tensor | None = None) -> torch.Tensor:
@@ -36,9 +44,10 @@ def top_index(scores: torch.Tensor, n: int, cand: torch.Tensor | None = None) ->
     return _ranked(scores, n, cand)[0]
 
 
-def near_tie(scores: torch.Tensor, n: int, cand: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+def near_tie(scores: torch.Tensor, n: int, cand: torch.Tensor | None = None,
+             tol: float = 4.8e-7) -> tuple[torch.Tensor, bool]:
     """:func:`top_index` and whether some row's last kept and first dropped candidates score
-    within :data:`NEAR_TIE` of each other (both finite)."""
+    within ``tol`` (relative; :func:`near_tie_tolerance`) of each other (both finite)."""
     idx, order = _ranked(scores, n, cand)
     import torch
 
@@ -46,7 +55,7 @@ def near_tie(scores: torch.Tensor, n: int, cand: torch.Tensor | None = None) -> 
         return idx, False
     s = scores.detach().to(torch.float64)
     a, b = s.gather(-1, order[..., n - 1:n]), s.gather(-1, order[..., n:n + 1])
-    close = torch.isfinite(a) & torch.isfinite(b) & ((a - b).abs() <= NEAR_TIE * torch.maximum(a.abs(), b.abs()))
+    close = torch.isfinite(a) & torch.isfinite(b) & ((a - b).abs() <= tol * torch.maximum(a.abs(), b.abs()))
     if cand is not None:
         close &= cand.to(s.device).gather(-1, order[..., n:n + 1])
     return idx, bool(close.any())

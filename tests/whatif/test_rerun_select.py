@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -95,3 +96,22 @@ def test_streaming_sinks_on_heads_holding_different_windows_keep_equal_counts():
     cand = layer.pos > layer.seen - layer.window  # head 0: 6 in the window, head 1: 3
     layer._evict(2, cand)
     assert layer.pos.tolist() == [[[3, 4, 5], [3, 8, 9]]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_with_tied_key_norms_keeps_the_budget_on_every_head(dtype):
+    # gemma3's keys are RMS-normed: in half precision many key norms are exactly equal, on sliding
+    # and full layers alike (the H200 failure's setting, on the CPU)
+    from kvtrace.testing_models import TINY_WINDOW, tiny_model, tiny_prompt
+    from kvtrace.whatif.rerun import _kept, teacher_forced_logprobs
+
+    model, ids = tiny_model("gemma3_text", dtype=dtype, attn_implementation="eager"), tiny_prompt(24)
+    for name in ("knorm", "snapkv:window_size=2", "streaming_llm:n_sink=2", "tova"):
+        for mode in ("one_pass", "per_token"):
+            got, layers = teacher_forced_logprobs(model, ids, parse_policy(name), 0.5, mode=mode)
+            assert np.isfinite(got).all(), (name, mode)
+            assert [x.kept_log[-1] for x in layers] == [n_kept(TINY_WINDOW - 1, 0.5)] * 2 + [n_kept(24, 0.5)]
+            for x in layers:
+                assert x.pos.shape[:2] == x.keys.shape[:2] and (x.pos.diff(dim=-1) > 0).all()
+            if name == "knorm":
+                assert _kept(layers)["steps_near_tie"] > 0
