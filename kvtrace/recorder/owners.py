@@ -106,7 +106,8 @@ class OwnerTotal:
     def add(self, nbytes: int, item: dict[str, Any] | None = None) -> None:
         self.bytes += nbytes
         self.blocks += 1
-        self.largest = max(self.largest, nbytes)
+        if nbytes > self.largest:
+            self.largest = nbytes
         if item is not None:
             top = self.top
             if len(top) < MAX_LARGEST or nbytes > top[-1]["bytes"]:
@@ -214,28 +215,41 @@ def classify_segments(segments: Iterable[dict[str, Any]], known: KnownMemory, de
     claim(dk.kv_earlier, Owner.KV_EARLIER)
     claim(dk.weights, Owner.WEIGHTS)
     claim(dk.outputs, Owner.GENERATE_OUTPUT)
+    # Tens of thousands of blocks at a reading: what does not depend on the block is computed once,
+    # and a block's detail item is built only for the classes that keep one.
     workspaces = list(known.workspaces)
+    workspace_sizes = {n for _, sizes in workspaces for n in sizes}
+    units = sorted((u for u in known.kv_units if u > 0), reverse=True)
+    max_multiple = max(known.kv_max_multiple, 1)
+    output_sizes = known.output_sizes
+    detailed = (Owner.UNKNOWN, Owner.KV_COPIES, Owner.GENERATE_OUTPUT)
     for i, (_, size, req, frames, private) in enumerate(blocks):
         owner, tag = owner_of.get(i, (None, None))
         if owner is None:
-            ws = next((w for w in workspaces if req in w[1] or size in w[1]), None)
+            ws = None
+            if req in workspace_sizes or size in workspace_sizes:
+                ws = next((w for w in workspaces if req in w[1] or size in w[1]), None)
             if private:  # a CUDA graph's (torch.compile reduce-overhead, cudagraph trees) private pool
                 owner, tag = Owner.WORKSPACE, GRAPH_POOL
             elif ws is not None:
                 workspaces.remove(ws)  # once per device
+                workspace_sizes = {n for _, sizes in workspaces for n in sizes}
                 owner, tag = Owner.WORKSPACE, ws[0]
-            elif req in known.output_sizes:
-                owner, tag = Owner.GENERATE_OUTPUT, known.output_sizes[req]
+            elif req in output_sizes:
+                owner, tag = Owner.GENERATE_OUTPUT, output_sizes[req]
             else:
-                unit = kv_copy_unit(req, known) if req >= KV_COPY_MIN_BLOCK else 0
+                unit = _copy_unit(req, units, max_multiple) if req >= KV_COPY_MIN_BLOCK else 0
                 owner, tag = (Owner.KV_COPIES, unit) if unit else (Owner.UNKNOWN, None)
-        item = {"bytes": size, "requested_bytes": req}
-        site = allocation_site(frames)
-        if site:
-            item["at"] = site
-        t = _total(totals, owner)
-        t.add(size, item if owner in (Owner.UNKNOWN, Owner.KV_COPIES, Owner.GENERATE_OUTPUT) else None)
-        _tag(t, owner, tag)
+        item = None
+        if owner in detailed:
+            item = {"bytes": size, "requested_bytes": req}
+            site = allocation_site(frames)
+            if site:
+                item["at"] = site
+        t = totals.get(owner) or _total(totals, owner)
+        t.add(size, item)
+        if tag is not None:
+            _tag(t, owner, tag)
         if tag == GRAPH_POOL:
             t.extra["graph_pool_bytes"] = int(t.extra.get("graph_pool_bytes", 0)) + size
     return totals
@@ -244,8 +258,13 @@ def classify_segments(segments: Iterable[dict[str, Any]], known: KnownMemory, de
 def kv_copy_unit(nbytes: int, known: KnownMemory) -> int:
     """The per-token K/V size ``nbytes`` is a whole multiple of (one token up to tokens x layers x 2),
     0 when none: the size signature of a copy of (part of) the cache."""
-    for unit in sorted(known.kv_units, reverse=True):
-        if unit > 0 and nbytes % unit == 0 and 1 <= nbytes // unit <= max(known.kv_max_multiple, 1):
+    units = sorted((u for u in known.kv_units if u > 0), reverse=True)
+    return _copy_unit(nbytes, units, max(known.kv_max_multiple, 1))
+
+
+def _copy_unit(nbytes: int, units_descending: list[int], max_multiple: int) -> int:
+    for unit in units_descending:
+        if nbytes % unit == 0 and 1 <= nbytes // unit <= max_multiple:
             return unit
     return 0
 
