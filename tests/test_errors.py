@@ -31,6 +31,7 @@ INTERNAL = {
     "Unsupported": "whatif: a unit the policy cannot support becomes a row saying why",
     "BoundBroken": "serving/client: a server past a bound fails that request (its status says which)",
     "NotOpenAI": "serving/openai_stream: an answer that does not parse fails that request",
+    "BadBatch": "engines/vllm_events: a KV-event message that does not decode becomes a dropped_samples event",
 }
 
 
