@@ -17,6 +17,7 @@ from serve_helpers import free_port  # noqa: E402
 from kvtrace import exitcodes  # noqa: E402
 from kvtrace.format import schema  # noqa: E402
 from kvtrace.format.schema import EventKind  # noqa: E402
+from kvtrace.format.tables import Table  # noqa: E402
 from kvtrace.serving.client import RequestResult, percentile  # noqa: E402
 from kvtrace.serving.drive import PhaseRun  # noqa: E402
 from kvtrace.serving.phases import Phase, build_phases, prompt  # noqa: E402
@@ -214,7 +215,14 @@ def test_trace_numbers_win_and_missing_markers_say_so():
 
 
 class FakeTrace:
-    """The reader calls phase_facts makes, over rows of the real dtypes."""
+    """The reader's tables phase_facts reads (real Table objects over in-memory rows of the real
+    dtypes)."""
+
+    events = property(lambda self: Table(self, "events"))
+    nvml = property(lambda self: Table(self, "telemetry/nvml"))
+    allocator = property(lambda self: Table(self, "telemetry/allocator"))
+    sched = property(lambda self: Table(self, "sched"))
+    sched_groups = property(lambda self: Table(self, "sched_groups"))
 
     def __init__(self, events: list[tuple[int, int, str]], nvml=(), alloc=()):
         self.texts: list[str] = []
@@ -230,9 +238,7 @@ class FakeTrace:
         self.al = np.zeros(len(alloc), schema.ALLOCATOR)
         for i, (t, allocated, reserved) in enumerate(alloc):
             self.al[i]["t_ns"], self.al[i]["allocated_bytes"], self.al[i]["reserved_bytes"] = t, allocated, reserved
-
-    def events(self, kind=None):
-        return self.ev if kind is None else self.ev[self.ev["kind"] == int(kind)]
+        self.rows = {"events": self.ev, "telemetry/nvml": self.nv, "telemetry/allocator": self.al}
 
     def text(self, off, length):
         return self.texts[off]
@@ -241,13 +247,10 @@ class FakeTrace:
         return False
 
     def nrows(self, table):
-        return {"telemetry/nvml": len(self.nv), "telemetry/allocator": len(self.al)}[table]
+        return len(self.rows[table])
 
-    def nvml(self):
-        return self.nv
-
-    def allocator(self):
-        return self.al
+    def table(self, name, rows=None):
+        return self.rows[name] if rows is None else self.rows[name][rows]
 
 
 def _occ(pool: int, free: int, running: int, waiting: int) -> str:
@@ -342,15 +345,10 @@ class SchedTrace(FakeTrace):
             self.g[i]["step"], self.g[i]["layer_type"], self.g[i]["window"] = i, int(schema.LayerType.FULL), -1
             self.g[i]["tokens_per_block"], self.g[i]["bytes_per_block"] = 16, GiB
             self.g[i]["blocks_total"], self.g[i]["blocks_cached"] = pool // GiB, cached_blocks
+        self.rows.update(sched=self.s, sched_groups=self.g)
 
     def has(self, name):
         return name in ("sched", "sched_groups")
-
-    def sched(self):
-        return self.s
-
-    def sched_groups(self):
-        return self.g
 
 
 def test_trace_sched_rows_give_the_pool_room_and_cached_blocks_count_as_free():

@@ -110,18 +110,20 @@ def test_distinct_texts_past_the_json_bound_are_counted():
 
     from kvtrace.analyzer.notes import MAX_LISTED, note_lines, trace_notes
     from kvtrace.format import schema
+    from kvtrace.format.tables import Table
 
     class Reader:
         texts = [f"note {i}" for i in range(MAX_LISTED + 44)] + ["note 0"]
+        events = property(lambda self: Table(self, "events"))
 
         def has(self, name):
             return True
 
-        def events(self, kind):
+        def table(self, name, rows=None):
             ev = np.zeros(len(self.texts), schema.EVENTS)
-            ev["kind"], ev["t_ns"], ev["request"] = int(kind), np.arange(len(self.texts)), -1
+            ev["kind"], ev["t_ns"], ev["request"] = int(schema.EventKind.NOTE), np.arange(len(self.texts)), -1
             ev["text_off"] = np.arange(len(self.texts))
-            return ev
+            return ev if rows is None else ev[rows]
 
         def text(self, off, length):
             return self.texts[off]
