@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Issue 29 on a GPU, in one command (about 4 minutes on an H100):
+"""Owner readings on a GPU, in one command (about 4 minutes on an H100):
 
     python bench/owners_gpu_check.py OUTDIR
 
 1. runs tests/gpu/test_owners_gpu.py (real allocator snapshots: every block one owner, views, the
    cuBLAS workspace, copies vs temporaries with memory history, kept exception, by-design scores,
    OOM post-mortem, memory-viz export; snapshot cost at 1k/10k/50k blocks printed);
-2. records the issue-29 GPU accuracy cases (tests/accuracy/make_gpu_accuracy_fixtures.py --only ...)
+2. records the owner-evidence GPU accuracy cases (tests/accuracy/make_gpu_accuracy_fixtures.py --only ...)
    into OUTDIR/fixtures and checks each against its target (clean: nothing >= low; planted: its
    detector >= 0.5 naming the owner), printing a table;
 3. measures what the owner readings and memory history cost (interleaved pairs, tiny llama 16x64):
@@ -125,12 +125,12 @@ def main() -> int:
     print("1. tests/gpu/test_owners_gpu.py", flush=True)
     summary["gpu_tests_exit"] = run([sys.executable, "-m", "pytest", "tests/gpu/test_owners_gpu.py", "-m", "gpu",
                                      "-q", "-s", "-p", "no:cacheprovider"], out / "gpu_tests.log", 210)
-    print("2. issue-29 GPU accuracy cases", flush=True)
+    print("2. owner-evidence GPU accuracy cases", flush=True)
     import make_gpu_accuracy_fixtures as mk
 
     fixdir = out / "fixtures"
     summary["fixtures_exit"] = run([sys.executable, "tests/accuracy/make_gpu_accuracy_fixtures.py", str(fixdir),
-                                    "--only", *mk.ISSUE29], out / "fixtures.log", 250)
+                                    "--only", *mk.OWNER_CASES], out / "fixtures.log", 250)
     if (fixdir / "manifest.json").exists():
         summary["fixtures"] = check_fixtures(fixdir)
     print("3. costs", flush=True)

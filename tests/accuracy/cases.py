@@ -363,7 +363,7 @@ def plant_oom_rlimit(path: Path) -> Path:
     return path
 
 
-# ---- planted: retention by other holders (issue 29) -------------------------------------------------
+# ---- planted: retention by other holders -------------------------------------------------
 
 def _raise_at(step: int, exc: BaseException) -> Any:
     """A stopping criterion (user code) that raises ``exc`` once the sequence has grown ``step`` tokens."""
@@ -500,7 +500,7 @@ def plant_closure(path: Path) -> Path:
     return path
 
 
-# ---- planted: copies of the cache during decode (issue 29) ----------------------------------------
+# ---- planted: copies of the cache during decode ----------------------------------------
 
 COPIES: list[Any] = []
 
@@ -561,7 +561,7 @@ def plant_stacked_snapshots(path: Path) -> Path:
     return _record_copies(path, "qwen3", 3, stack=True)
 
 
-# ---- planted: memory growth outside the KV (issue 29): named by its owner, never duplication -------
+# ---- planted: memory growth outside the KV: named by its owner, never duplication -------
 
 KEPT_TEMPS: list[Any] = []
 
@@ -611,7 +611,7 @@ def plant_criterion_dict(path: Path) -> Path:
     return _record_decode(path, tiny_model("gemma3_text"), STEP_NOTES, stopping_criteria=[Notes()])
 
 
-# ---- planted: OOM from retention under a cap (issue 29) ---------------------------------------------
+# ---- planted: OOM from retention under a cap ---------------------------------------------
 
 def plant_oom_kept_requests(path: Path) -> Path:
     """RLIMIT_AS = mapped + 640 MiB; every request's output (and so its 64 MiB cache) is kept in a
@@ -634,7 +634,7 @@ def plant_oom_kept_requests(path: Path) -> Path:
     return path
 
 
-# ---- clean: every outcome, growth by design (issue 29) ---------------------------------------------
+# ---- clean: every outcome, growth by design ---------------------------------------------
 
 LOG: list[str] = []
 

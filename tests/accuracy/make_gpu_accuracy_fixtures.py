@@ -313,7 +313,7 @@ def oom_real(path: Path) -> dict:
     return {"note": "same model, eager, a 65,536-token prompt whose scores (256 GiB) exceed the device"}
 
 
-# ---- issue 29: owners decide (every request checked, copies vs temporaries, by-design growth) ------
+# ---- owners decide (every request checked, copies vs temporaries, by-design growth) ---------------
 
 KEPT: list[Any] = []
 
@@ -499,7 +499,7 @@ CASES: dict[str, tuple[Any, str | None, str | None, list[str], bool, dict[str, s
                                 False, {}),
     "gpu_oom_cap": (oom_cap, "oom", "oom", ["oom_memory_cap"], False, {}),
     "gpu_oom_real": (oom_real, "oom", "oom", ["oom_prefill"], False, {}),
-    # issue 29: other mechanisms of the same classes, decided by owners
+    # other mechanisms of the same classes, decided by owners
     "gpu_retention_kept_exception": (retention_kept_exception, "retention", "post_eos", RET, False, {}),
     "gpu_retention_slice_views": (retention_slice_views, "retention", "post_eos", RET, False, {}),
     "gpu_dup_hook_clones": (dup_hook_clones, "duplication", "growth_curve", DUP, False, {}),
@@ -512,7 +512,7 @@ CASES: dict[str, tuple[Any, str | None, str | None, list[str], bool, dict[str, s
     "gpu_clean_error_dropped": (clean_error_dropped, None, None, [], False, {}),
     "gpu_oom_kept_requests": (oom_kept_requests, "oom", "oom", ["oom_memory_cap", "oom_retained_kv"], False, {}),
 }
-ISSUE29 = [n for n in CASES if n.startswith(("gpu_retention_kept", "gpu_retention_slice", "gpu_dup_hook",
+OWNER_CASES = [n for n in CASES if n.startswith(("gpu_retention_kept", "gpu_retention_slice", "gpu_dup_hook",
                                              "gpu_non_kv", "gpu_clean_scores", "gpu_clean_beams",
                                              "gpu_clean_prompt", "gpu_clean_static", "gpu_clean_error",
                                              "gpu_oom_kept"))]

@@ -19,7 +19,7 @@ from kvtrace.analyzer.base import Severity  # noqa: E402
 
 CLEAN = cases.clean_cases()
 PLANTED = cases.PLANTED
-# every request outcome and growth the user asked for (issue 29)
+# every request outcome and growth the user asked for
 OTHER_CLEAN = cases.OUTCOME_CLEAN + cases.BY_DESIGN_CLEAN
 
 
@@ -111,7 +111,7 @@ def test_planted_case_is_named_by_its_own_detector(analysed, case):
     assert hits and max(f.score for f in hits) >= 0.5, [(f.detector, f.kind, round(f.score, 3), f.message)
                                                           for f in r.findings]
     top = max(hits, key=lambda f: f.score)
-    assert case.owner in top.message, top.message  # the owner or holder it names (issue 29)
+    assert case.owner in top.message, top.message  # the owner or holder it names
     if case.pathology == "non_kv_growth":  # named by its owner class, never as copies of the cache
         assert not [f for f in r.result("growth_curve").findings if f.kind == "duplication" and f.score > 0.1]
 

@@ -40,7 +40,7 @@ def test_gpu_case_meets_its_target(name, info):
     if info.get("detector"):
         hits = [f for f in r.result(info["detector"]).findings if f.kind in info["kinds"]]
         assert hits and max(f.score for f in hits) >= 0.5, [(f.detector, f.kind, f.score) for f in r.findings]
-        if info.get("owner"):  # issue 29: the naming finding names the owner or holder
+        if info.get("owner"):  # the naming finding names the owner or holder
             top = max(hits, key=lambda f: f.score)
             assert info["owner"] in top.message, top.message
         if info.get("pathology") == "non_kv_growth":  # never called copies of the cache

@@ -41,7 +41,7 @@ from kvtrace.wholefile import _host_tag
 from tests.fleet.conftest import make_trace
 
 REPO = Path(__file__).resolve().parents[2]
-SECRET = "TOPSECRET-kvtrace-issue-28"
+SECRET = "TOPSECRET-kvtrace-hostile-fleet"
 
 
 class Hung(BaseException):

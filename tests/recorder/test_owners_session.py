@@ -1,4 +1,4 @@
-"""Failed requests are checked like any other, and owner readings land in the trace (issue 29, CPU):
+"""Failed requests are checked like any other, and owner readings land in the trace (CPU):
 an exception still leaving the recording's with-block is not judged, a retry inside the except block
 holds the failed request's cache (named, medium at most), the effective generate settings are
 recorded, and every /owners reading is valid."""

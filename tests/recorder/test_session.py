@@ -267,7 +267,7 @@ def test_retention_reports_what_the_caller_keeps(tmp_path):
         assert ret["nbytes"].sum() == sum(x.numel() * 4 for layer in cache.layers for x in (layer.keys, layer.values))
         names = {text(t, r["referrers_off"], r["referrers_len"]) for r in ret}
         # the holders by type, from the tensor up to the output the caller kept; never the recorder;
-        # then the path from the cache to what roots it (issue 29)
+        # then the path from the cache to what roots it
         types_only = {",".join(x for x in n.split(",") if " < " not in x) for n in names}
         assert types_only == {"DynamicLayer,DynamicCache,GenerateDecoderOnlyOutput"}
         assert all("DynamicCache < GenerateDecoderOnlyOutput" in n for n in names)

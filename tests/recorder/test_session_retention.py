@@ -130,7 +130,7 @@ def test_output_kept_past_the_next_request_is_retained(tmp_path):
         assert int(ret["nbytes"].sum()) == nbytes
         assert holders(t, 0) == {"DynamicLayer,DynamicCache,GenerateDecoderOnlyOutput"}
         # the request whose storage survived paid a collection, and the next one, once, to prove
-        # whether that retention persists (issue 29: accumulating retention is critical)
+        # whether that retention persists (accumulating retention is critical)
         assert gc_events(t) == [0, 1]
         assert int(ReadingLabel.AFTER_GC) in set(t.readings.where(request=0)["label"].tolist())
         assert len(t.retention.where(request=1)) == 0  # the second output was dropped before close
