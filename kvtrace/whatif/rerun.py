@@ -395,12 +395,14 @@ def _h2o_add(layer: Any) -> None:
     B, hk, T, _ = layer.keys.shape
     hq = layer.queries.shape[1]
     if layer.h2o is None:
-        layer.h2o = (torch.zeros((B, hq, 0), dtype=torch.float64), torch.zeros((B, hk, 0), dtype=torch.float64))
+        dev = layer.keys.device
+        layer.h2o = (torch.zeros((B, hq, 0), dtype=torch.float64, device=dev),
+                     torch.zeros((B, hk, 0), dtype=torch.float64, device=dev))
     acc, cnt = layer.h2o
     if acc.shape[2] < T:  # the keys appended since: nothing received yet
         acc = torch.cat([acc, acc.new_zeros((B, hq, T - acc.shape[2]))], dim=2)
         cnt = torch.cat([cnt, cnt.new_zeros((B, hk, T - cnt.shape[2]))], dim=2)
-    new = torch.arange(layer._summed, layer.queries.shape[2])
+    new = torch.arange(layer._summed, layer.queries.shape[2], device=layer.keys.device)
     p = _masked_probs(layer, layer.queries[:, :, layer._summed:], new)
     acc = acc + p.sum(dim=3).reshape(B, hq, T)
     seen = (layer.pos[:, :, None, :] <= new[None, None, :, None])
@@ -417,6 +419,7 @@ def _torch_scores(layer: Any, pol: P.ScorerPolicy) -> torch.Tensor | None:
 
     q = layer.queries
     B, hk, T, _ = layer.keys.shape
+    dev = layer.keys.device  # every tensor made here: the layer's device (a CUDA cache stays there)
     if type(pol) is P.Knorm:
         return -layer.keys.detach().to(torch.float64).norm(dim=-1)
     if isinstance(pol, P.ObservedAttention):
@@ -429,7 +432,7 @@ def _torch_scores(layer: Any, pol: P.ScorerPolicy) -> torch.Tensor | None:
         return None
     S = q.shape[2]
     if isinstance(pol, P.TOVA):
-        p = _masked_probs(layer, q[:, :, S - 1:], torch.tensor([S - 1]))  # [B, Hk, G, 1, T]
+        p = _masked_probs(layer, q[:, :, S - 1:], torch.tensor([S - 1], device=dev))  # [B, Hk, G, 1, T]
         s = p[:, :, :, 0].mean(dim=(1, 2), keepdim=True).squeeze(2).expand(B, hk, T)  # all heads, index-wise
         return s.masked_fill(layer.pos >= S - 1, float("inf"))
     if isinstance(pol, P.SnapKV):
@@ -439,9 +442,9 @@ def _torch_scores(layer: Any, pol: P.ScorerPolicy) -> torch.Tensor | None:
         if bool((n_pre != n_pre.flatten()[0]).any()) or not bool(prefix[..., :int(n_pre.flatten()[0])].all()):
             return None  # heads differ in what precedes the window: the numpy scorers, head by head
         n_pre = int(n_pre.flatten()[0])
-        out = torch.full((B, hk, T), float("inf"), dtype=torch.float64)
+        out = torch.full((B, hk, T), float("inf"), dtype=torch.float64, device=dev)
         if n_pre:
-            w = torch.arange(max(start, 0), S)
+            w = torch.arange(max(start, 0), S, device=dev)
             s = _masked_probs(layer, q[:, :, max(start, 0):], w)[..., :n_pre].mean(dim=3)  # [B, Hk, G, n_pre]
             k = pol.kernel_size
             pooled = torch.nn.functional.avg_pool1d(s.reshape(-1, 1, n_pre), k, stride=1, padding=k // 2)
@@ -463,7 +466,7 @@ def _torch_scores(layer: Any, pol: P.ScorerPolicy) -> torch.Tensor | None:
         s = torch.softmax(logits, dim=-1).reshape(B, hk, hq // hk, -1).mean(dim=2)
         if pol.use_vnorm:
             s = (s + pol.epsilon) * layer.values.detach().to(torch.float64)[:, :, ns:].norm(dim=-1)
-        out = torch.full((B, hk, T), float("inf"), dtype=torch.float64)
+        out = torch.full((B, hk, T), float("inf"), dtype=torch.float64, device=dev)
         out[..., ns:] = s
         return out
     return None

@@ -115,3 +115,21 @@ def test_a_half_precision_model_with_tied_key_norms_keeps_the_budget_on_every_he
                 assert x.pos.shape[:2] == x.keys.shape[:2] and (x.pos.diff(dim=-1) > 0).all()
             if name == "knorm":
                 assert _kept(layers)["steps_near_tie"] > 0
+
+
+@pytest.mark.parametrize("name", ["knorm", "snapkv:window_size=4", "tova", "observed_attention",
+                                  "expected_attention:n_sink=2"])
+def test_scores_are_made_on_the_layer_device(name):
+    # On a GPU every tensor the torch scorers make must be on the cache's device. On the CPU the
+    # same mistake is caught by making factory calls without a device default to "meta": mixing
+    # a meta tensor with the layer's CPU tensors raises.
+    from kvtrace.whatif import rerun
+
+    layer = _layer(name, 0.5)
+    keys = torch.randn((1, 2, 10, 4))
+    for t in range(10):
+        layer.update(keys[:, :, t:t + 1], keys[:, :, t:t + 1].clone())
+        layer.add_queries(torch.randn((1, 4, 1, 4)))
+    with torch.device("meta"):
+        scores = rerun._torch_scores(layer, parse_policy(name))
+    assert scores.device.type == "cpu" and scores.shape == (1, 2, 10)
