@@ -58,6 +58,7 @@ def run(trace: str, sizes_text: str, as_json: bool, json_out: str | None) -> Non
         "schema": SCHEMA, "trace": trace, "block_size": stream.block_size, "recorded_pool_blocks": recorded,
         "accesses": n, "distinct_blocks": distinct, "recorded_hits": recorded_hits,
         "reuse_reports": stream.reuse_reports, "unreadable_hashes": stream.bad_texts, "sizes": rows,
+        "block_times": poolsim.block_times(stream),
         "model": "LRU stack distances (one pass) and Belady's optimum per size, over the recorded block "
                  "accesses; pinned blocks and the prefix-chain rule are outside the model",
     }
@@ -68,6 +69,13 @@ def run(trace: str, sizes_text: str, as_json: bool, json_out: str | None) -> Non
                f"recorded: {recorded_hits:,} hits at the engine's {recorded} blocks"
                + ("" if stream.reuse_reports else " (no reuse reports in the trace: vLLM publishes hits only for "
                   "requests sent with kv_cache_report_mode=\"full\", so every access here is a miss it computed)"))
+    bt = doc["block_times"]
+    for name, what in (("lifetime", "block lifetimes (stored -> evicted)"),
+                       ("idle_before_removal", "idle before eviction"), ("reuse_gap", "reuse gaps")):
+        st = bt[name]
+        if st["count"]:
+            click.echo(f"{what}: {st['count']:,} from every event; median {st['p50_s']:.3f} s, p90 {st['p90_s']:.3f} s, "
+                       f"max {st['max_s']:.3f} s")
     click.echo(f"{'pool blocks':>12} {'tokens':>9} {'LRU hits':>10} {'LRU rate':>9} {'Belady':>10} {'ceiling':>8}")
     for r in rows:
         mark = "  <- recorded pool" if r["pool_blocks"] == recorded else ""

@@ -120,12 +120,15 @@ def _json_or_none(base: str, path: str, timeout_s: float) -> Any:
 # ---- engine configuration --------------------------------------------------------------------------
 
 
+MAX_CONFIG_VALUE = 1 << 50  # a block count, token count or byte size past this is not a real pool
+
+
 def _int(labels: dict[str, str], key: str) -> int:
     try:
         v = int(labels.get(key, ""))
     except ValueError:
         return -1
-    return v if v >= 0 else -1
+    return v if 0 <= v <= MAX_CONFIG_VALUE else -1
 
 
 def engine_config(page: prom.Page, url: str) -> dict[str, Any]:
@@ -295,7 +298,10 @@ class EventSubscriber:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
             except zmq.ZMQError:
                 continue
-            self._frames(frames, live=True)
+            try:
+                self._frames(frames, live=True)
+            except Exception as exc:  # noqa: BLE001 - a message must not end the recording; it is noted
+                self._bad(f"{type(exc).__name__}: {str(exc)[:120]}")
 
     def _frames(self, frames: list[bytes], *, live: bool) -> None:
         if len(frames) != 3:
@@ -420,9 +426,17 @@ class EventSubscriber:
 # ---- the recorder ----------------------------------------------------------------------------------
 
 
+def _finite(v: float | None) -> float | None:
+    """A sample's value when it is a finite number within the columns' range (a hostile page's NaN, inf
+    or 1e300 reads as absent)."""
+    return v if v is not None and math.isfinite(v) and abs(v) < 2**62 else None
+
+
 def _delta(now: float | None, before: float | None) -> int:
-    """A counter's increase (a counter that went down restarted: its new value is the increase)."""
-    if now is None:
+    """A counter's increase (a counter that went down restarted: its new value is the increase); 0 when
+    the counter is absent or not a finite count."""
+    now, before = _finite(now), _finite(before)
+    if now is None or now < 0:
         return 0
     if before is None or now < before:
         return int(round(now))
@@ -474,6 +488,7 @@ class EngineRecorder:
                 self.sub = EventSubscriber(self.w, opts, (wall0, mono0))
         except BaseException:
             self.w.close()
+            Path(out).unlink(missing_ok=True)  # ours, new (the command refuses an existing file), and empty
             raise
         self.step = 0
         self._phases = 0
@@ -517,14 +532,14 @@ class EngineRecorder:
     def _tick(self, page: prom.Page, t: int) -> None:
         c = counters(page)
         cfg = self.config
-        usage = page.value("vllm:kv_cache_usage_perc")
+        usage = _finite(page.value("vllm:kv_cache_usage_perc"))
         blocks = cfg["pool_blocks"]
         in_use = int(round(usage * blocks)) if usage is not None and blocks > 0 and 0 <= usage <= 1 else -1
         per_block = cfg["bytes_per_block"]
         pool = cfg["pool_bytes"]
         free = (blocks - in_use) * per_block if in_use >= 0 and per_block > 0 else -1
-        running = page.value("vllm:num_requests_running")
-        waiting = page.value("vllm:num_requests_waiting")
+        running = _finite(page.value("vllm:num_requests_running"))
+        waiting = _finite(page.value("vllm:num_requests_waiting"))
         with (self.sub.shared.lock if self.sub else threading.Lock()):
             removed = self.sub.shared.removed_since_tick if self.sub else 0
             if self.sub:

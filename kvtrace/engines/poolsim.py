@@ -33,6 +33,7 @@ K = schema.EventKind
 STORED = "kv blocks stored "
 _REUSED = re.compile(r"manager \d+: kv reused group (\d+) block_size (\d+): ")
 _STORED = re.compile(r"kv blocks stored group (\d+) block_size (\d+) ")
+_REMOVED = re.compile(r"manager \d+: kv removed group (\d+) ")
 _HASH = re.compile(r"[0-9a-fi]{1,130}")
 MAX_ACCESSES = 50_000_000  # a hostile trace cannot make the simulation unbounded
 
@@ -47,12 +48,14 @@ class Stream:
     block_size: int
     reuse_reports: bool  # whether the trace holds reused blocks (else hits are invisible to the stream)
     bad_texts: int = 0
+    t_ns: np.ndarray | None = None  # each access's time
+    removed: list[tuple[int, int]] | None = None  # (block id, t_ns) of each removal of a block the stream named
 
 
 def read_stream(trace: Any) -> Stream:
     """The block-access stream of an open engine trace (kvtrace.format.reader.Trace), in time order."""
     rows = trace.table("events")
-    mask = (rows["kind"] == int(K.NOTE)) | (rows["kind"] == int(K.PREFIX_HIT))
+    mask = (rows["kind"] == int(K.NOTE)) | (rows["kind"] == int(K.PREFIX_HIT)) | (rows["kind"] == int(K.BLOCK_EVICTED))
     rows = np.sort(rows[mask], order="t_ns", kind="stable")
     ids: dict[tuple[int, str], int] = {}
     keys: list[int] = []
@@ -60,8 +63,18 @@ def read_stream(trace: Any) -> Stream:
     block = 0
     bad = 0
     reused_seen = False
+    times: list[int] = []
+    removed: list[tuple[int, int]] = []
     for r in rows:
         text = trace.text(int(r["text_off"]), int(r["text_len"]))
+        if int(r["kind"]) == int(K.BLOCK_EVICTED):
+            rm = _REMOVED.match(text)
+            if rm is not None:
+                for h in text.split(": ", 2)[-1].split():
+                    key = ids.get((int(rm.group(1)), h))
+                    if key is not None:
+                        removed.append((key, int(r["t_ns"])))
+            continue
         is_hit = int(r["kind"]) == int(K.PREFIX_HIT)
         m = (_REUSED if is_hit else _STORED).match(text)
         if m is None:
@@ -75,10 +88,51 @@ def read_stream(trace: Any) -> Stream:
                 continue
             keys.append(ids.setdefault((group, h), len(ids)))
             hit.append(is_hit)
+            times.append(int(r["t_ns"]))
             if len(keys) > MAX_ACCESSES:
                 raise ValueError(f"more than {MAX_ACCESSES:,} block accesses: beyond what whatif --pool-sizes reads")
         reused_seen = reused_seen or is_hit
-    return Stream(np.asarray(keys, dtype=np.int64), np.asarray(hit, dtype=bool), block, reused_seen, bad)
+    return Stream(np.asarray(keys, dtype=np.int64), np.asarray(hit, dtype=bool), block, reused_seen, bad,
+                  np.asarray(times, dtype=np.int64), removed)
+
+
+def block_times(stream: Stream) -> dict[str, Any]:
+    """Every block's residency from the events, not a sample: lifetime (stored -> removed), idle time
+    before its removal (last access -> removed) and reuse gaps (between two accesses of one block), in
+    seconds: count, median, 90th percentile and maximum of each."""
+    assert stream.t_ns is not None and stream.removed is not None
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    gaps: list[int] = []
+    access = iter(zip(stream.keys.tolist(), stream.t_ns.tolist(), strict=True))
+    pending = sorted(stream.removed, key=lambda kr: kr[1])
+    lifetimes: list[int] = []
+    idle: list[int] = []
+    j = 0
+    nxt = next(access, None)
+    while nxt is not None or j < len(pending):
+        if nxt is not None and (j >= len(pending) or nxt[1] <= pending[j][1]):
+            k, t = nxt
+            if k in last:
+                gaps.append(t - last[k])
+            first.setdefault(k, t)
+            last[k] = t
+            nxt = next(access, None)
+        else:
+            k, t = pending[j]
+            j += 1
+            if k in first:  # a removal ends the block's residency: the next store starts a new one
+                lifetimes.append(t - first.pop(k))
+                idle.append(t - last.pop(k))
+
+    def stats(xs: list[int]) -> dict[str, Any]:
+        if not xs:
+            return {"count": 0, "p50_s": None, "p90_s": None, "max_s": None}
+        a = np.asarray(xs, dtype=np.float64) / 1e9
+        return {"count": len(xs), "p50_s": round(float(np.percentile(a, 50)), 6),
+                "p90_s": round(float(np.percentile(a, 90)), 6), "max_s": round(float(a.max()), 6)}
+
+    return {"lifetime": stats(lifetimes), "idle_before_removal": stats(idle), "reuse_gap": stats(gaps)}
 
 
 def stack_distances(keys: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -155,6 +155,7 @@ def test_events_endpoint_in_use_is_69(tmp_path: Path, capsys: pytest.CaptureFixt
     finally:
         ctx.destroy(linger=0)
     assert code == exitcodes.UNAVAILABLE and "cannot bind" in err, err
+    assert not (tmp_path / "t.kvt.h5").exists()  # nothing was recorded: no file left behind
 
 
 def test_prometheus_parser_bounds() -> None:
@@ -312,3 +313,27 @@ def test_array_encoded_events_decode() -> None:
     stored, removed = batch.events
     assert isinstance(stored, BlockStored) and stored.block_hashes == [11, 12] and stored.block_size == 16
     assert isinstance(removed, BlockRemoved) and removed.block_hashes == [11]
+
+
+def test_hostile_values_are_recorded_absent_not_crashing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """NaN, inf, negative and huge numbers in an engine's /metrics: the trace is still valid, their columns
+    absent (-1) or zero increases, never invented and never an internal error."""
+    page = (b'vllm:cache_config_info{block_size="32",num_gpu_blocks="99999999999999999999",'
+            b'kv_cache_memory_bytes="-4"} 1\n'
+            b'vllm:num_requests_running NaN\nvllm:num_requests_waiting -3\nvllm:kv_cache_usage_perc +Inf\n'
+            b'vllm:num_preemptions_total -7\nvllm:prefix_cache_hits_total 1e300\nvllm:generation_tokens_total NaN\n')
+    srv = _Server(lambda path: (200, page) if path == "/metrics" else (404, b""))
+    out = tmp_path / "h.kvt.h5"
+    try:
+        code, _, err = _attach([srv.url, "-o", str(out), "--duration", "0.5", "--interval", "0.1"], capsys)
+    finally:
+        srv.close()
+    assert code == 0, err
+    with Trace(out) as t:
+        sched = t.table("sched")
+    assert sched.size >= 2
+    assert set(sched["pool_bytes"].tolist()) == {-1} and set(sched["blocks_in_use"].tolist()) == {-1}
+    assert int(sched["preempted"].sum()) == 0 and int(sched["prefix_hit_tokens"].sum()) == 0
+    assert int(sched["waiting"].max()) == 0
+    code, _, err = run_main(["validate", str(out)], capsys)
+    assert code == 0, err

@@ -88,3 +88,15 @@ def test_table_rows() -> None:
     assert [r["lru_hits"] for r in rows] == [0, 2, 3]
     assert [r["belady_hits"] for r in rows] == [brute_belady([0, 1, 0, 1, 2, 0], c) for c in (1, 2, 3)]
     assert rows[1]["pool_tokens"] == 64 and rows[2]["lru_hit_rate"] == 0.5
+
+
+def test_block_times_from_accesses_and_removals() -> None:
+    s = poolsim.Stream(np.array([0, 1, 0, 0]), np.zeros(4, dtype=bool), 32, True,
+                       t_ns=np.array([0, 1, 3, 10]) * 10**9, removed=[(0, 4 * 10**9), (1, 6 * 10**9)])
+    bt = poolsim.block_times(s)
+    # block 0: stored 0 s, reused 3 s, removed 4 s (lifetime 4, idle 1); stored again at 10 s, never removed
+    # block 1: stored 1 s, removed 6 s (lifetime 5, idle 5). Reuse gaps: 0 -> 3 s only; the store at 10 s
+    # follows a removal: a new residency, not a reuse
+    assert bt["lifetime"]["count"] == 2 and bt["lifetime"]["max_s"] == 5.0
+    assert bt["idle_before_removal"]["p50_s"] == 3.0  # the median of 1 s and 5 s
+    assert bt["reuse_gap"]["count"] == 1 and bt["reuse_gap"]["max_s"] == 3.0

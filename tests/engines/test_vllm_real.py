@@ -60,6 +60,7 @@ def idle(url: str, timeout_s: float = 120) -> None:
     raise AssertionError("vLLM did not go idle")
 
 
+LIFETIMES = "vllm:kv_block_lifetime_seconds_count"  # vLLM's own, from a 1% sample of blocks (--kv-cache-metrics)
 COUNTED = ("vllm:num_preemptions_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
            "vllm:prompt_tokens_cached_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 
@@ -92,7 +93,8 @@ def recording(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory)
     stdout, stderr = proc.communicate(timeout=60)
     return {"path": out, "rc": proc.returncode, "stdout": stdout, "stderr": line + stderr, "answers": answers,
             "delta": {name: int(after.value(name) - before.value(name)) for name in COUNTED},
-            "delta_a": {name: int(mid.value(name) - before.value(name)) for name in COUNTED}, "mid_ns": mid_ns}
+            "delta_a": {name: int(mid.value(name) - before.value(name)) for name in COUNTED}, "mid_ns": mid_ns,
+            "sampled_lifetimes": int((after.value(LIFETIMES) or 0) - (before.value(LIFETIMES) or 0))}
 
 
 def _events(path: Path) -> list[tuple[int, int, str]]:
@@ -238,3 +240,18 @@ def test_loadtest_attach_records_the_phases(vllm_server: VllmServer, tmp_path: P
     assert (tmp_path / "load.latency.csv").is_file()
     check = subprocess.run([*KVTRACE, "validate", str(out)], capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_block_lifetimes_from_every_event(recording: dict[str, Any]) -> None:
+    """Lifetimes, idle times and reuse gaps of every evicted block, where vLLM's histogram samples 1%."""
+    run = subprocess.run([*KVTRACE, "whatif", str(recording["path"]), "--pool-sizes", "32", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    bt = json.loads(run.stdout)["block_times"]
+    with Trace(recording["path"]) as t:
+        evicted = int(t.table("sched")["evicted_blocks"].sum())
+    assert 0 < bt["lifetime"]["count"] == bt["idle_before_removal"]["count"] <= evicted
+    assert bt["lifetime"]["count"] >= recording["sampled_lifetimes"]
+    for st in bt.values():
+        assert st["p50_s"] <= st["p90_s"] <= st["max_s"]
+    assert bt["idle_before_removal"]["max_s"] <= bt["lifetime"]["max_s"]
