@@ -162,6 +162,8 @@ def test_cli_rerun_json(capsys, tmp_path, llama):
     knorm = r["policies"][0]["results"]
     assert [x["ratio"] for x in knorm] == [0.0, 0.5] and knorm[0]["kl_mean"] == 0 and knorm[1]["kl_mean"] > 0
     assert "unchanged by construction" in r["policies"][1]["skipped"]
+    assert r["reference"]["pass"] == "one_pass" and all(x["pass"] == "one_pass" and "pass_note" not in x for x in knorm)
+    assert knorm[1]["steps_near_tie"] == 0  # llama's key norms are far apart
     code, printed, _ = run_main(["whatif", "--rerun", str(tmp_path / "m"), "--text", str(text), "--policy", "tova",
                                  "--ratio", "0.5", "--max-tokens", "16", "--rerun-prefill", "8", "--json"], capsys)
     r = json.loads(printed)["rerun"]
