@@ -86,17 +86,25 @@ class AttachOptions:
 
 
 def http_get(url: str, timeout_s: float) -> tuple[int, bytes]:
-    """(status, body) of a GET, the body bounded; EngineUnreachable when nothing answers."""
+    """(status, body) of a GET, whole within `timeout_s` and MAX_HTTP_BYTES (a slow drip, headers one
+    byte at a time or an endless body end there); EngineUnreachable when nothing answers in time."""
+    import asyncio
+
     import httpx
 
+    from kvtrace.serving.client import BoundBroken, read_bounded
+
+    async def get() -> tuple[int, bytes]:
+        async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client, \
+                client.stream("GET", url, headers={"Accept-Encoding": "identity"}) as resp:
+            return resp.status_code, await read_bounded(resp, MAX_HTTP_BYTES, "at most 16 MiB")
+
     try:
-        with httpx.Client(timeout=timeout_s, trust_env=False) as client, client.stream("GET", url) as resp:
-            body = bytearray()
-            for chunk in resp.iter_bytes():
-                body += chunk
-                if len(body) > MAX_HTTP_BYTES:
-                    raise EngineUnreachable(f"{url} answered more than {MAX_HTTP_BYTES >> 20} MiB")
-            return resp.status_code, bytes(body)
+        return asyncio.run(asyncio.wait_for(get(), timeout=timeout_s))
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        raise EngineUnreachable(f"{url} did not answer in full within {timeout_s:g} s (--http-timeout)") from None
+    except BoundBroken as exc:
+        raise EngineUnreachable(f"{url}: {exc}") from None
     except httpx.HTTPError as exc:
         why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise EngineUnreachable(f"cannot reach the engine at {url}: {why}") from None

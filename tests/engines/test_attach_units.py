@@ -66,6 +66,7 @@ class _Server:
 
         self.answer = answer
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.handle_error = lambda request, address: None  # a client that left early is no news
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -131,7 +132,7 @@ def test_never_overwrites_an_existing_file(tmp_path: Path, capsys: pytest.Captur
 @pytest.mark.parametrize("status, body, word", [
     (200, b"<html>hello</html>", "no vllm:cache_config_info"),
     (500, b"oops", "HTTP 500"),
-    (200, b"x" * (17 << 20), "more than 16 MiB"),
+    (200, b"x" * (17 << 20), "over 16777216"),
     (200, b'vllm:cache_config_info{block_size="32",num_gpu_blocks="-5" 1\n\xff\xfe', "no vllm:cache_config_info"),
 ])
 def test_hostile_metrics_are_69(status: int, body: bytes, word: str, tmp_path: Path,
@@ -337,3 +338,21 @@ def test_hostile_values_are_recorded_absent_not_crashing(tmp_path: Path, capsys:
     assert int(sched["waiting"].max()) == 0
     code, _, err = run_main(["validate", str(out)], capsys)
     assert code == 0, err
+
+
+@pytest.mark.parametrize("route", ["slow_headers", "endless"])
+def test_a_server_that_never_finishes_is_69_within_the_timeout(route: str, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))  # the hostile server of the serving tests
+    from hostile_http import Hostile, endless_stream, slow_headers
+
+    srv = Hostile({"GET /metrics": slow_headers if route == "slow_headers" else endless_stream(0.05)})
+    t0 = time.monotonic()
+    try:
+        code, _, err = _attach([srv.url, "-o", str(tmp_path / "t.kvt.h5"), "--http-timeout", "1"], capsys)
+    finally:
+        srv.close()
+    assert code == exitcodes.UNAVAILABLE and "within 1 s" in err, err
+    assert time.monotonic() - t0 < 10
