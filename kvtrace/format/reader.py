@@ -465,8 +465,10 @@ class Trace(TraceJoins):
     sched = _table("sched", "/sched: one row per continuous-batching scheduler step (1.4; empty before)")
     sched_groups = _table("sched_groups", "/sched_groups: per step and cache group (1.4; empty before)")
     blocks = _table("blocks", "/blocks: per step, running request and cache group (1.4; empty before)")
-    state = _table("state", "/state: hybrid caches' conv/recurrent state (1.5; empty before)")
-    owners = _table("owners", "/owners: memory by owner (1.5; empty before)")
+    state = _table("state", "/state: hybrid caches' conv/recurrent state (1.5; empty before; "
+                            ":attr:`state_rows` refuses rows that break the spec)")
+    owners = _table("owners", "/owners: memory by owner (1.5; empty before; "
+                              "owner_rules.checked_owners refuses rows that break the spec)")
 
     def to_pandas(self, table: str, request: int | None = None) -> Any:
         """One table as a pandas DataFrame, with the Parquet export's column names and values:
