@@ -232,6 +232,13 @@ def test_rerun_on_cuda_matches_the_plain_cache_and_orders_policies():
     for p in ("snapkv:window_size=4", "kivi:nbits=2,residual_length=0", "fp8"):
         got, layers = teacher_forced_logprobs(model, ids, parse_policy(p), 0.5)
         assert _measures(ref, got, flat)["kl_mean"] > 0 and layers[0].keys.device.type == "cuda"
+    for p in ("snapkv:window_size=2", "tova", "observed_attention", "expected_attention:n_sink=2", "streaming_llm"):
+        one, la = teacher_forced_logprobs(model, ids, parse_policy(p), 0.5)  # scorers on the cache's device
+        per, lb = teacher_forced_logprobs(model, ids, parse_policy(p), 0.5, mode="per_token")
+        assert la[0].mode == "one_pass" and la[0].keys.device.type == "cuda"
+        np.testing.assert_allclose(one, per, rtol=0, atol=1e-4)
+        for x, y in zip(la, lb, strict=True):
+            assert torch.equal(x.pos, y.pos) and x.kept_log == y.kept_log, p
 
 
 def test_prefill_is_pressed_once_after_its_attention(llama):
