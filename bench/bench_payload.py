@@ -121,7 +121,7 @@ def main() -> None:
         t0 = time.perf_counter()
         with Trace(path) as t:
             t.meta  # noqa: B018
-            n_requests = t.requests().shape[0]
+            n_requests = len(t.requests)
         open_ms = (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
         with Trace(path) as t:
