@@ -23,6 +23,9 @@ from kvtrace.errors import Unavailable
 @click.option("--replay", default=None, metavar="ENDPOINT",
               help="The engine's ROUTER replay endpoint (vLLM's replay_endpoint), asked for batches missed live.")
 @click.option("--topic", default="", show_default=True, help="The engine's KV-event topic.")
+@click.option("--history", is_flag=True,
+              help="At the first event, replay what the engine still buffers from before the attach (vLLM keeps "
+                   "its last 10,000 batches), so that blocks cached before it are known. Needs --replay.")
 @click.option("--interval", "interval_s", type=click.FloatRange(min=0.05, max=3600), default=1.0, show_default=True,
               help="Seconds between /metrics scrapes (one /sched row each).")
 @click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -31,8 +34,8 @@ from kvtrace.errors import Unavailable
 @click.option("--http-timeout", "http_timeout_s", type=click.FloatRange(min=0.1, max=600), default=5.0,
               show_default=True, help="Seconds to wait for one /metrics answer.")
 @guarded
-def attach(url: str, output: str, events: str | None, replay: str | None, topic: str, interval_s: float,
-           duration_s: float | None, until_signal: bool, http_timeout_s: float) -> None:
+def attach(url: str, output: str, events: str | None, replay: str | None, topic: str, history: bool,
+           interval_s: float, duration_s: float | None, until_signal: bool, http_timeout_s: float) -> None:
     """Record a running vLLM engine at URL into TRACE: its KV-cache events and its /metrics.
 
     \b
@@ -58,7 +61,7 @@ def attach(url: str, output: str, events: str | None, replay: str | None, topic:
     except ImportError as exc:
         raise Unavailable(f"attach needs pyzmq, msgspec and httpx ({exc}): pip install 'kvtrace[engines]'") from None
     opts = AttachOptions(url=url, events=events, replay=replay, topic=topic, interval_s=interval_s,
-                         http_timeout_s=http_timeout_s)
+                         http_timeout_s=http_timeout_s, history=history)
     stop = threading.Event()
     previous: dict[int, Any] = {}
 

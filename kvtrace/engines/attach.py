@@ -69,6 +69,7 @@ class AttachOptions:
     topic: str = ""
     interval_s: float = 1.0
     http_timeout_s: float = 5.0
+    history: bool = False  # at the first batch, replay what the engine still holds from before the attach
 
     def check(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -78,6 +79,8 @@ class AttachOptions:
                 raise BadOption(f"{ep!r} is not a ZMQ tcp:// or ipc:// endpoint", name)
         if self.replay is not None and self.events is None:
             raise BadOption("a replay endpoint needs --events", "--replay")
+        if self.history and self.replay is None:
+            raise BadOption("the engine's history is read from its replay endpoint: give --replay", "--history")
         if not 0.05 <= self.interval_s <= 3600:
             raise BadOption(f"{self.interval_s} s: the scrape interval must be 0.05-3600 s", "--interval")
 
@@ -320,6 +323,9 @@ class EventSubscriber:
             self._bad("a sequence frame that is not 8 bytes")
             return
         last = self.stats.last_seq
+        if live and last is None and seq > 0 and self.opts.history and self.opts.replay is not None:
+            self._history(seq)
+            last = self.stats.last_seq
         if live and last is not None:
             if seq <= last:  # the engine restarted (its sequence starts again at 0)
                 self.stats.restarts += 1
@@ -329,6 +335,20 @@ class EventSubscriber:
             elif seq > last + 1:
                 self._gap(last + 1, seq - 1)
         self._batch(seq, frames[2], replayed=not live)
+
+    def _history(self, seq: int) -> None:
+        """Before the first live batch (sequence `seq`): the batches the engine still buffers from before
+        the attach, replayed and written with their own timestamps, so that blocks cached before it are
+        known. What the engine no longer holds is older than the recording: not a loss."""
+        assert self.opts.replay is not None
+        got, _ = replay(self._ctx, self.opts.replay, 0, seq - 1)
+        for s in sorted(got):
+            self.stats.replayed_batches += 1
+            self._batch(s, got[s], replayed=True)
+        text = (f"kv events: history: sequences {min(got)}-{max(got)} ({len(got)} batches from before the attach) "
+                f"replayed from {self.opts.replay}" if got else
+                f"kv events: history: the replay endpoint held nothing before sequence {seq}")
+        self._note(monotonic_ns(), K.NOTE, len(got), text)
 
     def _gap(self, first: int, last: int) -> None:
         """Batches first..last were missed live: ask the replay endpoint, record what stays lost."""

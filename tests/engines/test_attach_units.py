@@ -356,3 +356,35 @@ def test_a_server_that_never_finishes_is_69_within_the_timeout(route: str, tmp_p
         srv.close()
     assert code == exitcodes.UNAVAILABLE and "within 1 s" in err, err
     assert time.monotonic() - t0 < 10
+
+
+def test_history_makes_blocks_cached_before_the_attach_known(engine: _Server, tmp_path: Path) -> None:
+    events = f"tcp://127.0.0.1:{free_port()}"
+    out = tmp_path / "h.kvt.h5"
+    pub = _Publisher(events)
+    a, b = b"\x0a" * 32, b"\x0b" * 32
+    pub.send(0, _payload(BlockStored(block_hashes=[a, b], parent_block_hash=None, block_size=32)), live=False)
+    pub.send(1, _payload(BlockRemoved(block_hashes=[b])), live=False)  # both before the attach
+    rec = None
+    try:
+        rec = EngineRecorder(out, AttachOptions(engine.url, events=events,
+                                                replay=f"tcp://127.0.0.1:{pub.replay_port}", topic="kv",
+                                                interval_s=0.1, history=True))
+        rec.start()
+        time.sleep(0.5)
+        pub.send(2, _payload(BlockStored(block_hashes=[a], parent_block_hash=None, block_size=32)))  # a reuse
+        time.sleep(0.5)
+    finally:
+        summary = rec.close() if rec is not None else {}
+        pub.close()
+    ev = summary["kv_events"]
+    assert (ev["stored_blocks"], ev["removed_blocks"], ev["reused_blocks"]) == (2, 1, 1)
+    assert ev["lost_batches"] == 0 and ev["first_seq"] == 0 and ev["resident_blocks"] == 1
+    assert any(k == K.NOTE and "history: sequences 0-1 (2 batches from before the attach)" in t
+               for k, _, t in _texts(out))
+
+
+def test_history_needs_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str], engine: _Server) -> None:
+    code, _, err = _attach([engine.url, "--events", f"tcp://127.0.0.1:{free_port()}", "--history", "-o",
+                            str(tmp_path / "t.kvt.h5")], capsys)
+    assert code == exitcodes.USAGE and "--replay" in err
