@@ -133,7 +133,8 @@ def test_sched_counters_equal_vllm_metrics(recording: dict[str, Any]) -> None:
     assert int(sched["decode_tokens"].sum()) == d["vllm:generation_tokens_total"]
     assert set(sched["pool_bytes"].tolist()) == {POOL_BYTES}
     assert np.all(np.diff(sched["step"].astype(np.int64)) == 1)
-    assert int(sched["waiting"].max()) > 0 or int(sched["running"].max()) > 1  # the scrapes saw the load
+    # running / waiting / usage are gauges sampled at each scrape: a load of a few seconds may fall between
+    # scrapes (vLLM answers /metrics from the loop that serves the requests), so they are not asserted here
 
 
 def test_summary_counters_equal_vllm_metrics(recording: dict[str, Any]) -> None:
@@ -255,3 +256,31 @@ def test_block_lifetimes_from_every_event(recording: dict[str, Any]) -> None:
     for st in bt.values():
         assert st["p50_s"] <= st["p90_s"] <= st["max_s"]
     assert bt["idle_before_removal"]["max_s"] <= bt["lifetime"]["max_s"]
+
+
+def test_history_replays_the_engines_buffer_on_attach(recording: dict[str, Any], vllm_server: VllmServer,
+                                                      tmp_path: Path) -> None:
+    """A second attach with --history, after the first recording: at its first live batch it replays every
+    batch vLLM still buffers, from sequence 0, so the blocks cached before it are known."""
+    srv = vllm_server
+    out = tmp_path / "later.kvt.h5"
+    idle(srv.url)
+    proc = subprocess.Popen([*KVTRACE, "attach", srv.url, "--events", srv.events, "--replay", srv.replay,
+                             "--topic", srv.topic, "--history", "-o", str(out), "--interval", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None and "attached to" in proc.stderr.readline()
+    time.sleep(1.0)
+    complete(srv.url, words(2000, 70), 4)
+    idle(srv.url)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    earlier = json.loads(next(text for kind, _, text in _events(recording["path"])
+                              if kind == K.NOTE and "attach summary" in text).split("attach summary ", 1)[1])
+    texts = _events(out)
+    summary = json.loads(next(t for k, _, t in texts if k == K.NOTE and "attach summary" in t).split(
+        "attach summary ", 1)[1])["kv_events"]
+    assert summary["first_seq"] == 0 and summary["lost_batches"] == 0
+    assert summary["replayed_batches"] >= earlier["kv_events"]["last_seq"] + 1
+    assert any(k == K.NOTE and "history: sequences 0-" in t for k, _, t in texts)
