@@ -335,3 +335,16 @@ def _print_rerun(r: dict[str, Any]) -> None:
         c.print(f"{visible(label)} at {_f(x['ratio'], '{:.2f}')}: {x.get('steps_over_budget', 0)} steps ended over "
                 f"budget, {x.get('steps_unscored', 0)} of them unscored (the policy could not score yet: all kept)",
                 style="dim")
+    # how each result was computed (one model pass, or the per-token loop and why) and where float
+    # ties, not the policy, decided which token went: a table reader needs both, not only the JSON
+    passes = sorted({(x.get("pass"), x.get("pass_note", "")) for p in r["policies"] for x in p["results"]
+                     if x.get("pass")})
+    for mode, note in passes:
+        c.print(f"computed by {'one model pass per policy' if mode == 'one_pass' else 'the per-token loop'}"
+                f"{': ' + visible(note) if note else ''}", style="dim")
+    for p in r["policies"]:
+        for x in p["results"]:
+            if x.get("steps_near_tie"):
+                c.print(f"{visible(p['label'])} at {_f(x['ratio'], '{:.2f}')}: {x['steps_near_tie']} steps evicted "
+                        f"among scores equal to within float rounding (a near tie decided the token, not the policy)",
+                        style="dim")

@@ -156,6 +156,7 @@ def test_cli_rerun_json(capsys, tmp_path, llama):
                                  "--policy", "paging", "--ratio", "0,0.5", "--max-tokens", "16",
                                  "--json-out", str(out)], capsys)
     assert code == 0 and "quality by rerun" in printed
+    assert "computed by one model pass per policy" in printed and "near tie" not in printed
     doc = json.loads(out.read_text())
     r = doc["rerun"]
     assert doc["trace"] is None and r["kind"] == "quality" and r["tokens"] == 16
@@ -376,3 +377,25 @@ def test_observed_attention_is_h2o_summed_step_by_step_and_kvpress_on_a_prefill(
         acc, cnt = x.h2o
         assert torch.equal(cnt[0], (N - x.pos[0]).double())
         assert (acc > 0).all() and x.kept_log[-1] == n_kept(N, 0.5)
+
+
+def test_rerun_table_says_how_each_pass_ran_and_where_ties_decided(capsys):
+    """The printed table carries what the JSON says beside the numbers: the per-token loop and its
+    reason where a model fell back to it, and results where a near tie decided the evicted token."""
+    from kvtrace.commands.whatif import _print_rerun
+
+    def result(**extra):
+        return {"ratio": 0.5, "perplexity": 10.0, "perplexity_change_pct": 1.0, "kl_mean": 0.1, "kl_max": 0.2,
+                "top1_agreement": 0.9, "full_layer_tokens_final": 8, "tokens_seen": 16, **extra}
+
+    doc = {"model": "m", "text": "t.txt", "tokens": 16, "scored_positions": 15, "note": "n",
+           "reference": {"perplexity": 9.0},
+           "policies": [{"label": "knorm", "results": [result(**{"pass": "per_token", "pass_note": "MLA latent cache",
+                                                                  "steps_near_tie": 3})]},
+                        {"label": "tova", "results": [result(**{"pass": "per_token",
+                                                                 "pass_note": "MLA latent cache"})]}]}
+    _print_rerun(doc)
+    out = capsys.readouterr().out
+    assert out.count("computed by the per-token loop: MLA latent cache") == 1
+    assert "knorm at 0.50: 3 steps evicted among scores equal to within float rounding" in " ".join(out.split())
+    assert "tova at 0.50: " not in out
