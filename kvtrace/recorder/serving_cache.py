@@ -105,8 +105,12 @@ def step_rows(t_ns: int, manager: int, step: int, state: CacheState | None, acti
     trace request id for the requests this session recorded (others count in the totals only). The
     /blocks rows come as :class:`GroupBlocks`, converted by the writer's flusher, off the CB loop."""
     cb_ids = list(active)
-    pos = np.fromiter((int(getattr(active[c], "position_offset", 0)) for c in cb_ids), np.int64, len(cb_ids))
-    rid = np.fromiter((rids.get(c, -1) for c in cb_ids), np.int64, len(cb_ids))
+    try:  # plain attribute reads in one comprehension: this runs on CB's loop thread every step
+        pos = np.array([s.position_offset for s in active.values()], dtype=np.int64)
+    except AttributeError:  # a state without it counts 0, as before
+        pos = np.fromiter((int(getattr(active[c], "position_offset", 0)) for c in cb_ids), np.int64, len(cb_ids))
+    pos = pos.reshape(len(cb_ids))
+    rid = np.array([rids.get(c, -1) for c in cb_ids], dtype=np.int64).reshape(len(cb_ids))
     groups: list[SchedGroupRow] = []
     blocks: list[GroupBlocks] = []
     valid_bytes = in_use = cached = 0
@@ -172,6 +176,14 @@ def batch_tokens(batch: Any) -> dict[str, int]:
     (``inputs_and_outputs.requests_in_batch`` in 5.17 and 5.23); empty when that is not there."""
     if not isinstance(batch, list):
         return {}
+    try:  # the common case in one pass of plain attribute reads (CB's loop thread, every step)
+        rows = [(f.query_length, f.state.position_offset, len(f.state.initial_tokens)) for f in batch]
+    except (AttributeError, TypeError):
+        rows = None
+    if rows is not None:
+        decode = sum(n for n, offset, initial in rows if offset - n >= initial)
+        prefill = sum(n for n, _, _ in rows) - decode
+        return {"batch_requests": len(batch), "prefill_tokens": int(prefill), "decode_tokens": int(decode)}
     prefill = decode = 0
     for future in batch:
         n = int(getattr(future, "query_length", 0))
