@@ -106,9 +106,12 @@ def _events(path: Path) -> list[tuple[int, int, str]]:
 def test_attach_stops_cleanly_and_the_trace_is_valid(recording: dict[str, Any]) -> None:
     assert recording["rc"] == 0, recording["stderr"]
     assert "Traceback" not in recording["stderr"]
-    for cmd in (["validate"], ["info"], ["analyze", "--json"]):
-        run = subprocess.run([*KVTRACE, *cmd, str(recording["path"])], capture_output=True, text=True, timeout=300)
+    out, trace = recording["path"].parent, str(recording["path"])
+    for cmd in (["validate", trace], ["info", trace], ["analyze", "--json", trace],
+                ["report", trace, "-o", str(out / "r.html")], ["export", "perfetto", trace, "-o", str(out / "p.json")]):
+        run = subprocess.run([*KVTRACE, *cmd], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, (cmd, run.stdout[-500:], run.stderr[-500:])
+    assert (out / "r.html").stat().st_size > 0 and (out / "p.json").stat().st_size > 0
     doc = json.loads(subprocess.run([*KVTRACE, "analyze", "--json", str(recording["path"])], capture_output=True,
                                     text=True, timeout=300).stdout)
     found = {f["detector"] for f in doc["reports"][0]["findings"]}
