@@ -58,7 +58,7 @@ def run(trace: str, sizes_text: str, as_json: bool, json_out: str | None) -> Non
         "schema": SCHEMA, "trace": trace, "block_size": stream.block_size, "recorded_pool_blocks": recorded,
         "accesses": n, "distinct_blocks": distinct, "recorded_hits": recorded_hits,
         "reuse_reports": stream.reuse_reports, "unreadable_hashes": stream.bad_texts, "sizes": rows,
-        "block_times": poolsim.block_times(stream),
+        "block_times": poolsim.block_times(stream), "computed_again_blocks": poolsim.computed_again(stream),
         "model": "LRU stack distances (one pass) and Belady's optimum per size, over the recorded block "
                  "accesses; pinned blocks and the prefix-chain rule are outside the model",
     }
@@ -69,6 +69,10 @@ def run(trace: str, sizes_text: str, as_json: bool, json_out: str | None) -> Non
                f"recorded: {recorded_hits:,} hits at the engine's {recorded} blocks"
                + ("" if stream.reuse_reports else " (no reuse reports in the trace: vLLM publishes hits only for "
                   "requests sent with kv_cache_report_mode=\"full\", so every access here is a miss it computed)"))
+    again = doc["computed_again_blocks"]
+    if again:
+        click.echo(f"computed again after an eviction: {again:,} blocks ({again * stream.block_size:,} tokens of "
+                   "prefill that a pool keeping them would have served from cache)")
     bt = doc["block_times"]
     for name, what in (("lifetime", "block lifetimes (stored -> evicted)"),
                        ("idle_before_removal", "idle before eviction"), ("reuse_gap", "reuse gaps")):

@@ -96,6 +96,18 @@ def read_stream(trace: Any) -> Stream:
                   np.asarray(times, dtype=np.int64), removed)
 
 
+def computed_again(stream: Stream) -> int:
+    """Stores of a block the stream had already named: KV computed a second time for the same content,
+    because the block was evicted in between (what a larger pool or a better policy would have saved)."""
+    seen: set[int] = set()
+    again = 0
+    for k, h in zip(stream.keys.tolist(), stream.hit.tolist(), strict=True):
+        if not h and k in seen:
+            again += 1
+        seen.add(k)
+    return again
+
+
 def block_times(stream: Stream) -> dict[str, Any]:
     """Every block's residency from the events, not a sample: lifetime (stored -> removed), idle time
     before its removal (last access -> removed) and reuse gaps (between two accesses of one block), in

@@ -100,3 +100,8 @@ def test_block_times_from_accesses_and_removals() -> None:
     assert bt["lifetime"]["count"] == 2 and bt["lifetime"]["max_s"] == 5.0
     assert bt["idle_before_removal"]["p50_s"] == 3.0  # the median of 1 s and 5 s
     assert bt["reuse_gap"]["count"] == 1 and bt["reuse_gap"]["max_s"] == 3.0
+
+
+def test_computed_again_counts_stores_of_known_blocks() -> None:
+    s = poolsim.Stream(np.array([0, 1, 0, 1, 0, 2]), np.array([False, False, True, False, False, False]), 32, True)
+    assert poolsim.computed_again(s) == 2  # block 1 stored again at 3, block 0 at 4; the reuse at 2 is a hit

@@ -97,6 +97,21 @@ def recording(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory)
             "sampled_lifetimes": int((after.value(LIFETIMES) or 0) - (before.value(LIFETIMES) or 0))}
 
 
+def _first_reuses(path: Path) -> int:
+    """Blocks whose first access in the stream is a reuse (cached before the first event received)."""
+    from kvtrace.engines import poolsim
+
+    with Trace(path) as t:
+        s = poolsim.read_stream(t)
+    seen: set[int] = set()
+    n = 0
+    for k, h in zip(s.keys.tolist(), s.hit.tolist(), strict=True):
+        if k not in seen and h:
+            n += 1
+        seen.add(k)
+    return n
+
+
 def _events(path: Path) -> list[tuple[int, int, str]]:
     with Trace(path) as t:
         rows = t.table("events")
@@ -191,6 +206,9 @@ def test_pool_size_whatif_on_the_real_engine_trace(recording: dict[str, Any]) ->
     for r in rows.values():
         assert r["lru_hits"] <= r["belady_hits"] <= doc["accesses"] - doc["distinct_blocks"]
     assert rows[1024]["lru_hits"] == doc["accesses"] - doc["distinct_blocks"]  # a pool holding every block
+    # a store of a block named before is a recompute: the stream's misses less its first stores
+    stored = doc["accesses"] - doc["recorded_hits"]
+    assert doc["computed_again_blocks"] == stored - (doc["distinct_blocks"] - _first_reuses(recording["path"]))
 
 
 def test_replay_endpoint_of_the_real_engine(recording: dict[str, Any], vllm_server: VllmServer) -> None:
