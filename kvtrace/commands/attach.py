@@ -49,7 +49,8 @@ def attach(url: str, output: str, events: str | None, replay: str | None, topic:
     It writes one /sched row per scrape, the block stores, reuses and evictions as /events with their
     block hashes, gaps in the event stream (replayed or lost), and the engine's cache configuration.
     Exit codes: 0 stopped (signal or --duration), 64 bad option, 69 the engine cannot be reached or is
-    not a vLLM engine, or the --events endpoint cannot be bound, 73 TRACE cannot be written.
+    not a vLLM engine, or the --events endpoint cannot be bound, 73 TRACE cannot be written, 74 the
+    disk failed while recording (what was written before stays readable).
     """
     from kvtrace.commands.outputs import check_output
 

@@ -605,7 +605,7 @@ class EngineRecorder:
         """Tick every interval until `until()` holds (checked every 50 ms)."""
         self.start()
         next_t = time.monotonic() + self.opts.interval_s
-        while not until():
+        while not until() and not self.w.failed:  # a storage failure ends the recording (close says so)
             if time.monotonic() >= next_t:
                 self.tick()
                 next_t += self.opts.interval_s
@@ -629,4 +629,9 @@ class EngineRecorder:
         off, n = self.w.add_text(f"manager {MANAGER}: attach summary " + json.dumps(summary, sort_keys=True))
         self.w.append("events", schema.EventRow(monotonic_ns(), int(K.NOTE), -1, -1, -1, -1, self.step, off, n))
         self.w.close()
+        if self.w.failure is not None:
+            from kvtrace.errors import TraceIncomplete
+
+            raise TraceIncomplete(f"{self.w.path}: trace incomplete, writing stopped early "
+                                  f"({self.w.failure.describe()})")
         return summary

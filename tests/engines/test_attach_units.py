@@ -388,3 +388,17 @@ def test_history_needs_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     code, _, err = _attach([engine.url, "--events", f"tcp://127.0.0.1:{free_port()}", "--history", "-o",
                             str(tmp_path / "t.kvt.h5")], capsys)
     assert code == exitcodes.USAGE and "--replay" in err
+
+
+def test_a_storage_failure_ends_the_recording_with_74(engine: _Server, tmp_path: Path) -> None:
+    from kvtrace.errors import TraceIncomplete
+    from kvtrace.format.storage import StorageFault
+
+    rec = EngineRecorder(tmp_path / "f.kvt.h5", AttachOptions(engine.url, interval_s=0.05))
+    rec.w._enter_failed(StorageFault(28, "No space left on device", "write", 4096))  # as a full disk does
+    t0 = time.monotonic()
+    rec.run(lambda: time.monotonic() - t0 > 30)  # returns at once: the writer failed
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(TraceIncomplete, match="ENOSPC") as info:
+        rec.close()
+    assert info.value.exit_code == exitcodes.IO_ERROR
