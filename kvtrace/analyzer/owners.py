@@ -135,6 +135,8 @@ def merged(rds: list[Reading]) -> Reading | None:
 
 
 def class_name(owner: schema.Owner, c: OwnerClass | None = None, request: int | None = None) -> str:
+    if owner == OW.KV_REQUEST and c is not None and c.detail.get("pool") == "paged":
+        return pool_name(c)
     if owner == OW.KV_REQUEST and request is not None:
         return f"KV of request {request}"
     if owner == OW.KV_EARLIER and c is not None:
@@ -150,6 +152,17 @@ def class_name(owner: schema.Owner, c: OwnerClass | None = None, request: int | 
         if names:
             return ", ".join(names[:3])
     return NAMES[owner]
+
+
+def pool_name(c: OwnerClass) -> str:
+    """A continuous-batching manager's paged KV pool, named by the requests running on it: it belongs to
+    them together (blocks are handed out and reused by request, the pool's bytes never change)."""
+    n = c.detail.get("running")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        reqs = c.detail.get("requests")
+        n = len(reqs) if isinstance(reqs, list) else -1
+    who = f"{n} running request{'' if n == 1 else 's'}" if n >= 0 else "its running requests"
+    return f"paged KV pool ({who})"
 
 
 def describe(rd: Reading, *, of: int | None = None, include_free: bool = False, top: int = 6) -> str:

@@ -45,6 +45,7 @@ GROWTH_FLOOR = 16 * MiB  # first growth_peak level
 # Blocks of segments in a private memory pool (segment_pool_id other than (0, 0)) belong to CUDA graphs
 # (transformers' compiled static path captures them): a reservation for replay, named as a workspace.
 GRAPH_POOL = "CUDA graph pool"
+POOL = "paged KV pool"  # the tag of a continuous-batching manager's preallocated KV pool
 MAX_GROWTH_READINGS = 8  # growth_peak readings per request (the level doubles after each)
 # Frames of these packages are the machinery, not the allocation site a user wants named (their
 # install directories, found from the imported modules), nor the standard library's wrappers.
@@ -75,6 +76,9 @@ class DeviceKnown:
     """Identities on one device: storage data pointer -> size (or request, or output field)."""
 
     kv_request: dict[int, int] = field(default_factory=dict)
+    # a continuous-batching manager's paged KV pool (ptr -> bytes): KV of the requests running on it,
+    # classed kv_request with the detail naming the pool and those requests
+    kv_pool: dict[int, int] = field(default_factory=dict)
     kv_earlier: dict[int, int] = field(default_factory=dict)  # ptr -> request
     weights: dict[int, int] = field(default_factory=dict)
     outputs: dict[int, str] = field(default_factory=dict)  # ptr -> output field
@@ -90,6 +94,7 @@ class KnownMemory:
     kv_units: set[int] = field(default_factory=set)  # per-token bytes of one layer's K or V
     kv_max_multiple: int = 0  # tokens x layers x 2: a stacked copy of every layer's K and V
     kv_shapes: set[tuple[int, int]] = field(default_factory=set)  # (kv heads, head dim) of the layers
+    pool_detail: dict[str, Any] = field(default_factory=dict)  # managers and running requests of the pools
 
     def on(self, device: int) -> DeviceKnown:
         return self.devices.setdefault(device, DeviceKnown())
@@ -212,6 +217,7 @@ def classify_segments(segments: Iterable[dict[str, Any]], known: KnownMemory, de
                 owner_of[i] = (owner, tag)
 
     claim(dk.kv_request, Owner.KV_REQUEST)
+    claim({ptr: POOL for ptr in dk.kv_pool}, Owner.KV_REQUEST)
     claim(dk.kv_earlier, Owner.KV_EARLIER)
     claim(dk.weights, Owner.WEIGHTS)
     claim(dk.outputs, Owner.GENERATE_OUTPUT)
@@ -252,7 +258,17 @@ def classify_segments(segments: Iterable[dict[str, Any]], known: KnownMemory, de
             _tag(t, owner, tag)
         if tag == GRAPH_POOL:
             t.extra["graph_pool_bytes"] = int(t.extra.get("graph_pool_bytes", 0)) + size
+        elif tag is POOL:
+            t.extra["pool_bytes"] = int(t.extra.get("pool_bytes", 0)) + size
+    _name_pools(totals, known)
     return totals
+
+
+def _name_pools(totals: Totals, known: KnownMemory) -> None:
+    """The kv_request detail of a reading that found a paged pool: which pool, whose requests."""
+    t = totals.get(Owner.KV_REQUEST)
+    if t is not None and t.extra.get("pool_bytes"):
+        t.extra.update({"pool": "paged", **known.pool_detail})
 
 
 def kv_copy_unit(nbytes: int, known: KnownMemory) -> int:
@@ -305,6 +321,10 @@ def classify_tensors(tensors: Iterable[Any], known: KnownMemory, device: int = -
         tag: Any = None
         if ptr in dk.kv_request:
             owner = Owner.KV_REQUEST
+        elif ptr in dk.kv_pool:
+            owner = Owner.KV_REQUEST
+            pool = _total(totals, owner).extra
+            pool["pool_bytes"] = int(pool.get("pool_bytes", 0)) + nbytes
         elif ptr in dk.kv_earlier:
             owner, tag = Owner.KV_EARLIER, dk.kv_earlier[ptr]
         elif ptr in dk.weights:
@@ -321,6 +341,7 @@ def classify_tensors(tensors: Iterable[Any], known: KnownMemory, device: int = -
         total.add(nbytes, {"bytes": nbytes, "shape": list(shape)[:6], "dtype": dtype}
                   if owner in (Owner.UNKNOWN, Owner.KV_COPIES, Owner.GENERATE_OUTPUT) else None)
         _tag(total, owner, tag)
+    _name_pools(totals, known)
     return totals
 
 
@@ -455,6 +476,9 @@ class OwnerRecorder:
         self._thread: threading.Thread | None = None
         self._cc: dict[int, int] = {}
         self._lock = threading.Lock()
+        # the continuous-batching managers' paged KV pools, set by the session from the serving recorder:
+        # () -> [(manager index, the pool's tensors, trace ids of the requests running on it)]
+        self.pools: Callable[[], list[tuple[int, list[Any], list[int]]]] | None = None
 
     def _devices(self) -> list[int]:
         """The model's CUDA devices whose allocator can be read ([] without CUDA: a CPU census)."""
@@ -588,6 +612,13 @@ class OwnerRecorder:
             self._learn_geometry(r, req)
         self.reading(OwnerMoment.OOM, req.id, req.step)
 
+    def at_serving_oom(self, step: int) -> None:
+        """An OOM inside continuous batching (a batch's forward raised): who filled the device, read as
+        transformers fails the batch's requests (request -1: the pool and the step are the manager's;
+        the detail names the requests running on it)."""
+        if self.enabled:
+            self.reading(OwnerMoment.OOM, -1, step)
+
     def at_verdict(self, rid: int, outcome: int, survivors: list[Any], collect: Callable[[], None]) -> None:
         """The request's retention verdict: read who owns what is left when something is to explain
         (storage survived, an earlier retention is still alive, the request failed, or the allocator
@@ -667,13 +698,8 @@ class OwnerRecorder:
             if ref() is not None and ptr not in known.on(dev).kv_request:
                 known.on(dev).kv_earlier[ptr] = rid
         for tensors in (self.model.parameters(), self.model.buffers()):
-            for p in tensors:
-                try:
-                    dev = -1 if p.device.type == "cpu" else int(p.device.index or 0)
-                    st = p.untyped_storage()
-                    known.on(dev).weights[int(st.data_ptr())] = int(st.nbytes())
-                except Exception:  # noqa: BLE001, S112
-                    continue
+            _known_storages(known, tensors, "weights")
+        self._known_pools(known)
         r = self.req
         if r is not None:
             for dev, ptrs in r.outputs.items():
@@ -686,6 +712,21 @@ class OwnerRecorder:
                 known.kv_max_multiple = tokens * max(g.layers, 1) * 2
                 known.output_sizes = output_sizes(r.effective, g.batch, *self._model_sizes(), r.prompt, tokens)
         return known
+
+    def _known_pools(self, known: KnownMemory) -> None:
+        """Every live paged pool's storages as kv_pool, and the detail naming the managers and the
+        requests running on them."""
+        if self.pools is None:
+            return
+        managers: list[int] = []
+        running: list[int] = []
+        for index, tensors, rids in self.pools():
+            _known_storages(known, tensors, "kv_pool")
+            managers.append(int(index))
+            running.extend(int(r) for r in rids)
+        if managers:
+            known.pool_detail = {"managers": sorted(managers), "requests": sorted(running)[:256],
+                                 "running": len(running)}
 
     def _model_sizes(self) -> tuple[int, int, int, int]:
         """(vocabulary rows of the output head, hidden size, attention heads, activation item size)."""
@@ -737,6 +778,17 @@ class OwnerRecorder:
             except Exception:  # noqa: BLE001
                 cc = self._cc[device] = 9
         return workspace_candidates(cc)
+
+
+def _known_storages(known: KnownMemory, tensors: Iterable[Any], table: str) -> None:
+    """Each tensor's untyped storage (data pointer -> bytes) into ``table`` of its device's identities."""
+    for x in tensors:
+        try:
+            dev = -1 if x.device.type == "cpu" else int(x.device.index or 0)
+            st = x.untyped_storage()
+            getattr(known.on(dev), table)[int(st.data_ptr())] = int(st.nbytes())
+        except Exception:  # noqa: BLE001, S112 - meta/sparse/subclass tensors without a plain storage
+            continue
 
 
 def _rss() -> int:

@@ -11,7 +11,8 @@ What it writes, per continuous-batching (CB) request of the recorded model:
   own row when forked, with ``forked_from`` = the parent's trace id),
   updated at the end with new tokens, EOS step, outcome and end time: ``Scheduler.finish_request``
   gives OK (ERROR when transformers marked the request FAILED);
-  ``ContinuousBatchProcessor._handle_request_error`` gives ERROR with the error's text;
+  ``ContinuousBatchProcessor._handle_request_error`` gives ERROR with the error's text (OOM for an
+  out-of-memory error: the manager's OOM event, AT_OOM reading and /owners reading come first);
   ``Scheduler.clear_cancelled_requests`` gives INTERRUPTED with the error text "cancelled"; a request
   still in flight when the recording closes gives INTERRUPTED too;
 * events (their ``step`` is the manager's scheduler step): REQUEST_START when queued (the arrival),
@@ -65,7 +66,9 @@ from typing import Any
 
 from kvtrace.format.schema import EventKind, Outcome, ReadingLabel
 from kvtrace.format.writer import monotonic_ns
+from kvtrace.memory_errors import is_host_oom, requested_bytes
 from kvtrace.recorder.context import MAX_ERROR_TEXT, SessionContext
+from kvtrace.recorder.requests import OOM_ERRORS, oom_device
 from kvtrace.recorder.rows import RequestRow
 from kvtrace.recorder.serving_cache import (
     UNSUPPORTED,
@@ -101,7 +104,8 @@ class _Flight:
 class _Manager:
     """What the recorder keeps per CB manager of the recorded model."""
 
-    __slots__ = ("adapter", "baseline", "cache", "counts", "index", "lag", "noted", "ref", "steps")
+    __slots__ = ("adapter", "baseline", "cache", "counts", "index", "lag", "noted", "oom", "processor", "ref",
+                 "steps")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -110,7 +114,10 @@ class _Manager:
         self.steps = 0  # scheduler steps recorded (the next step's index)
         self.counts = StepCounts()
         self.adapter: CacheAdapter | None = None  # None: this cache's layout is not known
-        self.cache: Any = None
+        # weakref to its paged cache: the recorder never keeps a pool alive after its manager dropped it
+        self.cache: Any = lambda: None
+        self.processor: Any = lambda: None  # weakref to its batch processor (its scheduler: the running requests)
+        self.oom: tuple[int, int] | None = None  # (id of the OOM error, step) whose reading is taken
         self.ref: Any = lambda: None  # weakref to the manager object
         self.baseline = False  # its BASELINE reading is written
         self.noted = False  # its NOTE (no per-layer rows; graph and async settings) is written
@@ -124,6 +131,7 @@ class ServingRecorder:
         self.model = model
         self.ctx = ctx
         self.readings = readings  # MemoryReadings: labelled readings around each manager's loop
+        self.owners: Any = None  # kvtrace.recorder.owners.OwnerRecorder, set by the session
         self.salt = salt
         self.take_id = take_id
         self.lock = threading.Lock()  # add_request runs on the caller's thread, the rest on CB's loop
@@ -426,7 +434,8 @@ class ServingRecorder:
             m = self._manager(key)
             # a manager that builds its processor again (a persistent manager, reused) keeps counting
             # steps, so (manager, step) stays unique in /sched
-            m.cache, m.adapter = cache, adapter
+            m.cache, m.adapter = (weakref.ref(cache) if cache is not None else (lambda: None)), adapter
+            m.processor = weakref.ref(processor)
             m.lag = 1 if getattr(processor, "use_async_batching", False) else 0
             for obj in (processor, getattr(processor, "scheduler", None), cache,
                         adapter.eviction_target(cache) if adapter is not None else None):
@@ -524,15 +533,71 @@ class ServingRecorder:
 
     def _failed(self, orig: Any, processor: Any, args: tuple, kwargs: dict) -> Any:
         """transformers fails a request (a batch's forward raised, or the loop died): ERROR, with the
-        error's text; it covers waiting requests too, which no finish_request follows."""
-        out = orig(processor, *args, **kwargs)
+        error's text; it covers waiting requests too, which no finish_request follows. An
+        out-of-memory error makes it OOM: at the first request it fails, the manager's OOM event, its
+        AT_OOM reading and the owner reading (who filled the device) are taken, before any of the
+        batch's requests is finished (the scheduler still lists the ones that ran)."""
         key = self._owner_of(processor)
         error = kwargs.get("error", args[0] if args else None)
+        oom = isinstance(error, OOM_ERRORS) or (isinstance(error, BaseException) and is_host_oom(error))
+        if key is not None and oom and not self.closed:
+            self._oom(key, processor, error)
+        out = orig(processor, *args, **kwargs)
         state = kwargs.get("state", args[1] if len(args) > 1 else None)
         if key is not None:
             flight = self._pop(key, getattr(state, "request_id", None))
             if flight is not None:
-                self._end(flight.rid, Outcome.ERROR, state, f"{type(error).__name__}: {error}"[:MAX_ERROR_TEXT])
+                self._end(flight.rid, Outcome.OOM if oom else Outcome.ERROR, state,
+                          f"{type(error).__name__}: {error}"[:MAX_ERROR_TEXT])
+        return out
+
+    def _oom(self, key: int, processor: Any, error: BaseException) -> None:
+        """Once per error and step: transformers fails every request of the batch with the same error."""
+        m = self.managers.get(key)
+        if m is None:
+            return
+        step = max(m.steps - 1, 0) if m.steps else -1  # the step whose forward raised
+        if m.oom == (id(error), step):
+            return
+        m.oom = (id(error), step)
+        try:
+            active = getattr(getattr(processor, "scheduler", None), "active_requests", {}) or {}
+            with self.lock:
+                running = sorted(f.rid for r in list(active) if (f := self.flights.get((key, str(r)))) is not None)
+            device, note = oom_device(error, self.readings.devices if self.readings is not None else [])
+            want = requested_bytes(str(error))
+            # the running requests last, whole: the oom detector reads them back when no owner reading names them
+            suffix = "; running requests " + (", ".join(map(str, running[:64])) if running else "none")
+            text = f"manager {m.index}: {type(error).__name__}: {error}"[:max(MAX_ERROR_TEXT - len(suffix), 64)] + suffix
+            self._event(EventKind.OOM, step=step, value=-1 if want is None else want, text=text)
+            if note:
+                self.ctx.event(EventKind.NOTE, step=step, device=device, text=f"manager {m.index}: {note}")
+            if self.readings is not None and self.ctx.writer is not None and not self.ctx.writer.closed:
+                self.readings.write(-1, ReadingLabel.AT_OOM)
+            if self.owners is not None:
+                self.owners.at_serving_oom(step)
+        except Exception as exc:  # noqa: BLE001 - transformers' error handling goes on
+            self.ctx.error("cb-oom", exc)
+
+    def pools(self) -> list[tuple[int, list[Any], list[int]]]:
+        """(manager index, its paged pool's tensors, trace ids of its running requests) of every manager
+        whose cache is alive and of a known layout: the owner readings call that pool KV."""
+        out = []
+        with self.lock:
+            managers = [(key, m, m.cache()) for key, m in self.managers.items()]
+        for key, m, cache in managers:
+            if cache is None or m.adapter is None:
+                continue
+            try:
+                tensors = m.adapter.pool_tensors(cache)
+            except Exception as exc:  # noqa: BLE001
+                self.ctx.error("cb-pool", exc)
+                continue
+            active = getattr(getattr(m.processor(), "scheduler", None), "active_requests", {}) or {}
+            with self.lock:
+                rids = [f.rid for r in list(active) if (f := self.flights.get((key, str(r)))) is not None]
+            out.append((m.index, tensors, rids))
+            cache = None
         return out
 
     def _offload(self, orig: Any, offloader: Any, args: tuple, kwargs: dict) -> Any:
@@ -561,7 +626,8 @@ class ServingRecorder:
                        "soft reset: KV freed, requeued; its tokens will be recomputed")
         if to_cpu and m.adapter is not None:
             try:
-                copied = m.adapter.offloaded_bytes(getattr(self.preempting, "offloader", None), m.cache, str(request_id))
+                copied = m.adapter.offloaded_bytes(getattr(self.preempting, "offloader", None), m.cache(),
+                                                   str(request_id))
             except Exception as exc:  # noqa: BLE001
                 self.ctx.error("cb-offload", exc)
                 copied = -1
@@ -704,7 +770,8 @@ class ServingRecorder:
         t = monotonic_ns()
         for flight in admitted:
             self._event(EventKind.SCHEDULED, flight.rid, step=step, value=flight.admissions, t=t)
-        state = m.adapter.read(m.cache) if m.adapter is not None else None
+        cache = m.cache()
+        state = m.adapter.read(cache) if m.adapter is not None and cache is not None else None
         starved = getattr(scheduler, "starved_requests", None)
         sched, groups, blocks = step_rows(
             t, m.index, step, state, active, rids,

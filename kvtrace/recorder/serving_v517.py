@@ -80,6 +80,10 @@ class V517:
         cpu = getattr(offloader, "_request_id_to_cpu_blocks", {}).get(request_id) or []
         return len(cpu) * _block_bytes(cache)
 
+    def pool_tensors(self, cache: Any) -> list[Any]:
+        # one K and one V tensor per layer of a group, preallocated (trash blocks included)
+        return [*getattr(cache, "key_cache", ()), *getattr(cache, "value_cache", ())]
+
 
 def load() -> V517 | None:
     """The adapter when the installed transformers has 5.17's cache_manager.BlockManager."""

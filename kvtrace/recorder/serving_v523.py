@@ -70,6 +70,11 @@ class V523:
         cpu = getattr(offloader, "_request_id_to_cpu_blocks", {}).get(request_id) or {}
         return sum(len(ids) * int(cache.cache_allocators[name].bytes_per_block) for name, ids in cpu.items())
 
+    def pool_tensors(self, cache: Any) -> list[Any]:
+        # the whole preallocated pool is one uint8 tensor (trash sectors included); blocks are views
+        t = getattr(cache, "cache_tensor", None)
+        return [t] if t is not None else []
+
 
 def _distinct_blocks(tables: dict[str, list[int]], shared: set[int]) -> int:
     """Blocks referenced by the tables, each once. With no block referenced twice (the ledger's

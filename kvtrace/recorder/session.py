@@ -134,6 +134,8 @@ class Recorder:
         if opts.owners:  # who owns the memory at the verdict moments (/owners)
             self._verdict.owners = self._requests.owners = self._owners
             self._readings.on_step_memory = self._owners.on_step_memory
+            self._serving.owners = self._owners  # an OOM inside continuous batching
+            self._owners.pools = self._serving.pools  # the paged KV pools are KV, not unknown
         self._started = False
         self._closed = False
         self._sigxfsz_held = False

@@ -9,6 +9,12 @@ The post-mortem: when the trace holds the owner reading taken at the failure (/o
 format 1.5), the finding says who filled the device ("KV of request 3 61%, weights 22%, copies of KV
 9%, unknown 4%"), and owners decide the cause where they can: KV of earlier requests still alive
 (`oom_retained_kv`), copies of the cache (`oom_kv_copies`), the request's own KV (`oom_kv_growth`).
+
+Continuous batching: transformers fails every request of a batch whose forward ran out; the serving
+recorder writes one oom event for the manager (request -1, "manager N: ...; running requests 3, 4")
+and the manager's owner reading, where the paged KV pool is KV of the running requests. One finding
+names the manager, the step and those requests ("who held it: paged KV pool (2 running requests)
+22%, ..."); the pool holding at least half of the allocated memory is `oom_paged_pool`.
 """
 
 from __future__ import annotations
@@ -31,6 +37,25 @@ _ALLOWED = re.compile(r"with\s+" + SIZE_TEXT + r"\s+allowed")
 CAP_BELOW_TOTAL = 0.99
 # An owner class named as the cause when it holds at least this share of allocated memory at the OOM.
 OWNER_CAUSE_SHARE = 0.25
+# The serving recorder's OOM event: "manager N: <error>; running requests 3, 4" (request -1)
+_MANAGER = re.compile(r"manager (\d+): ")
+_RUNNING = re.compile(r"; running requests ([\d, ]+)$")
+
+
+def _nearest_after(rds: list[own.Reading], t: int) -> own.Reading | None:
+    """The first reading taken at or after ``t`` (an event's readings follow it), else the last one."""
+    after = [r for r in rds if r.t_ns >= t]
+    return min(after, key=lambda r: r.t_ns) if after else (rds[-1] if rds else None)
+
+
+def _running(pool: own.OwnerClass | None, text: str) -> list[int]:
+    """The trace ids of the requests running when a continuous batch ran out: the pool reading's
+    detail, else the event's text."""
+    reqs = pool.detail.get("requests") if pool is not None else None
+    if isinstance(reqs, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in reqs):
+        return sorted(set(reqs))
+    m = _RUNNING.search(text or "")
+    return sorted({int(x) for x in m.group(1).split(",") if x.strip().isdigit()}) if m else []
 
 
 def failed_device(ctx: ReplayContext, text: str, recorded: int) -> int:
@@ -75,9 +100,10 @@ class Oom(Detector):
             rid = int(e["request"])
             req = next((r for r in ctx.requests if r.request == rid), None)
             text = ctx.trace.text(int(e["text_off"]), int(e["text_len"]))
-            out.append(self._one(ctx, req, int(e["t_ns"]), int(e["step"]), text,
-                                 failed_device(ctx, text, int(e["device"]))))
+            f = self._one(ctx, req, int(e["t_ns"]), int(e["step"]), text, failed_device(ctx, text, int(e["device"])))
+            out.append(f)
             handled.add(rid)
+            handled.update(f.requests)  # a continuous-batching OOM fails every request of its batch at once
         for req in ctx.requests:  # an OOM outcome without its event (e.g. the event was lost)
             if req.outcome == schema.Outcome.OOM and req.request not in handled:
                 r = req.reading(schema.ReadingLabel.AT_OOM)
@@ -98,8 +124,15 @@ class Oom(Detector):
             if step < 0 and before.size:
                 step = int(before["step"][-1]) + 1
         prefill = req is not None and (step <= 0 or not (req.steps.size and (req.steps["step"] >= 1).any()))
-        at_oom = own.merged([r for r in own.latest(ctx, req.request, schema.OwnerMoment.OOM)
-                             if r.device == device]) if req is not None else None
+        manager = _MANAGER.match(text) if req is None else None
+        if req is not None:
+            at_oom = own.merged([r for r in own.latest(ctx, req.request, schema.OwnerMoment.OOM) if r.device == device])
+        else:  # continuous batching: the manager's reading (request -1) taken as the batch failed
+            at_oom = _nearest_after([r for r in own.of_request(ctx, -1, schema.OwnerMoment.OOM)
+                                     if r.device == device], t)
+        pool = at_oom.classes.get(schema.Owner.KV_REQUEST) if at_oom is not None else None
+        pool = pool if pool is not None and pool.detail.get("pool") == "paged" else None
+        running = _running(pool, text) if manager is not None or pool is not None else []
         OW = schema.Owner  # noqa: N806
         owned = at_oom.allocated if at_oom is not None else 0
         if at_oom is not None and owned > 0 and at_oom.bytes(OW.KV_REQUEST):
@@ -131,6 +164,18 @@ class Oom(Detector):
             cause = (f"copies of the KV cache: {c.blocks:,} blocks sized like its K/V, {format_bytes(c.bytes)} "
                      f"({c.bytes / owned:.0%} of allocated memory), outside the cache itself")
             kind = "oom_kv_copies"
+        elif pool is not None:
+            base = alloc if alloc > 0 else owned
+            if base > 0 and pool.bytes >= 0.5 * base:
+                cause = (f"the paged KV pool, preallocated when the manager started, held {format_bytes(pool.bytes)} "
+                         f"({pool.bytes / base:.0%} of allocated memory) and the batch's forward found too little room "
+                         "beside it: give the pool a smaller share (num_blocks, max_memory_percent) or the batch fewer "
+                         "tokens (max_batch_tokens)")
+                kind = "oom_paged_pool"
+            else:
+                cause = (f"memory outside the paged KV pool (the pool held {format_bytes(pool.bytes)} of "
+                         f"{format_bytes(max(base, 0))} allocated)")
+                kind = "oom_other"
         elif prefill:
             cause = "the prefill's working memory (attention and activations over the prompt), before decoding began"
             kind = "oom_prefill"
@@ -144,10 +189,18 @@ class Oom(Detector):
         if not cap_hit and total and want is not None and want > total:
             cause += (f"; the failed allocation alone ({format_bytes(want)}) is larger than the "
                       f"{'device' if device >= 0 else 'host memory'} ({format_bytes(total)})")
-        where = f"request {req.request}" if req is not None else "outside any request"
+        if req is not None:
+            where = f"request {req.request}"
+        elif manager is not None or pool is not None:
+            where = f"continuous-batching manager {manager.group(1)}" if manager is not None else "continuous batching"
+        else:
+            where = "outside any request"
         if len(ctx.gpu_devices) > 1:  # a model spread over GPUs: say which one ran out
             where += f" on {device_where(device)}"
         at = f", step {step}" if step >= 0 else ""
+        if running:
+            at += f" (running request{'s' if len(running) > 1 else ''} {', '.join(map(str, running[:16]))}" \
+                  f"{', ...' if len(running) > 16 else ''})"
         asked = f" asking for {format_bytes(want)}" if want is not None else ""
         held = (f"{format_bytes(alloc)} allocated, {format_bytes(reserved)} reserved, "
                 f"{format_bytes(max(split, 0))} in split blocks" if alloc >= 0 else "allocator state not recorded")
@@ -180,7 +233,7 @@ class Oom(Detector):
                 if o in at_oom.classes:
                     evidence[f"owner_{o.name.lower()}_bytes"] = ev(at_oom.classes[o].bytes, "bytes")
         return self.finding(kind, 1.0, msg, evidence=evidence,
-                            requests=[req.request] if req is not None else [],
+                            requests=[req.request] if req is not None else running,
                             steps=[step] if step >= 0 else [], device=device)
 
     @staticmethod
@@ -213,13 +266,19 @@ class Oom(Detector):
 
     @staticmethod
     def _state(ctx: ReplayContext, req: RequestTimeline | None, t: int, device: int) -> dict[str, int]:
-        """Allocator state at the OOM: the AT_OOM reading, else the nearest earlier sample."""
+        """Allocator state at the OOM: the AT_OOM reading (a continuous-batching manager's: request -1,
+        the first after the event), else the nearest earlier sample."""
         if req is not None:
             r = req.reading_at(schema.ReadingLabel.AT_OOM, device)
             r = r if r is not None else req.reading(schema.ReadingLabel.AT_OOM)
-            if r is not None and int(r["allocated_bytes"]) >= 0:
-                return {"allocated": int(r["allocated_bytes"]), "reserved": int(r["reserved_bytes"]),
-                        "split": int(r["inactive_split_bytes"])}
+        else:
+            rows = ctx.unattributed_readings
+            rows = rows[(rows["label"] == int(schema.ReadingLabel.AT_OOM)) & (rows["device"] == device)
+                        & (rows["t_ns"] >= t)] if rows.size else rows
+            r = rows[int(np.argmin(rows["t_ns"]))] if rows.size else None
+        if r is not None and int(r["allocated_bytes"]) >= 0:
+            return {"allocated": int(r["allocated_bytes"]), "reserved": int(r["reserved_bytes"]),
+                    "split": int(r["inactive_split_bytes"])}
         a = ctx.allocator
         if a.size:
             a = a[(a["device"] == device) & (a["t_ns"] <= t)]
