@@ -32,6 +32,7 @@ INTERNAL = {
     "BoundBroken": "serving/client: a server past a bound fails that request (its status says which)",
     "NotOpenAI": "serving/openai_stream: an answer that does not parse fails that request",
     "BadBatch": "engines/vllm_events: a KV-event message that does not decode becomes a dropped_samples event",
+    "NotRowDriven": "whatif/rerun_pass: the one pass cannot drive the model; the per-token loop runs, said in pass_note",
 }
 
 

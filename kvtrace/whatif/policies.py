@@ -289,11 +289,14 @@ class KeyDiff(ScorerPolicy):
 
     def score(self, keys: np.ndarray, obs: Observed | None, values: np.ndarray | None = None) -> np.ndarray:
         k = keys.astype(np.float64)
-        n = np.linalg.norm(k, axis=-1, keepdims=True)
-        unit = k / np.maximum(n, 1e-12)  # F.normalize eps
-        anchor = unit.mean(axis=2, keepdims=True)
-        an = np.linalg.norm(anchor, axis=-1)
-        cos = (k * anchor).sum(-1) / np.maximum(n[..., 0] * an, 1e-8)  # F.cosine_similarity eps
+        # non-finite keys (an overflowed fp16 cache) give NaN scores, which selection ranks last;
+        # numpy's divide warning would only repeat that to the user
+        with np.errstate(invalid="ignore", over="ignore"):
+            n = np.linalg.norm(k, axis=-1, keepdims=True)
+            unit = k / np.maximum(n, 1e-12)  # F.normalize eps
+            anchor = unit.mean(axis=2, keepdims=True)
+            an = np.linalg.norm(anchor, axis=-1)
+            cos = (k * anchor).sum(-1) / np.maximum(n[..., 0] * an, 1e-8)  # F.cosine_similarity eps
         return -cos
 
 

@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 
 from kvtrace.testing_models import TINY_WINDOW, tiny_model, tiny_prompt  # noqa: E402
 from kvtrace.whatif.rerun import _measures, teacher_forced_logprobs  # noqa: E402
+from tests.hfcache import cache_kwargs  # noqa: E402
 
 N = 24
 
@@ -36,7 +37,7 @@ def _plain(model, ids):
     cache, rows = DynamicCache(config=model.config), []
     with torch.no_grad():
         for t in range(ids.shape[1]):
-            out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids[:, t:t + 1], use_cache=True, **cache_kwargs(model, cache))
             rows.append(torch.log_softmax(out.logits[0, -1].double(), dim=-1).cpu().numpy())
     return np.stack(rows)
 
