@@ -45,6 +45,7 @@ STORED = "kv blocks stored"  # the text a block-store NOTE event starts with (sp
 MAX_ZMQ_MESSAGE = 64 << 20  # a hostile publisher's giant frame is refused by ZMQ itself
 MAX_HTTP_BYTES = 16 << 20
 REPLAY_WAIT_S = 2.0
+RCVHWM = 100_000  # batches queued for the subscriber before ZMQ drops (vLLM's publisher holds as many)
 # vLLM counters a tick turns into /sched deltas, and the other counters the closing summary reports.
 COUNTERS = {
     "preemptions": "vllm:num_preemptions_total",
@@ -274,6 +275,7 @@ class EventSubscriber:
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_ZMQ_MESSAGE)
+        self._sub.setsockopt(zmq.RCVHWM, RCVHWM)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, opts.topic.encode())
         try:
