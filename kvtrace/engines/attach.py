@@ -485,6 +485,10 @@ class EngineRecorder:
         self.config = engine_config(first, self.base)
         self.version = _json_or_none(self.base, "/version", opts.http_timeout_s)
         model_id, model_config = _model_meta(self.base, opts.http_timeout_s)
+        from kvtrace.engines.vllm_calc import element_bytes
+
+        self.config["kv_element_bytes"] = element_bytes(model_config, self.config["block_size"],
+                                                        self.config["bytes_per_block"])
         wall0, mono0 = time.time_ns(), monotonic_ns()
         settings = {
             "recorder": "attach", "engine": "vllm", "url": self.base, "events_endpoint": opts.events,

@@ -81,6 +81,22 @@ def predict(config: dict[str, Any], budget_bytes: int, context: int, block_size:
     return VllmPool(block_size, page, layers, blocks, blocks * block_size, blocks / per_request, kv_dtype, note)
 
 
+def element_bytes(config: dict[str, Any], block_size: int, bytes_per_block: int) -> int:
+    """Bytes of one KV element as the engine stores it, from its block bytes and the model's geometry
+    (a KV dtype of "auto" resolved: 2 for bfloat16/float16, 1 for fp8); -1 when the geometry is not a
+    plain full-attention one or the division is not exact."""
+    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    layers = _int(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _int(cfg, "num_attention_heads", "n_head")
+    kv_heads = _int(cfg, "num_key_value_heads") or heads
+    hidden = _int(cfg, "hidden_size", "n_embd")
+    head_dim = _int(cfg, "head_dim") or (hidden // heads if hidden and heads else None)
+    if not (layers and kv_heads and head_dim) or block_size <= 0 or bytes_per_block <= 0:
+        return -1
+    per = block_size * layers * 2 * kv_heads * head_dim
+    return bytes_per_block // per if bytes_per_block % per == 0 and bytes_per_block // per in (1, 2, 4) else -1
+
+
 def check(pool: VllmPool, engine_config: dict[str, Any]) -> dict[str, Any]:
     """The prediction against an engine trace's recorded configuration (recorder_settings_json)."""
     rec_blocks = engine_config.get("pool_blocks", -1)

@@ -43,3 +43,11 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
                                                                         "gpu_gemma3_tiny.kvt.h5"),
                              "--context", "1024", "--gpu-memory", "2MiB"], capsys)
     assert code == exitcodes.INVALID and "engine trace" in err and "Traceback" not in err
+
+
+def test_element_bytes_resolves_auto() -> None:
+    from kvtrace.engines.vllm_calc import element_bytes
+
+    assert element_bytes(LLAMA, 32, 16384 * 2) == 2  # vLLM's 32 KiB blocks of the tests' model: bf16
+    assert element_bytes(LLAMA, 32, 16384) == 1
+    assert element_bytes(LLAMA, 32, 16384 * 3) == -1 and element_bytes({}, 32, 4096) == -1

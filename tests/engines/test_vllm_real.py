@@ -150,6 +150,10 @@ def test_sched_counters_equal_vllm_metrics(recording: dict[str, Any]) -> None:
     assert int(sched["prefix_hit_blocks"].sum()) * BLOCK == d["vllm:prefix_cache_hits_total"]
     assert int(sched["decode_tokens"].sum()) == d["vllm:generation_tokens_total"]
     assert set(sched["pool_bytes"].tolist()) == {POOL_BYTES}
+    with Trace(recording["path"]) as t:
+        cfg = t.meta.recorder_settings["engine_config"]
+    assert cfg["kv_cache_dtype"] == "auto" and cfg["kv_element_bytes"] == 2  # the float32 checkpoint runs in bf16
+    assert (cfg["block_size"], cfg["pool_blocks"], cfg["pool_tokens"]) == (BLOCK, 32, 1024)
     assert np.all(np.diff(sched["step"].astype(np.int64)) == 1)
     # running / waiting / usage are gauges sampled at each scrape: a load of a few seconds may fall between
     # scrapes (vLLM answers /metrics from the loop that serves the requests), so they are not asserted here
