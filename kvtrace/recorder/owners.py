@@ -95,6 +95,7 @@ class KnownMemory:
     kv_max_multiple: int = 0  # tokens x layers x 2: a stacked copy of every layer's K and V
     kv_shapes: set[tuple[int, int]] = field(default_factory=set)  # (kv heads, head dim) of the layers
     pool_detail: dict[str, Any] = field(default_factory=dict)  # managers and running requests of the pools
+    retained_pool: dict[str, Any] = field(default_factory=dict)  # a pool alive after its manager: kv_earlier
 
     def on(self, device: int) -> DeviceKnown:
         return self.devices.setdefault(device, DeviceKnown())
@@ -269,6 +270,9 @@ def _name_pools(totals: Totals, known: KnownMemory) -> None:
     t = totals.get(Owner.KV_REQUEST)
     if t is not None and t.extra.get("pool_bytes"):
         t.extra.update({"pool": "paged", **known.pool_detail})
+    t = totals.get(Owner.KV_EARLIER)
+    if t is not None and known.retained_pool:
+        t.extra.update({"pool": "paged", **known.retained_pool})
 
 
 def kv_copy_unit(nbytes: int, known: KnownMemory) -> int:
@@ -479,6 +483,7 @@ class OwnerRecorder:
         # the continuous-batching managers' paged KV pools, set by the session from the serving recorder:
         # () -> [(manager index, the pool's tensors, trace ids of the requests running on it)]
         self.pools: Callable[[], list[tuple[int, list[Any], list[int]]]] | None = None
+        self._retained: tuple[int, list[tuple[int, int, int]], list[int], str] | None = None
 
     def _devices(self) -> list[int]:
         """The model's CUDA devices whose allocator can be read ([] without CUDA: a CPU census)."""
@@ -619,6 +624,18 @@ class OwnerRecorder:
         if self.enabled:
             self.reading(OwnerMoment.OOM, -1, step)
 
+    def at_pool_retained(self, manager: int, storages: list[tuple[int, int, int]], requests: list[int],
+                         held_by: str) -> None:
+        """A paged pool alive after its manager is gone: a reading (moment request_end, request -1) where
+        its storages are KV of the manager's earlier requests."""
+        if not self.enabled:
+            return
+        self._retained = (manager, storages, requests, held_by)
+        try:
+            self.reading(OwnerMoment.REQUEST_END, -1, -1)
+        finally:
+            self._retained = None
+
     def at_verdict(self, rid: int, outcome: int, survivors: list[Any], collect: Callable[[], None]) -> None:
         """The request's retention verdict: read who owns what is left when something is to explain
         (storage survived, an earlier retention is still alive, the request failed, or the allocator
@@ -700,6 +717,11 @@ class OwnerRecorder:
         for tensors in (self.model.parameters(), self.model.buffers()):
             _known_storages(known, tensors, "weights")
         self._known_pools(known)
+        if self._retained is not None:
+            manager, storages, requests, held_by = self._retained
+            for dev, ptr, _ in storages:
+                known.on(dev).kv_earlier[ptr] = requests[0] if requests else -1
+            known.retained_pool = {"managers": [manager], "requests": list(requests), "held_by": held_by[:400]}
         r = self.req
         if r is not None:
             for dev, ptrs in r.outputs.items():

@@ -57,6 +57,7 @@ a word.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import sys
@@ -83,6 +84,7 @@ from kvtrace.recorder.serving_cache import (
 
 __all__ = ["UNSUPPORTED", "ServingRecorder", "batch_tokens"]
 
+MAX_POOL_REQUESTS = 256  # requests a retained pool names
 # "unsupported transformers version" lines already written to stderr by this process
 _SAID_ON_STDERR: set[str] = set()
 _STDERR_LOCK = threading.Lock()
@@ -104,7 +106,7 @@ class _Flight:
 class _Manager:
     """What the recorder keeps per CB manager of the recorded model."""
 
-    __slots__ = ("adapter", "baseline", "cache", "counts", "index", "lag", "noted", "oom", "processor", "ref",
+    __slots__ = ("adapter", "baseline", "cache", "counts", "index", "lag", "noted", "oom", "processor", "ran", "ref",
                  "steps")
 
     def __init__(self, index: int) -> None:
@@ -118,6 +120,7 @@ class _Manager:
         self.cache: Any = lambda: None
         self.processor: Any = lambda: None  # weakref to its batch processor (its scheduler: the running requests)
         self.oom: tuple[int, int] | None = None  # (id of the OOM error, step) whose reading is taken
+        self.ran: list[int] = []  # trace ids of the requests it ran (the first MAX_POOL_REQUESTS)
         self.ref: Any = lambda: None  # weakref to the manager object
         self.baseline = False  # its BASELINE reading is written
         self.noted = False  # its NOTE (no per-layer rows; graph and async settings) is written
@@ -149,6 +152,9 @@ class ServingRecorder:
         self.adapter: CacheAdapter | None = None
         self._patches: list[tuple[type, str, Any, Any]] = []
         self._said: set[str] = set()
+        # pools whose manager's loop ended: (manager index, weakref to the manager, [(device, ptr, bytes,
+        # weakref to the storage)], requests it ran), checked for outliving their manager (check_pools)
+        self.ended: list[tuple[int, Any, list[tuple[int, int, int, Any]], list[int]]] = []
         self._phases = 0
         self._numbered = 0  # managers seen (their indexes)
         self.closed = False
@@ -367,6 +373,7 @@ class ServingRecorder:
         finally:
             if ours and not self.closed:
                 self._reading("after_return")
+                self._watch_pool(manager)
 
     def _reading(self, which: str) -> None:
         r = self.readings
@@ -390,6 +397,7 @@ class ServingRecorder:
         # the first build of a manager's processor allocates its paged cache (from warmup() or from the
         # generation loop): the BASELINE reading goes just before it, once per manager
         if self._ours(manager) and getattr(manager, "batch_processor", None) is None:
+            self.check_pools("the next manager's start")  # earlier managers' pools must be gone by now
             key = self._see(manager)
             if not self.managers[key].baseline:
                 self.managers[key].baseline = True
@@ -579,6 +587,73 @@ class ServingRecorder:
         except Exception as exc:  # noqa: BLE001 - transformers' error handling goes on
             self.ctx.error("cb-oom", exc)
 
+    def _watch_pool(self, manager: Any) -> None:
+        """The manager's loop ended: weak references to its pool's storages, to check later that the pool
+        dies with its manager (a view of the pool kept by user code holds all of it)."""
+        try:
+            m = self.managers.get(id(manager))
+            cache = m.cache() if m is not None else None
+            if cache is None or m.adapter is None:
+                return
+            refs: dict[int, tuple[int, int, int, Any]] = {}
+            for t in m.adapter.pool_tensors(cache):
+                st = t.untyped_storage()
+                dev = -1 if t.device.type == "cpu" else int(t.device.index or 0)
+                refs[int(st.data_ptr())] = (dev, int(st.data_ptr()), int(st.nbytes()), weakref.ref(st))
+            cache = None
+            with self.lock:
+                self.ended = [e for e in self.ended if e[0] != m.index]  # a persistent manager's run again
+                self.ended.append((m.index, m.ref, list(refs.values()), list(m.ran)))
+        except Exception as exc:  # noqa: BLE001
+            self.ctx.error("cb-pool-watch", exc)
+
+    def check_pools(self, when: str) -> None:
+        """Every pool whose manager is gone must be gone too: weak references first; a collection runs
+        only when a pool storage is alive, and one still alive after it is retained (a NOTE with what
+        holds it, and an /owners reading at moment request_end, request -1, that names the pool as KV of
+        the manager's earlier requests). A manager still alive (a persistent one) keeps its pool by
+        design. Never raises."""
+        with self.lock:
+            ended, self.ended = self.ended, []
+        if not ended or self.ctx.writer is None or self.ctx.writer.closed:
+            return
+        try:
+            if any(r() is not None for e in ended for *_, r in e[2]):
+                gc.collect()
+            keep = []
+            for index, mref, refs, rids in ended:
+                if mref() is not None:
+                    keep.append((index, mref, refs, rids))  # its manager lives: the pool is its own
+                    continue
+                alive = [(d, p, n) for d, p, n, r in refs if r() is not None]
+                if alive:
+                    self._retained_pool(index, alive, rids, when)
+            with self.lock:
+                self.ended = keep + self.ended
+        except Exception as exc:  # noqa: BLE001
+            self.ctx.error("cb-pool-check", exc)
+
+    def _retained_pool(self, index: int, alive: list[tuple[int, int, int]], rids: list[int], when: str) -> None:
+        from kvtrace.recorder.retention import _tensors_on, holder_path
+
+        found = _tensors_on(set(alive), per_key=4)
+        tensors = [t for ts in found.values() for t in ts]
+        held = ""
+        for t in tensors:  # the first tensor on the pool whose holders reach a root (a view's base may not)
+            held = holder_path(t, (found, tensors, *found.values()))
+            if held and not held.startswith("nothing"):
+                break
+        t = None
+        found.clear()
+        tensors.clear()
+        size = sum(n for _, _, n in alive)
+        self.ctx.event(EventKind.NOTE, value=size, text=(
+            f"manager {index}: its paged KV pool is still alive after the manager stopped (checked at {when}): "
+            f"{size} bytes in {len(alive)} storage{'s' if len(alive) > 1 else ''}"
+            + (f"; held by {held}" if held else ""))[:MAX_ERROR_TEXT])
+        if self.owners is not None:
+            self.owners.at_pool_retained(index, alive, rids, held)
+
     def pools(self) -> list[tuple[int, list[Any], list[int]]]:
         """(manager index, its paged pool's tensors, trace ids of its running requests) of every manager
         whose cache is alive and of a known layout: the owner readings call that pool KV."""
@@ -586,7 +661,7 @@ class ServingRecorder:
         with self.lock:
             managers = [(key, m, m.cache()) for key, m in self.managers.items()]
         for key, m, cache in managers:
-            if cache is None or m.adapter is None:
+            if cache is None or m.adapter is None or m.ref() is None:  # a pool outliving its manager is no one's
                 continue
             try:
                 tensors = m.adapter.pool_tensors(cache)
@@ -712,8 +787,11 @@ class ServingRecorder:
         raw = b"".join(int(t).to_bytes(8, "little", signed=True) for t in ids)
         digest = hashlib.sha256(self.salt + raw).hexdigest().encode()
         with self.lock:
-            index = self._manager(key).index
+            m = self._manager(key)
+            index = m.index
             rid = self.take_id()
+            if len(m.ran) < MAX_POOL_REQUESTS:
+                m.ran.append(rid)
             self.flights[(key, request_id)] = self.awaiting_first[(key, request_id)] = _Flight(rid)
         args = {"cb_request_id": request_id, "manager": index, "max_new_tokens": max_new}
         if forked_from is not None:

@@ -17,6 +17,11 @@ caller asked for (scores, logits: named, at most information), library workspace
 allocation has a known size and happens once per process: cuBLAS/cuBLASLt, at most 64 MiB per
 device), or unknown. Without an owner reading a delta above that bound is never called first use.
 Only traces recorded without tracking fall back to comparing consecutive requests.
+
+Continuous batching: a request owns no storage (its blocks of the manager's paged pool are reused),
+so no per-request proof exists; what is proven is that the pool dies with its manager. A pool the
+recorder found alive after its manager was gone (/owners, request -1, moment request_end, kv_earlier
+with the pool's detail) is `paged_pool_retained`, critical, with what holds it.
 """
 
 from __future__ import annotations
@@ -135,6 +140,32 @@ class PostEos(Detector):
             f = self._request(ctx, req)
             if f is not None:
                 out.append(f)
+        out.extend(self._retained_pools(ctx))
+        return out
+
+    def _retained_pools(self, ctx: ReplayContext) -> list[Finding]:
+        """Continuous batching: a paged KV pool still alive after its manager stopped (the recorder's
+        reading at moment request_end, request -1, names it kv_earlier with the pool's detail). Its
+        requests own no storage of their own, so this is the retention a paged pool can show."""
+        out = []
+        for rd in own.readings(ctx):
+            c = rd.classes.get(OW.KV_EARLIER)
+            if rd.request != -1 or rd.moment != schema.OwnerMoment.REQUEST_END or c is None \
+                    or c.detail.get("pool") != "paged":
+                continue
+            managers = [m for m in c.detail.get("managers", []) if isinstance(m, int)]
+            reqs = [r for r in c.detail.get("requests", []) if isinstance(r, int) and not isinstance(r, bool)]
+            held = c.detail.get("held_by")
+            which = f"continuous-batching manager {managers[0]}" if managers else "a continuous-batching manager"
+            ran = f", the KV of requests {', '.join(map(str, reqs[:8]))}{', ...' if len(reqs) > 8 else ''}" \
+                if reqs else ""
+            msg = (f"The paged KV pool of {which} ({format_bytes(c.bytes)}{ran}) is still alive after its manager "
+                   f"stopped{f': held by {str(held)[:400]}' if isinstance(held, str) and held else ''}. A view or "
+                   "slice of the pool holds all of it: copy what is needed (.clone()) or drop the reference.")
+            out.append(self.finding("paged_pool_retained", ACCUMULATING, msg,
+                                    evidence={"retained_bytes": ev(c.bytes, "bytes"),
+                                              "storages": ev(c.blocks, "count")},
+                                    requests=reqs, device=rd.device))
         return out
 
     def _request(self, ctx: ReplayContext, req: RequestTimeline) -> Finding | None:
