@@ -44,3 +44,21 @@ def padded_layers(measured: list[tuple[int, int]], layers: int) -> list[tuple[in
     the KV-sharing consumers hold no tensors in every release, but 5.17 leaves them out of
     ``cache.layers`` while 5.23+ keeps a DummyLayer for each."""
     return list(measured) + [(0, 0)] * max(0, layers - len(measured))
+
+
+def spy_paged_caches(monkeypatch: Any) -> list:
+    """Weak references to every continuous-batching PagedAttentionCache built from now on (the test
+    keeps none alive), by wrapping its ``__init__`` for the test's duration."""
+    import weakref
+
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    built: list = []
+    init = cb_cache.PagedAttentionCache.__init__
+
+    def spy(self: Any, *a: Any, **k: Any) -> None:
+        init(self, *a, **k)
+        built.append(weakref.ref(self))
+
+    monkeypatch.setattr(cb_cache.PagedAttentionCache, "__init__", spy)
+    return built

@@ -577,7 +577,7 @@ class ServingRecorder:
             # the running requests last, whole: the oom detector reads them back when no owner reading names them
             suffix = "; running requests " + (", ".join(map(str, running[:64])) if running else "none")
             text = f"manager {m.index}: {type(error).__name__}: {error}"[:max(MAX_ERROR_TEXT - len(suffix), 64)] + suffix
-            self._event(EventKind.OOM, step=step, value=-1 if want is None else want, text=text)
+            self._event(EventKind.OOM, step=step, value=-1 if want is None else want, text=text, device=device)
             if note:
                 self.ctx.event(EventKind.NOTE, step=step, device=device, text=f"manager {m.index}: {note}")
             if self.readings is not None and self.ctx.writer is not None and not self.ctx.writer.closed:
@@ -760,10 +760,10 @@ class ServingRecorder:
     # ---- live observers ---------------------------------------------------------------------------
 
     def _event(self, kind: EventKind, request: int = -1, *, step: int = -1, value: int = 0, text: str = "",
-               t: int | None = None) -> None:
+               t: int | None = None, device: int = -1) -> None:
         """A serving event into /events, and to the observers that listen for them."""
         t = monotonic_ns() if t is None else t
-        self.ctx.event(kind, request, step=step, value=value, text=text, t=t)
+        self.ctx.event(kind, request, step=step, value=value, text=text, t=t, device=device)
         self._tell("on_serving_event", kind, request, value, t)
 
     def _tell(self, method: str, *args: Any) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import json
-import weakref
 
 import pytest
 
@@ -18,7 +17,6 @@ pytest.importorskip("transformers.generation.continuous_batching")
 
 import torch  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
-from transformers.generation.continuous_batching import cache as cb_cache  # noqa: E402
 
 import kvtrace  # noqa: E402
 from kvtrace.analyzer.base import Severity  # noqa: E402
@@ -27,7 +25,7 @@ from kvtrace.format.validate import validate  # noqa: E402
 from kvtrace.recorder import owners as ow  # noqa: E402
 from kvtrace.testing_models import tiny_model  # noqa: E402
 from kvtrace.units import format_bytes  # noqa: E402
-from tests.hfcache import cb_config  # noqa: E402
+from tests.hfcache import cb_config, spy_paged_caches  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
 OW = schema.Owner
@@ -40,16 +38,7 @@ def llama():
 
 @pytest.fixture
 def caches(monkeypatch):
-    """Every PagedAttentionCache built during the test (weak references: the test keeps none alive)."""
-    built: list[weakref.ref] = []
-    init = cb_cache.PagedAttentionCache.__init__
-
-    def spy(self, *a, **k):
-        init(self, *a, **k)
-        built.append(weakref.ref(self))
-
-    monkeypatch.setattr(cb_cache.PagedAttentionCache, "__init__", spy)
-    return built
+    return spy_paged_caches(monkeypatch)
 
 
 def _pool_bytes(cache) -> int:
@@ -99,6 +88,7 @@ def test_an_oom_in_a_batch_names_the_paged_pool_and_the_running_requests(llama, 
         ev = t.events[:]
         oom = ev[ev["kind"] == int(schema.EventKind.OOM)]
         assert len(oom) == 1 and int(oom["request"][0]) == -1 and int(oom["step"][0]) == 2
+        assert int(oom["device"][0]) == -1  # no CUDA: the census, device -1
         assert int(oom["value"][0]) == 2 << 30  # the failed allocation's size, from torch's message
         assert t.text(int(oom["text_off"][0]), int(oom["text_len"][0])) == (
             "manager 0: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB; running requests "
