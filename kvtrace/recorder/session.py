@@ -206,7 +206,7 @@ class Recorder:
         self._closed = self._requests.closed = True
         if self._ctx.active is None:
             self._verdict.check("close")
-            self._serving.check_pools("close")  # a paged pool must die with its manager
+        self._serving.check_pools("close")  # a paged pool must die with its manager
         self._owners.close()
         self._requests.unpatch_generate()
         self._serving.remove()
