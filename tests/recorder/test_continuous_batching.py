@@ -183,7 +183,11 @@ def test_generate_paged_is_recorded_as_cb_requests(llama, tmp_path):
     assert out.shape[-1] == 4 + NEW
     assert len(reqs) == 2 and set(reqs["batch_size"].tolist()) == {1}
     assert set(reqs["prompt_tokens"].tolist()) == {4} and set(reqs["new_tokens"].tolist()) == {NEW}
-    assert len(_occupancy(t)) == NEW and len(t.events.where(kind=EventKind.GENERATE_RETURN)) == 0
+    # one scheduler step per new token after the last request was admitted: the loop thread may take
+    # the first request before generate has queued the second (a race inside transformers, seen on
+    # 2 loaded cores), which the SCHEDULED events record
+    admitted = int(t.events.where(kind=EventKind.SCHEDULED)["step"].max())
+    assert len(_occupancy(t)) == NEW + admitted and len(t.events.where(kind=EventKind.GENERATE_RETURN)) == 0
 
 
 def open_requests(rec) -> int:
