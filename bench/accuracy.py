@@ -6,7 +6,7 @@ and false-positive table (clean controls x detector).
     python bench/accuracy.py --traces DIR    # reuse CPU traces recorded there earlier
     python bench/accuracy.py --gpu-only      # only the committed GPU fixtures (no torch needed)
 
-CPU cases are tests/accuracy/cases.py (recorded here, tiny random-weight models); GPU cases are
+CPU cases are tests/helpers/cases.py (recorded here, tiny random-weight models); GPU cases are
 the traces under tests/data/accuracy (recorded on an H100 by
 tests/accuracy/make_gpu_accuracy_fixtures.py) and the analyser suite's earlier H100 fixtures in
 tests/data/gpu. A planted case is a hit when its own detector
@@ -75,7 +75,7 @@ def analyse(name: str, where: str, path: Path, pathology: str | None, detector: 
 
 
 def cpu_rows(traces: Path | None) -> list[Row]:
-    import cases
+    from tests.helpers import cases
 
     outdir = traces or Path(tempfile.mkdtemp(prefix="kvtrace-accuracy-"))
     outdir.mkdir(parents=True, exist_ok=True)

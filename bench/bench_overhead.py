@@ -505,7 +505,7 @@ def run_batch(model: Any, variant: str, prompts: list[list[int]], new: int, trac
     """One timed generate_batch call (continuous batching, CUDA graphs on) under ``variant``."""
     from transformers import GenerationConfig
 
-    from tests.hfcache import cb_config
+    from tests.helpers.hfcache import cb_config
 
     gc = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     blocks = len(prompts) * (len(prompts[0]) + new) // 32 + 16

@@ -69,7 +69,7 @@ def build(args: argparse.Namespace) -> Any:
     import torch
 
     if args.smoke:
-        from kvtrace.testing_models import tiny_model
+        from tests.helpers.models import tiny_model
 
         return tiny_model("llama", max_position_embeddings=1024)
     from kvtrace.loading import load_model

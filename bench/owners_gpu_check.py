@@ -76,7 +76,7 @@ def costs() -> dict:
     import torch
 
     import kvtrace
-    from kvtrace.testing_models import tiny_model, tiny_prompt
+    from tests.helpers.models import tiny_model, tiny_prompt
 
     warnings.simplefilter("ignore")
     m = tiny_model("llama", dtype=torch.float16, num_key_value_heads=16, num_attention_heads=16,

@@ -28,7 +28,7 @@ RATIOS = [0.25, 0.5, 0.75]
 
 
 def bench_model(max_positions: int = 16384, seed: int = 0) -> Any:
-    from kvtrace.testing_models import tiny_model
+    from tests.helpers.models import tiny_model
 
     return tiny_model("llama", seed=seed, max_position_embeddings=max_positions)
 
@@ -42,7 +42,7 @@ def make_trace(cache_dir: Path, tokens: int = 8192, decode: int = 64, every: int
 
     import kvtrace
     from kvtrace.recorder.sampling import SamplingSettings
-    from kvtrace.testing_models import tiny_prompt
+    from tests.helpers.models import tiny_prompt
 
     model = bench_model(max(16384, tokens + 16))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -186,7 +186,7 @@ def bench_rerun(tokens: int, pairs: int, policies: tuple[str, ...] = REPLAY_POLI
     against plain (the A-vs-A control). Goal: one pass <= 2x plain (the CI's high end: met)."""
     import torch
 
-    from kvtrace.testing_models import tiny_prompt
+    from tests.helpers.models import tiny_prompt
 
     torch.set_num_threads(1)  # one thread: the CPU seconds of the work, not of spinning workers
     model = bench_model(max(1024, tokens + 16))

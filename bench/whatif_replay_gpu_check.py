@@ -56,9 +56,9 @@ def main() -> int:
     import kvtrace
     from kvtrace.kernels.whatif_config import KernelConfig
     from kvtrace.recorder.sampling import SamplingSettings
-    from kvtrace.testing_models import tiny_model
     from kvtrace.whatif import parse_policy
     from kvtrace.whatif.run import run_whatif
+    from tests.helpers.models import tiny_model
 
     out = {"device": torch.cuda.get_device_name(), "models": {}}
     bad = 0

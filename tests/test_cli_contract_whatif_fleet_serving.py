@@ -25,11 +25,11 @@ from pathlib import Path
 
 import h5py
 import pytest
-from cli_run import run_main
 from test_cli_habits import _closed_pipe_run  # stdout a pipe whose reader already closed
 
 from kvtrace import exitcodes
 from kvtrace.cli import COMMANDS
+from tests.helpers.cli_run import run_main
 
 DATA = Path(__file__).parent / "data"
 LLAMA = DATA / "gpu_contents" / "llama.kvt.h5"  # sampled K/V/Q: the what-if measures run

@@ -151,7 +151,7 @@ def _record_with_owner_readings(path: Path) -> None:
     """A trace holding owner readings for the memory-viz examples: the caller keeps every generate
     output of four requests, so each request end is a verdict moment with memory left behind."""
     import kvtrace
-    from kvtrace.testing_models import tiny_model, tiny_prompt
+    from tests.helpers.models import tiny_model, tiny_prompt
 
     model, kept = tiny_model("llama"), []
     with kvtrace.record(model, path):

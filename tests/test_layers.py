@@ -137,3 +137,24 @@ def test_only_the_format_opens_hdf5_files():
                   if (bad := sorted(n for n in imported(p) if n == "h5py" or n.startswith("h5py.")))})
     assert found == {}
 
+
+
+def test_the_package_never_imports_test_code():
+    # Test-only models, trace builders and planted cases live in tests/helpers; the installed
+    # package must not need the checkout's tests/ to import.
+    folders = [f.name for f in PKG.iterdir() if f.is_dir() and f.name != "__pycache__"]
+    found = offenders(folders, ("tests",))
+    found.update({str(p.relative_to(PKG.parent)): bad for p in sorted(PKG.glob("*.py"))
+                  if (bad := sorted(n for n in imported(p) if n == "tests" or n.startswith("tests.")))})
+    assert found == {}
+
+
+def test_test_support_code_has_one_home():
+    # tests/helpers is the one home of shared support code: no conftest puts another tests/
+    # folder on sys.path so that modules there can be imported by bare name.
+    tests = PKG.parent / "tests"
+    edits = [str(p.relative_to(tests.parent)) for p in sorted(tests.rglob("conftest.py"))
+             if "sys.path" in p.read_text(encoding="utf-8")]
+    assert edits == []
+    helpers = {p.stem for p in (tests / "helpers").glob("*.py")} - {"__init__"}
+    assert {"models", "hfcache", "cli_run", "tracebuild", "synth", "synth_trace", "planted", "cases", "net"} <= helpers

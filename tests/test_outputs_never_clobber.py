@@ -16,9 +16,9 @@ import stat
 from pathlib import Path
 
 import pytest
-from cli_run import run_main as run
 
 from kvtrace import exitcodes
+from tests.helpers.cli_run import run_main as run
 
 FIXTURE = Path(__file__).parent / "data" / "gpu_gemma3_tiny.kvt.h5"
 

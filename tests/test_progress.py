@@ -7,9 +7,9 @@ process ended (so it was flushed when it was written, not at exit), and in order
 from __future__ import annotations
 
 import pytest
-from gated_run import Gated
 
 from kvtrace.progress import Milestones, progress_bar
+from tests.helpers.gated_run import Gated
 
 
 def test_a_piped_step_line_is_out_before_the_step_runs(capsys):

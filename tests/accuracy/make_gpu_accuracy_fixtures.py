@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[2]))
 sys.path.insert(0, str(HERE.parent))
 
-from tests.hfcache import cache_kwargs, call_cache, output_cache  # noqa: E402
+from tests.helpers.hfcache import cache_kwargs, call_cache, output_cache  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 HZ = 100  # telemetry rate: tiny models decode a step in a few ms
@@ -49,7 +49,7 @@ def _torch() -> Any:
 
 def model(name: str = "llama", dtype: Any = None, warm: bool = True, attn: str | None = None, **extra: Any) -> Any:
     torch = _torch()
-    from kvtrace.testing_models import tiny_model, tiny_prompt
+    from tests.helpers.models import tiny_model, tiny_prompt
 
     if attn:
         extra["attn_implementation"] = attn
@@ -64,7 +64,7 @@ def model(name: str = "llama", dtype: Any = None, warm: bool = True, attn: str |
 
 
 def gen(m: Any, prompt: int, new: int, batch: int = 1, **kw: Any) -> Any:
-    from kvtrace.testing_models import tiny_prompt
+    from tests.helpers.models import tiny_prompt
 
     kw.setdefault("do_sample", False)
     return m.generate(tiny_prompt(prompt, batch=batch).to("cuda"), max_new_tokens=new, min_new_tokens=new, **kw)
@@ -174,8 +174,9 @@ def retention_global_list(path: Path) -> dict:
 
 
 def dup_cat_subclass(path: Path) -> dict:
-    import cases
     from transformers import DynamicCache
+
+    from tests.helpers import cases
 
     m = model("qwen3", **KV16x64)
     with rec(m, path):
@@ -426,7 +427,7 @@ def clean_beams(path: Path) -> dict:
 
 def clean_prompt_lookup(path: Path) -> dict:
     torch = _torch()
-    from kvtrace.testing_models import tiny_prompt
+    from tests.helpers.models import tiny_prompt
 
     m = model("llama", **KV4x64)
     prompt = torch.cat([tiny_prompt(32), tiny_prompt(32)], dim=-1).to("cuda")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Record the accuracy suite's clean matrix (every architecture x scenario of tests/accuracy/cases.py)
+"""Record the accuracy suite's clean matrix (every architecture x scenario of tests/helpers/cases.py)
 on a CUDA device, the GPU half of the "clean controls x {CPU, CUDA}" matrix:
 
     python tests/accuracy/make_gpu_clean_matrix.py OUTDIR [--device cuda] [--only ARCH:SCENARIO ...]
@@ -33,9 +33,10 @@ def _file(arch: str, scenario: str) -> str:
 
 
 def record_one(arch: str, scenario: str, outdir: Path, device: str) -> dict:
-    import cases
     import torch
     import transformers
+
+    from tests.helpers import cases
 
     # Build on the CPU exactly as the CPU suite does (its seeded generator lives there), then move
     # the model and every prompt to the device.
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:  # one fresh-process case; its manifest entry on stdout's last line
         print(json.dumps(record_one(*args.child, args.outdir, args.device)))
         return 0
-    import cases
+    from tests.helpers import cases
 
     wanted = [(c.arch, c.scenario) for c in cases.clean_cases()
               if not args.only or f"{c.arch}:{c.scenario}" in args.only]

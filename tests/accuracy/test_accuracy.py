@@ -12,10 +12,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import cases  # noqa: E402
-
 import kvtrace  # noqa: E402
 from kvtrace.analyzer.base import Severity  # noqa: E402
+from tests.helpers import cases  # noqa: E402
 
 CLEAN = cases.clean_cases()
 PLANTED = cases.PLANTED

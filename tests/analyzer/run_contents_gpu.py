@@ -40,7 +40,7 @@ def main() -> int:
         return 69
     import kvtrace
     from kvtrace.analyzer.contents import analyze_contents
-    from kvtrace.testing_models import tiny_model, tiny_prompt
+    from tests.helpers.models import tiny_model, tiny_prompt
 
     out_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp())
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -7,10 +7,10 @@ import sys
 
 import h5py
 import pytest
-from synth import GPT_OSS_LIKE, LLAMA_LIKE, MISTRAL_LIKE, MiB, Req, build
 
 from kvtrace import exitcodes
 from kvtrace.analyzer.report import SCHEMA_NAME, SCHEMA_VERSION
+from tests.helpers.synth import GPT_OSS_LIKE, LLAMA_LIKE, MISTRAL_LIKE, MiB, Req, build
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 import kvtrace  # noqa: E402
 from kvtrace.analyzer.contents import analyze_contents, select_device  # noqa: E402
 from kvtrace.cli import main  # noqa: E402
-from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt  # noqa: E402
 
 SAMPLING = {"every_n_steps": 4, "queries": True}
 PK = schema.PayloadKind
@@ -222,7 +222,7 @@ def _synthetic(tmp_path, *, queries=True):
     """One layer, 4 query heads / 2 KV heads x 16, fp32. KV head 0: every query hits token 0
     (a sink: low entropy). KV head 1: zero keys (uniform attention, entropy exactly ln n) and
     values ~1e-4 of head 0's (dead)."""
-    from synth import Req, SynthTrace
+    from tests.helpers.synth import Req, SynthTrace
 
     cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256, "intermediate_size": 128}
@@ -286,7 +286,7 @@ def test_gpu_without_cuda_runs_on_cpu_and_says_so():
 
 
 def test_trace_without_payloads_is_skipped_with_reason(tmp_path):
-    from synth import LLAMA_LIKE, Req, build
+    from tests.helpers.synth import LLAMA_LIKE, Req, build
 
     path = build(tmp_path / "plain.kvt.h5", LLAMA_LIKE, [Req(16, 4)])
     d = analyze_contents(path).to_dict()
@@ -335,7 +335,7 @@ def test_cli_contents_prints_section_and_json(traces, capsys, tmp_path, monkeypa
 
 
 def test_cli_trace_without_payloads(tmp_path, capsys):
-    from synth import LLAMA_LIKE, Req, build
+    from tests.helpers.synth import LLAMA_LIKE, Req, build
 
     path = build(tmp_path / "plain.kvt.h5", LLAMA_LIKE, [Req(16, 4)])
     code, out, _ = _cli(capsys, "--contents", str(path))

@@ -2,7 +2,12 @@
 on clean data, skips with a reason when its data is absent."""
 
 import pytest
-from synth import (
+
+import kvtrace
+from kvtrace.analyzer import detector_names, register
+from kvtrace.analyzer.base import REGISTRY, Detector
+from kvtrace.format import schema
+from tests.helpers.synth import (
     GEMMA4_SHARED,
     GPT_OSS_LIKE,
     LLAMA_LIKE,
@@ -14,11 +19,6 @@ from synth import (
     build,
     scores,
 )
-
-import kvtrace
-from kvtrace.analyzer import detector_names, register
-from kvtrace.analyzer.base import REGISTRY, Detector
-from kvtrace.format import schema
 
 
 def findings(report, detector, kind=None):

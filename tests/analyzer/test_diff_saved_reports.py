@@ -9,10 +9,10 @@ import copy
 import json
 
 import pytest
-from cli_run import run_main
-from synth import write_synthetic_trace
 
 from kvtrace import exitcodes
+from tests.helpers.cli_run import run_main
+from tests.helpers.synth import write_synthetic_trace
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,11 @@
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
-from synth import GEMMA4_SHARED, GPT_OSS_LIKE, LLAMA_LIKE, MISTRAL_LIKE
 
 from kvtrace import geometry as geo
 from kvtrace.analyzer.expect import build_expectation
 from kvtrace.format import schema
+from tests.helpers.synth import GEMMA4_SHARED, GPT_OSS_LIKE, LLAMA_LIKE, MISTRAL_LIKE
 
 LT = schema.LayerType
 EMPTY_LAYERS = np.zeros(0, dtype=schema.LAYERS)

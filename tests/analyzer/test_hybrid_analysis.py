@@ -12,11 +12,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from cli_run import run_main
 
 import kvtrace
 from kvtrace.format import schema
 from kvtrace.format.reader import Trace
+from tests.helpers.cli_run import run_main
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 HYBRID = DATA / "hybrid_cpu"

@@ -4,7 +4,7 @@ import subprocess
 import sys
 import textwrap
 
-from synth import GPT_OSS_LIKE, Req, build
+from tests.helpers.synth import GPT_OSS_LIKE, Req, build
 
 BLOCK = textwrap.dedent("""
     import sys

@@ -13,9 +13,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import planted  # noqa: E402
-
 import kvtrace  # noqa: E402
+from tests.helpers import planted  # noqa: E402
 
 CLEAN_ARCHS = [
     "gpt_neox",  # MHA, cache passed as layer_past

@@ -6,7 +6,7 @@
 writes one small trace per case (each < 2 MiB, the set < 12 MiB), `manifest.json` (which
 detector must fire, how the trace was made) and `README.md` (the same in words, with the
 device and versions). The CPU test suite (tests/analyzer/test_gpu_fixtures.py) loads them;
-without them it skips. Every case uses a tiny random-weight model (kvtrace.testing_models), so
+without them it skips. Every case uses a tiny random-weight model (tests.helpers.models), so
 nothing is downloaded. Runtime is well under 4 minutes on one H100.
 
 Cases (planted / clean):
@@ -37,8 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, when not installed
 
 import kvtrace  # noqa: E402
-from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
-from tests.hfcache import output_cache  # noqa: E402
+from tests.helpers.hfcache import output_cache  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt  # noqa: E402
 
 DEV = "cuda"
 MiB = 1 << 20
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     mpath.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     lines = ["# GPU-recorded fixtures for the analyser's planted-pathology suite", "",
              "Made by `python tests/data/make_gpu_fixtures.py tests/data/gpu` (see its docstring); tiny",
-             "random-weight models from kvtrace.testing_models, nothing downloaded. Sizes in binary units.", ""]
+             "random-weight models from tests.helpers.models, nothing downloaded. Sizes in binary units.", ""]
     for _name, info in sorted(manifest.items()):
         lines.append(f"- `{info['file']}` ({info['bytes'] / MiB:.2f} MiB; {info['device']}, torch {info['torch']}, "
                      f"transformers {info['transformers']}): {info['note']}. Must fire: "

@@ -16,7 +16,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from engine_helpers import BLOCK, HERE, POOL_BYTES, PYTHON, START_S, VENV, VllmServer, free_port, health
+from engine_helpers import BLOCK, HERE, POOL_BYTES, PYTHON, START_S, VENV, VllmServer, health
+
+from tests.helpers.net import free_port
 
 
 def _why_absent() -> str | None:

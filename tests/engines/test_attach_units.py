@@ -19,8 +19,6 @@ pytest.importorskip("msgspec", reason="kvtrace[engines] (msgspec) is not install
 
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
-from cli_run import run_main  # noqa: E402
-from engine_helpers import free_port  # noqa: E402
 
 from kvtrace import exitcodes  # noqa: E402
 from kvtrace.engines import prom  # noqa: E402
@@ -34,6 +32,8 @@ from kvtrace.engines.vllm_events import (  # noqa: E402
 )
 from kvtrace.format import schema  # noqa: E402
 from kvtrace.format.reader import Trace  # noqa: E402
+from tests.helpers.cli_run import run_main  # noqa: E402
+from tests.helpers.net import free_port  # noqa: E402
 
 K = schema.EventKind
 METRICS = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig

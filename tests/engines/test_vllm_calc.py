@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_run import run_main
 
 from kvtrace import exitcodes
 from kvtrace.engines.vllm_calc import predict
 from kvtrace.errors import BadOption
+from tests.helpers.cli_run import run_main
 
 LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
          "hidden_size": 128, "head_dim": 64, "torch_dtype": "float32"}

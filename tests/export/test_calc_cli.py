@@ -6,11 +6,11 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from synth_trace import write_synthetic_trace
 
 from kvtrace import calc as planner
 from kvtrace.cli import cli, main
 from kvtrace.commands.calc import parse_size, parse_tokens
+from tests.helpers.synth_trace import write_synthetic_trace
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:

@@ -8,13 +8,13 @@ import math
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from synth_trace import write_synthetic_trace
 
 from kvtrace.cli import cli
 from kvtrace.export.perfetto import HOST_PID, device_pid, trace_events, write_perfetto
 from kvtrace.format import EventKind, Trace
 from kvtrace.report import data
 from kvtrace.report.findings import FindingRow
+from tests.helpers.synth_trace import write_synthetic_trace
 
 PHASES = {"B", "E", "X", "i", "I", "C", "M", "b", "e", "n", "s", "t", "f", "P", "O", "N", "D"}
 METADATA_NAMES = {"process_name", "process_labels", "process_sort_index", "thread_name", "thread_sort_index"}

@@ -13,7 +13,6 @@ import urllib.request
 
 import pytest
 from click.testing import CliRunner
-from synth_trace import PER_TOKEN, stored, write_synthetic_trace
 
 from kvtrace.cli import cli
 from kvtrace.export.prometheus import (
@@ -27,6 +26,7 @@ from kvtrace.export.prometheus import (
     parse_address,
 )
 from kvtrace.format import Outcome, Trace
+from tests.helpers.synth_trace import PER_TOKEN, stored, write_synthetic_trace
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(\\.|[^"\\])*",?)*\})? '
                     r'(-?[0-9.e+]+|NaN|[+-]Inf)$')

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import pytest
 from click.testing import CliRunner
-from synth_trace import write_synthetic_trace
 
 from kvtrace import exitcodes
 from kvtrace.cli import cli, main
 from kvtrace.export import zenodo as z
+from tests.helpers.synth_trace import write_synthetic_trace
 
 CREATOR = "Doe, Jane; Example University; 0000-0002-1825-0097"
 

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu,
 @pytest.fixture(scope="module")
 def cuda_trace(tmp_path_factory):
     import kvtrace
-    from kvtrace.testing_models import tiny_model
+    from tests.helpers.models import tiny_model
 
     path = tmp_path_factory.mktemp("gpu") / "gpu.kvt.h5"
     model = tiny_model("gpt_oss", dtype=torch.bfloat16).to("cuda")

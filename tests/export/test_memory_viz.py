@@ -29,7 +29,7 @@ def kept_exception_trace(tmp_path_factory):
     from transformers import StoppingCriteria
 
     import kvtrace
-    from kvtrace.testing_models import tiny_model, tiny_prompt
+    from tests.helpers.models import tiny_model, tiny_prompt
 
     class Boom(StoppingCriteria):
         def __call__(self, input_ids, scores, **kw):
@@ -88,7 +88,7 @@ def test_largest_blocks_keep_their_allocation_site():
 
 
 def test_trace_without_readings_is_a_usage_error(tmp_path):
-    from tests.tracebuild import LLAMA_LIKE, Req, build
+    from tests.helpers.tracebuild import LLAMA_LIKE, Req, build
 
     path = build(tmp_path / "old.kvt.h5", LLAMA_LIKE, [Req(6, 4)])
     r = subprocess.run([sys.executable, "-m", "kvtrace.cli", "export", "memory-viz", str(path), "-o",

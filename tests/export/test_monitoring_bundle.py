@@ -114,11 +114,11 @@ def test_real_prometheus_from_the_bundle_fills_the_kv_panels_under_serving(tmp_p
     import sys
 
     import torch
-    from test_prometheus_live import free_port
 
     import kvtrace
     from kvtrace.format import schema
     from kvtrace.format.reader import open_trace
+    from tests.helpers.net import free_port
 
     sys.path.insert(0, str(ROOT / "tests" / "serving_detectors"))
     import serving_scenarios as S

@@ -4,12 +4,13 @@ generate is paused mid-request (a stopping criterion holds it at a known step), 
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 import urllib.request
 
 import pytest
+
+from tests.helpers.net import free_port
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -19,7 +20,7 @@ from test_export_prometheus import parse  # noqa: E402
 import kvtrace  # noqa: E402
 from kvtrace.format import Trace  # noqa: E402
 from kvtrace.recorder import RecordOptions  # noqa: E402
-from kvtrace.testing_models import tiny_model  # noqa: E402
+from tests.helpers.models import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     "prometheus" not in {f.name for f in dataclasses.fields(RecordOptions)},
@@ -28,11 +29,6 @@ pytestmark = pytest.mark.skipif(
 PAUSE_AT = 6  # generated tokens before the mid-request scrape
 NEW = 12
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Pause(transformers.StoppingCriteria):

@@ -22,11 +22,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_prometheus_live import free_port  # noqa: E402
-
 import kvtrace  # noqa: E402
 from kvtrace.format import Outcome, Trace  # noqa: E402
-from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt  # noqa: E402
+from tests.helpers.net import free_port  # noqa: E402
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(

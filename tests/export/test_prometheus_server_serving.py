@@ -14,12 +14,12 @@ import pytest
 
 pytest.importorskip("transformers.generation.continuous_batching")
 
-from test_prometheus_live import free_port  # noqa: E402
 from test_prometheus_server import DASHBOARD, PROMETHEUS, Prom  # noqa: E402
 
 import kvtrace  # noqa: E402
 from kvtrace.format import schema  # noqa: E402
 from kvtrace.format.reader import open_trace  # noqa: E402
+from tests.helpers.net import free_port  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving_detectors"))
 import serving_scenarios as S  # noqa: E402

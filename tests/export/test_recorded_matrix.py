@@ -16,7 +16,7 @@ from kvtrace import calc as planner  # noqa: E402
 from kvtrace.format import Phase, Trace  # noqa: E402
 from kvtrace.report import build_report, data  # noqa: E402
 from kvtrace.report.kvcheck import check_kv  # noqa: E402
-from kvtrace.testing_models import TINY_MODEL_NAMES, tiny_model  # noqa: E402
+from tests.helpers.models import TINY_MODEL_NAMES, tiny_model  # noqa: E402
 
 PROMPT, NEW = 5, 12  # 5 + 12 tokens saturate the tiny window of 8
 

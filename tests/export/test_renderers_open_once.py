@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from open_count import count_kv_indexes, count_opens
 
 from kvtrace.cli import cli
 from kvtrace.format import reader
+from tests.helpers.open_count import count_kv_indexes, count_opens
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "gpu"
 TRACE = DATA / "gpu_duplication.kvt.h5"

@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_run import run_main
-from synth_trace import write_synthetic_trace
 
 from kvtrace import exitcodes
 from kvtrace.export import zenodo as z
+from tests.helpers.cli_run import run_main
+from tests.helpers.synth_trace import write_synthetic_trace
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema not installed (pip install kvtrace[test])")
 cffconvert_create = pytest.importorskip("cffconvert.cli.create_citation",

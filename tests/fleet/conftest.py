@@ -1,9 +1,8 @@
-"""Tiny fleets for the fleet tests: synthetic traces (tests/report/synth_trace.py) whose /meta is
+"""Tiny fleets for the fleet tests: synthetic traces (tests/helpers/synth_trace.py) whose /meta is
 then edited with h5py to stand for other versions (the writer stamps the versions it is given)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import h5py
@@ -12,9 +11,7 @@ import pytest
 pytest.importorskip("pyarrow")
 pytest.importorskip("duckdb")
 
-# The synthetic trace builder lives with the report tests; share it instead of copying it.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "report"))
-from synth_trace import write_synthetic_trace  # noqa: E402
+from tests.helpers.synth_trace import write_synthetic_trace  # noqa: E402
 
 
 def make_trace(path: Path, *, transformers_version: str = "5.17.0", residual_bytes: int = 0,

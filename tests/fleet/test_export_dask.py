@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_run import run_main
+
+from tests.helpers.cli_run import run_main
 
 pytest.importorskip("distributed", reason="dask[distributed] is not installed (the fleet extra)")
 

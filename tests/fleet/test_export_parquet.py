@@ -7,11 +7,11 @@ import os
 import shutil
 
 import pyarrow.parquet as pq
-from cli_run import run_main
 
 import kvtrace
 from kvtrace import exitcodes
 from tests.fleet.conftest import make_trace
+from tests.helpers.cli_run import run_main
 
 TRACE_TABLES = {"requests": "requests", "steps": "steps", "kv": "kv", "events": "events",
                 "layers": "layers", "readings": "readings"}

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from cli_run import run_main
-
 from kvtrace import exitcodes
+from tests.helpers.cli_run import run_main
 
 
 def _json(capsys, *argv: str) -> tuple[int, dict]:

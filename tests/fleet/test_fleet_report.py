@@ -11,10 +11,10 @@ import tempfile
 
 import h5py
 import pytest
-from cli_run import run_main
 
 from kvtrace import exitcodes
 from tests.fleet.conftest import make_trace, write_synthetic_trace
+from tests.helpers.cli_run import run_main
 
 pytest.importorskip("matplotlib")
 

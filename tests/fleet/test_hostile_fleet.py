@@ -33,12 +33,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from cli_run import run_main
 
 from kvtrace import exitcodes
 from kvtrace.fleet.source import file_identity
 from kvtrace.wholefile import _host_tag
 from tests.fleet.conftest import make_trace
+from tests.helpers.cli_run import run_main
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "TOPSECRET-kvtrace-hostile-fleet"

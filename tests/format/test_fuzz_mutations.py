@@ -259,13 +259,13 @@ def _structure_class(path: Path) -> int | None:
 
 
 def child(work: Path) -> dict:
-    sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "report")]  # tests/: tracebuild
+    sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # this directory, and the checkout: tests.helpers
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
-    from synth_trace import write_synthetic_trace
 
     from kvtrace import exitcodes
     from kvtrace.cli import main
+    from tests.helpers.synth_trace import write_synthetic_trace
 
     base = write_synthetic_trace(work / "base.kvt.h5", requests=2, new_tokens=6, payloads=True,
                                  prompt_text=True, recorder_error="sampler died")

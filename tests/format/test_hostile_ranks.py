@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import serving_parallel_traces as H
-from cli_run import run_main
 
 from kvtrace import exitcodes
+from tests.helpers.cli_run import run_main
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ report over both ranks). Each case asserts:
 - no input changes and a refusing command leaves no output file;
 - the control (the same trace undamaged) is valid and every command exits 0 on it.
 
-Commands run in-process (tests/cli_run.py, like ``python -m kvtrace.cli``); a sample runs as real
+Commands run in-process (tests/helpers/cli_run.py, like ``python -m kvtrace.cli``); a sample runs as real
 subprocesses.
 """
 
@@ -30,13 +30,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import serving_parallel_traces as H
-from cli_run import run_main
 from hypothesis import HealthCheck, given, settings
 from hypothesis import event as note_case
 from hypothesis import strategies as st
 
 from kvtrace import exitcodes
 from kvtrace.format import Trace, schema
+from tests.helpers.cli_run import run_main
 
 # A numpy warning would print lines of its own on stderr in a real process: here it fails the test (exit 70).
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import h5py
 import pytest
-from cli_run import run_main
-from tracebuild import write_synthetic_trace
 
 from kvtrace import exitcodes
+from tests.helpers.cli_run import run_main
+from tests.helpers.tracebuild import write_synthetic_trace
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

@@ -29,11 +29,11 @@ import h5py
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from tracebuild import write_synthetic_trace
 
 from kvtrace import exitcodes
 from kvtrace.cli import main
 from kvtrace.textsafe import MAX_CHARS, visible
+from tests.helpers.tracebuild import write_synthetic_trace
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore:Glyph:UserWarning")]  # matplotlib: no glyph for ESC

@@ -18,7 +18,6 @@ import h5py
 import numpy as np
 import pytest
 import serving_parallel_traces as H
-from cli_run import run_main
 from fmt_helpers import request_row
 from test_hostile_serving_parallel import NOT_READING_SERVING, check_case, run_every_consumer
 
@@ -27,6 +26,7 @@ from kvtrace.format import CacheDType, PayloadKind, Trace, TraceWriter, encode_p
 from kvtrace.format.errors import InvalidTrace
 from kvtrace.format.skipped import collect_skipped, skipped_notes
 from kvtrace.format.validate import validate
+from tests.helpers.cli_run import run_main
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 

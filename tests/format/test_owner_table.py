@@ -16,7 +16,7 @@ from kvtrace.analyzer.replay import ReplayContext
 from kvtrace.format import Trace, schema
 from kvtrace.format.errors import InvalidTrace
 from kvtrace.format.validate import validate
-from tests.tracebuild import LLAMA_LIKE, Req, build
+from tests.helpers.tracebuild import LLAMA_LIKE, Req, build
 
 MiB = 1 << 20
 OW, M = schema.Owner, schema.OwnerMoment

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_run import run_main
 from fmt_helpers import request_row
 
 from kvtrace.format import DeviceInfo, TraceWriter, schema
@@ -17,6 +16,7 @@ from kvtrace.format.joins import CB_REQUESTS
 from kvtrace.format.reader import Trace
 from kvtrace.format.summary import summarize
 from kvtrace.format.validate import validate
+from tests.helpers.cli_run import run_main
 
 OLD = Path(__file__).resolve().parents[1] / "data" / "gpu_gemma3_tiny.kvt.h5"  # written before 1.4's tables
 K = schema.EventKind

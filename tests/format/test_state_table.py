@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_run import run_main
 from serving_parallel_traces import damaged, set_rows
 
 from kvtrace.format import schema
@@ -16,6 +15,7 @@ from kvtrace.format.errors import InvalidTrace
 from kvtrace.format.reader import Trace
 from kvtrace.format.state_rules import checked_state, state_block_problems
 from kvtrace.format.validate import validate
+from tests.helpers.cli_run import run_main
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "hybrid_cpu"
 FIXTURES = sorted(DATA.glob("*.kvt.h5"))

@@ -10,7 +10,7 @@ import pytest
 
 from kvtrace import calc
 from kvtrace import geometry as G
-from tests.hfcache import output_cache  # noqa: E402
+from tests.helpers.hfcache import output_cache  # noqa: E402
 
 GiB, MiB, KiB = 2**30, 2**20, 2**10
 
@@ -123,7 +123,7 @@ def test_format_plan_uses_binary_units():
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
 def test_planner_kv_equals_measured_cache(name, cache_kind):
     torch = pytest.importorskip("torch")
-    from kvtrace.testing_models import cache_tensor_bytes, tiny_config, tiny_model, tiny_prompt
+    from tests.helpers.models import cache_tensor_bytes, tiny_config, tiny_model, tiny_prompt
 
     prompt_len, new_tokens = 6, 14
     model = tiny_model(name)

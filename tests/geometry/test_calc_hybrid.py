@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_run import run_main
 
 from kvtrace import calc
 from kvtrace import presets as P
 from kvtrace.geometry.hybrid import state_geometry
+from tests.helpers.cli_run import run_main
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "hybrid_cpu"
 GiB = 1 << 30

@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kvtrace import geometry as G  # noqa: E402
-from kvtrace.testing_models import (  # noqa: E402
+from tests.helpers.hfcache import cache_kwargs, output_cache, padded_layers  # noqa: E402
+from tests.helpers.models import (  # noqa: E402
     TINY_MODEL_NAMES,
     TINY_WINDOW,
     cache_tensor_bytes,
@@ -19,7 +20,6 @@ from kvtrace.testing_models import (  # noqa: E402
     tiny_model,
     tiny_prompt,
 )
-from tests.hfcache import cache_kwargs, output_cache, padded_layers  # noqa: E402
 
 ENC_DEC = {"t5", "bart"}
 SLIDING = {"mistral", "gemma3_text", "gemma4_text", "gemma4_text_keqv", "gemma4_text_shared", "gpt_oss"}

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kvtrace import geometry as G  # noqa: E402
-from kvtrace.testing_models import TINY_MODEL_NAMES, tiny_config  # noqa: E402
+from tests.helpers.models import TINY_MODEL_NAMES, tiny_config  # noqa: E402
 
 SWA, FULL = "sliding_attention", "full_attention"
 

@@ -7,7 +7,7 @@ Three references, none of them kvtrace's own reader:
   by type), the layers kvtrace says hold state are exactly those, or kvtrace refuses with a reason;
 * the shapes: where the full-size default model runs one forward on the meta device (no memory),
   every state tensor's shape equals the prediction;
-* the bytes: every tiny hybrid of kvtrace.testing_models, generated in bfloat16 on the CPU, holds
+* the bytes: every tiny hybrid of tests.helpers.models, generated in bfloat16 on the CPU, holds
   exactly the predicted state (recurrent states in float32) and KV, layer by layer.
 """
 
@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 
 from kvtrace import geometry as G  # noqa: E402
 from kvtrace.geometry.hybrid import state_geometry  # noqa: E402
-from kvtrace.testing_models import TINY_HYBRID_NAMES, tiny_model, tiny_prompt  # noqa: E402
+from tests.helpers.models import TINY_HYBRID_NAMES, tiny_model, tiny_prompt  # noqa: E402
 
 cu = pytest.importorskip("transformers.cache_utils")
 MIXIN = getattr(cu, "LinearAttentionCacheLayerMixin", None)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_run import run_main
 
 import kvtrace
 from kvtrace.analyzer.base import Severity
+from tests.helpers.cli_run import run_main
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "hybrid_gpu"
 FIXTURES = sorted(DATA.glob("*.kvt.h5"))

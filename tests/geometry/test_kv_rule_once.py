@@ -3,7 +3,6 @@ calls answer from the same place, including the MLA layout a recording used."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +12,7 @@ from kvtrace import geometry as geo
 from kvtrace.analyzer.expect import build_expectation
 from kvtrace.format.reader import open_trace
 from kvtrace.report.kvcheck import check_kv
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analyzer"))
-from synth import Req, SynthTrace  # noqa: E402
+from tests.helpers.synth import Req, SynthTrace
 
 DEEPSEEK = {
     "model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -10,7 +10,7 @@ import pytest
 from kvtrace import geometry as G
 from kvtrace import presets as P
 from kvtrace.geometry.hybrid import state_geometry
-from tests.hfcache import output_cache  # noqa: E402
+from tests.helpers.hfcache import output_cache  # noqa: E402
 
 REQUIRED = {"pythia-1.4b", "llama-3.1-8b", "gemma-3-4b", "gpt-oss-20b", "gpt-oss-120b", "glm-4.5-air",
             "deepseek-v3", "deepseek-v2-lite", "qwen3-8b", "gemma-4-e2b", "gemma-4-26b-a4b", "mistral-7b-v0.1"}
@@ -131,7 +131,7 @@ def test_shrinking_kv_sharing_and_dense_prefix():
 @pytest.mark.parametrize("name", sorted(P.list_presets()))
 def test_shrunk_preset_generates_on_cpu_and_cache_matches(name):
     torch = pytest.importorskip("torch")
-    from kvtrace.testing_models import cache_tensor_bytes
+    from tests.helpers.models import cache_tensor_bytes
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -29,7 +29,7 @@ from kvtrace.format import open_trace  # noqa: E402
 from kvtrace.format.schema import Owner, OwnerMoment  # noqa: E402
 from kvtrace.recorder import owners as ow  # noqa: E402
 from kvtrace.recorder.hooks import cache_of_output  # noqa: E402
-from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt  # noqa: E402
 
 MiB = 1 << 20
 KV16x64 = dict(num_key_value_heads=16, num_attention_heads=16, head_dim=64)

@@ -27,8 +27,8 @@ pytest.importorskip("zstandard", reason="the trace writer needs zstandard (carry
 import kvtrace  # noqa: E402
 from kvtrace.analyzer import analyze  # noqa: E402
 from kvtrace.format.reader import Trace  # noqa: E402
-from kvtrace.testing_models import tiny_prompt  # noqa: E402
-from tests.cli_run import run_main  # noqa: E402
+from tests.helpers.cli_run import run_main  # noqa: E402
+from tests.helpers.models import tiny_prompt  # noqa: E402
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 TP_SCRIPT = Path(__file__).resolve().parents[1] / "parallel" / "tp_record.py"

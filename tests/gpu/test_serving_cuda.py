@@ -30,7 +30,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 import kvtrace  # noqa: E402
 from kvtrace.format.reader import open_trace  # noqa: E402
 from kvtrace.format.schema import EventKind, LayerType, Outcome  # noqa: E402
-from kvtrace.testing_models import tiny_model  # noqa: E402
+from tests.helpers.models import tiny_model  # noqa: E402
 from tests.recorder.test_serving_accounting import PAGE, Probe, assert_equal_to_cache, run_prefix_scenario  # noqa: E402
 
 NEW = 24

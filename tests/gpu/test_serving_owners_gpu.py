@@ -29,9 +29,9 @@ import kvtrace  # noqa: E402
 from kvtrace.analyzer.base import Severity  # noqa: E402
 from kvtrace.format import Trace, schema  # noqa: E402
 from kvtrace.format.validate import validate  # noqa: E402
-from kvtrace.testing_models import tiny_model  # noqa: E402
 from kvtrace.units import format_bytes  # noqa: E402
-from tests.hfcache import cb_config, spy_paged_caches  # noqa: E402
+from tests.helpers.hfcache import cb_config, spy_paged_caches  # noqa: E402
+from tests.helpers.models import tiny_model  # noqa: E402
 
 PROMPTS = [list(range(3, 13)), list(range(20, 23)), list(range(30, 48))]
 OW = schema.Owner

@@ -214,7 +214,7 @@ def test_overlapping_copy_of_memory_freed_right_after_submit(tmp_path) -> None:
 
 def test_query_capture_keeps_gpu_outputs_identical() -> None:
     from kvtrace.recorder.qcapture import QueryCapture
-    from kvtrace.testing_models import tiny_model, tiny_prompt
+    from tests.helpers.models import tiny_model, tiny_prompt
 
     model = tiny_model("llama", dtype=torch.bfloat16).cuda()
     ids = tiny_prompt(9).cuda()

@@ -8,7 +8,7 @@ import torch
 import kvtrace
 from kvtrace.format.reader import Trace
 from kvtrace.recorder import parallel
-from kvtrace.testing_models import tiny_model, tiny_prompt
+from tests.helpers.models import tiny_model, tiny_prompt
 
 
 @pytest.mark.parametrize(("path", "rank", "want"), [

@@ -16,7 +16,7 @@ from tp_record import TINY
 
 from kvtrace import exitcodes
 from kvtrace.format.reader import Trace
-from tests.cli_run import run_main
+from tests.helpers.cli_run import run_main
 
 ARGS = ["--tp-plan", "auto", "--device", "cpu", "--prompt", "hello there", "--prompt", "a second request",
         "--max-new-tokens", "5", "--min-new-tokens", "5"]

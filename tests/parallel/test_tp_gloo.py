@@ -10,7 +10,7 @@ import h5py
 import pytest
 
 from kvtrace.format.reader import Trace
-from tests.cli_run import run_main
+from tests.helpers.cli_run import run_main
 
 pytestmark = pytest.mark.slow  # two ranks record under gloo once for the module: ~13 s before any test
 
@@ -112,7 +112,7 @@ def test_calc_tp_agrees_with_each_rank(tp_run, capsys):
 
 def test_calc_refuses_traces_of_other_kinds(tp_run, tmp_path, capsys):
     import kvtrace
-    from kvtrace.testing_models import tiny_model, tiny_prompt
+    from tests.helpers.models import tiny_model, tiny_prompt
 
     m = tiny_model("llama")
     with kvtrace.record(m, tmp_path / "single.kvt.h5"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvtrace.analyzer.ranks import parallel_of
 from kvtrace.format.reader import Trace
-from tests.cli_run import run_main
+from tests.helpers.cli_run import run_main
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "parallel_h200"
 RANKS = [str(DATA / f"run.rank{r}.kvt.h5") for r in (0, 1)]

@@ -4,7 +4,7 @@
 
 Writes OUT_DIR/gpu_gemma3_tiny.kvt.h5 and OUT_DIR/gpu_gemma3_tiny.md (how it was made, with the
 software versions and device taken from the trace itself). The model is the tiny random-weight
-gemma3_text of kvtrace.testing_models (two sliding layers with window 8, one full layer), bf16,
+gemma3_text of tests.helpers.models (two sliding layers with window 8, one full layer), bf16,
 two requests of 12 prompt tokens: 16 and 6 new tokens, K/V contents sampled every 5 steps.
 """
 
@@ -22,7 +22,7 @@ def main(out_dir: str) -> Path:
     import kvtrace
     from kvtrace.format.reader import Trace
     from kvtrace.format.summary import summarize
-    from kvtrace.testing_models import tiny_model, tiny_prompt
+    from tests.helpers.models import tiny_model, tiny_prompt
 
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -30,7 +30,7 @@ def main(out_dir: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{NAME}.kvt.h5"
     model = tiny_model("gemma3_text", dtype=torch.bfloat16).to("cuda")
-    with kvtrace.record(model, path, model_id="kvtrace.testing_models:gemma3_text",
+    with kvtrace.record(model, path, model_id="tests.helpers.models:gemma3_text",
                         sampling={"every_n_steps": 5}, structure_every=1) as rec:
         for seed, new in ((0, 16), (1, 6)):
             ids = tiny_prompt(12, seed=seed).to("cuda")
@@ -44,7 +44,7 @@ def main(out_dir: str) -> Path:
 Recorded on a GPU by `python tests/recorder/make_gpu_fixture.py OUT_DIR` (kvtrace {sw['kvtrace']}).
 
 - device: {dev}; torch {sw['torch']}, transformers {sw['transformers']}, CUDA {sw['cuda']}, driver {sw['driver']}
-- model: `kvtrace.testing_models.tiny_model("gemma3_text", dtype=torch.bfloat16)` (random weights, seed 0;
+- model: `tests.helpers.models.tiny_model("gemma3_text", dtype=torch.bfloat16)` (random weights, seed 0;
   layers: sliding window 8, sliding window 8, full), on cuda:0
 - requests: `tiny_prompt(12, seed=0)` + 16 new tokens, `tiny_prompt(12, seed=1)` + 6 new tokens,
   greedy, `min_new_tokens == max_new_tokens`

@@ -10,7 +10,7 @@ import torch
 
 import kvtrace
 from kvtrace.format.reader import Trace
-from kvtrace.testing_models import tiny_model, tiny_prompt
+from tests.helpers.models import tiny_model, tiny_prompt
 
 PROMPT = 12
 NEW = 12  # > TINY_WINDOW (8): every sliding layer saturates

@@ -118,7 +118,7 @@ def check(path: Path, probe: Probe) -> int:
 def run(name: str, device: str, work: Path, body: Any) -> dict[str, Any]:
     import kvtrace
     from kvtrace.format.reader import open_trace
-    from kvtrace.testing_models import tiny_model
+    from tests.helpers.models import tiny_model
 
     model = tiny_model("gemma3_text" if name == "gemma3" else "llama").to(device)
     probe = Probe()

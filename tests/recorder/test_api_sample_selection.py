@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 import kvtrace  # noqa: E402
 from kvtrace.format import Trace  # noqa: E402
 from kvtrace.recorder.sampling import SamplingSettings  # noqa: E402
-from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt  # noqa: E402
 
 
 @pytest.mark.parametrize(("layers", "heads", "words"), [

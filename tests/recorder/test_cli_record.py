@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_run import run_main as run
 
 from kvtrace import exitcodes, presets
 from kvtrace.format.reader import Trace
 from kvtrace.format.validate import validate
+from tests.helpers.cli_run import run_main as run
 
 TINY = ["--model", "preset:llama-3.1-8b", "--layers", "2", "--width", "0.05", "--vocab", "512"]
 

@@ -24,8 +24,8 @@ from transformers.generation.continuous_batching import continuous_api, schedule
 import kvtrace  # noqa: E402
 from kvtrace.format.reader import open_trace  # noqa: E402
 from kvtrace.format.schema import EventKind, Outcome  # noqa: E402
-from kvtrace.testing_models import tiny_model  # noqa: E402
-from tests.hfcache import cb_config  # noqa: E402
+from tests.helpers.hfcache import cb_config  # noqa: E402
+from tests.helpers.models import tiny_model  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
 NEW = 5

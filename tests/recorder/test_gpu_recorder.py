@@ -16,8 +16,8 @@ from kvtrace import geometry
 from kvtrace.format.reader import Trace
 from kvtrace.format.schema import EventKind, Outcome, ReadingLabel
 from kvtrace.format.validate import validate
-from kvtrace.testing_models import tiny_model, tiny_prompt
-from tests.hfcache import output_cache  # noqa: E402
+from tests.helpers.hfcache import output_cache  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt
 
 pytestmark = [
     pytest.mark.gpu,

@@ -21,7 +21,7 @@ from kvtrace.format.reader import Trace
 from kvtrace.format.schema import TORCH_DTYPE_NAMES, StateKind
 from kvtrace.format.state_rules import checked_state
 from kvtrace.format.validate import validate
-from kvtrace.testing_models import TINY_HYBRID_NAMES, tiny_prompt
+from tests.helpers.models import TINY_HYBRID_NAMES, tiny_prompt
 
 cache_utils = pytest.importorskip("transformers.cache_utils")
 MIXIN = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)

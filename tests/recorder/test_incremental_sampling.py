@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 import kvtrace  # noqa: E402
 from kvtrace.format import PayloadKind  # noqa: E402
 from kvtrace.recorder.sampling import SamplingSettings, unsampled_tokens  # noqa: E402
-from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt  # noqa: E402
 
 
 def test_unsampled_tokens_cuts_on_the_token_axis():

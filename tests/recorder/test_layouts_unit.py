@@ -10,8 +10,8 @@ from kvtrace.format.reader import Trace
 from kvtrace.format.schema import LayerType
 from kvtrace.recorder.accounting import account
 from kvtrace.recorder.layouts import LayoutContext, context_from_config, read_cache, storage_of
-from kvtrace.testing_models import tiny_prompt
-from tests.hfcache import cache_kwargs, output_cache  # noqa: E402
+from tests.helpers.hfcache import cache_kwargs, output_cache  # noqa: E402
+from tests.helpers.models import tiny_prompt
 
 
 def _layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:

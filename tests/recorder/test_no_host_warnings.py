@@ -19,8 +19,8 @@ import pytest
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests.helpers.net import free_port  # noqa: E402
 from tests.serving.serve_helpers import (  # noqa: E402
-    free_port,
     save_tiny_server_model,
     server_env,
     stop_server,
@@ -64,7 +64,7 @@ def _python(code: str) -> list[str]:
 def test_the_harness_sees_a_rename_notice(tmp_path):
     """Control: on a transformers whose outputs declare `cache`, the old name prints the notice."""
     code = ("import warnings\nwarnings.simplefilter('ignore')\n"
-            "from kvtrace.testing_models import tiny_model, tiny_prompt\n"
+            "from tests.helpers.models import tiny_model, tiny_prompt\n"
             "m = tiny_model('llama')\nout = m(tiny_prompt(4), use_cache=True)\n"
             "print('has-cache-field', 'cache' in out.keys())\nout.past_key_values\n")
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
@@ -89,7 +89,7 @@ def test_record_and_rerun_cause_no_warning(tmp_path):
 
 @pytest.mark.slow
 def test_record_api_on_static_and_dynamic_caches_causes_no_warning(tmp_path):
-    code = ("import kvtrace\nfrom kvtrace.testing_models import tiny_model, tiny_prompt\n"
+    code = ("import kvtrace\nfrom tests.helpers.models import tiny_model, tiny_prompt\n"
             "m = tiny_model('gemma3_text')\n"
             "with kvtrace.record(m, 'a.kvt.h5'):\n"
             "    m.generate(tiny_prompt(6), max_new_tokens=4, min_new_tokens=4, do_sample=False)\n"
@@ -134,7 +134,7 @@ def test_compiled_static_cache_on_cuda_causes_no_warning(tmp_path):
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    code = ("import torch, kvtrace\nfrom kvtrace.testing_models import tiny_model, tiny_prompt\n"
+    code = ("import torch, kvtrace\nfrom tests.helpers.models import tiny_model, tiny_prompt\n"
             "m = tiny_model('llama').to('cuda')\n"
             "with kvtrace.record(m, 'c.kvt.h5'):\n"
             "    for _ in range(2):\n"

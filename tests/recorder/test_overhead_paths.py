@@ -27,8 +27,8 @@ from kvtrace.recorder.layouts import (
 )
 from kvtrace.recorder.steps import StepRecorder
 from kvtrace.recorder.steps import rows_of as _rows_of
-from kvtrace.testing_models import tiny_prompt
-from tests.hfcache import cache_kwargs  # noqa: E402
+from tests.helpers.hfcache import cache_kwargs  # noqa: E402
+from tests.helpers.models import tiny_prompt
 
 FAST_MODELS = ["gpt_neox", "mistral", "gemma3_text"]  # full; sliding; sliding + full mixed
 

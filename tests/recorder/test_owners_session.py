@@ -17,7 +17,7 @@ import kvtrace  # noqa: E402
 from kvtrace.analyzer.base import Severity  # noqa: E402
 from kvtrace.format import Trace, schema  # noqa: E402
 from kvtrace.format.validate import validate  # noqa: E402
-from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt  # noqa: E402
 
 
 def _raising(at: int, exc: BaseException):

@@ -12,7 +12,7 @@ from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
 from kvtrace.recorder.qcapture import QueryCapture  # noqa: E402
-from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt  # noqa: E402
 
 T = 7
 

@@ -23,7 +23,7 @@ import kvtrace  # noqa: E402
 from kvtrace.format.reader import Trace  # noqa: E402
 from kvtrace.format.schema import LayerType  # noqa: E402
 from kvtrace.format.validate import validate  # noqa: E402
-from kvtrace.testing_models import tiny_prompt  # noqa: E402
+from tests.helpers.models import tiny_prompt  # noqa: E402
 
 PROMPT, NEW = 6, 24
 RESIDUAL, GROUP = 8, 16

@@ -15,7 +15,7 @@ from kvtrace.format import Outcome, PayloadKind, TraceWriter  # noqa: E402
 from kvtrace.format.schema import CacheDType  # noqa: E402
 from kvtrace.format.writer import monotonic_ns  # noqa: E402
 from kvtrace.recorder.sampling import PayloadSampler, SamplingSettings, _Job  # noqa: E402
-from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt  # noqa: E402
 
 
 def test_generate_returns_while_a_sample_write_is_stuck_and_close_completes_it(tmp_path):

@@ -11,8 +11,8 @@ pytest.importorskip("transformers")
 
 from kvtrace.format import EventKind, PayloadKind, TraceWriter, open_trace  # noqa: E402
 from kvtrace.recorder.sampling import PayloadSampler, SamplingSettings  # noqa: E402
-from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
-from tests.hfcache import output_cache  # noqa: E402
+from tests.helpers.hfcache import output_cache  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt  # noqa: E402
 
 NEW_TOKENS = 8
 

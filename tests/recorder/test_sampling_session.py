@@ -12,8 +12,8 @@ pytest.importorskip("transformers")
 import kvtrace  # noqa: E402
 from kvtrace.format import PayloadKind  # noqa: E402
 from kvtrace.recorder.sampling import SamplingSettings  # noqa: E402
-from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
-from tests.hfcache import output_cache  # noqa: E402
+from tests.helpers.hfcache import output_cache  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt  # noqa: E402
 
 PROMPT, NEW = 6, 7
 

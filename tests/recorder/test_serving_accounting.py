@@ -27,7 +27,7 @@ from kvtrace.format.reader import open_trace  # noqa: E402
 from kvtrace.format.schema import EventKind, LayerType, Outcome  # noqa: E402
 from kvtrace.format.validate import validate  # noqa: E402
 from kvtrace.recorder.serving import UNSUPPORTED  # noqa: E402
-from kvtrace.testing_models import tiny_model  # noqa: E402
+from tests.helpers.models import tiny_model  # noqa: E402
 
 PAGE = 16
 

@@ -23,9 +23,9 @@ from kvtrace.analyzer.base import Severity  # noqa: E402
 from kvtrace.format import Trace, schema  # noqa: E402
 from kvtrace.format.validate import validate  # noqa: E402
 from kvtrace.recorder import owners as ow  # noqa: E402
-from kvtrace.testing_models import tiny_model  # noqa: E402
 from kvtrace.units import format_bytes  # noqa: E402
-from tests.hfcache import cb_config, spy_paged_caches  # noqa: E402
+from tests.helpers.hfcache import cb_config, spy_paged_caches  # noqa: E402
+from tests.helpers.models import tiny_model  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
 OW = schema.Owner

@@ -16,8 +16,8 @@ from kvtrace.format.reader import Trace
 from kvtrace.format.schema import EventKind, Outcome, ReadingLabel
 from kvtrace.format.validate import validate
 from kvtrace.recorder import CannotWriteTrace, layouts
-from kvtrace.testing_models import tiny_model, tiny_prompt
-from tests.hfcache import output_cache  # noqa: E402
+from tests.helpers.hfcache import output_cache  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt
 
 
 def _state(m: torch.nn.Module) -> dict:

@@ -19,8 +19,8 @@ import kvtrace
 from kvtrace.format import PayloadKind
 from kvtrace.format.reader import Trace
 from kvtrace.format.schema import EventKind, ReadingLabel
-from kvtrace.testing_models import tiny_model, tiny_prompt
-from tests.hfcache import output_cache  # noqa: E402
+from tests.helpers.hfcache import output_cache  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt
 
 pytestmark = [
     pytest.mark.gpu,

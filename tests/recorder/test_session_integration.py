@@ -17,7 +17,7 @@ from kvtrace.format.reader import Trace
 from kvtrace.format.schema import ReadingLabel
 from kvtrace.recorder import submission
 from kvtrace.recorder.sampling import PayloadSampler
-from kvtrace.testing_models import tiny_model, tiny_prompt
+from tests.helpers.models import tiny_model, tiny_prompt
 
 FP8 = hasattr(__import__("transformers.cache_utils", fromlist=["x"]), "Fp8QuantizedLayer")
 

@@ -14,8 +14,8 @@ pytest.importorskip("transformers")
 
 import kvtrace  # noqa: E402
 from kvtrace.recorder import static_fast, steps  # noqa: E402
-from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
-from tests.hfcache import cache_kwargs  # noqa: E402
+from tests.helpers.hfcache import cache_kwargs  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt  # noqa: E402
 
 # What two recordings of the same run may differ in: times, addresses, the process's memory readings.
 VARYING = ("t_ns", "k_storage", "v_storage", "allocated_bytes", "reserved_bytes", "rss_bytes")

@@ -22,7 +22,7 @@ from kvtrace import exitcodes
 from kvtrace.format.reader import Trace
 from kvtrace.format.summary import stopped
 from kvtrace.format.validate import validate
-from kvtrace.testing_models import tiny_model, tiny_prompt
+from tests.helpers.models import tiny_model, tiny_prompt
 
 WARNING = "kvtrace: warning: stopped writing trace"
 LIMIT = 1_500_000  # bytes: a few requests with whole K/V samples at every step need ~10 MB
@@ -37,7 +37,7 @@ CHILD = textwrap.dedent(
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     import kvtrace
-    from kvtrace.testing_models import tiny_model, tiny_prompt
+    from tests.helpers.models import tiny_model, tiny_prompt
     m = tiny_model("llama")
     with kvtrace.record(m, sys.argv[1], sampling={"every_n_steps": 1, "tokens": "all"},
                         flush_interval_s=0.05) as rec:

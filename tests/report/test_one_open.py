@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from open_count import count_kv_indexes, count_opens
 
 from kvtrace.format import reader
+from tests.helpers.open_count import count_kv_indexes, count_opens
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "gpu"
 

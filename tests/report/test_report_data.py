@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from synth_trace import (
+
+from kvtrace.format import Trace
+from kvtrace.report import contents, data, quality
+from tests.helpers.synth_trace import (
     CONTEXT,
     PER_TOKEN,
     SEGMENT,
@@ -13,9 +16,6 @@ from synth_trace import (
     stored,
     write_synthetic_trace,
 )
-
-from kvtrace.format import Trace
-from kvtrace.report import contents, data, quality
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import h5py
-from synth_trace import write_synthetic_trace
 
 from kvtrace.report import build_report
+from tests.helpers.synth_trace import write_synthetic_trace
 
 HOSTILE_ID = 'evil</td><script>alert("x")</script>\n<img src=x onerror=alert(1)>'
 

@@ -12,12 +12,12 @@ import tempfile
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from synth_trace import write_synthetic_trace
 
 from kvtrace import exitcodes
 from kvtrace.analyzer import AnalysisReport, DetectorResult, Evidence, Finding
 from kvtrace.cli import cli
 from kvtrace.report import STAGES, build_report, write_report
+from tests.helpers.synth_trace import write_synthetic_trace
 
 pytest.importorskip("matplotlib")
 

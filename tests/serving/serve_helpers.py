@@ -1,19 +1,18 @@
 """A tiny model directory that `transformers serve` (and so `kvtrace serve`) loads offline: random
-llama weights from kvtrace.testing_models plus kvtrace's word-level tokenizer (built in code, with a
+llama weights from tests.helpers.models plus kvtrace's word-level tokenizer (built in code, with a
 chat template). Its vocabulary holds the load test's prompt words (kvtrace.serving.phases.WORDS), one
 token each, so a prompt of N words is N tokens and two prompts differ from their first token."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from kvtrace.serving.wordtok import word_tokenizer
-from kvtrace.testing_models import TINY_VOCAB, tiny_model
+from tests.helpers.models import TINY_VOCAB, tiny_model
 
 
 def tiny_tokenizer():
@@ -30,11 +29,6 @@ def save_tiny_server_model(path: Path) -> Path:
     tiny_tokenizer().save_pretrained(path)
     return path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:

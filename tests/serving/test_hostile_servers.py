@@ -18,7 +18,6 @@ import pytest
 
 pytest.importorskip("httpx", reason="the serving packages (kvtrace[serve]) are not installed")
 
-from cli_run import run_main  # noqa: E402
 from hostile_http import (  # noqa: E402
     GOOD,
     HEALTHY,
@@ -40,6 +39,7 @@ from hostile_http import (  # noqa: E402
 from kvtrace import exitcodes  # noqa: E402
 from kvtrace.serving.openai_stream import NotOpenAI, check_chunk, one_line, sse_data  # noqa: E402
 from kvtrace.serving.tracefacts import occupancy_problem  # noqa: E402
+from tests.helpers.cli_run import run_main  # noqa: E402
 
 QUICK = ["--phases", "single", "--tokens", "8", "--max-tokens", "2", "--timeout", "10", "--baseline-s", "0",
          "--poll", "0.05", "--json"]

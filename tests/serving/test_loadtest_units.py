@@ -11,9 +11,6 @@ import pytest
 
 pytest.importorskip("httpx", reason="the serving packages (kvtrace[serve]) are not installed")
 
-from cli_run import run_main  # noqa: E402
-from serve_helpers import free_port  # noqa: E402
-
 from kvtrace import exitcodes  # noqa: E402
 from kvtrace.format import schema  # noqa: E402
 from kvtrace.format.schema import EventKind  # noqa: E402
@@ -23,6 +20,8 @@ from kvtrace.serving.drive import PhaseRun  # noqa: E402
 from kvtrace.serving.phases import Phase, build_phases, prompt  # noqa: E402
 from kvtrace.serving.tracefacts import DeviceFacts, Group, PhaseFacts, capacity, phase_facts  # noqa: E402
 from kvtrace.serving.verdict import judge  # noqa: E402
+from tests.helpers.cli_run import run_main  # noqa: E402
+from tests.helpers.net import free_port  # noqa: E402
 
 GiB = 1024**3
 

@@ -13,8 +13,6 @@ import pytest
 
 pytest.importorskip("httpx", reason="the serving packages (kvtrace[serve]) are not installed")
 
-from cli_run import run_main  # noqa: E402
-
 from kvtrace import exitcodes  # noqa: E402
 from kvtrace.serving.openai_stream import (  # noqa: E402
     DONE,
@@ -25,6 +23,7 @@ from kvtrace.serving.openai_stream import (  # noqa: E402
     sse_data,
     whole_completion,
 )
+from tests.helpers.cli_run import run_main  # noqa: E402
 
 QUICK = ["--tokens", "8", "--max-tokens", "2", "--timeout", "10", "--baseline-s", "0", "--json"]
 GOOD_SSE = "".join(f"data: {json.dumps(c)}\n\n" for c in (

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_run import run_main
+
+from tests.helpers.cli_run import run_main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving_detectors"))
 
@@ -56,7 +57,7 @@ def _plain_recording(path: Path, notes: list[tuple[int, str]]) -> Path:
     import torch
 
     import kvtrace
-    from kvtrace.testing_models import tiny_model
+    from tests.helpers.models import tiny_model
 
     model = tiny_model("llama")
     with kvtrace.record(model, path) as rec:

@@ -15,9 +15,11 @@ import pytest
 
 pytest.importorskip("httpx", reason="the serving packages (kvtrace[serve]) are not installed")
 
-from gated_run import Gated  # noqa: E402
 from hostile_http import GOOD, Conn, Hostile, sequence  # noqa: E402
-from serve_helpers import free_port, wait_healthy  # noqa: E402
+from serve_helpers import wait_healthy  # noqa: E402
+
+from tests.helpers.gated_run import Gated  # noqa: E402
+from tests.helpers.net import free_port  # noqa: E402
 
 
 def test_loadtest_prints_each_phase_and_its_verdict_as_it_ends(tmp_path):

@@ -20,9 +20,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("fastapi", reason="the serving packages (kvtrace[serve]) are not installed")
 pytest.importorskip("httpx", reason="the serving packages (kvtrace[serve]) are not installed")
 
-from serve_helpers import free_port, kvtrace_cmd, server_env, wait_healthy  # noqa: E402
+from serve_helpers import kvtrace_cmd, server_env, wait_healthy  # noqa: E402
 
 from kvtrace.format.reader import Trace  # noqa: E402
+from tests.helpers.net import free_port  # noqa: E402
 
 
 def test_four_phases_on_a_gpu(tmp_path):

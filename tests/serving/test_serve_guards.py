@@ -266,10 +266,11 @@ def test_kvtrace_serve_refuses_what_would_kill_its_worker(tmp_path):
     later request); a 300 MiB phase body is 413 and the server's peak RSS does not grow by it; a lone
     surrogate phase name is 400 and not in the trace."""
     import httpx
-    from serve_helpers import free_port, kvtrace_cmd, save_tiny_server_model, server_env, wait_healthy
+    from serve_helpers import kvtrace_cmd, save_tiny_server_model, server_env, wait_healthy
 
     from kvtrace.format.reader import Trace
     from kvtrace.serving.tracefacts import phase_markers
+    from tests.helpers.net import free_port
 
     model_dir = save_tiny_server_model(tmp_path / "tiny")
     trace = tmp_path / "guard.kvt.h5"

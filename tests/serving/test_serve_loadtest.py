@@ -18,7 +18,6 @@ pytest.importorskip("uvicorn", reason="the serving packages (kvtrace[serve]) are
 pytest.importorskip("httpx", reason="the serving packages (kvtrace[serve]) are not installed")
 
 from serve_helpers import (  # noqa: E402
-    free_port,
     kvtrace_cmd,
     save_tiny_server_model,
     server_env,
@@ -28,6 +27,7 @@ from serve_helpers import (  # noqa: E402
 
 from kvtrace.format.reader import Trace  # noqa: E402
 from kvtrace.format.schema import EventKind, Outcome  # noqa: E402
+from tests.helpers.net import free_port  # noqa: E402
 
 PHASES = ["--concurrency", "3", "--tokens", "32", "--long-tokens", "128", "--max-tokens", "4", "--baseline-s", "0.3",
           "--timeout", "60"]

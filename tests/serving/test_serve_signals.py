@@ -16,10 +16,11 @@ import pytest
 pytest.importorskip("fastapi", reason="the serving packages (kvtrace[serve]) are not installed")
 pytest.importorskip("uvicorn", reason="the serving packages (kvtrace[serve]) are not installed")
 
-from serve_helpers import free_port, save_tiny_server_model, server_env  # noqa: E402
+from serve_helpers import save_tiny_server_model, server_env  # noqa: E402
 
 from kvtrace.format.reader import Trace  # noqa: E402
 from kvtrace.format.validate import validate  # noqa: E402
+from tests.helpers.net import free_port  # noqa: E402
 
 DRIVER = textwrap.dedent("""
     import os, signal, sys, time

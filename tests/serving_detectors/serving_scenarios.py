@@ -1,9 +1,9 @@
 """Continuous-batching recordings for the serving detectors: clean controls and planted faults,
 each recorded by the real recorder around transformers' own generate_batch / manager on the CPU
-(tiny random-weight models, kvtrace.testing_models). A fault is planted the way it happens on a
+(tiny random-weight models, tests.helpers.models). A fault is planted the way it happens on a
 serving host: a pool too small for the load, a page size too large for short requests, prefix
 sharing switched off while prompts repeat, one request far longer than the rest. Shared by
-tests/serving_detectors and the accuracy suite (tests/accuracy/cases.py)."""
+tests/serving_detectors and the accuracy suite (tests/helpers/cases.py)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.format.schema import EventKind
-from kvtrace.testing_models import tiny_model
+from tests.helpers.models import tiny_model
 
 _ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:  # run as a script on the GPU machines: tests.hfcache from the checkout
+if _ROOT not in sys.path:  # run as a script on the GPU machines: tests.helpers.hfcache from the checkout
     sys.path.insert(0, _ROOT)
 
 _MODELS: dict[str, Any] = {}
 DEVICE = "cpu"  # serving_check.py --device cuda moves the models to the GPU
 
 
-# Architectures kvtrace.testing_models does not build: the same tiny geometry (hidden 64, 2 layers,
+# Architectures tests.helpers.models does not build: the same tiny geometry (hidden 64, 2 layers,
 # GQA 4:2 x 16) on the real config classes, seeded like tiny_model.
 _EXTRA: dict[str, dict[str, Any]] = {
     "phi3": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -53,7 +53,7 @@ def model(name: str = "llama") -> Any:
 def _configs(new: int, **cb: Any) -> tuple[Any, Any]:
     from transformers import GenerationConfig
 
-    from tests.hfcache import cb_config
+    from tests.helpers.hfcache import cb_config
 
     # eos -1: no EOS, every request runs exactly `new` tokens
     gc = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)

@@ -5,12 +5,13 @@ value is checked against the trace the same recording wrote."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import urllib.request
 
 import numpy as np
 import pytest
+
+from tests.helpers.net import free_port
 
 pytest.importorskip("transformers.generation.continuous_batching")
 pytest.importorskip("prometheus_client")
@@ -40,11 +41,6 @@ class Hold:
             self.reached.set()
             self.resume.wait(timeout=60)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict:

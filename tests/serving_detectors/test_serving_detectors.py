@@ -153,7 +153,7 @@ def test_context_spike_against_the_median(recorded):
 
 
 def test_generate_traces_skip_the_serving_detectors(tmp_path):
-    from tracebuild import write_minimal
+    from tests.helpers.tracebuild import write_minimal
 
     path = tmp_path / "plain.kvt.h5"
     write_minimal(path)

@@ -122,7 +122,7 @@ def test_the_document_is_the_numpy_one(monkeypatch, name):
 def test_prefix_sums_carry_across_steps_exactly(monkeypatch, tmp_path):
     import kvtrace
     from kvtrace.recorder.sampling import SamplingSettings
-    from kvtrace.testing_models import tiny_model, tiny_prompt
+    from tests.helpers.models import tiny_model, tiny_prompt
 
     model, path = tiny_model("llama"), tmp_path / "d.kvt.h5"
     with kvtrace.record(model, path, sampling=SamplingSettings(every_n_steps=3, queries=True)):

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_run import run_main
 
 from kvtrace.whatif import REGISTRY, parse_policy
 from kvtrace.whatif.kvpress import press_for, presses_sliding, transformers_supported
+from tests.helpers.cli_run import run_main
 
 GEMMA = str(Path(__file__).parents[1] / "data" / "gpu_contents" / "gemma3_text.kvt.h5")
 EVICTION = ["knorm", "keydiff", "random:seed=3", "streaming_llm:n_sink=2", "observed_attention", "tova",

@@ -173,7 +173,7 @@ def llama_prefill():
     from transformers import DynamicCache
 
     from kvtrace.recorder.qcapture import QueryCapture
-    from kvtrace.testing_models import tiny_model, tiny_prompt
+    from tests.helpers.models import tiny_model, tiny_prompt
 
     model = tiny_model("llama", attn_implementation="eager")
     attn = model.model.layers[0].self_attn
@@ -228,8 +228,8 @@ def _recorded(tmp_path_factory, name: str, prompt: int, gen: int, layer: int):
     pytest.importorskip("transformers")
     import kvtrace
     from kvtrace.recorder.sampling import SamplingSettings
-    from kvtrace.testing_models import tiny_model, tiny_prompt
     from kvtrace.whatif import source
+    from tests.helpers.models import tiny_model, tiny_prompt
 
     model = tiny_model(name, attn_implementation="eager")
     path = tmp_path_factory.mktemp("parity") / f"{name}.kvt.h5"

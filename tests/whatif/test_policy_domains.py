@@ -55,9 +55,8 @@ def test_the_constructor_checks_the_domain():
 @pytest.mark.parametrize("text", ["random:seed=-1", f"streaming_llm:window={2**63 - 1}",
                                   f"snapkv:kernel_size={2**63 - 1}"])
 def test_cli_usage_error_exit_64(text, tmp_path, capsys):
-    from cli_run import run_main
-
     from kvtrace import exitcodes
+    from tests.helpers.cli_run import run_main
 
     for argv in (["whatif", str(tmp_path / "absent.kvt.h5"), "--policy", text],
                  ["report", str(tmp_path / "absent.kvt.h5"), "-o", str(tmp_path / "r.html"), "--whatif", text]):

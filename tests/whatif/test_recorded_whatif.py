@@ -15,9 +15,9 @@ pytest.importorskip("transformers")
 
 import kvtrace  # noqa: E402
 from kvtrace.recorder.sampling import SamplingSettings  # noqa: E402
-from kvtrace.testing_models import TINY_WINDOW, tiny_model  # noqa: E402
 from kvtrace.whatif import REGISTRY, parse_policy  # noqa: E402
 from kvtrace.whatif.run import NEEDS, run_whatif  # noqa: E402
+from tests.helpers.models import TINY_WINDOW, tiny_model  # noqa: E402
 
 MODELS = ("llama", "gemma3_text", "deepseek_v3")
 POLICIES = ["paging:page_size=16", "knorm", "keydiff", "random", "streaming_llm:n_sink=2", "observed_attention", "tova",

@@ -11,17 +11,17 @@ import threading
 
 import numpy as np
 import pytest
-from cli_run import run_main
 
 from kvtrace.whatif import parse_policy
 from kvtrace.whatif.policies import n_kept
+from tests.helpers.cli_run import run_main
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvtrace.testing_models import TINY_WINDOW, tiny_model, tiny_prompt  # noqa: E402
 from kvtrace.whatif.rerun import _measures, teacher_forced_logprobs  # noqa: E402
-from tests.hfcache import cache_kwargs  # noqa: E402
+from tests.helpers.hfcache import cache_kwargs  # noqa: E402
+from tests.helpers.models import TINY_WINDOW, tiny_model, tiny_prompt  # noqa: E402
 
 N = 24
 

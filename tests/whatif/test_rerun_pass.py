@@ -13,8 +13,8 @@ from kvtrace.whatif import parse_policy
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
 from kvtrace.whatif.rerun import _measures, teacher_forced_logprobs  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt  # noqa: E402
 
 POLICIES = [(None, None), ("knorm", 0.5), ("random", 0.5), ("streaming_llm", 0.75), ("streaming_llm:window=4", None),
             ("snapkv:window_size=4", 0.5), ("tova", 0.5), ("observed_attention", 0.5),

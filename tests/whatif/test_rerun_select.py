@@ -102,8 +102,8 @@ def test_streaming_sinks_on_heads_holding_different_windows_keep_equal_counts():
 def test_a_half_precision_model_with_tied_key_norms_keeps_the_budget_on_every_head(dtype):
     # gemma3's keys are RMS-normed: in half precision many key norms are exactly equal, on sliding
     # and full layers alike (the H200 failure's setting, on the CPU)
-    from kvtrace.testing_models import TINY_WINDOW, tiny_model, tiny_prompt
     from kvtrace.whatif.rerun import _kept, teacher_forced_logprobs
+    from tests.helpers.models import TINY_WINDOW, tiny_model, tiny_prompt
 
     model, ids = tiny_model("gemma3_text", dtype=dtype, attn_implementation="eager"), tiny_prompt(24)
     for name in ("knorm", "snapkv:window_size=2", "streaming_llm:n_sink=2", "tova"):

@@ -159,8 +159,8 @@ def test_a_long_prefill_is_evaluated_on_its_last_queries(monkeypatch, tmp_path):
     torch = pytest.importorskip("torch")
     import kvtrace
     from kvtrace.recorder.sampling import SamplingSettings
-    from kvtrace.testing_models import tiny_model
     from kvtrace.whatif import source
+    from tests.helpers.models import tiny_model
 
     model, path = tiny_model("llama"), tmp_path / "p.kvt.h5"
     ids = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cli_run import run_main
+from tests.helpers.cli_run import run_main
 
 LLAMA = str(Path(__file__).parents[1] / "data" / "gpu_contents" / "llama.kvt.h5")
 

@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_run import run_main
 
 from kvtrace.whatif import parse_policy
 from kvtrace.whatif.compare import diff_whatif, load_whatif
 from kvtrace.whatif.run import run_whatif
+from tests.helpers.cli_run import run_main
 
 DATA = Path(__file__).parents[1] / "data" / "gpu_contents"
 LLAMA, GEMMA = DATA / "llama.kvt.h5", DATA / "gemma3_text.kvt.h5"

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_run import run_main
 
 from kvtrace.format.reader import Trace
 from kvtrace.report import build_report
@@ -19,6 +18,7 @@ from kvtrace.report.whatif_section import (
     table_rows,
     whatif_document,
 )
+from tests.helpers.cli_run import run_main
 
 pytest.importorskip("matplotlib")
 

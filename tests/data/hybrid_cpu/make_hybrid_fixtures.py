@@ -1,6 +1,6 @@
 """Record the hybrid-cache fixtures of tests/data/hybrid_cpu (format 1.5 /state) on the CPU.
 
-Each trace is a tiny random-weight model of kvtrace.testing_models' hybrid set (real transformers
+Each trace is a tiny random-weight model of tests.helpers.models' hybrid set (real transformers
 config classes, nothing downloaded), recorded with structure_every=1: request 0 is one sequence
 (prompt 12, 16 new tokens), request 1 a batch of 2 (prompt 20, 16 new tokens). Run from the repo
 root: ``.venv/bin/python tests/data/hybrid_cpu/make_hybrid_fixtures.py``.
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import kvtrace
-from kvtrace.testing_models import tiny_model, tiny_prompt
+from tests.helpers.models import tiny_model, tiny_prompt
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("qwen3_next", "falcon_h1", "jamba", "lfm2", "minimax", "nemotron_h")

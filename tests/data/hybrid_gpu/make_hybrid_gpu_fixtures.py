@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import kvtrace  # noqa: E402
 from kvtrace import presets  # noqa: E402
-from tests.hfcache import output_cache  # noqa: E402
+from tests.helpers.hfcache import output_cache  # noqa: E402
 
 CUTS = {"qwen3-next-80b-a3b": dict(num_hidden_layers=4, num_experts=16),  # >= its 10 experts per token
         "falcon-h1-7b": dict(num_hidden_layers=4)}

@@ -2,7 +2,7 @@
 name with the schema's row types (kvtrace.format.schema.RequestRow, KvRow, ...).
 
 Three scenario families, one module (they were three builders: tests/format/fmt_helpers.py,
-tests/report/synth_trace.py, tests/analyzer/synth.py, which now re-export from here):
+tests/helpers/synth_trace.py, tests/helpers/synth.py, which now re-export from here):
 
 - **minimal** (:func:`write_minimal`, :func:`request_row`, :func:`zero_row`): the smallest valid
   trace, for format tests.

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import kvtrace
-from kvtrace.testing_models import tiny_model, tiny_prompt
+from tests.helpers.models import tiny_model, tiny_prompt
 
 PROMPT = 6
 NEW = 14

@@ -1,5 +1,5 @@
 """The labelled accuracy suite: clean controls and planted pathologies, recorded on the CPU by the
-real recorder from tiny random-weight models built from real configs (kvtrace.testing_models).
+real recorder from tiny random-weight models built from real configs (tests.helpers.models).
 
 Every plant is done the way the bug happens in user code or in a cache implementation, never by
 editing a trace. A case names its pathology, the detector that must name it and the finding
@@ -10,7 +10,7 @@ Fresh-process cases (a single request in a process that never ran a forward, and
 memory cap) run in children forked from one helper process that imported torch and transformers
 and ran nothing: one interpreter start-up for all of them instead of one per case.
 
-    python tests/accuracy/cases.py fresh OUTDIR CASE...   # what the suite runs in that helper
+    python tests/helpers/cases.py fresh OUTDIR CASE...   # what the suite runs in that helper
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from the checkout
     sys.path.insert(0, str(ROOT))
 
-from kvtrace.testing_models import tiny_model, tiny_prompt  # noqa: E402
-from tests.hfcache import cache_kwargs, call_cache, output_cache  # noqa: E402
+from tests.helpers.hfcache import cache_kwargs, call_cache, output_cache  # noqa: E402
+from tests.helpers.models import tiny_model, tiny_prompt  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests" / "analyzer"))  # the plants the detector tests use, shared
 # DUP_*: 16 KV heads x 64 so that copies (quadratic in tokens) dwarf allocator and RSS noise.
-from planted import (  # noqa: E402
+from tests.helpers.planted import (  # noqa: E402
     DUP_EXTRA,
     DUP_NEW,
     DUP_PROMPT,
