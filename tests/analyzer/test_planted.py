@@ -82,7 +82,7 @@ def _record_in_fresh_process(path):
 
     root = Path(__file__).resolve().parents[2]
     code = ("import sys, warnings; warnings.simplefilter('ignore'); import torch; torch.set_num_threads(1); "
-            "from pathlib import Path; from tests.analyzer.planted import record_duplication; "
+            "from pathlib import Path; from tests.helpers.planted import record_duplication; "
             "record_duplication(Path(sys.argv[1]), mode='list')")
     done = subprocess.run([sys.executable, "-c", code, str(path)], cwd=root, capture_output=True, text=True,
                           timeout=300)

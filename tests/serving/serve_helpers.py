@@ -55,8 +55,11 @@ def kvtrace_cmd(*args: str) -> list[str]:
 
 
 def server_env() -> dict[str, str]:
+    # the checkout first on the path: child processes import the test support code as tests.helpers
+    checkout = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path)
     return env
 
 
